@@ -1,0 +1,127 @@
+"""The driver interface every backend implements: a thin, typed mirror of the CUDA driver API.
+
+The device workers program against :class:`Driver` only, so the ``cuda`` and
+``sim`` backends are interchangeable and the contract suite can run the same
+sequences against both. Semantics are CUDA's: the context stack belongs to the
+calling host thread, ``ctx_create`` pushes, calls that need a context use the
+calling thread's current one, and every failure raises
+:class:`protos.errors.CudaError` with CUDA's ``CUresult`` name and value.
+
+Thread ownership: a worker calls these methods only from its own thread and
+only for its own device; device queries may be called from any thread at start.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NewType
+
+from protos.records import DeviceInfo
+
+#: A backend's context object (``CUcontext`` for cuda); opaque to the daemon.
+Ctx = NewType("Ctx", object)
+
+#: Memory-type flag for ``ctx_create``'s flags, as in cuda.h.
+CU_CTX_SCHED_AUTO = 0
+
+
+class Driver(ABC):
+    """One process-wide driver instance; see the module docstring for the rules."""
+
+    #: ``"cuda"`` or ``"sim"``, reported in ``hello`` and ``status``.
+    name: str
+
+    @abstractmethod
+    def init(self) -> None:
+        """``cuInit(0)``; must be called once before anything else."""
+
+    @abstractmethod
+    def device_count(self) -> int: ...
+
+    @abstractmethod
+    def device_info(self, ordinal: int) -> DeviceInfo:
+        """Name, UUID, PCI bus id, compute capability, memory and SM count of a device."""
+
+    # --- primary context -----------------------------------------------------------
+
+    @abstractmethod
+    def primary_ctx_retain(self, ordinal: int) -> Ctx:
+        """``cuDevicePrimaryCtxRetain``: one more reference; creates it when inactive."""
+
+    @abstractmethod
+    def primary_ctx_release(self, ordinal: int) -> None:
+        """``cuDevicePrimaryCtxRelease``: the last release destroys it and its memory."""
+
+    @abstractmethod
+    def primary_ctx_state(self, ordinal: int) -> tuple[int, bool]:
+        """``cuDevicePrimaryCtxGetState``: (flags, active)."""
+
+    # --- context stack of the calling thread ------------------------------------------
+
+    @abstractmethod
+    def ctx_create(self, flags: int, ordinal: int) -> Ctx:
+        """``cuCtxCreate``: a new context, pushed on the calling thread's stack."""
+
+    @abstractmethod
+    def ctx_destroy(self, ctx: Ctx) -> None:
+        """``cuCtxDestroy``: frees the context's memory; pops it if it is current."""
+
+    @abstractmethod
+    def ctx_push(self, ctx: Ctx) -> None: ...
+
+    @abstractmethod
+    def ctx_pop(self) -> Ctx:
+        """``cuCtxPopCurrent``; ``CUDA_ERROR_INVALID_CONTEXT`` on an empty stack."""
+
+    @abstractmethod
+    def ctx_set_current(self, ctx: Ctx | None) -> None:
+        """``cuCtxSetCurrent``: replace the top of the stack (push if empty; None pops)."""
+
+    @abstractmethod
+    def ctx_get_current(self) -> Ctx | None: ...
+
+    @abstractmethod
+    def ctx_get_device(self) -> int:
+        """Device of the current context; ``CUDA_ERROR_INVALID_CONTEXT`` without one."""
+
+    @abstractmethod
+    def ctx_get_flags(self) -> int:
+        """Flags of the current context."""
+
+    @abstractmethod
+    def ctx_get_api_version(self, ctx: Ctx) -> int: ...
+
+    @abstractmethod
+    def ctx_get_id(self, ctx: Ctx) -> int:
+        """``cuCtxGetId``: a process-unique id of the context."""
+
+    @abstractmethod
+    def ctx_synchronize(self) -> None:
+        """Wait for all work in the current context."""
+
+    # --- memory, in the current context ------------------------------------------------
+
+    @abstractmethod
+    def mem_alloc(self, size: int) -> int:
+        """``cuMemAlloc``: a device pointer; size 0 is ``CUDA_ERROR_INVALID_VALUE``."""
+
+    @abstractmethod
+    def mem_free(self, ptr: int) -> None: ...
+
+    @abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the current context's device."""
+
+    @abstractmethod
+    def memset_d8(self, ptr: int, value: int, size: int) -> None: ...
+
+    @abstractmethod
+    def memcpy_htod(self, dst: int, src: memoryview, size: int) -> None:
+        """Copy ``size`` bytes from a host buffer to device memory."""
+
+    @abstractmethod
+    def memcpy_dtoh(self, dst: memoryview, src: int, size: int) -> None:
+        """Copy ``size`` bytes of device memory into a writable host buffer."""
+
+    @abstractmethod
+    def memcpy_dtod(self, dst: int, src: int, size: int) -> None: ...

@@ -1,0 +1,7 @@
+"""cuctxd's wire protocol: op names and shapes, error codes, framing, the version.
+
+PROTOCOL.md in this package is the authoritative written spec.
+"""
+
+from protos import ops as ops  # registers every op in protos.schema.OPS
+from protos.version import PROTOCOL_VERSION as PROTOCOL_VERSION

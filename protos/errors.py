@@ -1,0 +1,195 @@
+"""The one exception hierarchy shared by daemon and client, and its wire mapping.
+
+Every failure a client can see is a :class:`CuctxError`. CUDA driver failures
+are :class:`CudaError` and keep CUDA's own ``CUresult`` value and name; the
+daemon's own failures are :class:`DaemonError` subclasses with codes from
+:class:`ErrorCode`. :func:`error_to_wire` and :func:`error_from_wire` are the
+only places where exceptions and wire error maps are converted.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any
+
+from protos.cuda_results import DRIVER_MESSAGES, CUresult
+
+
+class ErrorCode(IntEnum):
+    """Daemon and protocol error codes; disjoint from CUDA's (all >= 10000)."""
+
+    CUCTXD_ERROR_BAD_REQUEST = 10001
+    CUCTXD_ERROR_BAD_OP = 10002
+    CUCTXD_ERROR_BAD_ARGUMENT = 10003
+    CUCTXD_ERROR_UNKNOWN_HANDLE = 10004
+    CUCTXD_ERROR_UNKNOWN_SESSION = 10005
+    CUCTXD_ERROR_VERSION_MISMATCH = 10006
+    CUCTXD_ERROR_TOO_LARGE = 10007
+    CUCTXD_ERROR_OUT_OF_RANGE = 10008
+    CUCTXD_ERROR_SESSION_EXPIRED = 10009
+    CUCTXD_ERROR_SHUTTING_DOWN = 10010
+    CUCTXD_ERROR_NOT_SHAREABLE = 10011
+    CUCTXD_ERROR_LIMIT_EXCEEDED = 10012
+    CUCTXD_ERROR_INTERNAL = 10099
+
+
+class CuctxError(Exception):
+    """Base of every cuctxd failure: a numeric code, a stable name, a message."""
+
+    def __init__(self, code: int, name: str, message: str, op: str | None = None) -> None:
+        self.code = code
+        self.name = name
+        self.message = message
+        self.op = op
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        where = f"{self.op}: " if self.op else ""
+        return f"{where}{self.name} ({self.code}): {self.message}"
+
+    def with_op(self, op: str) -> CuctxError:
+        """Return this error tagged with the op that failed (if not tagged yet)."""
+        if self.op is None:
+            self.op = op
+            self.args = (self._describe(),)
+        return self
+
+
+class CudaError(CuctxError):
+    """A CUDA driver call failed; ``code`` and ``name`` are CUDA's ``CUresult``."""
+
+    @classmethod
+    def of(cls, result: CUresult, detail: str = "") -> CudaError:
+        """Build the error the driver would report, optionally with daemon context."""
+        message = DRIVER_MESSAGES.get(result, result.name)
+        if detail:
+            message = f"{message} ({detail})"
+        return cls(int(result), result.name, message)
+
+
+class DaemonError(CuctxError):
+    """A failure of the protocol or the daemon itself, not of the driver."""
+
+    code_enum: ErrorCode = ErrorCode.CUCTXD_ERROR_INTERNAL
+
+    def __init__(self, message: str, op: str | None = None) -> None:
+        super().__init__(int(self.code_enum), self.code_enum.name, message, op)
+
+
+class BadRequest(DaemonError):
+    """The frames could not be decoded into a request."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_BAD_REQUEST
+
+
+class BadOp(DaemonError):
+    """The request names an op this protocol version does not have."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_BAD_OP
+
+
+class BadArgument(DaemonError):
+    """An argument is missing, of the wrong type, or out of its domain."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_BAD_ARGUMENT
+
+
+class UnknownHandle(DaemonError):
+    """A context or buffer handle is not one this session holds on that device."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_UNKNOWN_HANDLE
+
+
+class UnknownSession(DaemonError):
+    """The session token is missing, unknown, or already closed."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_UNKNOWN_SESSION
+
+
+class VersionMismatch(DaemonError):
+    """The client speaks a protocol version the daemon does not."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_VERSION_MISMATCH
+
+
+class TooLarge(DaemonError):
+    """A message, frame or requested size exceeds the daemon's limits."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_TOO_LARGE
+
+
+class OutOfRange(DaemonError):
+    """An offset/size pair reaches outside the buffer it addresses."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_OUT_OF_RANGE
+
+
+class SessionExpired(DaemonError):
+    """The session's lease ran out and the daemon reaped it."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_SESSION_EXPIRED
+
+
+class ShuttingDown(DaemonError):
+    """The daemon is draining and accepts no new work."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_SHUTTING_DOWN
+
+
+class NotShareable(DaemonError):
+    """A buffer cannot be shared the way that was asked."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NOT_SHAREABLE
+
+
+class LimitExceeded(DaemonError):
+    """A per-session or per-peer object limit would be exceeded."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_LIMIT_EXCEEDED
+
+
+class InternalError(DaemonError):
+    """A daemon bug; the daemon logged the traceback and goes on serving."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_INTERNAL
+
+
+class DaemonTimeout(CuctxError):
+    """Client side only: the daemon did not answer in time (never sent on the wire)."""
+
+    def __init__(self, message: str, op: str | None = None) -> None:
+        super().__init__(0, "CUCTXD_TIMEOUT", message, op)
+
+
+class ConnectionLost(CuctxError):
+    """Client side only: the client's transport is closed or failed."""
+
+    def __init__(self, message: str, op: str | None = None) -> None:
+        super().__init__(0, "CUCTXD_CONNECTION_LOST", message, op)
+
+
+_DAEMON_ERRORS: dict[int, type[DaemonError]] = {
+    int(cls.code_enum): cls
+    for cls in (
+        BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
+        TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
+        InternalError,
+    )
+}
+
+
+def error_to_wire(error: CuctxError) -> dict[str, Any]:
+    """The ``error`` map of a failed reply."""
+    return {"code": error.code, "name": error.name, "message": error.message}
+
+
+def error_from_wire(wire: dict[str, Any], op: str | None = None) -> CuctxError:
+    """Rebuild the typed exception a reply's ``error`` map describes."""
+    code = int(wire.get("code", 0))
+    name = str(wire.get("name", "UNKNOWN"))
+    message = str(wire.get("message", ""))
+    if code in _DAEMON_ERRORS:
+        return _DAEMON_ERRORS[code](message, op)
+    if 0 < code < int(ErrorCode.CUCTXD_ERROR_BAD_REQUEST):
+        return CudaError(code, name, message, op)
+    return CuctxError(code, name, message, op)

@@ -1,0 +1,13 @@
+"""Size limits every peer must respect; the daemon enforces them, PROTOCOL.md lists them."""
+
+#: Largest msgpack header frame (request or reply) in bytes.
+MAX_HEADER_BYTES = 1 << 20
+
+#: Default largest payload frame in bytes; the daemon's ``--max-payload`` may lower or raise it.
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+
+#: Largest number of payload frames a request may carry.
+MAX_PAYLOAD_FRAMES = 1
+
+#: Handles and ids are unsigned and fit in 63 bits so every msgpack implementation keeps them exact.
+MAX_HANDLE = (1 << 63) - 1

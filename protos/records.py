@@ -1,0 +1,63 @@
+"""Records that travel inside results: devices, contexts, buffers.
+
+Each is a frozen dataclass with ``to_wire``/``from_wire`` so daemon and client
+agree on the map's keys in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+R = TypeVar("R", bound="_Record")
+
+
+class _Record:
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload, no-any-return]
+
+    @classmethod
+    def from_wire(cls: type[R], wire: dict[str, Any]) -> R:
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in wire.items() if k in names})
+
+
+@dataclass(frozen=True)
+class DeviceInfo(_Record):
+    """What ``cuDeviceGet*`` reports about one device."""
+
+    index: int
+    name: str
+    uuid: str
+    pci_bus_id: str
+    compute_capability: tuple[int, int]
+    total_memory: int
+    multiprocessor_count: int
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> DeviceInfo:
+        record = super().from_wire(wire)
+        return dataclasses.replace(record, compute_capability=tuple(record.compute_capability))
+
+
+@dataclass(frozen=True)
+class ContextRecord(_Record):
+    """A context as the session sees it; ``handle`` is scoped to the session."""
+
+    handle: int
+    device: int
+    is_primary: bool
+    api_version: int
+    flags: int
+    context_id: int
+
+
+@dataclass(frozen=True)
+class BufferRecord(_Record):
+    """A device allocation as the session sees it; ``handle`` is scoped to the session."""
+
+    handle: int
+    device: int
+    size: int
+    context: int

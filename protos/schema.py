@@ -1,0 +1,156 @@
+"""How an op's arguments are declared and checked: frozen dataclasses with typed fields.
+
+An op is a frozen dataclass registered with :func:`op`; its fields are its wire
+arguments. :func:`decode_args` turns a decoded msgpack map into that dataclass
+or raises :class:`~protos.errors.BadArgument` naming the field, so nothing
+loosely typed travels past the daemon's front door. Unknown fields are ignored,
+so a newer client can talk to an older daemon of the same protocol version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from protos.errors import BadArgument
+from protos.limits import MAX_HANDLE
+
+Target = Literal["front", "device"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What the protocol says about one op; both daemon and client read it."""
+
+    name: str
+    args_type: type
+    target: Target
+    needs_session: bool
+    payload_in: bool
+    payload_out: bool
+    doc: str
+
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self.args_type))
+
+
+OPS: dict[str, OpSpec] = {}
+
+
+def op(
+    name: str,
+    *,
+    target: Target,
+    session: bool = True,
+    payload_in: bool = False,
+    payload_out: bool = False,
+) -> typing.Callable[[type[T]], type[T]]:
+    """Register a frozen dataclass as the argument shape of op ``name``."""
+
+    def register(cls: type[T]) -> type[T]:
+        if name in OPS:
+            raise ValueError(f"op {name!r} registered twice")
+        frozen = dataclass(frozen=True)(cls)
+        frozen.op_name = name  # type: ignore[attr-defined]
+        OPS[name] = OpSpec(
+            name=name,
+            args_type=frozen,
+            target=target,
+            needs_session=session,
+            payload_in=payload_in,
+            payload_out=payload_out,
+            doc=(cls.__doc__ or "").strip(),
+        )
+        return frozen
+
+    return register
+
+
+def handle_field(*, optional: bool = False) -> Any:
+    """A context or buffer handle: a positive 63-bit int."""
+    meta = {"min": 1, "max": MAX_HANDLE}
+    return dataclasses.field(default=None, metadata=meta) if optional else dataclasses.field(metadata=meta)
+
+
+def count_field(default: int | None = None, *, minimum: int = 0, maximum: int = MAX_HANDLE) -> Any:
+    """A non-negative size, offset or index."""
+    meta = {"min": minimum, "max": maximum}
+    if default is None:
+        return dataclasses.field(default=None, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def required_count(*, minimum: int = 0) -> Any:
+    return dataclasses.field(metadata={"min": minimum, "max": MAX_HANDLE})
+
+
+def _check_scalar(name: str, value: Any, expected: type, meta: typing.Mapping[str, Any]) -> Any:
+    if expected is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadArgument(f"argument {name!r} must be an integer, got {type(value).__name__}")
+        lo, hi = meta.get("min"), meta.get("max")
+        if lo is not None and value < lo:
+            raise BadArgument(f"argument {name!r} must be >= {lo}, got {value}")
+        if hi is not None and value > hi:
+            raise BadArgument(f"argument {name!r} must be <= {hi}, got {value}")
+        return value
+    if expected is bool:
+        if not isinstance(value, bool):
+            raise BadArgument(f"argument {name!r} must be a boolean, got {type(value).__name__}")
+        return value
+    if expected is str:
+        if not isinstance(value, str):
+            raise BadArgument(f"argument {name!r} must be a string, got {type(value).__name__}")
+        if len(value) > meta.get("max_len", 4096):
+            raise BadArgument(f"argument {name!r} is longer than {meta.get('max_len', 4096)} characters")
+        return value
+    if expected is bytes:
+        if not isinstance(value, bytes):
+            raise BadArgument(f"argument {name!r} must be binary, got {type(value).__name__}")
+        return value
+    raise TypeError(f"unsupported argument type {expected!r} for {name!r}")
+
+
+def _unwrap_optional(hint: Any) -> tuple[type, bool]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(members) == 1:
+            return members[0], True
+    return hint, False
+
+
+def decode_args(spec: OpSpec, raw: Any) -> Any:
+    """Check ``raw`` (the request's ``args``) against ``spec`` and build its dataclass."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadArgument(f"'args' of {spec.name} must be a map, got {type(raw).__name__}")
+    hints = typing.get_type_hints(spec.args_type)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(spec.args_type):
+        expected, optional = _unwrap_optional(hints[f.name])
+        has_default = f.default is not dataclasses.MISSING
+        if f.name not in raw or raw[f.name] is None:
+            if f.name in raw and optional:
+                values[f.name] = None
+                continue
+            if has_default:
+                continue
+            raise BadArgument(f"{spec.name} needs argument {f.name!r}")
+        values[f.name] = _check_scalar(f.name, raw[f.name], expected, f.metadata)
+    return spec.args_type(**values)
+
+
+def encode_args(args: Any) -> dict[str, Any]:
+    """The wire ``args`` map of an op dataclass, leaving out fields that are None."""
+    return {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+
+
+def spec_of(args: Any) -> OpSpec:
+    """The spec registered for an op dataclass instance."""
+    return OPS[type(args).op_name]
