@@ -1,0 +1,180 @@
+"""The synchronous client: one session with the daemon, with CUDA's names and semantics.
+
+A new :class:`Client` is like a new CUDA host thread: no current context on any
+device until :meth:`Client.set_device`, :meth:`Client.create_context`, or a
+runtime-style call (``alloc``, ``synchronize``, ``mem_get_info`` ...) binds the
+device's primary context. Calls are thread-safe (serialised on one socket).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from client.objects import Buffer, Context
+from client.transport import DEFAULT_TIMEOUT, Transport
+from protos.endpoints import client_endpoint
+from protos.errors import CuctxError
+from protos.records import DeviceInfo
+from protos.version import PROTOCOL_VERSION
+
+
+class Client:
+    """A session with a cuctxd daemon.
+
+    ``endpoint``: the argument, else ``$CUCTXD_ENDPOINT``, else the per-user
+    default ipc:// socket. ``timeout``: seconds any call waits before raising
+    :class:`~protos.errors.DaemonTimeout`. Use as a context manager, or call
+    :meth:`close`, so the daemon frees the session's contexts and memory.
+    """
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                 name: str | None = None) -> None:
+        self.endpoint = client_endpoint(endpoint)
+        self._transport = Transport(self.endpoint, timeout)
+        self._token: str | None = None
+        try:
+            hello = self._call("hello", protocol=PROTOCOL_VERSION,
+                               client=name or os.path.basename(sys.argv[0] or "python"), pid=os.getpid())
+        except BaseException:
+            self._transport.close()
+            raise
+        self._token = hello["session"]
+        self.session_id: int = hello["session_id"]
+        self.daemon_version: str = hello["daemon_version"]
+        self.protocol: int = hello["protocol"]
+        self.backend: str = hello["backend"]
+        self.limits: dict[str, int] = hello["limits"]
+        self._devices = [DeviceInfo.from_wire(d) for d in hello["devices"]]
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def _call(self, op: str, payload: tuple[Any, ...] = (), into: Any = None, **args: Any) -> dict[str, Any]:
+        result, _ = self._call_frames(op, payload, into, **args)
+        return result
+
+    def _call_frames(self, op: str, payload: tuple[Any, ...] = (), into: Any = None,
+                     **args: Any) -> tuple[dict[str, Any], list[Any]]:
+        wire_args = {k: v for k, v in args.items() if v is not None}
+        return self._transport.call(op, wire_args, self._token, payload, into=into)
+
+    def close(self) -> None:
+        """End the session (the daemon frees its contexts and memory) and the connection."""
+        try:
+            if self._token is not None:
+                self._call("goodbye")
+        except CuctxError:
+            pass  # the daemon is gone or already forgot us: nothing left to free
+        finally:
+            self._token = None
+            self._transport.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- daemon and devices -----------------------------------------------------------
+
+    def ping(self) -> float:
+        """Round-trip time in seconds."""
+        start = time.perf_counter()
+        self._call("ping")
+        return time.perf_counter() - start
+
+    def device_count(self) -> int:
+        """``cudaGetDeviceCount``: creates no context."""
+        return int(self._call("device_count")["count"])
+
+    def devices(self) -> list[DeviceInfo]:
+        return [DeviceInfo.from_wire(d) for d in self._call("devices")["devices"]]
+
+    def status(self) -> dict[str, Any]:
+        return self._call("status")
+
+    def get_device(self) -> int:
+        """``cudaGetDevice``: the session's current device."""
+        return int(self._call("get_device")["device"])
+
+    def set_device(self, device: int) -> Context:
+        """``cudaSetDevice``: binds the device's primary context as current; returns it."""
+        return Context.from_wire(self, self._call("set_device", device=device)["context"])
+
+    # --- contexts -------------------------------------------------------------------
+
+    def current_context(self, device: int | None = None) -> Context | None:
+        """``cuCtxGetCurrent``; None while the session's stack on ``device`` is empty."""
+        wire = self._call("current_context", device=device)["context"]
+        return None if wire is None else Context.from_wire(self, wire)
+
+    def context_stack(self, device: int | None = None) -> list[Context]:
+        """The session's context stack on ``device``, bottom first."""
+        return [Context.from_wire(self, w) for w in self._call("context_stack", device=device)["stack"]]
+
+    def create_context(self, device: int | None = None, flags: int = 0) -> Context:
+        """``cuCtxCreate``: a new context, pushed and current on ``device``."""
+        return Context.from_wire(self, self._call("create_context", device=device, flags=flags)["context"])
+
+    def push_context(self, context: Context) -> None:
+        self._call("push_context", device=context.device, context=context.handle)
+
+    def pop_context(self, device: int | None = None) -> Context:
+        """``cuCtxPopCurrent``: returns the popped context."""
+        return Context.from_wire(self, self._call("pop_context", device=device)["context"])
+
+    def destroy_context(self, context: Context) -> None:
+        self._call("destroy_context", device=context.device, context=context.handle)
+
+    def context_info(self, context: Context) -> Context:
+        return Context.from_wire(
+            self, self._call("context_info", device=context.device, context=context.handle)["context"]
+        )
+
+    def synchronize(self, device: int | None = None) -> None:
+        """``cuCtxSynchronize`` on the current context (binds the primary if there is none)."""
+        self._call("synchronize", device=device)
+
+    def device_synchronize(self, device: int | None = None) -> None:
+        """Wait for every context alive on ``device``, this session's and others'."""
+        self._call("device_synchronize", device=device)
+
+    # --- memory ---------------------------------------------------------------------
+
+    def mem_get_info(self, device: int | None = None) -> tuple[int, int]:
+        """``cuMemGetInfo``: (free, total) bytes."""
+        result = self._call("mem_get_info", device=device)
+        return int(result["free"]), int(result["total"])
+
+    def alloc(self, size: int, device: int | None = None) -> Buffer:
+        """``cuMemAlloc`` in the current context of ``device`` (default: the current device)."""
+        return Buffer.from_wire(self, self._call("alloc", size=size, device=device)["buffer"])
+
+    def free(self, buffer: Buffer) -> None:
+        self._call("free", device=buffer.device, buffer=buffer.handle)
+
+    def fill(self, buffer: Buffer, value: int = 0, offset: int = 0, size: int | None = None) -> None:
+        self._call("fill", device=buffer.device, buffer=buffer.handle, value=value, offset=offset, size=size)
+
+    def write(self, buffer: Buffer, data: Any, offset: int = 0) -> int:
+        result = self._call("write", (data,), device=buffer.device, buffer=buffer.handle, offset=offset)
+        return int(result["size"])
+
+    def read(self, buffer: Buffer, size: int | None = None, offset: int = 0) -> bytes:
+        _, frames = self._call_frames("read", device=buffer.device, buffer=buffer.handle,
+                                      offset=offset, size=size)
+        return frames[0].bytes if frames else b""
+
+    def read_into(self, buffer: Buffer, out: Any, offset: int = 0) -> int:
+        view = memoryview(out)
+        result = self._call("read", (), view, device=buffer.device, buffer=buffer.handle,
+                            offset=offset, size=view.nbytes)
+        return int(result["size"])
+
+    def copy(self, src: Buffer, dst: Buffer, size: int | None = None, src_offset: int = 0,
+             dst_offset: int = 0) -> int:
+        result = self._call("copy", device=src.device, dst_device=dst.device, src=src.handle,
+                            dst=dst.handle, size=size, src_offset=src_offset, dst_offset=dst_offset)
+        return int(result["size"])

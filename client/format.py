@@ -1,0 +1,74 @@
+"""Readable tables for the ``cuctx`` CLI; ``--json`` bypasses all of this."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from protos.records import DeviceInfo
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def devices_table(devices: Sequence[DeviceInfo]) -> str:
+    return table(
+        ["DEV", "NAME", "CC", "MEMORY", "SMS", "PCI BUS ID", "UUID"],
+        [
+            [d.index, d.name, "%d.%d" % tuple(d.compute_capability), human_bytes(d.total_memory),
+             d.multiprocessor_count, d.pci_bus_id, d.uuid]
+            for d in devices
+        ],
+    )
+
+
+def status_text(status: dict[str, Any]) -> str:
+    lines = [
+        f"cuctxd {status['daemon_version']} (protocol {status['protocol']}), backend {status['backend']}, "
+        f"pid {status['pid']}, up {status['uptime_s']:.0f} s",
+        f"listening on {', '.join(status['endpoints'])}",
+        "",
+        f"sessions: {len(status['sessions'])}",
+    ]
+    if status["sessions"]:
+        lines.append(table(
+            ["SESSION", "CLIENT", "PID", "DEVICE"],
+            [[s["session"], s["client"], s["pid"], s["current_device"]] for s in status["sessions"]],
+        ))
+    for dev in status["devices"]:
+        if "error" in dev:
+            lines += ["", f"device {dev['device']}: status unavailable: {dev['error']}"]
+            continue
+        worker, primary = dev["worker"], dev["primary_context"]
+        lines += [
+            "",
+            f"device {dev['device']} {dev['name']}: worker {worker['name']} (tid {worker['native_id']}, "
+            f"{'alive' if worker['alive'] else 'DEAD'}); primary context "
+            f"{'active' if primary['active'] else 'inactive'}, held by {primary['sessions']} session(s)",
+        ]
+        if dev["contexts"]:
+            lines.append(table(
+                ["CONTEXT", "KIND", "FLAGS", "SESSIONS"],
+                [[c["context_id"], "primary" if c["is_primary"] else "created", c["flags"],
+                  ",".join(map(str, c["sessions"]))] for c in dev["contexts"]],
+            ))
+        if dev["sessions"]:
+            lines.append(table(
+                ["SESSION", "CONTEXTS", "STACK", "ALLOCATIONS", "BYTES"],
+                [[s["session"], s["contexts"], s["stack_depth"], s["allocations"], human_bytes(s["bytes"])]
+                 for s in dev["sessions"]],
+            ))
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+"""The front thread: owns the client-facing ROUTER socket(s), decodes, validates, routes.
+
+Requests enter here (:meth:`Front.serve`), are decoded and checked against
+``protos`` (:meth:`Front._handle`), and either answered on this thread (front
+ops) or queued to the device's worker as a :class:`~daemon.jobs.Job`. Workers
+send their replies over inproc to the PULL socket polled here, and they leave
+through the ROUTER. Garbage gets an error reply, or is dropped and logged when
+it cannot even be addressed; nothing a client sends can stop this loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from daemon.front_state import FrontState
+from daemon.handlers import FRONT_HANDLERS
+from daemon.jobs import Job
+from daemon.replies import FanOut, Gather, Reply
+from daemon.sessions import Session
+from daemon.worker import DeviceWorker
+from protos.cuda_results import CUresult
+from protos.errors import (
+    BadRequest,
+    CuctxError,
+    CudaError,
+    InternalError,
+    TooLarge,
+    UnknownSession,
+)
+from protos.messages import RequestHeader, encode_error, encode_result, parse_request, request_id_of, unpack
+from protos.schema import OpSpec, decode_args
+
+log = logging.getLogger(__name__)
+
+#: Requests taken off the ROUTER per poll wake-up before replies get a turn.
+_BATCH = 64
+
+
+class Front:
+    """Runs on one thread (the caller of :meth:`serve`) and owns every socket it creates."""
+
+    def __init__(
+        self,
+        state: FrontState,
+        workers: Sequence[DeviceWorker],
+        router: zmq.Socket[Any],
+        replies: zmq.Socket[Any],
+    ) -> None:
+        self.state = state
+        self.workers = workers
+        self.router = router
+        self.replies = replies
+
+    def serve(self, stop_fd: int) -> None:
+        """Serve until ``stop_fd`` becomes readable."""
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.replies, zmq.POLLIN)
+        poller.register(stop_fd, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if stop_fd in events:
+                return
+            if self.replies in events:
+                self._forward_replies()
+            if self.router in events:
+                self._take_requests()
+
+    def _forward_replies(self) -> None:
+        while True:
+            try:
+                frames = self.replies.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._send(frames, copy=False)
+
+    def _take_requests(self) -> None:
+        for _ in range(_BATCH):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                log.warning("dropped a message of %d frame(s): no header to answer", len(frames))
+                continue
+            identity = frames[0].bytes
+            self._handle(identity, frames[1], frames[2:])
+
+    def _handle(self, identity: bytes, header_frame: zmq.Frame, payload: Sequence[zmq.Frame]) -> None:
+        request_id = 0
+        op_name = "?"
+        try:
+            header = unpack(header_frame.buffer)
+            request_id = request_id_of(header)
+            request = parse_request(header)
+            op_name = request.spec.name
+            self.state.requests_served += 1
+            self._dispatch(identity, request, payload)
+        except CuctxError as exc:
+            log.debug("request %d (%s) failed: %s", request_id, op_name, exc)
+            self._send([identity, encode_error(request_id, exc)])
+        except Exception:
+            log.exception("internal error handling request %d (%s)", request_id, op_name)
+            error = InternalError(f"unexpected failure in {op_name}; see the daemon log")
+            self._send([identity, encode_error(request_id, error)])
+
+    def _dispatch(self, identity: bytes, request: RequestHeader, payload: Sequence[zmq.Frame]) -> None:
+        spec = request.spec
+        session = self._session_of(request)
+        self._check_payload(spec, payload)
+        args = decode_args(spec, request.args)
+        if spec.target == "front":
+            outcome = FRONT_HANDLERS[spec.name](self.state, session, args)
+            if isinstance(outcome, FanOut):
+                self._fan_out(identity, request.id, outcome)
+            else:
+                assert isinstance(outcome, Reply)
+                self._send([identity, encode_result(request.id, outcome.result), *outcome.frames])
+            return
+        assert session is not None
+        device = session.current_device if args.device is None else args.device
+        if device >= len(self.workers):
+            raise CudaError.of(
+                CUresult.CUDA_ERROR_INVALID_DEVICE,
+                f"device {device}; this daemon serves {len(self.workers)} device(s)",
+            )
+        if spec.name == "set_device":  # cudaSetDevice changes the session's current device
+            session.current_device = device
+        job = Job(identity, request.id, spec, args, session.ref, device, payload)
+        self.workers[device].submit(job)
+
+    def _session_of(self, request: RequestHeader) -> Session | None:
+        if not request.spec.needs_session:
+            return None
+        if request.session is None:
+            raise UnknownSession(f"{request.spec.name} needs a session: send hello first")
+        session = self.state.sessions.get(request.session)
+        if session is None:
+            raise UnknownSession("unknown or closed session; open a new one with hello")
+        return session
+
+    def _check_payload(self, spec: OpSpec, payload: Sequence[zmq.Frame]) -> None:
+        expected = 1 if spec.payload_in else 0
+        if len(payload) != expected:
+            raise BadRequest(f"{spec.name} takes {expected} payload frame(s), got {len(payload)}")
+        for frame in payload:
+            if len(frame) > self.state.config.max_payload:
+                raise TooLarge(
+                    f"payload of {len(frame)} bytes exceeds the limit of {self.state.config.max_payload}"
+                )
+
+    def _fan_out(self, identity: bytes, request_id: int, fan_out: FanOut) -> None:
+        if not self.workers:
+            reply = fan_out.finish([])
+            self._send([identity, encode_result(request_id, reply.result)])
+            return
+        gather = Gather(fan_out, len(self.workers))
+        for worker in self.workers:
+            worker.fan_out(identity, request_id, gather, fan_out)
+
+    def _send(self, frames: Sequence[Any], *, copy: bool = True) -> None:
+        try:
+            self.router.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            log.warning("dropped a reply: the client is not reading (send queue full)")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug("dropped a reply to a client that has gone away")

@@ -1,0 +1,96 @@
+"""Memory ops, run on the device's worker thread: alloc, free, fill, write, read, copy, mem_get_info."""
+
+from __future__ import annotations
+
+from daemon.device_state import DeviceState, check_range
+from daemon.handlers.registry import device_handler
+from daemon.jobs import Job
+from daemon.replies import Forward, Reply
+from protos import ops
+from protos.errors import OutOfRange, TooLarge
+
+
+@device_handler(ops.MemGetInfo)
+def mem_get_info(state: DeviceState, job: Job) -> Reply:
+    state.activate(state.current_or_primary(state.session(job.session)))
+    free, total = state.driver.mem_get_info()
+    return Reply({"free": free, "total": total})
+
+
+@device_handler(ops.Alloc)
+def alloc(state: DeviceState, job: Job) -> Reply:
+    buffer = state.alloc(state.session(job.session), job.args.size)
+    return Reply({"buffer": state.buffer_record(buffer).to_wire()})
+
+
+@device_handler(ops.Free)
+def free(state: DeviceState, job: Job) -> Reply:
+    state.free(state.session(job.session), job.args.buffer)
+    return Reply()
+
+
+@device_handler(ops.Fill)
+def fill(state: DeviceState, job: Job) -> Reply:
+    buffer = state.buffer(state.session(job.session), job.args.buffer)
+    size = check_range(buffer, job.args.offset, job.args.size)
+    if size:
+        state.activate(buffer.context)
+        state.driver.memset_d8(buffer.ptr + job.args.offset, job.args.value, size)
+    return Reply({"size": size})
+
+
+@device_handler(ops.Write)
+def write(state: DeviceState, job: Job) -> Reply:
+    buffer = state.buffer(state.session(job.session), job.args.buffer)
+    data = memoryview(job.payload[0])
+    size = check_range(buffer, job.args.offset, data.nbytes)
+    if size:
+        state.activate(buffer.context)
+        state.driver.memcpy_htod(buffer.ptr + job.args.offset, data, size)
+    return Reply({"size": size})
+
+
+@device_handler(ops.Read)
+def read(state: DeviceState, job: Job) -> Reply:
+    buffer = state.buffer(state.session(job.session), job.args.buffer)
+    size = check_range(buffer, job.args.offset, job.args.size)
+    if size > state.max_payload:
+        raise TooLarge(f"a read of {size} bytes exceeds the daemon's payload limit of {state.max_payload}")
+    out = bytearray(size)
+    if size:
+        state.activate(buffer.context)
+        state.driver.memcpy_dtoh(memoryview(out), buffer.ptr + job.args.offset, size)
+    return Reply({"size": size}, [out])
+
+
+@device_handler(ops.Copy)
+def copy(state: DeviceState, job: Job) -> Reply | Forward:
+    args: ops.Copy = job.args
+    session = state.session(job.session)
+    src = state.buffer(session, args.src)
+    size = check_range(src, args.src_offset, args.size)
+    dst_device = job.device if args.dst_device is None else args.dst_device
+    if dst_device == job.device:
+        dst = state.buffer(session, args.dst)
+        check_range(dst, args.dst_offset, size)
+        if size:
+            state.activate(src.context)
+            state.driver.memcpy_dtod(dst.ptr + args.dst_offset, src.ptr + args.src_offset, size)
+        return Reply({"size": size})
+    # Across devices, each worker touches only its own device: stage through host memory.
+    staged = bytearray(size)
+    if size:
+        state.activate(src.context)
+        state.driver.memcpy_dtoh(memoryview(staged), src.ptr + args.src_offset, size)
+
+    def finish_on_destination(dst_state: DeviceState) -> Reply:
+        dst = dst_state.buffer(dst_state.session(job.session), args.dst)
+        if args.dst_offset + size > dst.size:
+            raise OutOfRange(f"range [{args.dst_offset}, {args.dst_offset + size}) is outside "
+                             f"a {dst.size}-byte buffer")
+        if size:
+            dst_state.activate(dst.context)
+            dst_state.driver.memcpy_htod(dst.ptr + args.dst_offset, memoryview(staged), size)
+        return Reply({"size": size})
+
+    return Forward(dst_device, finish_on_destination)

@@ -1,0 +1,91 @@
+"""Ops the front thread answers itself: handshake, session end, queries, status."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from daemon import __version__
+from daemon.device_state import DeviceState
+from daemon.front_state import FrontState
+from daemon.handlers.registry import front_handler
+from daemon.replies import FanOut, Reply
+from daemon.sessions import Session
+from protos import ops
+from protos.errors import VersionMismatch
+from protos.limits import MAX_HEADER_BYTES, MAX_PAYLOAD_FRAMES
+from protos.version import PROTOCOL_VERSION
+
+
+@front_handler(ops.Hello)
+def hello(front: FrontState, session: Session | None, args: ops.Hello) -> Reply:
+    if args.protocol != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"client speaks protocol {args.protocol}, this daemon speaks {PROTOCOL_VERSION}"
+        )
+    opened = front.sessions.open(args.client, args.pid)
+    return Reply({
+        "session": opened.ref.token,
+        "session_id": opened.ref.public_id,
+        "daemon_version": __version__,
+        "protocol": PROTOCOL_VERSION,
+        "backend": front.backend,
+        "devices": [d.to_wire() for d in front.devices],
+        "limits": {
+            "max_header_bytes": MAX_HEADER_BYTES,
+            "max_payload_bytes": front.config.max_payload,
+            "max_payload_frames": MAX_PAYLOAD_FRAMES,
+        },
+    })
+
+
+@front_handler(ops.Goodbye)
+def goodbye(front: FrontState, session: Session | None, args: ops.Goodbye) -> FanOut:
+    assert session is not None
+    front.sessions.close(session.ref.token)
+    ref = session.ref
+
+    def close_on_device(state: DeviceState) -> None:
+        state.close_session(ref)
+
+    return FanOut(close_on_device, lambda parts: Reply())
+
+
+@front_handler(ops.Ping)
+def ping(front: FrontState, session: Session | None, args: ops.Ping) -> Reply:
+    return Reply()
+
+
+@front_handler(ops.DeviceCount)
+def device_count(front: FrontState, session: Session | None, args: ops.DeviceCount) -> Reply:
+    return Reply({"count": len(front.devices)})
+
+
+@front_handler(ops.Devices)
+def devices(front: FrontState, session: Session | None, args: ops.Devices) -> Reply:
+    return Reply({"devices": [d.to_wire() for d in front.devices]})
+
+
+@front_handler(ops.GetDevice)
+def get_device(front: FrontState, session: Session | None, args: ops.GetDevice) -> Reply:
+    assert session is not None
+    return Reply({"device": session.current_device})
+
+
+@front_handler(ops.Status)
+def status(front: FrontState, session: Session | None, args: ops.Status) -> FanOut:
+    daemon_part: dict[str, Any] = {
+        "daemon_version": __version__,
+        "protocol": PROTOCOL_VERSION,
+        "backend": front.backend,
+        "pid": os.getpid(),
+        "uptime_s": time.time() - front.started_at,
+        "endpoints": list(front.config.endpoints),
+        "sessions": [s.to_status() for s in front.sessions.all()],
+    }
+
+    def finish(parts: list[Any]) -> Reply:
+        return Reply({**daemon_part, "devices": parts})
+
+    return FanOut(DeviceState.snapshot, finish)

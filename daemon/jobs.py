@@ -1,0 +1,27 @@
+"""A decoded, validated request on its way from the front thread to a device worker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from daemon.sessions import SessionRef
+from protos.schema import OpSpec
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a device handler needs; immutable, so handing it across threads is safe.
+
+    ``device`` is resolved by the front (the op's ``device`` argument, else the
+    session's current device). ``payload`` holds the request's raw frames.
+    """
+
+    identity: bytes
+    request_id: int
+    spec: OpSpec
+    args: Any
+    session: SessionRef
+    device: int
+    payload: Sequence[Any] = ()

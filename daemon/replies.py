@@ -1,0 +1,64 @@
+"""What a handler hands back: a reply, or work that another thread finishes.
+
+Handlers never touch sockets. They return :class:`Reply` (sent at once),
+:class:`Forward` (a device worker passes the job on to another device's worker,
+e.g. the second half of a cross-device copy) or, from the front, :class:`FanOut`
+(every worker contributes, the last one to finish sends the reply).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from daemon.device_state import DeviceState
+
+
+@dataclass
+class Reply:
+    """A successful result map plus payload frames (zero-copy buffers)."""
+
+    result: dict[str, Any] = field(default_factory=dict)
+    frames: Sequence[Any] = ()
+
+
+@dataclass
+class Forward:
+    """Continue on device ``device``'s worker thread with ``then(state)``."""
+
+    device: int
+    then: Callable[[DeviceState], Reply | Forward]
+
+
+@dataclass
+class FanOut:
+    """Run ``each(state)`` on every device worker, then ``finish(parts)`` on the last one.
+
+    ``parts`` is ordered by device index. ``finish`` runs on a worker thread, so
+    it may only use what the parts and its closure carry.
+    """
+
+    each: Callable[[DeviceState], Any]
+    finish: Callable[[list[Any]], Reply]
+
+
+class Gather:
+    """Collects one part per device for a :class:`FanOut`; thread-safe."""
+
+    def __init__(self, fan_out: FanOut, device_count: int) -> None:
+        self._fan_out = fan_out
+        self._parts: list[Any] = [None] * device_count
+        self._left = device_count
+        self._lock = threading.Lock()
+
+    def contribute(self, index: int, part: Any) -> Reply | None:
+        """Store a part; return the finished reply to whoever contributed last."""
+        with self._lock:
+            self._parts[index] = part
+            self._left -= 1
+            if self._left:
+                return None
+        return self._fan_out.finish(self._parts)

@@ -1,0 +1,67 @@
+"""Client sessions as the front thread sees them: tokens, public ids, current device.
+
+A session is cuctxd's stand-in for a CUDA host thread. This registry is owned
+by the front thread; device workers only ever see the immutable
+:class:`SessionRef` carried in each job and keep their own per-device state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """What a worker may know of a session: its secret token and public identity."""
+
+    token: str
+    public_id: int
+    client: str
+    pid: int
+
+
+@dataclass
+class Session:
+    """Front-owned state of one session."""
+
+    ref: SessionRef
+    opened_at: float = field(default_factory=time.time)
+    current_device: int = 0
+
+    def to_status(self) -> dict[str, object]:
+        return {
+            "session": self.ref.public_id,
+            "client": self.ref.client,
+            "pid": self.ref.pid,
+            "current_device": self.current_device,
+            "opened_at": self.opened_at,
+        }
+
+
+class SessionRegistry:
+    """Token -> session; only the front thread calls it."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._public_ids = itertools.count(1)
+
+    def open(self, client: str, pid: int) -> Session:
+        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid)
+        session = Session(ref)
+        self._sessions[ref.token] = session
+        return session
+
+    def get(self, token: str) -> Session | None:
+        return self._sessions.get(token)
+
+    def close(self, token: str) -> Session | None:
+        return self._sessions.pop(token, None)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())

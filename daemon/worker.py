@@ -1,0 +1,175 @@
+"""The device worker: the one thread that calls the driver for its device.
+
+The front thread hands it work through a queue (jobs for requests, tasks for
+fan-outs and forwarded continuations); it runs one item at a time, so its
+:class:`DeviceState` needs no lock, and sends replies on its own inproc PUSH
+socket to the front, which forwards them to clients. A slow op here delays
+only this device.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import zmq
+
+from daemon.backends.base import Driver
+from daemon.device_state import DeviceState
+from daemon.handlers import DEVICE_HANDLERS
+from daemon.jobs import Job
+from daemon.replies import FanOut, Forward, Gather, Reply
+from protos.cuda_results import CUresult
+from protos.errors import CuctxError, CudaError, InternalError
+from protos.messages import encode_error, encode_result
+
+log = logging.getLogger(__name__)
+
+Task = Callable[["DeviceWorker"], None]
+
+
+class WorkerStartError(RuntimeError):
+    """A worker could not query or open its device."""
+
+
+class DeviceWorker:
+    """Owns device ``device``: its thread, its :class:`DeviceState`, its reply socket."""
+
+    def __init__(
+        self,
+        driver: Driver,
+        device: int,
+        zmq_context: zmq.Context[Any],
+        reply_endpoint: str,
+        max_payload: int,
+    ) -> None:
+        self.device = device
+        self._driver = driver
+        self._zmq_context = zmq_context
+        self._reply_endpoint = reply_endpoint
+        self._max_payload = max_payload
+        self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._socket: zmq.Socket[Any] | None = None
+        self.peers: Mapping[int, DeviceWorker] = {}
+        self.state: DeviceState | None = None
+        self.thread = threading.Thread(target=self._run, name=f"cuctxd-device-{device}", daemon=True)
+
+    # --- called from other threads ----------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> DeviceState:
+        """Start the thread and wait until it has queried its device."""
+        self.thread.start()
+        if not self._started.wait(timeout):
+            raise WorkerStartError(f"device {self.device} worker did not start within {timeout:.0f} s")
+        if self._start_error is not None or self.state is None:
+            raise WorkerStartError(f"device {self.device}: {self._start_error}") from self._start_error
+        return self.state
+
+    def submit(self, job: Job) -> None:
+        self._tasks.put(lambda worker: worker._run_job(job))
+
+    def submit_task(self, task: Task) -> None:
+        self._tasks.put(task)
+
+    def fan_out(self, identity: bytes, request_id: int, gather: Gather, fan_out: FanOut) -> None:
+        self._tasks.put(lambda worker: worker._run_fan_out(identity, request_id, gather, fan_out))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Close every session on this device, then end the thread."""
+        self._tasks.put(None)
+        self.thread.join(timeout)
+
+    def queue_depth(self) -> int:
+        return self._tasks.qsize()
+
+    # --- on the worker thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            info = self._driver.device_info(self.device)
+            self.state = DeviceState(self._driver, self.device, info, self._max_payload)
+            self.state.worker_thread = self.thread
+            self._socket = self._zmq_context.socket(zmq.PUSH)
+            self._socket.setsockopt(zmq.SNDHWM, 0)
+            self._socket.setsockopt(zmq.LINGER, 1000)
+            self._socket.connect(self._reply_endpoint)
+        except BaseException as exc:
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            while (task := self._tasks.get()) is not None:
+                task(self)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        assert self.state is not None and self._socket is not None
+        for session in list(self.state.sessions.values()):
+            try:
+                self.state.close_session(session.ref)
+            except CuctxError as exc:
+                log.warning("device %d: closing session %d at shutdown: %s",
+                            self.device, session.ref.public_id, exc)
+        self._socket.close()
+
+    def _run_job(self, job: Job) -> None:
+        assert self.state is not None
+        try:
+            outcome = DEVICE_HANDLERS[job.spec.name](self.state, job)
+        except BaseException as exc:
+            self._fail(job, exc)
+            return
+        self._deliver(job, outcome)
+
+    def _deliver(self, job: Job, outcome: Reply | Forward) -> None:
+        if isinstance(outcome, Reply):
+            self.send(job.identity, encode_result(job.request_id, outcome.result), outcome.frames)
+            return
+        peer = self.peers.get(outcome.device)
+        if peer is None:
+            self._fail(job, CudaError.of(CUresult.CUDA_ERROR_INVALID_DEVICE, f"no device {outcome.device}"))
+            return
+        peer.submit_task(lambda worker: worker._continue(job, outcome))
+
+    def _continue(self, job: Job, forward: Forward) -> None:
+        assert self.state is not None
+        try:
+            outcome = forward.then(self.state)
+        except BaseException as exc:
+            self._fail(job, exc)
+            return
+        self._deliver(job, outcome)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if isinstance(exc, CuctxError):
+            error: CuctxError = exc
+            log.debug("device %d: %s failed: %s", self.device, job.spec.name, exc)
+        else:
+            log.exception("device %d: internal error in %s", self.device, job.spec.name)
+            error = InternalError(f"{type(exc).__name__} in {job.spec.name}; see the daemon log")
+        self.send(job.identity, encode_error(job.request_id, error))
+
+    def _run_fan_out(self, identity: bytes, request_id: int, gather: Gather, fan_out: FanOut) -> None:
+        assert self.state is not None
+        try:
+            part = fan_out.each(self.state)
+        except Exception as exc:
+            log.exception("device %d: fan-out part failed", self.device)
+            part = {"device": self.device, "error": f"{type(exc).__name__}: {exc}"}
+        reply = gather.contribute(self.device, part)
+        if reply is not None:
+            self.send(identity, encode_result(request_id, reply.result), reply.frames)
+
+    def send(self, identity: bytes, header: bytes, frames: Any = ()) -> None:
+        assert self._socket is not None
+        if frames:
+            self._socket.send_multipart([identity, header, *frames], copy=False)
+        else:
+            self._socket.send_multipart([identity, header])

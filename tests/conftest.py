@@ -1,0 +1,27 @@
+"""Fixtures shared by every test level."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from client import Client
+from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    """A real sim-backed cuctxd (2 devices, 64 MiB each) shared by a test module."""
+    process = start_daemon("--sim-devices", "2", "--sim-memory", "64MiB")
+    yield process
+    code = process.stop()
+    remove_tempdir(process.socket_dir)
+    assert code == 0, f"cuctxd exited with {code}:\n{process.log()}"
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Iterator[Client]:
+    """A fresh session: like a new host thread, it starts with no context."""
+    with Client(daemon.endpoint, timeout=10) as session:
+        yield session
