@@ -1,0 +1,291 @@
+"""The real backend: :class:`Driver` on the CUDA driver API through ``cuda.bindings.driver``.
+
+Importing this module needs ``cuda-python`` but not the NVIDIA driver: the
+bindings load ``libcuda.so`` on the first call, so without a driver every method
+(``init`` first) raises a ``RuntimeError`` (``cuda.pathfinder``'s
+``DynamicLibNotFoundError`` in cuda-bindings 13.4+); backend selection catches it.
+
+Every driver result goes through :func:`check_result`, which raises
+:class:`protos.errors.CudaError` with the driver's own ``CUresult`` value, name
+and message. Contexts are the bindings' ``CUcontext`` objects, which compare and
+hash by their native handle, so a worker can ask "is this one already current?"
+with ``==``; device pointers leave and enter this module as plain ints.
+
+Written for cuda-bindings 13.x (``cuCtxCreate`` takes a params argument); the
+12.x two-argument ``cuCtxCreate`` is tried when the three-argument form is refused.
+Thread ownership: as :mod:`daemon.backends.base` says; the one shared mutable
+state here, the ordinal -> ``CUdevice`` cache, only ever gains equal entries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cuda.bindings.driver import (
+    CUcontext,
+    CUdevice_attribute,
+    cuCtxCreate,
+    cuCtxDestroy,
+    cuCtxGetApiVersion,
+    cuCtxGetCurrent,
+    cuCtxGetDevice,
+    cuCtxGetFlags,
+    cuCtxGetId,
+    cuCtxPopCurrent,
+    cuCtxPushCurrent,
+    cuCtxSetCurrent,
+    cuCtxSynchronize,
+    cuDeviceGet,
+    cuDeviceGetAttribute,
+    cuDeviceGetCount,
+    cuDeviceGetName,
+    cuDeviceGetPCIBusId,
+    cuDeviceGetUuid,
+    cuDevicePrimaryCtxGetState,
+    cuDevicePrimaryCtxRelease,
+    cuDevicePrimaryCtxRetain,
+    cuDeviceTotalMem,
+    cuDriverGetVersion,
+    cuGetErrorName,
+    cuGetErrorString,
+    cuInit,
+    cuMemAlloc,
+    cuMemcpyDtoD,
+    cuMemcpyDtoH,
+    cuMemcpyHtoD,
+    cuMemFree,
+    cuMemGetInfo,
+    cuMemsetD8,
+)
+
+from daemon.backends.base import Ctx, Driver
+from protos.cuda_results import CUresult
+from protos.errors import CudaError
+from protos.records import DeviceInfo
+
+try:
+    from cuda.bindings.utils import get_cuda_native_handle as _native_handle
+except ImportError:  # cuda-bindings before 12.9.1
+
+    def _native_handle(handle: Any) -> int:
+        return int(handle)
+
+
+log = logging.getLogger(__name__)
+
+_NULL_CONTEXT = CUcontext(0)
+_CC_MAJOR = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+_CC_MINOR = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+_SM_COUNT = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+_NAME_LENGTH = 256
+_PCI_BUS_ID_LENGTH = 64
+
+#: code -> (name, message) as the driver itself reported them.
+_error_text: dict[int, tuple[str, str]] = {}
+
+
+def check_result(result: tuple[Any, ...]) -> Any:
+    """Unwrap a driver call's ``(CUresult, *values)`` tuple.
+
+    Returns None for ``(CUDA_SUCCESS,)``, the value for one, a tuple for several.
+    Raises :class:`CudaError` (driver's code, name and message) on any other result.
+    """
+    err = result[0]
+    if err:
+        raise cuda_error(err)
+    count = len(result)
+    if count == 2:
+        return result[1]
+    return None if count == 1 else result[1:]
+
+
+def cuda_error(err: Any) -> CudaError:
+    """The :class:`CudaError` for a failed ``CUresult``, named and explained by the driver.
+
+    When the driver cannot say (no driver loaded, a code it does not know), the
+    name and message come from :mod:`protos.cuda_results`, or the bindings' enum name.
+    """
+    code = int(err)
+    text = _error_text.get(code)
+    if text is None:
+        text = _driver_error_text(err)
+        if text is None:
+            return _table_error(err)
+        _error_text[code] = text
+    return CudaError(code, text[0], text[1])
+
+
+def _driver_error_text(err: Any) -> tuple[str, str] | None:
+    try:
+        name_err, name = cuGetErrorName(err)
+        if name_err or name is None:
+            return None
+        message_err, message = cuGetErrorString(err)
+    except (RuntimeError, TypeError, ValueError) as lookup_failure:
+        log.debug("cuGetErrorName(%d) failed, using the built-in table: %s", int(err), lookup_failure)
+        return None
+    name_text = name.decode(errors="replace")
+    message_text = message.decode(errors="replace") if not message_err and message else name_text
+    return name_text, message_text
+
+
+def _table_error(err: Any) -> CudaError:
+    code = int(err)
+    try:
+        return CudaError.of(CUresult(code))
+    except ValueError:
+        name = getattr(err, "name", None) or f"CUDA_ERROR_{code}"
+        return CudaError(code, name, name)
+
+
+def _invalid_value(detail: str) -> CudaError:
+    return CudaError.of(CUresult.CUDA_ERROR_INVALID_VALUE, detail)
+
+
+def _host_view(buffer: Any, size: int, *, writable: bool) -> memoryview:
+    """``buffer`` as a contiguous view of at least ``size`` bytes, checked before the driver sees it.
+
+    The bindings pass any buffer's address straight to the driver, read-only or
+    short ones included; a check here keeps the daemon's own memory intact.
+    """
+    view = buffer if type(buffer) is memoryview else memoryview(buffer)
+    if size < 0 or view.nbytes < size:
+        raise _invalid_value(f"host buffer holds {view.nbytes} bytes, {size} requested")
+    if not view.contiguous:
+        raise _invalid_value("host buffer is not contiguous")
+    if writable and view.readonly:
+        raise _invalid_value("destination host buffer is read-only")
+    return view
+
+
+def _text(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
+def format_uuid(raw: bytes) -> str:
+    """16 UUID bytes as nvidia-smi prints them: ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+class CudaDriver(Driver):
+    """The CUDA driver of this process; one instance, shared by all device workers."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._devices: dict[int, Any] = {}
+
+    def init(self) -> None:
+        check_result(cuInit(0))
+
+    def driver_version(self) -> int:
+        """``cuDriverGetVersion``, e.g. 13000 for CUDA 13.0 (for the selection log)."""
+        return int(check_result(cuDriverGetVersion()))
+
+    def device_count(self) -> int:
+        return int(check_result(cuDeviceGetCount()))
+
+    def _device(self, ordinal: int) -> Any:
+        device = self._devices.get(ordinal)
+        if device is None:
+            device = self._devices[ordinal] = check_result(cuDeviceGet(ordinal))
+        return device
+
+    def device_info(self, ordinal: int) -> DeviceInfo:
+        device = self._device(ordinal)
+        return DeviceInfo(
+            index=ordinal,
+            name=_text(check_result(cuDeviceGetName(_NAME_LENGTH, device))),
+            uuid=format_uuid(check_result(cuDeviceGetUuid(device)).bytes),
+            pci_bus_id=_text(check_result(cuDeviceGetPCIBusId(_PCI_BUS_ID_LENGTH, device))),
+            compute_capability=(
+                int(check_result(cuDeviceGetAttribute(_CC_MAJOR, device))),
+                int(check_result(cuDeviceGetAttribute(_CC_MINOR, device))),
+            ),
+            total_memory=int(check_result(cuDeviceTotalMem(device))),
+            multiprocessor_count=int(check_result(cuDeviceGetAttribute(_SM_COUNT, device))),
+        )
+
+    # --- primary context -----------------------------------------------------------
+
+    def primary_ctx_retain(self, ordinal: int) -> Ctx:
+        return check_result(cuDevicePrimaryCtxRetain(self._device(ordinal)))
+
+    def primary_ctx_release(self, ordinal: int) -> None:
+        check_result(cuDevicePrimaryCtxRelease(self._device(ordinal)))
+
+    def primary_ctx_state(self, ordinal: int) -> tuple[int, bool]:
+        flags, active = check_result(cuDevicePrimaryCtxGetState(self._device(ordinal)))
+        return int(flags), bool(active)
+
+    # --- context stack of the calling thread ------------------------------------------
+
+    def ctx_create(self, flags: int, ordinal: int) -> Ctx:
+        device = self._device(ordinal)
+        try:
+            result = cuCtxCreate(None, flags, device)
+        except TypeError as three_arguments_refused:
+            try:
+                result = cuCtxCreate(flags, device)  # cuda-bindings 12.x: (flags, dev)
+            except TypeError:
+                raise three_arguments_refused from None
+        return check_result(result)
+
+    def ctx_destroy(self, ctx: Ctx) -> None:
+        check_result(cuCtxDestroy(ctx))
+
+    def ctx_push(self, ctx: Ctx) -> None:
+        check_result(cuCtxPushCurrent(ctx))
+
+    def ctx_pop(self) -> Ctx:
+        return check_result(cuCtxPopCurrent())
+
+    def ctx_set_current(self, ctx: Ctx | None) -> None:
+        check_result(cuCtxSetCurrent(_NULL_CONTEXT if ctx is None else ctx))
+
+    def ctx_get_current(self) -> Ctx | None:
+        ctx = check_result(cuCtxGetCurrent())
+        return None if ctx is None or _native_handle(ctx) == 0 else ctx
+
+    def ctx_get_device(self) -> int:
+        return int(check_result(cuCtxGetDevice()))
+
+    def ctx_get_flags(self) -> int:
+        return int(check_result(cuCtxGetFlags()))
+
+    def ctx_get_api_version(self, ctx: Ctx) -> int:
+        return int(check_result(cuCtxGetApiVersion(ctx)))
+
+    def ctx_get_id(self, ctx: Ctx) -> int:
+        return int(check_result(cuCtxGetId(ctx)))
+
+    def ctx_synchronize(self) -> None:
+        check_result(cuCtxSynchronize())
+
+    # --- memory, in the current context ------------------------------------------------
+
+    def mem_alloc(self, size: int) -> int:
+        return int(check_result(cuMemAlloc(size)))
+
+    def mem_free(self, ptr: int) -> None:
+        check_result(cuMemFree(ptr))
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = check_result(cuMemGetInfo())
+        return int(free), int(total)
+
+    def memset_d8(self, ptr: int, value: int, size: int) -> None:
+        if not 0 <= value <= 0xFF:
+            raise _invalid_value(f"memset value {value} is not a byte")
+        check_result(cuMemsetD8(ptr, value, size))
+
+    def memcpy_htod(self, dst: int, src: memoryview, size: int) -> None:
+        check_result(cuMemcpyHtoD(dst, _host_view(src, size, writable=False), size))
+
+    def memcpy_dtoh(self, dst: memoryview, src: int, size: int) -> None:
+        check_result(cuMemcpyDtoH(_host_view(dst, size, writable=True), src, size))
+
+    def memcpy_dtod(self, dst: int, src: int, size: int) -> None:
+        check_result(cuMemcpyDtoD(dst, src, size))
