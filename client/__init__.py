@@ -2,6 +2,7 @@
 
 from client.client import Client
 from client.objects import Buffer, Context
+from client.sharing import OpenedShare
 from protos.errors import (
     BadArgument,
     BadOp,
@@ -11,6 +12,10 @@ from protos.errors import (
     CudaError,
     DaemonError,
     DaemonTimeout,
+    NameExists,
+    NotFound,
+    NotOwner,
+    NotShareable,
     OutOfRange,
     SessionExpired,
     TooLarge,
@@ -18,10 +23,11 @@ from protos.errors import (
     UnknownSession,
     VersionMismatch,
 )
-from protos.records import DeviceInfo
+from protos.records import DeviceInfo, ShareDescriptor
 
 __all__ = [
     "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost", "Context", "CuctxError",
-    "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "OutOfRange", "SessionExpired", "TooLarge",
+    "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "NameExists", "NotFound", "NotOwner",
+    "NotShareable", "OpenedShare", "OutOfRange", "SessionExpired", "ShareDescriptor", "TooLarge",
     "UnknownHandle", "UnknownSession", "VersionMismatch",
 ]

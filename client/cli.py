@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from client.client import Client
-from client.format import devices_table, status_text
+from client.format import devices_table, shared_table, status_text
 from protos.errors import CuctxError
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("-c", "--count", type=int, default=1, help="number of pings")
     commands.add_parser("devices", help="the devices the daemon serves")
     commands.add_parser("status", help="sessions, contexts and memory per device")
+    commands.add_parser("shared", help="published buffers and who holds them")
     return parser
 
 
@@ -46,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif args.command == "status":
                 status = client.status()
                 print(json.dumps(status) if args.json else status_text(status))
+            elif args.command == "shared":
+                shared = client.list_shared()
+                print(json.dumps(shared) if args.json else shared_table(shared))
     except CuctxError as exc:
         print(f"cuctx: {exc}", file=sys.stderr)
         return 1

@@ -13,11 +13,13 @@ import sys
 import time
 from typing import Any
 
+from client.lease import Heartbeat
 from client.objects import Buffer, Context
+from client.sharing import OpenedShare, check_same_host, map_share
 from client.transport import DEFAULT_TIMEOUT, Transport
 from protos.endpoints import client_endpoint
 from protos.errors import CuctxError
-from protos.records import DeviceInfo
+from protos.records import DeviceInfo, ShareDescriptor
 from protos.version import PROTOCOL_VERSION
 
 
@@ -27,11 +29,13 @@ class Client:
     ``endpoint``: the argument, else ``$CUCTXD_ENDPOINT``, else the per-user
     default ipc:// socket. ``timeout``: seconds any call waits before raising
     :class:`~protos.errors.DaemonTimeout`. Use as a context manager, or call
-    :meth:`close`, so the daemon frees the session's contexts and memory.
+    :meth:`close`, so the daemon frees the session's contexts and memory. A
+    background thread renews the session's lease; ``heartbeat=False`` turns it
+    off (the session then ends ``lease_ttl`` seconds after its last call).
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                 name: str | None = None) -> None:
+                 name: str | None = None, heartbeat: bool = True) -> None:
         self.endpoint = client_endpoint(endpoint)
         self._transport = Transport(self.endpoint, timeout)
         self._token: str | None = None
@@ -47,7 +51,8 @@ class Client:
         self.protocol: int = hello["protocol"]
         self.backend: str = hello["backend"]
         self.limits: dict[str, int] = hello["limits"]
-        self._devices = [DeviceInfo.from_wire(d) for d in hello["devices"]]
+        self.lease_ttl: float = hello["lease_ttl"]
+        self._heartbeat = Heartbeat(self.endpoint, self._token, self.lease_ttl) if heartbeat else None
 
     # --- plumbing -------------------------------------------------------------------
 
@@ -62,6 +67,9 @@ class Client:
 
     def close(self) -> None:
         """End the session (the daemon frees its contexts and memory) and the connection."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         try:
             if self._token is not None:
                 self._call("goodbye")
@@ -148,6 +156,11 @@ class Client:
         result = self._call("mem_get_info", device=device)
         return int(result["free"]), int(result["total"])
 
+    def memory_info(self, device: int | None = None) -> dict[str, Any]:
+        """The whole ``mem_get_info`` answer: ``free`` and ``total`` as this session sees them,
+        plus ``device_free``, ``quota``, ``reserve`` and ``limited_by`` ("quota" or "device")."""
+        return self._call("mem_get_info", device=device)
+
     def alloc(self, size: int, device: int | None = None) -> Buffer:
         """``cuMemAlloc`` in the current context of ``device`` (default: the current device)."""
         return Buffer.from_wire(self, self._call("alloc", size=size, device=device)["buffer"])
@@ -178,3 +191,43 @@ class Client:
         result = self._call("copy", device=src.device, dst_device=dst.device, src=src.handle,
                             dst=dst.handle, size=size, src_offset=src_offset, dst_offset=dst_offset)
         return int(result["size"])
+
+    # --- sharing between processes --------------------------------------------------------
+
+    def export(self, buffer: Buffer) -> ShareDescriptor:
+        """Make ``buffer`` shareable; the descriptor is plain data another process can open."""
+        wire = self._call("export", device=buffer.device, buffer=buffer.handle)["share"]
+        return ShareDescriptor.from_wire(wire)
+
+    def publish(self, buffer: Buffer, name: str) -> ShareDescriptor:
+        """Export ``buffer`` and publish it under ``name`` for every session to look up."""
+        wire = self._call("publish", device=buffer.device, buffer=buffer.handle, name=name)["share"]
+        return ShareDescriptor.from_wire(wire)
+
+    def unpublish(self, name: str) -> None:
+        self._call("unpublish", name=name)
+
+    def lookup(self, name: str) -> ShareDescriptor:
+        return ShareDescriptor.from_wire(self._call("lookup", name=name)["share"])
+
+    def list_shared(self) -> list[dict[str, Any]]:
+        """Published names with their device, size, owner and number of holders."""
+        shared: list[dict[str, Any]] = self._call("list_shared")["shared"]
+        return shared
+
+    def open_shared(self, share: str | ShareDescriptor) -> OpenedShare:
+        """Hold a share (by name or descriptor) and map it in this process; close it when done."""
+        descriptor = self.lookup(share) if isinstance(share, str) else share
+        check_same_host(descriptor)
+        wire = self._call("open_shared", device=descriptor.device, share_id=descriptor.share_id)["share"]
+        descriptor = ShareDescriptor.from_wire({**wire, "name": descriptor.name})
+        try:
+            mapping = map_share(descriptor)
+        except BaseException:
+            self.close_shared(descriptor)
+            raise
+        return OpenedShare(self, descriptor, mapping)
+
+    def close_shared(self, descriptor: ShareDescriptor) -> None:
+        """Drop this session's hold (``OpenedShare.close`` calls this after unmapping)."""
+        self._call("close_shared", device=descriptor.device, share_id=descriptor.share_id)

@@ -28,7 +28,7 @@ def devices_table(devices: Sequence[DeviceInfo]) -> str:
     return table(
         ["DEV", "NAME", "CC", "MEMORY", "SMS", "PCI BUS ID", "UUID"],
         [
-            [d.index, d.name, "%d.%d" % tuple(d.compute_capability), human_bytes(d.total_memory),
+            [d.index, d.name, "{}.{}".format(*d.compute_capability), human_bytes(d.total_memory),
              d.multiprocessor_count, d.pci_bus_id, d.uuid]
             for d in devices
         ],
@@ -57,7 +57,7 @@ def status_text(status: dict[str, Any]) -> str:
             "",
             f"device {dev['device']} {dev['name']}: worker {worker['name']} (tid {worker['native_id']}, "
             f"{'alive' if worker['alive'] else 'DEAD'}); primary context "
-            f"{'active' if primary['active'] else 'inactive'}, held by {primary['sessions']} session(s)",
+            f"{'active' if primary['active'] else 'inactive'}, {primary['references']} reference(s)",
         ]
         if dev["contexts"]:
             lines.append(table(
@@ -67,8 +67,26 @@ def status_text(status: dict[str, Any]) -> str:
             ))
         if dev["sessions"]:
             lines.append(table(
-                ["SESSION", "CONTEXTS", "STACK", "ALLOCATIONS", "BYTES"],
-                [[s["session"], s["contexts"], s["stack_depth"], s["allocations"], human_bytes(s["bytes"])]
-                 for s in dev["sessions"]],
+                ["SESSION", "CONTEXTS", "STACK", "ALLOCATIONS", "BYTES", "HOLDS"],
+                [[s["session"], s["contexts"], s["stack_depth"], s["allocations"], human_bytes(s["bytes"]),
+                  s["holds"]] for s in dev["sessions"]],
+            ))
+        if dev["shares"]:
+            lines.append(table(
+                ["SHARE", "SIZE", "NAMES", "OWNER", "HOLDERS"],
+                [[sh["share_id"][:12], human_bytes(sh["size"]), ",".join(sh["names"]) or "-",
+                  sh["owner"] if sh["owner_present"] else f"{sh['owner']} (gone)",
+                  ",".join(map(str, sh["holders"])) or "-"] for sh in dev["shares"]],
             ))
     return "\n".join(lines)
+
+
+def shared_table(shared: Sequence[dict[str, Any]]) -> str:
+    if not shared:
+        return "no published buffers"
+    return table(
+        ["NAME", "DEVICE", "SIZE", "OWNER", "HOLDERS", "SHARE"],
+        [[s["name"], s["device"], human_bytes(s["size"]),
+          s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", s["holders"], s["share_id"]]
+         for s in shared],
+    )

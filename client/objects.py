@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from protos.records import BufferRecord, ContextRecord
+from protos.records import BufferRecord, ContextRecord, ShareDescriptor
 
 if TYPE_CHECKING:
     from client.client import Client
@@ -81,6 +81,13 @@ class Buffer:
     def copy_to(self, dst: Buffer, size: int | None = None, src_offset: int = 0, dst_offset: int = 0) -> int:
         """Device-to-device copy into ``dst`` (any device); returns bytes copied."""
         return self.client.copy(self, dst, size, src_offset, dst_offset)
+
+    def export(self) -> ShareDescriptor:
+        """Make this buffer shareable with other processes (see ``Client.open_shared``)."""
+        return self.client.export(self)
+
+    def publish(self, name: str) -> ShareDescriptor:
+        return self.client.publish(self, name)
 
     def free(self) -> None:
         if not self.freed:

@@ -29,8 +29,7 @@ class Transport:
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
-        self._context = zmq.Context.instance()
-        self._socket = self._context.socket(zmq.DEALER)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(endpoint)
         self._ids = itertools.count(1)

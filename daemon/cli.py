@@ -12,7 +12,7 @@ import zmq
 
 from daemon import __version__
 from daemon.backends import BackendUnavailable, select_backend
-from daemon.config import DaemonConfig, parse_size
+from daemon.config import DEFAULT_LEASE_TTL, DaemonConfig, parse_size
 from daemon.endpoint import EndpointInUse
 from daemon.server import Daemon
 from protos.endpoints import default_endpoint
@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory per sim device (default 1GiB)")
     parser.add_argument("--max-payload", type=parse_size, default=DEFAULT_MAX_PAYLOAD_BYTES, metavar="SIZE",
                         help="largest payload frame a request or reply may carry (default 1GiB)")
+    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
+                        help="reap a session after this long without a request or heartbeat (default 5)")
+    parser.add_argument("--session-quota", type=parse_size, default=0, metavar="SIZE",
+                        help="most memory one session may hold on each device (default: no quota)")
+    parser.add_argument("--device-reserve", type=parse_size, default=0, metavar="SIZE",
+                        help="memory of each device that allocations must leave free (default 0)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
 
@@ -47,6 +53,8 @@ def parse_config(argv: Sequence[str] | None = None) -> DaemonConfig:
     args = build_parser().parse_args(argv)
     if args.sim_devices < 0:
         raise SystemExit("cuctxd: --sim-devices must not be negative")
+    if args.lease_ttl <= 0:
+        raise SystemExit("cuctxd: --lease-ttl must be positive")
     return DaemonConfig(
         endpoints=tuple(args.endpoints or [default_endpoint()]),
         backend=args.backend,
@@ -54,6 +62,9 @@ def parse_config(argv: Sequence[str] | None = None) -> DaemonConfig:
         sim_memory=args.sim_memory,
         max_payload=args.max_payload,
         log_level=args.log_level,
+        lease_ttl=args.lease_ttl,
+        session_quota=args.session_quota,
+        device_reserve=args.device_reserve,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 
@@ -12,6 +12,9 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
+#: Seconds a session lives without a request or heartbeat before it is reaped.
+DEFAULT_LEASE_TTL = 5.0
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -37,4 +40,6 @@ class DaemonConfig:
     sim_memory: int = 1 << 30
     max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES
     log_level: str = "INFO"
-    extra: dict[str, str] = field(default_factory=dict)
+    lease_ttl: float = DEFAULT_LEASE_TTL
+    session_quota: int = 0
+    device_reserve: int = 0

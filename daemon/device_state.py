@@ -1,11 +1,13 @@
-"""One device's contexts and allocations, per session: the state a device worker owns.
+"""One device's contexts, allocations and shares, per session: the state a device worker owns.
 
 Thread ownership: a :class:`DeviceState` belongs to exactly one device worker
 thread, which is the only caller of its methods and of the driver for that
-device. Each session gets a :class:`SessionOnDevice` holding its own context
-stack (empty at first, as for a new CUDA host thread), the contexts it may name
-and the buffers it allocated. The driver's own per-thread stack on the worker is
-kept at depth <= 1 and simply set to whichever context the next call needs.
+device (the :class:`~daemon.sharing.ShareRegistry` it updates is the one
+lock-protected exception). Each session gets a :class:`SessionOnDevice` holding
+its own context stack (empty at first, as for a new CUDA host thread), the
+contexts it may name, the buffers it allocated and the shares it holds open.
+The driver's own per-thread stack on the worker is kept at depth <= 1 and set
+to whichever context the next call needs.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from __future__ import annotations
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from daemon.backends.base import Ctx, Driver
 from daemon.sessions import SessionRef
+from daemon.sharing import Share, ShareRegistry
 from protos.cuda_results import CUresult
-from protos.errors import CudaError, OutOfRange, UnknownHandle
+from protos.errors import CudaError, NotFound, OutOfRange, UnknownHandle
+from protos.host import host_identity
 from protos.limits import MAX_HANDLE
-from protos.records import BufferRecord, ContextRecord, DeviceInfo
+from protos.records import BufferRecord, ContextRecord, DeviceInfo, ShareDescriptor
 
 
 def new_handle() -> int:
@@ -28,7 +31,16 @@ def new_handle() -> int:
     return secrets.randbits(62) | 1
 
 
-@dataclass
+@dataclass(frozen=True)
+class DeviceLimits:
+    """Per-device limits from the daemon's configuration (0 means none)."""
+
+    max_payload: int
+    session_quota: int = 0
+    device_reserve: int = 0
+
+
+@dataclass(eq=False)
 class SessionContext:
     """A context as one session names it; several sessions share the primary's ``ctx``."""
 
@@ -39,9 +51,10 @@ class SessionContext:
     api_version: int
     context_id: int
     buffers: set[int] = field(default_factory=set)
+    shares: set[str] = field(default_factory=set)
 
 
-@dataclass
+@dataclass(eq=False)
 class Buffer:
     """A device allocation of one session, made in ``context``."""
 
@@ -49,33 +62,38 @@ class Buffer:
     ptr: int
     size: int
     context: SessionContext
+    share: Share | None = None
 
 
 @dataclass
 class SessionOnDevice:
-    """A session's view of one device: its context stack, contexts and buffers."""
+    """A session's view of one device: its context stack, contexts, buffers and holds."""
 
     ref: SessionRef
     stack: list[SessionContext] = field(default_factory=list)
     contexts: dict[int, SessionContext] = field(default_factory=dict)
     buffers: dict[int, Buffer] = field(default_factory=dict)
+    holds: dict[str, int] = field(default_factory=dict)
     primary: SessionContext | None = None
-
-    def bytes_allocated(self) -> int:
-        return sum(b.size for b in self.buffers.values())
+    bytes_allocated: int = 0
 
 
 class DeviceState:
-    """Contexts and memory of one device for every session; see the module docstring."""
+    """Contexts, memory and shares of one device for every session; see the module docstring."""
 
-    def __init__(self, driver: Driver, device: int, info: DeviceInfo, max_payload: int) -> None:
+    def __init__(self, driver: Driver, device: int, info: DeviceInfo, limits: DeviceLimits,
+                 registry: ShareRegistry) -> None:
         self.driver = driver
         self.device = device
         self.info = info
-        self.max_payload = max_payload
+        self.limits = limits
+        self.registry = registry
         self.sessions: dict[str, SessionOnDevice] = {}
+        self.shares: dict[str, Share] = {}
+        #: Created contexts whose session is gone but whose shares are still alive.
+        self.orphans: dict[int, SessionContext] = {}
+        self.primary_refs = 0
         self._current: Ctx | None = None
-        self._primary_refs = 0
         self.worker_thread: threading.Thread | None = None
 
     # --- sessions -------------------------------------------------------------------
@@ -87,15 +105,23 @@ class DeviceState:
         return state
 
     def close_session(self, ref: SessionRef) -> None:
-        """Destroy the session's contexts and free its allocations on this device."""
+        """Drop the session's holds, free its private buffers, destroy its contexts.
+
+        Its published buffers stay alive for the sessions that open them.
+        """
         state = self.sessions.pop(ref.token, None)
         if state is None:
             return
+        for share_id in list(state.holds):
+            self._drop_hold(state, share_id, everything=True)
+        for buffer in list(state.buffers.values()):
+            self._release_buffer(state, buffer, unpublish=False)
         for context in list(state.contexts.values()):
             if not context.is_primary:
                 self._destroy(state, context)
         if state.primary is not None:
-            self._unbind_primary(state)
+            self._release_primary(state.primary)
+            state.primary = None
 
     # --- contexts -------------------------------------------------------------------
 
@@ -107,6 +133,11 @@ class DeviceState:
         if self._current is None or self._current != ctx:
             self.driver.ctx_set_current(ctx)
             self._current = ctx
+
+    def _forget_current(self, ctx: Ctx) -> None:
+        if self._current is not None and self._current == ctx:
+            self.driver.ctx_set_current(None)
+            self._current = None
 
     def current(self, state: SessionOnDevice) -> SessionContext | None:
         return state.stack[-1] if state.stack else None
@@ -123,7 +154,7 @@ class DeviceState:
         """Retain the primary context for this session (once) and name it."""
         if state.primary is None:
             ctx = self.driver.primary_ctx_retain(self.device)
-            self._primary_refs += 1
+            self.primary_refs += 1
             state.primary = self._describe(ctx, is_primary=True)
             state.contexts[state.primary.handle] = state.primary
         return state.primary
@@ -155,6 +186,8 @@ class DeviceState:
                 CUresult.CUDA_ERROR_INVALID_CONTEXT,
                 "the primary context cannot be destroyed; it is released when the session ends",
             )
+        for buffer_handle in list(context.buffers):
+            self._release_buffer(state, state.buffers[buffer_handle], unpublish=True)
         self._destroy(state, context)
 
     def context(self, state: SessionOnDevice, handle: int) -> SessionContext:
@@ -185,28 +218,22 @@ class DeviceState:
         )
 
     def _destroy(self, state: SessionOnDevice, context: SessionContext) -> None:
-        for handle in context.buffers:
-            state.buffers.pop(handle, None)
-        if self._current is not None and self._current == context.ctx:
-            self.driver.ctx_set_current(None)
-            self._current = None
-        self.driver.ctx_destroy(context.ctx)
+        """Take a created context from the session; destroy it unless shares still live in it."""
+        for handle in list(context.buffers):
+            self._release_buffer(state, state.buffers[handle], unpublish=False)
         state.contexts.pop(context.handle, None)
         state.stack[:] = [c for c in state.stack if c is not context]
+        if context.shares:
+            self.orphans[context.context_id] = context
+            return
+        self._forget_current(context.ctx)
+        self.driver.ctx_destroy(context.ctx)
 
-    def _unbind_primary(self, state: SessionOnDevice) -> None:
-        primary = state.primary
-        assert primary is not None
-        if primary.buffers:
-            self.activate(primary)
-            for handle in list(primary.buffers):
-                self.free(state, handle)
-        if self._current is not None and self._current == primary.ctx and self._primary_refs == 1:
-            self.driver.ctx_set_current(None)
-            self._current = None
+    def _release_primary(self, primary: SessionContext) -> None:
+        if self.primary_refs == 1:
+            self._forget_current(primary.ctx)
         self.driver.primary_ctx_release(self.device)
-        self._primary_refs -= 1
-        state.primary = None
+        self.primary_refs -= 1
 
     def live_contexts(self) -> list[SessionContext]:
         """Every distinct context alive on this device (the primary once)."""
@@ -214,6 +241,10 @@ class DeviceState:
         for state in self.sessions.values():
             for context in state.contexts.values():
                 seen.setdefault(context.context_id, context)
+        for context in self.orphans.values():
+            seen.setdefault(context.context_id, context)
+        for share in self.shares.values():
+            seen.setdefault(share.context.context_id, share.context)
         return list(seen.values())
 
     # --- memory ---------------------------------------------------------------------
@@ -221,18 +252,65 @@ class DeviceState:
     def alloc(self, state: SessionOnDevice, size: int) -> Buffer:
         context = self.current_or_primary(state)
         self.activate(context)
+        self._check_quota(state, size)
         ptr = self.driver.mem_alloc(size)
         buffer = Buffer(new_handle(), ptr, size, context)
         state.buffers[buffer.handle] = buffer
+        state.bytes_allocated += size
         context.buffers.add(buffer.handle)
         return buffer
 
+    def _check_quota(self, state: SessionOnDevice, size: int) -> None:
+        quota, reserve = self.limits.session_quota, self.limits.device_reserve
+        if quota and state.bytes_allocated + size > quota:
+            raise CudaError.of(
+                CUresult.CUDA_ERROR_OUT_OF_MEMORY,
+                f"session quota of {quota} bytes on device {self.device}: "
+                f"{state.bytes_allocated} in use, {size} more asked",
+            )
+        if reserve:
+            free, _ = self.driver.mem_get_info()
+            if free - size < reserve:
+                raise CudaError.of(
+                    CUresult.CUDA_ERROR_OUT_OF_MEMORY,
+                    f"device reserve of {reserve} bytes on device {self.device}: {free} free, {size} asked",
+                )
+
+    def mem_get_info(self, state: SessionOnDevice) -> dict[str, int | str | None]:
+        """``cuMemGetInfo`` as this session sees it: free is capped by its quota and the reserve."""
+        self.activate(self.current_or_primary(state))
+        device_free, total = self.driver.mem_get_info()
+        free, limited_by = max(0, device_free - self.limits.device_reserve), "device"
+        quota = self.limits.session_quota
+        if quota and quota - state.bytes_allocated < free:
+            free, limited_by = max(0, quota - state.bytes_allocated), "quota"
+        return {
+            "free": free,
+            "total": total,
+            "device_free": device_free,
+            "quota": quota or None,
+            "reserve": self.limits.device_reserve,
+            "limited_by": limited_by,
+        }
+
     def free(self, state: SessionOnDevice, handle: int) -> None:
-        buffer = self.buffer(state, handle)
-        self.activate(buffer.context)
-        self.driver.mem_free(buffer.ptr)
-        del state.buffers[handle]
-        buffer.context.buffers.discard(handle)
+        self._release_buffer(state, self.buffer(state, handle), unpublish=True)
+
+    def _release_buffer(self, state: SessionOnDevice, buffer: Buffer, *, unpublish: bool) -> None:
+        """The owner lets go of a buffer: free it, or leave it to its share's other holders."""
+        if buffer.share is None:
+            self.activate(buffer.context)
+            self.driver.mem_free(buffer.ptr)
+        else:
+            share = buffer.share
+            share.owner_present = False
+            share.opened_since_orphaned = bool(share.holders)
+            if unpublish:
+                self.registry.drop_names(share)
+            self._settle(share)
+        del state.buffers[buffer.handle]
+        state.bytes_allocated -= buffer.size
+        buffer.context.buffers.discard(buffer.handle)
 
     def buffer(self, state: SessionOnDevice, handle: int) -> Buffer:
         buffer = state.buffers.get(handle)
@@ -245,49 +323,97 @@ class DeviceState:
             handle=buffer.handle, device=self.device, size=buffer.size, context=buffer.context.handle
         )
 
-    # --- status ---------------------------------------------------------------------
+    # --- sharing --------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
-        """This device's part of ``status``; only public ids, never session tokens."""
-        flags, active = self.driver.primary_ctx_state(self.device)
-        thread = self.worker_thread or threading.current_thread()
-        contexts = []
-        for context in self.live_contexts():
-            owners = sorted(
-                s.ref.public_id for s in self.sessions.values()
-                if any(c.context_id == context.context_id for c in s.contexts.values())
-            )
-            contexts.append({
-                "context_id": context.context_id,
-                "is_primary": context.is_primary,
-                "flags": context.flags,
-                "sessions": owners,
-            })
-        return {
-            "device": self.device,
-            "name": self.info.name,
-            "worker": {"name": thread.name, "native_id": thread.native_id, "alive": thread.is_alive()},
-            "primary_context": {"active": bool(active), "flags": flags, "sessions": self._primary_refs},
-            "contexts": contexts,
-            "sessions": [
-                {
-                    "session": s.ref.public_id,
-                    "contexts": len(s.contexts),
-                    "stack_depth": len(s.stack),
-                    "allocations": len(s.buffers),
-                    "bytes": s.bytes_allocated(),
-                }
-                for s in self.sessions.values()
-            ],
-        }
+    def export(self, state: SessionOnDevice, handle: int) -> Share:
+        """Make a buffer shareable (once); the share keeps its context alive past the session."""
+        buffer = self.buffer(state, handle)
+        if buffer.share is not None:
+            return buffer.share
+        self.activate(buffer.context)
+        ipc_handle = self.driver.ipc_get_mem_handle(buffer.ptr)
+        if buffer.context.is_primary:
+            self.driver.primary_ctx_retain(self.device)  # the share's own reference
+            self.primary_refs += 1
+        descriptor = ShareDescriptor(
+            share_id=secrets.token_hex(16),
+            device=self.device,
+            device_uuid=self.info.uuid,
+            size=buffer.size,
+            backend=self.driver.name,
+            ipc_handle=ipc_handle,
+            host=host_identity(),
+        )
+        share = Share(descriptor, buffer.ptr, buffer.context, state.ref)
+        buffer.share = share
+        buffer.context.shares.add(share.share_id)
+        self.shares[share.share_id] = share
+        self.registry.add(share)
+        return share
+
+    def open_share(self, state: SessionOnDevice, share_id: str) -> Share:
+        share = self.shares.get(share_id)
+        if share is None or not share.keeps_alive():
+            raise NotFound("no such shared buffer on this device (never exported, or already freed)")
+        if not share.owner_present:
+            share.opened_since_orphaned = True
+        state.holds[share_id] = state.holds.get(share_id, 0) + 1
+        share.holders[state.ref.token] = share.holders.get(state.ref.token, 0) + 1
+        self.registry.update(share)
+        return share
+
+    def close_share(self, state: SessionOnDevice, share_id: str) -> None:
+        if share_id not in state.holds:
+            raise NotFound("this session does not hold that shared buffer open")
+        self._drop_hold(state, share_id, everything=False)
+
+    def forget_name(self, name: str, share_id: str) -> None:
+        """After the front unpublished ``name``: drop it here and free the share if that was all."""
+        share = self.shares.get(share_id)
+        if share is not None:
+            share.names.discard(name)
+            self._settle(share)
+
+    def _drop_hold(self, state: SessionOnDevice, share_id: str, *, everything: bool) -> None:
+        count = 0 if everything else state.holds[share_id] - 1
+        if count:
+            state.holds[share_id] = count
+        else:
+            state.holds.pop(share_id, None)
+        share = self.shares.get(share_id)
+        if share is None:
+            return
+        if count:
+            share.holders[state.ref.token] = count
+        else:
+            share.holders.pop(state.ref.token, None)
+        self._settle(share)
+
+    def _settle(self, share: Share) -> None:
+        """Free a share's memory once nothing keeps it alive (deferred free)."""
+        if share.keeps_alive():
+            self.registry.update(share)
+            return
+        context = share.context
+        self.activate(context)
+        self.driver.mem_free(share.ptr)
+        del self.shares[share.share_id]
+        context.shares.discard(share.share_id)
+        self.registry.remove(share)
+        share.names.clear()
+        if context.is_primary:
+            self._release_primary(context)
+        elif not context.shares and self.orphans.pop(context.context_id, None) is not None:
+            self._forget_current(context.ctx)
+            self.driver.ctx_destroy(context.ctx)
 
 
-def check_range(buffer: Buffer, offset: int, size: int | None) -> int:
-    """Validate ``[offset, offset+size)`` inside ``buffer``; return the resolved size."""
-    if offset > buffer.size:
-        raise OutOfRange(f"offset {offset} is past the end of a {buffer.size}-byte buffer")
+def check_range(size_of_buffer: int, offset: int, size: int | None) -> int:
+    """Validate ``[offset, offset+size)`` inside a buffer; return the resolved size."""
+    if offset > size_of_buffer:
+        raise OutOfRange(f"offset {offset} is past the end of a {size_of_buffer}-byte buffer")
     if size is None:
-        size = buffer.size - offset
-    if size > MAX_HANDLE or offset + size > buffer.size:
-        raise OutOfRange(f"range [{offset}, {offset + size}) is outside a {buffer.size}-byte buffer")
+        size = size_of_buffer - offset
+    if size > MAX_HANDLE or offset + size > size_of_buffer:
+        raise OutOfRange(f"range [{offset}, {offset + size}) is outside a {size_of_buffer}-byte buffer")
     return size

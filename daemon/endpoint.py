@@ -11,6 +11,7 @@ import socket
 import stat
 from pathlib import Path
 
+
 def ipc_path(endpoint: str) -> Path | None:
     """The socket file of an ipc:// endpoint, or None for other transports."""
     return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None

@@ -11,11 +11,14 @@ it cannot even be addressed; nothing a client sends can stop this loop.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import zmq
 
+from daemon.device_state import DeviceState
 from daemon.front_state import FrontState
 from daemon.handlers import FRONT_HANDLERS
 from daemon.jobs import Job
@@ -28,6 +31,7 @@ from protos.errors import (
     CuctxError,
     CudaError,
     InternalError,
+    SessionExpired,
     TooLarge,
     UnknownSession,
 )
@@ -56,19 +60,35 @@ class Front:
         self.replies = replies
 
     def serve(self, stop_fd: int) -> None:
-        """Serve until ``stop_fd`` becomes readable."""
+        """Serve until ``stop_fd`` becomes readable; reap expired sessions as time passes."""
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.replies, zmq.POLLIN)
         poller.register(stop_fd, zmq.POLLIN)
+        ttl = self.state.config.lease_ttl
+        reap_every = min(1.0, ttl / 4)
+        next_reap = time.monotonic() + reap_every
         while True:
-            events = dict(poller.poll())
+            events = dict(poller.poll(max(1, int((next_reap - time.monotonic()) * 1000))))
             if stop_fd in events:
                 return
             if self.replies in events:
                 self._forward_replies()
             if self.router in events:
                 self._take_requests()
+            now = time.monotonic()
+            if now >= next_reap:
+                self._reap(now, ttl)
+                next_reap = now + reap_every
+
+    def _reap(self, now: float, ttl: float) -> None:
+        for session in self.state.sessions.expire(now, ttl):
+            self.state.sessions_reaped += 1
+            ref = session.ref
+            log.info("session %d (%s, pid %d) reaped: no request or heartbeat for %.1f s",
+                     ref.public_id, ref.client, ref.pid, ttl)
+            for worker in self.workers:
+                worker.run(partial(DeviceState.close_session, ref=ref))
 
     def _forward_replies(self) -> None:
         while True:
@@ -120,6 +140,8 @@ class Front:
             else:
                 assert isinstance(outcome, Reply)
                 self._send([identity, encode_result(request.id, outcome.result), *outcome.frames])
+                for task in outcome.tasks:
+                    self.workers[task.device].run(task.run)
             return
         assert session is not None
         device = session.current_device if args.device is None else args.device
@@ -140,7 +162,13 @@ class Front:
             raise UnknownSession(f"{request.spec.name} needs a session: send hello first")
         session = self.state.sessions.get(request.session)
         if session is None:
+            if self.state.sessions.was_expired(request.session):
+                raise SessionExpired(
+                    f"the session's lease ran out ({self.state.config.lease_ttl:g} s without a request "
+                    "or heartbeat) and the daemon freed its contexts and memory; open a new session"
+                )
             raise UnknownSession("unknown or closed session; open a new one with hello")
+        session.last_seen = time.monotonic()
         return session
 
     def _check_payload(self, spec: OpSpec, payload: Sequence[zmq.Frame]) -> None:

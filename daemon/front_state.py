@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from daemon.config import DaemonConfig
 from daemon.sessions import SessionRegistry
+from daemon.sharing import ShareRegistry
 from protos.records import DeviceInfo
 
 
@@ -17,6 +18,8 @@ class FrontState:
     config: DaemonConfig
     backend: str
     devices: list[DeviceInfo]
+    shares: ShareRegistry
     sessions: SessionRegistry = field(default_factory=SessionRegistry)
+    sessions_reaped: int = 0
     started_at: float = field(default_factory=time.time)
     requests_served: int = 0

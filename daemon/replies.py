@@ -18,11 +18,23 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class DeviceTask:
+    """Fire-and-forget work for device ``device``'s worker, queued after a front reply."""
+
+    device: int
+    run: Callable[[DeviceState], None]
+
+
+@dataclass
 class Reply:
-    """A successful result map plus payload frames (zero-copy buffers)."""
+    """A successful result map plus payload frames (zero-copy buffers).
+
+    ``tasks`` (front handlers only) are queued to device workers once the reply is sent.
+    """
 
     result: dict[str, Any] = field(default_factory=dict)
     frames: Sequence[Any] = ()
+    tasks: Sequence[DeviceTask] = ()
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -11,9 +12,11 @@ import zmq
 
 from daemon.backends.base import Driver
 from daemon.config import DaemonConfig
+from daemon.device_state import DeviceLimits
 from daemon.endpoint import ipc_path, prepare_ipc, remove_ipc
 from daemon.front import Front
 from daemon.front_state import FrontState
+from daemon.sharing import ShareRegistry
 from daemon.worker import DeviceWorker
 from protos.limits import MAX_HEADER_BYTES
 
@@ -44,9 +47,10 @@ class Daemon:
         replies = self._zmq.socket(zmq.PULL)
         replies.bind(_REPLY_ENDPOINT)
         count = self.driver.device_count()
+        limits = DeviceLimits(self.config.max_payload, self.config.session_quota, self.config.device_reserve)
+        shares = ShareRegistry()
         self._workers = [
-            DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, self.config.max_payload)
-            for n in range(count)
+            DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares) for n in range(count)
         ]
         peers = {w.device: w for w in self._workers}
         devices = []
@@ -54,7 +58,7 @@ class Daemon:
             worker.peers = peers
             devices.append(worker.start().info)
         router = self._bind_router()
-        state = FrontState(self.config, self.driver.name, devices)
+        state = FrontState(self.config, self.driver.name, devices, shares)
         self._front = Front(state, self._workers, router, replies)
         log.info("serving %d %s device(s) on %s", count, self.driver.name, ", ".join(self.bound))
 
@@ -80,10 +84,8 @@ class Daemon:
         self._front.serve(self._stop_read)
 
     def stop(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):  # a stop is already pending
             os.write(self._stop_write, b"x")
-        except BlockingIOError:
-            pass  # a stop is already pending
 
     def close(self) -> None:
         """Free every session's contexts and memory, close sockets, remove ipc socket files."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -29,6 +30,7 @@ class Session:
 
     ref: SessionRef
     opened_at: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
     current_device: int = 0
 
     def to_status(self) -> dict[str, object]:
@@ -41,11 +43,16 @@ class Session:
         }
 
 
+#: How many reaped tokens are remembered, to answer "expired" rather than "unknown".
+_EXPIRED_MEMORY = 4096
+
+
 class SessionRegistry:
-    """Token -> session; only the front thread calls it."""
+    """Token -> session, and recently reaped tokens; only the front thread calls it."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
+        self._expired: OrderedDict[str, None] = OrderedDict()
         self._public_ids = itertools.count(1)
 
     def open(self, client: str, pid: int) -> Session:
@@ -59,6 +66,19 @@ class SessionRegistry:
 
     def close(self, token: str) -> Session | None:
         return self._sessions.pop(token, None)
+
+    def expire(self, now: float, ttl: float) -> list[Session]:
+        """Remove and return the sessions not heard from for ``ttl`` seconds."""
+        stale = [s for s in self._sessions.values() if now - s.last_seen > ttl]
+        for session in stale:
+            del self._sessions[session.ref.token]
+            self._expired[session.ref.token] = None
+        while len(self._expired) > _EXPIRED_MEMORY:
+            self._expired.popitem(last=False)
+        return stale
+
+    def was_expired(self, token: str) -> bool:
+        return token in self._expired
 
     def __len__(self) -> int:
         return len(self._sessions)

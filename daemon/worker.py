@@ -18,10 +18,11 @@ from typing import Any
 import zmq
 
 from daemon.backends.base import Driver
-from daemon.device_state import DeviceState
+from daemon.device_state import DeviceLimits, DeviceState
 from daemon.handlers import DEVICE_HANDLERS
 from daemon.jobs import Job
 from daemon.replies import FanOut, Forward, Gather, Reply
+from daemon.sharing import ShareRegistry
 from protos.cuda_results import CUresult
 from protos.errors import CuctxError, CudaError, InternalError
 from protos.messages import encode_error, encode_result
@@ -44,13 +45,15 @@ class DeviceWorker:
         device: int,
         zmq_context: zmq.Context[Any],
         reply_endpoint: str,
-        max_payload: int,
+        limits: DeviceLimits,
+        shares: ShareRegistry,
     ) -> None:
         self.device = device
         self._driver = driver
         self._zmq_context = zmq_context
         self._reply_endpoint = reply_endpoint
-        self._max_payload = max_payload
+        self._limits = limits
+        self._shares = shares
         self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -76,6 +79,10 @@ class DeviceWorker:
     def submit_task(self, task: Task) -> None:
         self._tasks.put(task)
 
+    def run(self, work: Callable[[DeviceState], None]) -> None:
+        """Queue fire-and-forget work on this device's state; failures are logged."""
+        self._tasks.put(lambda worker: worker._run_quietly(work))
+
     def fan_out(self, identity: bytes, request_id: int, gather: Gather, fan_out: FanOut) -> None:
         self._tasks.put(lambda worker: worker._run_fan_out(identity, request_id, gather, fan_out))
 
@@ -92,7 +99,7 @@ class DeviceWorker:
     def _run(self) -> None:
         try:
             info = self._driver.device_info(self.device)
-            self.state = DeviceState(self._driver, self.device, info, self._max_payload)
+            self.state = DeviceState(self._driver, self.device, info, self._limits, self._shares)
             self.state.worker_thread = self.thread
             self._socket = self._zmq_context.socket(zmq.PUSH)
             self._socket.setsockopt(zmq.SNDHWM, 0)
@@ -118,6 +125,13 @@ class DeviceWorker:
                 log.warning("device %d: closing session %d at shutdown: %s",
                             self.device, session.ref.public_id, exc)
         self._socket.close()
+
+    def _run_quietly(self, work: Callable[[DeviceState], None]) -> None:
+        assert self.state is not None
+        try:
+            work(self.state)
+        except Exception:
+            log.exception("device %d: background task failed", self.device)
 
     def _run_job(self, job: Job) -> None:
         assert self.state is not None

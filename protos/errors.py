@@ -30,6 +30,9 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_SHUTTING_DOWN = 10010
     CUCTXD_ERROR_NOT_SHAREABLE = 10011
     CUCTXD_ERROR_LIMIT_EXCEEDED = 10012
+    CUCTXD_ERROR_NAME_EXISTS = 10013
+    CUCTXD_ERROR_NOT_FOUND = 10014
+    CUCTXD_ERROR_NOT_OWNER = 10015
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -148,6 +151,24 @@ class LimitExceeded(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_LIMIT_EXCEEDED
 
 
+class NameExists(DaemonError):
+    """A shared-buffer name is already published."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NAME_EXISTS
+
+
+class NotFound(DaemonError):
+    """No published name or shared buffer matches (never was, or is gone)."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NOT_FOUND
+
+
+class NotOwner(DaemonError):
+    """Only the session that owns a shared buffer or name may do this."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NOT_OWNER
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -173,7 +194,7 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        InternalError,
+        NameExists, NotFound, NotOwner, InternalError,
     )
 }
 

@@ -38,7 +38,8 @@ class DeviceInfo(_Record):
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> DeviceInfo:
         record = super().from_wire(wire)
-        return dataclasses.replace(record, compute_capability=tuple(record.compute_capability))
+        major, minor = record.compute_capability
+        return dataclasses.replace(record, compute_capability=(int(major), int(minor)))
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,21 @@ class BufferRecord(_Record):
     device: int
     size: int
     context: int
+
+
+@dataclass(frozen=True)
+class ShareDescriptor(_Record):
+    """Everything another process needs to map a shared buffer: plain data, picklable.
+
+    ``ipc_handle`` is the backend's 64-byte handle (``CUipcMemHandle`` for cuda);
+    ``host`` and ``device_uuid`` let the opener check it is on the same machine and GPU.
+    """
+
+    share_id: str
+    device: int
+    device_uuid: str
+    size: int
+    backend: str
+    ipc_handle: bytes
+    host: str
+    name: str | None = None

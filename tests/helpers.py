@@ -23,6 +23,7 @@ class DaemonProcess:
     endpoint: str
     socket_dir: Path
     stderr_lines: list[str] = field(default_factory=list)
+    pumps: list[threading.Thread] = field(default_factory=list)
 
     @property
     def socket_path(self) -> Path:
@@ -38,6 +39,15 @@ class DaemonProcess:
             self.process.kill()
             self.process.wait()
             raise AssertionError(f"cuctxd did not exit within {timeout} s of SIGTERM") from None
+        finally:
+            self.close_pipes()
+
+    def close_pipes(self) -> None:
+        for pump in self.pumps:
+            pump.join(timeout=5)
+        for stream in (self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
 
     def log(self) -> str:
         return "".join(self.stderr_lines)
@@ -71,14 +81,57 @@ def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0)
         for line in process.stderr:
             daemon.stderr_lines.append(line)
 
-    threading.Thread(target=pump_stdout, daemon=True).start()
-    threading.Thread(target=pump_stderr, daemon=True).start()
+    daemon.pumps = [threading.Thread(target=pump_stdout, daemon=True),
+                    threading.Thread(target=pump_stderr, daemon=True)]
+    for pump in daemon.pumps:
+        pump.start()
     if not ready.wait(ready_timeout):
         process.kill()
         process.wait()
+        daemon.close_pipes()
         raise AssertionError(f"cuctxd did not become ready in {ready_timeout} s:\n{daemon.log()}")
     return daemon
 
 
 def remove_tempdir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def client_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+
+
+def run_client(code: str, endpoint: str, timeout: float = 30.0) -> str:
+    """Run ``code`` in a separate Python process (with ``ENDPOINT`` defined); return its stdout."""
+    script = f"ENDPOINT = {endpoint!r}\n{code}"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=client_env(), timeout=timeout, cwd=REPO)
+    if done.returncode != 0:
+        raise AssertionError(f"client process failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def spawn_client(code: str, endpoint: str) -> subprocess.Popen[str]:
+    """Start ``code`` in a separate Python process; use it in ``with`` so its pipes get closed."""
+    script = f"ENDPOINT = {endpoint!r}\n{code}"
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=client_env(), cwd=REPO)
+
+
+def wait_for_line(process: subprocess.Popen[str], expected: str, timeout: float = 30.0) -> str:
+    """Read the process's stdout until a line contains ``expected``."""
+    found = threading.Event()
+    seen: list[str] = []
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            seen.append(line)
+            if expected in line:
+                found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not found.wait(timeout):
+        process.kill()
+        raise AssertionError(f"no {expected!r} from client process; it printed {''.join(seen)!r}")
+    return seen[-1]

@@ -21,8 +21,8 @@ from protos.records import DeviceInfo
 #: A backend's context object (``CUcontext`` for cuda); opaque to the daemon.
 Ctx = NewType("Ctx", object)
 
-#: Memory-type flag for ``ctx_create``'s flags, as in cuda.h.
-CU_CTX_SCHED_AUTO = 0
+#: Bytes of an IPC memory handle (``CU_IPC_HANDLE_SIZE``); the sim's handles have the same size.
+IPC_HANDLE_SIZE = 64
 
 
 class Driver(ABC):
@@ -125,3 +125,9 @@ class Driver(ABC):
 
     @abstractmethod
     def memcpy_dtod(self, dst: int, src: int, size: int) -> None: ...
+
+    # --- sharing ------------------------------------------------------------------------
+
+    @abstractmethod
+    def ipc_get_mem_handle(self, ptr: int) -> bytes:
+        """``cuIpcGetMemHandle``: the 64 bytes another process opens the allocation with."""

@@ -19,6 +19,7 @@ state here, the ordinal -> ``CUdevice`` cache, only ever gains equal entries.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Any
 
@@ -50,6 +51,7 @@ from cuda.bindings.driver import (
     cuGetErrorName,
     cuGetErrorString,
     cuInit,
+    cuIpcGetMemHandle,
     cuMemAlloc,
     cuMemcpyDtoD,
     cuMemcpyDtoH,
@@ -59,7 +61,7 @@ from cuda.bindings.driver import (
     cuMemsetD8,
 )
 
-from daemon.backends.base import Ctx, Driver
+from daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver
 from protos.cuda_results import CUresult
 from protos.errors import CudaError
 from protos.records import DeviceInfo
@@ -289,3 +291,10 @@ class CudaDriver(Driver):
 
     def memcpy_dtod(self, dst: int, src: int, size: int) -> None:
         check_result(cuMemcpyDtoD(dst, src, size))
+
+    # --- sharing ------------------------------------------------------------------------
+
+    def ipc_get_mem_handle(self, ptr: int) -> bytes:
+        # Copy the handle's 64 bytes through its pointer: ``.reserved`` is gone in 13.4+.
+        handle = check_result(cuIpcGetMemHandle(ptr))
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_SIZE)

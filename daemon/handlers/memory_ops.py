@@ -7,14 +7,12 @@ from daemon.handlers.registry import device_handler
 from daemon.jobs import Job
 from daemon.replies import Forward, Reply
 from protos import ops
-from protos.errors import OutOfRange, TooLarge
+from protos.errors import TooLarge
 
 
 @device_handler(ops.MemGetInfo)
 def mem_get_info(state: DeviceState, job: Job) -> Reply:
-    state.activate(state.current_or_primary(state.session(job.session)))
-    free, total = state.driver.mem_get_info()
-    return Reply({"free": free, "total": total})
+    return Reply(state.mem_get_info(state.session(job.session)))
 
 
 @device_handler(ops.Alloc)
@@ -32,7 +30,7 @@ def free(state: DeviceState, job: Job) -> Reply:
 @device_handler(ops.Fill)
 def fill(state: DeviceState, job: Job) -> Reply:
     buffer = state.buffer(state.session(job.session), job.args.buffer)
-    size = check_range(buffer, job.args.offset, job.args.size)
+    size = check_range(buffer.size, job.args.offset, job.args.size)
     if size:
         state.activate(buffer.context)
         state.driver.memset_d8(buffer.ptr + job.args.offset, job.args.value, size)
@@ -43,7 +41,7 @@ def fill(state: DeviceState, job: Job) -> Reply:
 def write(state: DeviceState, job: Job) -> Reply:
     buffer = state.buffer(state.session(job.session), job.args.buffer)
     data = memoryview(job.payload[0])
-    size = check_range(buffer, job.args.offset, data.nbytes)
+    size = check_range(buffer.size, job.args.offset, data.nbytes)
     if size:
         state.activate(buffer.context)
         state.driver.memcpy_htod(buffer.ptr + job.args.offset, data, size)
@@ -53,9 +51,9 @@ def write(state: DeviceState, job: Job) -> Reply:
 @device_handler(ops.Read)
 def read(state: DeviceState, job: Job) -> Reply:
     buffer = state.buffer(state.session(job.session), job.args.buffer)
-    size = check_range(buffer, job.args.offset, job.args.size)
-    if size > state.max_payload:
-        raise TooLarge(f"a read of {size} bytes exceeds the daemon's payload limit of {state.max_payload}")
+    size = check_range(buffer.size, job.args.offset, job.args.size)
+    if size > state.limits.max_payload:
+        raise TooLarge(f"a read of {size} bytes exceeds the daemon's payload limit of {state.limits.max_payload}")
     out = bytearray(size)
     if size:
         state.activate(buffer.context)
@@ -68,11 +66,11 @@ def copy(state: DeviceState, job: Job) -> Reply | Forward:
     args: ops.Copy = job.args
     session = state.session(job.session)
     src = state.buffer(session, args.src)
-    size = check_range(src, args.src_offset, args.size)
+    size = check_range(src.size, args.src_offset, args.size)
     dst_device = job.device if args.dst_device is None else args.dst_device
     if dst_device == job.device:
         dst = state.buffer(session, args.dst)
-        check_range(dst, args.dst_offset, size)
+        check_range(dst.size, args.dst_offset, size)
         if size:
             state.activate(src.context)
             state.driver.memcpy_dtod(dst.ptr + args.dst_offset, src.ptr + args.src_offset, size)
@@ -85,9 +83,7 @@ def copy(state: DeviceState, job: Job) -> Reply | Forward:
 
     def finish_on_destination(dst_state: DeviceState) -> Reply:
         dst = dst_state.buffer(dst_state.session(job.session), args.dst)
-        if args.dst_offset + size > dst.size:
-            raise OutOfRange(f"range [{args.dst_offset}, {args.dst_offset + size}) is outside "
-                             f"a {dst.size}-byte buffer")
+        check_range(dst.size, args.dst_offset, size)
         if size:
             dst_state.activate(dst.context)
             dst_state.driver.memcpy_htod(dst.ptr + args.dst_offset, memoryview(staged), size)

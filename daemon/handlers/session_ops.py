@@ -8,6 +8,7 @@ from typing import Any
 
 from daemon import __version__
 from daemon.device_state import DeviceState
+from daemon.device_status import device_status
 from daemon.front_state import FrontState
 from daemon.handlers.registry import front_handler
 from daemon.replies import FanOut, Reply
@@ -32,6 +33,7 @@ def hello(front: FrontState, session: Session | None, args: ops.Hello) -> Reply:
         "protocol": PROTOCOL_VERSION,
         "backend": front.backend,
         "devices": [d.to_wire() for d in front.devices],
+        "lease_ttl": front.config.lease_ttl,
         "limits": {
             "max_header_bytes": MAX_HEADER_BYTES,
             "max_payload_bytes": front.config.max_payload,
@@ -88,4 +90,4 @@ def status(front: FrontState, session: Session | None, args: ops.Status) -> FanO
     def finish(parts: list[Any]) -> Reply:
         return Reply({**daemon_part, "devices": parts})
 
-    return FanOut(DeviceState.snapshot, finish)
+    return FanOut(device_status, finish)

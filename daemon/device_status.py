@@ -1,0 +1,58 @@
+"""A device's part of ``status``, read on its worker thread from its :class:`DeviceState`."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from daemon.device_state import DeviceState
+
+
+def device_status(state: DeviceState) -> dict[str, Any]:
+    """Worker, primary context, contexts, per-session memory and shares; public ids only, never tokens."""
+    flags, active = state.driver.primary_ctx_state(state.device)
+    thread = state.worker_thread or threading.current_thread()
+    by_context: dict[int, list[int]] = {}
+    for session in state.sessions.values():
+        for context in session.contexts.values():
+            by_context.setdefault(context.context_id, []).append(session.ref.public_id)
+    contexts = [
+        {
+            "context_id": context.context_id,
+            "is_primary": context.is_primary,
+            "flags": context.flags,
+            "sessions": sorted(by_context.get(context.context_id, [])),
+            "orphaned": context.context_id in state.orphans,
+        }
+        for context in state.live_contexts()
+    ]
+    public = {s.ref.token: s.ref.public_id for s in state.sessions.values()}
+    return {
+        "device": state.device,
+        "name": state.info.name,
+        "worker": {"name": thread.name, "native_id": thread.native_id, "alive": thread.is_alive()},
+        "primary_context": {"active": bool(active), "flags": flags, "references": state.primary_refs},
+        "contexts": contexts,
+        "sessions": [
+            {
+                "session": s.ref.public_id,
+                "contexts": len(s.contexts),
+                "stack_depth": len(s.stack),
+                "allocations": len(s.buffers),
+                "bytes": s.bytes_allocated,
+                "holds": sum(s.holds.values()),
+            }
+            for s in state.sessions.values()
+        ],
+        "shares": [
+            {
+                "share_id": share.share_id,
+                "size": share.descriptor.size,
+                "names": sorted(share.names),
+                "owner": share.owner.public_id,
+                "owner_present": share.owner_present,
+                "holders": sorted(public.get(token, -1) for token in share.holders),
+            }
+            for share in state.shares.values()
+        ],
+    }

@@ -1,0 +1,68 @@
+"""Sharing ops: export/publish/open/close run on the share's device worker; names and
+leases are answered by the front from the daemon-wide :class:`~daemon.sharing.ShareRegistry`."""
+
+from __future__ import annotations
+
+from daemon.device_state import DeviceState
+from daemon.front_state import FrontState
+from daemon.handlers.registry import device_handler, front_handler
+from daemon.jobs import Job
+from daemon.replies import DeviceTask, Reply
+from daemon.sessions import Session
+from protos import sharing_ops as ops
+from protos.errors import BadArgument
+
+
+def _share_reply(descriptor_wire: dict[str, object]) -> Reply:
+    return Reply({"share": descriptor_wire})
+
+
+@device_handler(ops.Export)
+def export(state: DeviceState, job: Job) -> Reply:
+    share = state.export(state.session(job.session), job.args.buffer)
+    return _share_reply(share.descriptor.to_wire())
+
+
+@device_handler(ops.Publish)
+def publish(state: DeviceState, job: Job) -> Reply:
+    if not job.args.name:
+        raise BadArgument("publish needs a non-empty name")
+    share = state.export(state.session(job.session), job.args.buffer)
+    state.registry.publish(job.args.name, share)
+    return _share_reply({**share.descriptor.to_wire(), "name": job.args.name})
+
+
+@device_handler(ops.OpenShared)
+def open_shared(state: DeviceState, job: Job) -> Reply:
+    share = state.open_share(state.session(job.session), job.args.share_id)
+    return _share_reply(share.descriptor.to_wire())
+
+
+@device_handler(ops.CloseShared)
+def close_shared(state: DeviceState, job: Job) -> Reply:
+    state.close_share(state.session(job.session), job.args.share_id)
+    return Reply()
+
+
+@front_handler(ops.Heartbeat)
+def heartbeat(front: FrontState, session: Session | None, args: ops.Heartbeat) -> Reply:
+    return Reply({"lease_ttl": front.config.lease_ttl})
+
+
+@front_handler(ops.Unpublish)
+def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish) -> Reply:
+    assert session is not None
+    share_id = front.shares.unpublish(args.name, session.ref.token)
+    device = front.shares.device_of(share_id)
+    name = args.name
+    return Reply(tasks=[DeviceTask(device, lambda state: state.forget_name(name, share_id))])
+
+
+@front_handler(ops.Lookup)
+def lookup(front: FrontState, session: Session | None, args: ops.Lookup) -> Reply:
+    return _share_reply(front.shares.lookup(args.name).to_wire())
+
+
+@front_handler(ops.ListShared)
+def list_shared(front: FrontState, session: Session | None, args: ops.ListShared) -> Reply:
+    return Reply({"shared": front.shares.published()})

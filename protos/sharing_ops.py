@@ -1,0 +1,76 @@
+"""Ops for sharing memory between processes, and the session lease (protocol version 1).
+
+A buffer is shared by *exporting* it (a share descriptor with the backend's IPC
+handle) and, optionally, *publishing* it under a name. Another session *opens*
+the share (the daemon records the hold) and maps it in its own process with the
+IPC handle; it *closes* it when done. The daemon frees shared memory only once
+its owner has freed it and no session still holds it open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from protos.schema import count_field, handle_field, op
+
+
+@op("heartbeat", target="front")
+class Heartbeat:
+    """Renew the session's lease (every request does; this one does nothing else).
+    Result: ``lease_ttl`` (seconds)."""
+
+
+@op("export", target="device")
+class Export:
+    """Make a buffer this session owns shareable (``cuIpcGetMemHandle``).
+    Result: ``share`` (share descriptor)."""
+
+    buffer: int = handle_field()
+    device: int | None = count_field()
+
+
+@op("publish", target="device")
+class Publish:
+    """Export a buffer and publish it under ``name``, visible to every session.
+    Result: ``share``."""
+
+    buffer: int = handle_field()
+    name: str = dataclasses.field(metadata={"max_len": 256})
+    device: int | None = count_field()
+
+
+@op("unpublish", target="front")
+class Unpublish:
+    """Remove a name this session published; holders keep their mappings. Result: ``{}``."""
+
+    name: str = dataclasses.field(metadata={"max_len": 256})
+
+
+@op("lookup", target="front")
+class Lookup:
+    """The share descriptor published under ``name``. Result: ``share``."""
+
+    name: str = dataclasses.field(metadata={"max_len": 256})
+
+
+@op("list_shared", target="front")
+class ListShared:
+    """Every published name. Result: ``shared`` (list of maps: name, share_id, device,
+    size, owner, holders, owner_freed)."""
+
+
+@op("open_shared", target="device")
+class OpenShared:
+    """Hold a share open for this session so the daemon keeps it alive; the client maps it
+    with the descriptor's IPC handle. Result: ``share``."""
+
+    share_id: str = dataclasses.field(metadata={"max_len": 64})
+    device: int | None = count_field()
+
+
+@op("close_shared", target="device")
+class CloseShared:
+    """Drop this session's hold on a share. Result: ``{}``."""
+
+    share_id: str = dataclasses.field(metadata={"max_len": 64})
+    device: int | None = count_field()

@@ -1,0 +1,91 @@
+"""The ``driver`` fixture: every contract test runs once per backend.
+
+``sim`` always runs. ``cuda`` runs only where the NVIDIA driver loads and sees a
+device; elsewhere it is skipped with the reason (``-ra`` prints it). A test must
+leave the driver as it found it: no context current on the test's thread and each
+device's primary context as active as before. The fixture checks that after
+every test, so a leak fails the test that caused it, not a later one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+import pytest
+
+from daemon.backends.base import Driver
+
+#: Simulated devices, so that multi-device tests run on the sim too.
+SIM_DEVICES = 2
+SIM_MEMORY = 256 << 20
+
+
+@cache
+def cuda_unavailable_reason() -> str | None:
+    """Why the real driver cannot run here, or None when it loads and sees a device."""
+    try:
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuInit(0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return f"cuInit(0) failed: {err.name}"
+        err, count = cu.cuDeviceGetCount()
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return f"cuDeviceGetCount failed: {err.name}"
+        if count < 1:
+            return "the CUDA driver sees no device"
+    except ImportError as missing:
+        return f"cuda-python is not importable: {missing}"
+    except RuntimeError as not_loaded:  # cuda.pathfinder's DynamicLibNotFoundError
+        return f"the NVIDIA driver (libcuda.so) does not load ({type(not_loaded).__name__})"
+    return None
+
+
+@cache
+def _cuda_driver() -> Driver:
+    """One CudaDriver for the session: the real driver's state is process-wide anyway."""
+    from daemon.backends.cuda import CudaDriver
+
+    driver = CudaDriver()
+    driver.init()
+    return driver
+
+
+def _make_driver(backend: str) -> Driver:
+    if backend == "sim":
+        from daemon.backends.sim import SimDriver
+
+        sim = SimDriver(device_count=SIM_DEVICES, memory_per_device=SIM_MEMORY)
+        sim.init()
+        return sim
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuda backend: {reason}")
+    return _cuda_driver()
+
+
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def driver(request: pytest.FixtureRequest) -> Iterator[Driver]:
+    """An initialised driver of each backend, checked for leaked contexts afterwards."""
+    backend = _make_driver(request.param)
+    primaries = [backend.primary_ctx_state(ordinal)[1] for ordinal in range(backend.device_count())]
+    yield backend
+    leaked = []
+    while backend.ctx_get_current() is not None:
+        leaked.append(backend.ctx_pop())
+    assert not leaked, f"the test left contexts on its thread's stack: {leaked}"
+    after = [backend.primary_ctx_state(ordinal)[1] for ordinal in range(backend.device_count())]
+    assert after == primaries, f"primary contexts active before {primaries}, after {after}"
+
+
+@pytest.fixture
+def cuda_bindings() -> Any:
+    """``cuda.bindings.driver``, initialised; skips where the NVIDIA driver cannot run."""
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuda backend: {reason}")
+    from cuda.bindings import driver as cu
+
+    return cu

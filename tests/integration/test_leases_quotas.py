@@ -1,0 +1,117 @@
+"""Leases (a SIGKILLed client is reaped) and quotas, against a real daemon."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from client import Client, CudaError, SessionExpired
+from tests.helpers import DaemonProcess, remove_tempdir, spawn_client, start_daemon, wait_for_line
+
+LEASE_TTL = 1.5
+QUOTA = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    process = start_daemon("--sim-devices", "2", "--sim-memory", "64MiB", "--lease-ttl", str(LEASE_TTL),
+                           "--session-quota", "1MiB", "--device-reserve", "4MiB")
+    yield process
+    assert process.stop() == 0, process.log()
+    remove_tempdir(process.socket_dir)
+
+
+def wait_until(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def sessions(observer: Client) -> set[int]:
+    return {s["session"] for s in observer.status()["sessions"]}
+
+
+VICTIM = """
+from client import Client
+import time
+c = Client(ENDPOINT)
+c.create_context(0)
+buf = c.alloc(512 * 1024, device=0)
+buf.fill(7)
+owner = Client(ENDPOINT)
+held = c.open_shared(owner.alloc(4096, device=1).export())
+print("ready", c.session_id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkilled_client_is_reaped_within_the_lease(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as observer:
+        baseline = [observer.mem_get_info(d)[0] for d in (0, 1)]
+        with spawn_client(VICTIM, daemon.endpoint) as victim:
+            session_id = int(wait_for_line(victim, "ready").split()[1])
+            assert session_id in sessions(observer)
+            killed_at = time.monotonic()
+            victim.kill()
+        assert wait_until(lambda: sessions(observer) == {observer.session_id}, LEASE_TTL + 3.0)
+        reaped_after = time.monotonic() - killed_at
+        assert reaped_after < LEASE_TTL + 3.0
+        status = observer.status()
+        for dev in status["devices"]:
+            assert [s["allocations"] for s in dev["sessions"] if s["session"] != observer.session_id] == []
+            assert dev["shares"] == []
+            assert all(not c["sessions"] or c["sessions"] == [observer.session_id] for c in dev["contexts"])
+        assert [observer.mem_get_info(d)[0] for d in (0, 1)] == baseline
+        assert "reaped" in daemon.log()
+
+
+def test_reaped_session_gets_session_expired(daemon: DaemonProcess) -> None:
+    quiet = Client(daemon.endpoint, heartbeat=False)
+    try:
+        quiet.alloc(1024)
+        time.sleep(LEASE_TTL + 1.5)  # deliberately silent past the lease: the thing under test
+        with pytest.raises(SessionExpired) as expired:
+            quiet.alloc(1024)
+        assert expired.value.name == "CUCTXD_ERROR_SESSION_EXPIRED"
+    finally:
+        quiet.close()
+
+
+def test_heartbeats_keep_an_idle_session_alive(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as idle:
+        buf = idle.alloc(1024)
+        buf.fill(3)
+        time.sleep(LEASE_TTL * 2)  # idle on purpose; the background heartbeat must cover it
+        assert buf.read(2) == b"\x03\x03"
+
+
+def test_allocation_over_the_session_quota_fails_with_out_of_memory(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        c.alloc(QUOTA // 2)
+        with pytest.raises(CudaError) as over:
+            c.alloc(QUOTA // 2 + 4096)
+        assert over.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
+        assert "quota" in over.value.message
+        c.alloc(QUOTA // 2, device=1)  # the quota is per device
+
+
+def test_mem_get_info_reflects_the_quota(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        c.alloc(256 * 1024)
+        info = c.memory_info(0)
+        assert info["limited_by"] == "quota" and info["quota"] == QUOTA
+        free, total = c.mem_get_info(0)
+        assert free == QUOTA - 256 * 1024
+        assert total == 64 << 20
+
+
+def test_device_reserve_is_kept_free(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        info = c.memory_info(0)
+        assert info["reserve"] == 4 << 20
+        assert info["device_free"] - info["reserve"] >= info["free"]

@@ -1,0 +1,167 @@
+"""Sharing between real processes through a real daemon: publish, open, refcounts, deferred free."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from client import Client, NameExists, NotFound, NotOwner, NotShareable, UnknownHandle
+from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, run_client, start_daemon
+
+PATTERN = bytes(range(256)) * 16  # 4 KiB
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    process = start_daemon("--sim-devices", "2", "--sim-memory", "64MiB")
+    yield process
+    assert process.stop() == 0, process.log()
+    remove_tempdir(process.socket_dir)
+
+
+def device_totals(c: Client) -> list[tuple[int, int, int]]:
+    """(allocations, bytes, shares) per device, all sessions but this one's none."""
+    return [
+        (sum(s["allocations"] for s in dev["sessions"]), sum(s["bytes"] for s in dev["sessions"]),
+         len(dev["shares"]))
+        for dev in c.status()["devices"]
+    ]
+
+
+PRODUCER = """
+from client import Client
+with Client(ENDPOINT) as c:
+    buf = c.alloc(4096, device=1)
+    buf.write(bytes(range(256)) * 16)
+    c.publish(buf, "weights")
+    print("published")
+"""
+
+CONSUMER = """
+from client import Client
+with Client(ENDPOINT) as c:
+    with c.open_shared("weights") as shared:
+        print(shared.device, shared.size, bytes(shared.host_view()).hex())
+"""
+
+
+def test_published_buffer_outlives_its_producer_and_is_freed_after_the_consumer(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as observer:
+        free_before = observer.mem_get_info(1)[0]
+        assert "published" in run_client(PRODUCER, daemon.endpoint)
+        listed = observer.list_shared()
+        assert [(s["name"], s["device"], s["size"], s["owner_present"]) for s in listed] == [
+            ("weights", 1, 4096, False)
+        ]
+        device, size, data = run_client(CONSUMER, daemon.endpoint).split()
+        assert (int(device), int(size), bytes.fromhex(data)) == (1, 4096, PATTERN)
+        assert observer.list_shared() == []
+        assert device_totals(observer)[1] == (0, 0, 0)
+        assert observer.mem_get_info(1)[0] == free_before
+
+
+def test_owner_free_is_deferred_while_another_session_holds_the_buffer(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as owner, Client(daemon.endpoint) as holder:
+        buf = owner.alloc(4096)
+        buf.write(PATTERN)
+        descriptor = buf.export()
+        shared = holder.open_shared(descriptor)
+        buf.free()
+        assert bytes(shared.host_view()) == PATTERN  # not yanked from under the holder
+        shares = owner.status()["devices"][0]["shares"]
+        assert [(s["owner_present"], s["holders"]) for s in shares] == [(False, [holder.session_id])]
+        shared.close()
+        assert device_totals(owner)[0] == (0, 0, 0)
+        with pytest.raises(NotFound):
+            holder.open_shared(descriptor)
+
+
+def test_writes_through_a_mapping_are_seen_by_the_owner(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as owner:
+        buf = owner.alloc(1024)
+        buf.fill(0)
+        out = run_client(f"""
+from client import Client
+from protos.records import ShareDescriptor
+import pickle
+desc = pickle.loads({pickle.dumps(buf.export())!r})
+with Client(ENDPOINT) as c, c.open_shared(desc) as shared:
+    shared.host_view()[10:13] = b"abc"
+    print("wrote")
+""", daemon.endpoint)
+        assert "wrote" in out
+        assert buf.read(3, offset=10) == b"abc"
+
+
+def test_descriptor_is_plain_picklable_data(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        descriptor = c.alloc(512).export()
+        assert pickle.loads(pickle.dumps(descriptor)) == descriptor
+        assert len(descriptor.ipc_handle) == 64
+        assert descriptor.backend == "sim"
+        assert descriptor.size == 512
+
+
+def test_names_are_owned_by_their_publisher(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as a, Client(daemon.endpoint) as b:
+        buf = a.alloc(256)
+        a.publish(buf, "model")
+        with pytest.raises(NameExists):
+            b.publish(b.alloc(256), "model")
+        with pytest.raises(NotOwner):
+            b.unpublish("model")
+        assert b.lookup("model").size == 256
+        a.unpublish("model")
+        with pytest.raises(NotFound):
+            b.lookup("model")
+        with pytest.raises(NotFound):
+            a.unpublish("model")
+
+
+def test_explicit_free_unpublishes(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as a:
+        buf = a.alloc(256)
+        a.publish(buf, "ephemeral")
+        buf.free()
+        with pytest.raises(NotFound):
+            a.lookup("ephemeral")
+        assert device_totals(a)[0] == (0, 0, 0)
+
+
+def test_a_session_cannot_touch_another_sessions_private_buffers(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as a, Client(daemon.endpoint) as b:
+        buf = a.alloc(256)
+        stolen = dataclasses.replace(buf, client=b)
+        for attempt in (stolen.read, stolen.export, stolen.free, lambda: stolen.publish("x")):
+            with pytest.raises(UnknownHandle):
+                attempt()
+        assert buf.read(4) == b"\0\0\0\0"
+
+
+def test_bogus_and_stale_descriptors_are_refused_clearly(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        descriptor = c.alloc(256).export()
+        with pytest.raises(NotFound) as bogus:
+            c.open_shared(dataclasses.replace(descriptor, share_id="0" * 32))
+        assert bogus.value.name == "CUCTXD_ERROR_NOT_FOUND"
+        with pytest.raises(NotShareable) as elsewhere:
+            c.open_shared(dataclasses.replace(descriptor, host="another-host/boot"))
+        assert "same host" in elsewhere.value.message
+        with pytest.raises(NotFound):
+            c.close_shared(descriptor)  # never opened by this session
+    with Client(daemon.endpoint) as later, pytest.raises(NotFound):
+        later.open_shared(descriptor)  # its owner's session ended: the buffer is gone
+
+
+def test_cuctx_shared_lists_published_buffers(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        c.publish(c.alloc(2048), "listed")
+        out = subprocess.run([sys.executable, "-m", "client", "--endpoint", daemon.endpoint, "shared"],
+                             capture_output=True, text=True, env=client_env(), cwd=REPO, check=True).stdout
+        assert "listed" in out and "2.0 KiB" in out
+        c.unpublish("listed")
