@@ -2,7 +2,9 @@
 
 from client.client import Client
 from client.objects import Buffer, Context
+from client.pipeline import Pipeline
 from client.sharing import OpenedShare
+from client.streams import Event, Stream
 from protos.errors import (
     BadArgument,
     BadOp,
@@ -27,7 +29,8 @@ from protos.records import DeviceInfo, ShareDescriptor
 
 __all__ = [
     "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost", "Context", "CuctxError",
-    "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "NameExists", "NotFound", "NotOwner",
-    "NotShareable", "OpenedShare", "OutOfRange", "SessionExpired", "ShareDescriptor", "TooLarge",
+    "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "Event", "NameExists", "NotFound", "NotOwner",
+    "NotShareable", "OpenedShare", "OutOfRange", "Pipeline", "SessionExpired", "ShareDescriptor", "Stream",
+    "TooLarge",
     "UnknownHandle", "UnknownSession", "VersionMismatch",
 ]

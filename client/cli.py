@@ -5,11 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 
 from client.client import Client
-from client.format import devices_table, shared_table, status_text
+from client.doctor import FAIL, run_checks
+from client.format import devices_table, doctor_text, shared_table, status_text, watch_frame
+from protos.endpoints import client_endpoint
 from protos.errors import CuctxError
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,13 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
     ping = commands.add_parser("ping", help="round-trip time to the daemon")
     ping.add_argument("-c", "--count", type=int, default=1, help="number of pings")
     commands.add_parser("devices", help="the devices the daemon serves")
-    commands.add_parser("status", help="sessions, contexts and memory per device")
+    status = commands.add_parser("status", help="sessions, contexts and memory per device")
+    status.add_argument("-w", "--watch", action="store_true", help="refresh like top until Ctrl-C")
+    status.add_argument("-n", "--interval", type=_positive, default=2.0, metavar="S",
+                        help="seconds between refreshes with --watch (default 2)")
+    status.add_argument("--count", type=_count, metavar="N", help="with --watch: stop after N refreshes")
     commands.add_parser("shared", help="published buffers and who holds them")
+    commands.add_parser("doctor", help="check that this process can use the daemon (exit 1 on any FAIL)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        return doctor(args)
+    if args.command == "status" and args.watch:
+        return watch_status(args)
     try:
         with Client(args.endpoint, timeout=args.timeout, name="cuctx") as client:
             if args.command == "ping":
@@ -54,6 +80,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cuctx: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def watch_status(args: argparse.Namespace) -> int:
+    """Redraw ``status`` every ``--interval`` s; survives a daemon restart (reconnects). Ctrl-C exits 0.
+
+    Exits 1 only when ``--count`` ran out and the last refresh failed.
+    """
+    endpoint = client_endpoint(args.endpoint)
+    client: Client | None = None
+    failed = False
+    shown = 0
+    try:
+        while True:
+            try:
+                if client is None:
+                    client = Client(endpoint, timeout=args.timeout, name="cuctx")
+                status = client.status()
+                body = json.dumps(status) if args.json else status_text(status)
+                failed = False
+            except CuctxError as exc:
+                body, failed = f"cuctx: {exc}", True
+                if client is not None:
+                    client.close()
+                    client = None
+            if args.json:
+                print(body, flush=True)
+            else:
+                sys.stdout.write(watch_frame(body, endpoint, args.interval, time.strftime("%H:%M:%S")))
+                sys.stdout.flush()
+            shown += 1
+            if args.count is not None and shown >= args.count:
+                break
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        failed = False
+    finally:
+        if client is not None:
+            client.close()
+    return 1 if failed else 0
+
+
+def doctor(args: argparse.Namespace) -> int:
+    checks = run_checks(client_endpoint(args.endpoint), args.timeout)
+    if args.json:
+        print(json.dumps([c.to_wire() for c in checks]))
+    else:
+        print(doctor_text(checks))
+    return 1 if any(c.status == FAIL for c in checks) else 0
 
 
 if __name__ == "__main__":

@@ -15,12 +15,25 @@ from typing import Any
 
 from client.lease import Heartbeat
 from client.objects import Buffer, Context
+from client.pipeline import Pipeline
 from client.sharing import OpenedShare, check_same_host, map_share
-from client.transport import DEFAULT_TIMEOUT, Transport
+from client.streams import Event, Stream
+from client.transport import DEFAULT_TIMEOUT, Call, Transport
 from protos.endpoints import client_endpoint
-from protos.errors import CuctxError
+from protos.errors import CuctxError, TooLarge
 from protos.records import DeviceInfo, ShareDescriptor
 from protos.version import PROTOCOL_VERSION
+
+#: Writes and reads larger than two of these travel as pipelined chunks of this size.
+CHUNK_BYTES = 4 << 20
+
+
+def _handle(stream: Stream | None) -> int | None:
+    return None if stream is None else stream.handle
+
+
+def _size_of(result: dict[str, Any], frames: list[Any]) -> int:
+    return int(result["size"])
 
 
 class Client:
@@ -65,14 +78,22 @@ class Client:
         wire_args = {k: v for k, v in args.items() if v is not None}
         return self._transport.call(op, wire_args, self._token, payload, into=into)
 
+    def _send(self, op: str, payload: tuple[Any, ...], convert: Any, into: Any = None, **args: Any) -> Call[Any]:
+        wire_args = {k: v for k, v in args.items() if v is not None}
+        return self._transport.send(op, wire_args, self._token, payload, into=into, convert=convert)
+
+    def pipeline(self) -> Pipeline:
+        """Send memory ops without waiting for each reply (see :mod:`client.pipeline`)."""
+        return Pipeline(self)
+
     def close(self) -> None:
         """End the session (the daemon frees its contexts and memory) and the connection."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
         try:
-            if self._token is not None:
-                self._call("goodbye")
+            if self._token is not None:  # a daemon that is gone must not hold the caller for long
+                self._transport.call("goodbye", {}, self._token, timeout=min(self._transport.timeout, 2.0))
         except CuctxError:
             pass  # the daemon is gone or already forgot us: nothing left to free
         finally:
@@ -161,36 +182,82 @@ class Client:
         plus ``device_free``, ``quota``, ``reserve`` and ``limited_by`` ("quota" or "device")."""
         return self._call("mem_get_info", device=device)
 
-    def alloc(self, size: int, device: int | None = None) -> Buffer:
-        """``cuMemAlloc`` in the current context of ``device`` (default: the current device)."""
-        return Buffer.from_wire(self, self._call("alloc", size=size, device=device)["buffer"])
+    def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> Buffer:
+        """Device memory in the current context of ``device`` (default: the current device).
+
+        By default it comes from the context's stream-ordered pool (fast); pass
+        ``shareable=True`` for ``cuMemAlloc`` memory, which other processes can open.
+        """
+        wire = self._call("alloc", size=size, device=device, shareable=shareable)["buffer"]
+        return Buffer.from_wire(self, wire)
 
     def free(self, buffer: Buffer) -> None:
         self._call("free", device=buffer.device, buffer=buffer.handle)
 
-    def fill(self, buffer: Buffer, value: int = 0, offset: int = 0, size: int | None = None) -> None:
-        self._call("fill", device=buffer.device, buffer=buffer.handle, value=value, offset=offset, size=size)
+    def fill(self, buffer: Buffer, value: int = 0, offset: int = 0, size: int | None = None, *,
+             stream: Stream | None = None) -> None:
+        self._call("fill", device=buffer.device, buffer=buffer.handle, value=value, offset=offset, size=size,
+                   stream=_handle(stream))
 
-    def write(self, buffer: Buffer, data: Any, offset: int = 0) -> int:
-        result = self._call("write", (data,), device=buffer.device, buffer=buffer.handle, offset=offset)
-        return int(result["size"])
+    def write(self, buffer: Buffer, data: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
+        """Host to device. Large writes go as pipelined chunks, so the transfer of one chunk
+        overlaps the device copy of the one before."""
+        view = memoryview(data).cast("B")
+        frame = view.nbytes if view.nbytes <= 2 * CHUNK_BYTES else CHUNK_BYTES
+        if frame > self.limits["max_payload_bytes"]:
+            raise TooLarge(f"a {frame}-byte payload frame exceeds the daemon's limit of "
+                           f"{self.limits['max_payload_bytes']} bytes", "write")
+        if view.nbytes <= 2 * CHUNK_BYTES:
+            result = self._call("write", (view,), device=buffer.device, buffer=buffer.handle, offset=offset,
+                                stream=_handle(stream))
+            return int(result["size"])
+        with self.pipeline() as chunks:
+            calls = [chunks.write(buffer, view[at:at + CHUNK_BYTES], offset + at, stream=stream)
+                     for at in range(0, view.nbytes, CHUNK_BYTES)]
+        return sum(call.result() for call in calls)
 
-    def read(self, buffer: Buffer, size: int | None = None, offset: int = 0) -> bytes:
+    def read(self, buffer: Buffer, size: int | None = None, offset: int = 0, *,
+             stream: Stream | None = None) -> bytes:
+        size = buffer.size - offset if size is None else size
+        if 2 * CHUNK_BYTES < size <= buffer.size - offset:  # out-of-range sizes: the daemon says why
+            out = bytearray(size)
+            self.read_into(buffer, out, offset, stream=stream)
+            return bytes(out)
         _, frames = self._call_frames("read", device=buffer.device, buffer=buffer.handle,
-                                      offset=offset, size=size)
+                                      offset=offset, size=size, stream=_handle(stream))
         return frames[0].bytes if frames else b""
 
-    def read_into(self, buffer: Buffer, out: Any, offset: int = 0) -> int:
-        view = memoryview(out)
-        result = self._call("read", (), view, device=buffer.device, buffer=buffer.handle,
-                            offset=offset, size=view.nbytes)
-        return int(result["size"])
+    def read_into(self, buffer: Buffer, out: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
+        """Device to host straight into ``out`` (``recv_into``), in pipelined chunks when large."""
+        view = memoryview(out).cast("B")
+        calls = [
+            self._send("read", (), _size_of, view[at:at + CHUNK_BYTES], device=buffer.device,
+                       buffer=buffer.handle, offset=offset + at, size=min(CHUNK_BYTES, view.nbytes - at),
+                       stream=_handle(stream))
+            for at in range(0, max(view.nbytes, 1), CHUNK_BYTES)
+        ]
+        return sum(call.result() for call in calls)
 
     def copy(self, src: Buffer, dst: Buffer, size: int | None = None, src_offset: int = 0,
-             dst_offset: int = 0) -> int:
+             dst_offset: int = 0, *, stream: Stream | None = None) -> int:
         result = self._call("copy", device=src.device, dst_device=dst.device, src=src.handle,
-                            dst=dst.handle, size=size, src_offset=src_offset, dst_offset=dst_offset)
+                            dst=dst.handle, size=size, src_offset=src_offset, dst_offset=dst_offset,
+                            stream=_handle(stream))
         return int(result["size"])
+
+    # --- streams and events -----------------------------------------------------------------
+
+    def create_stream(self, device: int | None = None, *, non_blocking: bool = False) -> Stream:
+        """``cuStreamCreate`` in the current context of ``device`` (binds the primary lazily)."""
+        result = self._call("create_stream", device=device, non_blocking=non_blocking)
+        return Stream(self, result["stream"], self._device_or_current(device))
+
+    def create_event(self, device: int | None = None, *, timing: bool = True) -> Event:
+        result = self._call("create_event", device=device, timing=timing)
+        return Event(self, result["event"], self._device_or_current(device))
+
+    def _device_or_current(self, device: int | None) -> int:
+        return self.get_device() if device is None else device
 
     # --- sharing between processes --------------------------------------------------------
 

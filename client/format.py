@@ -90,3 +90,22 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
           s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", s["holders"], s["share_id"]]
          for s in shared],
     )
+
+
+#: ANSI: cursor home, clear screen (what ``top`` and ``watch`` do between frames).
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+
+def watch_frame(body: str, endpoint: str, interval: float, when: str) -> str:
+    """One refresh of ``cuctx status --watch``: clear, a header line, the body."""
+    return f"{CLEAR_SCREEN}every {interval:g} s: {endpoint}  {when}  (Ctrl-C to quit)\n\n{body}\n"
+
+
+def doctor_text(checks: Sequence[Any]) -> str:
+    """``STATUS  check: detail`` lines, then a summary."""
+    lines = [f"{c.status}  {c.name}: {c.detail}" for c in checks]
+    failed = sum(c.status == "FAIL" for c in checks)
+    warned = sum(c.status == "WARN" for c in checks)
+    lines.append("")
+    lines.append(f"{failed} failed, {warned} warning(s)" if failed or warned else "all checks passed")
+    return "\n".join(lines)

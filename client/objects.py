@@ -13,6 +13,7 @@ from protos.records import BufferRecord, ContextRecord, ShareDescriptor
 
 if TYPE_CHECKING:
     from client.client import Client
+    from client.streams import Stream
 
 
 @dataclass(frozen=True)
@@ -55,32 +56,35 @@ class Buffer:
     device: int
     size: int
     context: int
+    shareable: bool = False
     freed: bool = False
 
     @classmethod
     def from_wire(cls, client: Client, wire: dict[str, Any]) -> Buffer:
         record = BufferRecord.from_wire(wire)
-        return cls(client, record.handle, record.device, record.size, record.context)
+        return cls(client, record.handle, record.device, record.size, record.context, record.shareable)
 
-    def write(self, data: Any, offset: int = 0) -> int:
+    def write(self, data: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
         """Copy host bytes (any buffer-protocol object) to ``self[offset:]``; returns bytes written."""
-        return self.client.write(self, data, offset)
+        return self.client.write(self, data, offset, stream=stream)
 
-    def read(self, size: int | None = None, offset: int = 0) -> bytes:
+    def read(self, size: int | None = None, offset: int = 0, *, stream: Stream | None = None) -> bytes:
         """Copy ``size`` bytes (default: to the end) from ``self[offset:]`` to the host."""
-        return self.client.read(self, size, offset)
+        return self.client.read(self, size, offset, stream=stream)
 
-    def read_into(self, out: Any, offset: int = 0) -> int:
+    def read_into(self, out: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
         """Read ``len(out)`` bytes straight into a writable host buffer; returns bytes read."""
-        return self.client.read_into(self, out, offset)
+        return self.client.read_into(self, out, offset, stream=stream)
 
-    def fill(self, value: int = 0, offset: int = 0, size: int | None = None) -> None:
-        """``cuMemsetD8`` over ``[offset, offset+size)``."""
-        self.client.fill(self, value, offset, size)
+    def fill(self, value: int = 0, offset: int = 0, size: int | None = None, *,
+             stream: Stream | None = None) -> None:
+        """``cuMemsetD8`` over ``[offset, offset+size)`` (async on ``stream`` if given)."""
+        self.client.fill(self, value, offset, size, stream=stream)
 
-    def copy_to(self, dst: Buffer, size: int | None = None, src_offset: int = 0, dst_offset: int = 0) -> int:
+    def copy_to(self, dst: Buffer, size: int | None = None, src_offset: int = 0, dst_offset: int = 0, *,
+                stream: Stream | None = None) -> int:
         """Device-to-device copy into ``dst`` (any device); returns bytes copied."""
-        return self.client.copy(self, dst, size, src_offset, dst_offset)
+        return self.client.copy(self, dst, size, src_offset, dst_offset, stream=stream)
 
     def export(self) -> ShareDescriptor:
         """Make this buffer shareable with other processes (see ``Client.open_shared``)."""

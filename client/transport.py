@@ -1,9 +1,10 @@
-"""The client's side of the wire: one DEALER socket, request ids, timeouts.
+"""The client's side of the wire: one DEALER socket, request ids, pipelining, timeouts.
 
-Thread-safe: a lock serialises calls, since a ZeroMQ socket belongs to one
-thread at a time. Replies whose id does not match the call in flight (late
-answers to calls that timed out) are discarded, so a timeout never makes a later
-call read someone else's answer.
+Requests may be sent without waiting (:meth:`Transport.send` returns a
+:class:`Call`); replies are matched to calls by id as they arrive, in any
+order. A lock serialises socket use, since a ZeroMQ socket belongs to one thread
+at a time. Replies to calls that already timed out are discarded, so a timeout
+never makes a later call read someone else's answer.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import zmq
 
@@ -21,6 +22,40 @@ from protos.messages import encode_request, parse_reply
 
 #: Seconds a call waits for its reply unless the client is told otherwise.
 DEFAULT_TIMEOUT = 30.0
+
+T = TypeVar("T")
+
+
+class Call(Generic[T]):
+    """A request in flight; :meth:`result` waits for its reply (and reads others on the way)."""
+
+    def __init__(self, transport: Transport, request_id: int, op: str, into: Any,
+                 convert: Callable[[dict[str, Any], list[Any]], T]) -> None:
+        self.transport = transport
+        self.request_id = request_id
+        self.op = op
+        self.into = into
+        self._convert = convert
+        self.done = False
+        self._result: dict[str, Any] = {}
+        self._frames: list[Any] = []
+        self._error: CuctxError | None = None
+
+    def _resolve(self, result: dict[str, Any] | None, frames: list[Any], error: CuctxError | None) -> None:
+        self.done = True
+        self._result, self._frames, self._error = result or {}, frames, error
+
+    def result(self, timeout: float | None = None) -> T:
+        """The converted result; raises the daemon's typed error or :class:`DaemonTimeout`."""
+        if not self.done:
+            self.transport.wait(self, timeout)
+        if self._error is not None:
+            raise self._error
+        return self._convert(self._result, self._frames)
+
+
+def _raw(result: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    return result, frames
 
 
 class Transport:
@@ -33,27 +68,22 @@ class Transport:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(endpoint)
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._in_flight: dict[int, Call[Any]] = {}
         self._closed = False
 
-    def call(
-        self,
-        op: str,
-        args: dict[str, Any],
-        session: str | None,
-        payload: Sequence[Any] = (),
-        *,
-        into: Any = None,
-        timeout: float | None = None,
-    ) -> tuple[dict[str, Any], list[Any]]:
+    def call(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any] = (), *,
+             into: Any = None, timeout: float | None = None) -> tuple[dict[str, Any], list[Any]]:
         """Send one request and wait for its reply: ``(result, payload frames)``.
 
         ``into``: a writable buffer that receives the reply's first payload frame
         directly (``recv_into``), so large reads land where the caller wants them.
-        Raises the typed :class:`~protos.errors.CuctxError` the daemon reported,
-        :class:`DaemonTimeout` after ``timeout`` seconds, :class:`ConnectionLost` once closed.
         """
-        limit = self.timeout if timeout is None else timeout
+        return self.send(op, args, session, payload, into=into).result(timeout)
+
+    def send(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any] = (), *,
+             into: Any = None, convert: Callable[[dict[str, Any], list[Any]], Any] = _raw) -> Call[Any]:
+        """Send a request without waiting for its reply."""
         with self._lock:
             if self._closed:
                 raise ConnectionLost("the client is closed", op)
@@ -63,31 +93,47 @@ class Transport:
                 self._socket.send_multipart([header, *payload], copy=False)
             else:
                 self._socket.send(header)
-            return self._await(request_id, op, limit, into)
+            call: Call[Any] = Call(self, request_id, op, into, convert)
+            self._in_flight[request_id] = call
+            return call
 
-    def _await(self, request_id: int, op: str, limit: float, into: Any) -> tuple[dict[str, Any], list[Any]]:
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def wait(self, call: Call[Any], timeout: float | None = None) -> None:
+        """Read replies until ``call``'s has come; :class:`DaemonTimeout` after ``timeout`` s."""
+        limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._socket.poll(int(left * 1000) + 1, zmq.POLLIN):
-                raise DaemonTimeout(f"no reply from {self.endpoint} within {limit:g} s", op)
-            header = self._socket.recv()
-            frames: list[Any] = []
-            while self._socket.rcvmore:
-                if into is not None and not frames:
-                    frames.append(self._socket.recv_into(into))
-                else:
-                    frames.append(self._socket.recv(copy=False))
-            try:
-                reply = parse_reply(header)
-            except CuctxError:
-                continue  # not a reply of ours; keep waiting for the real one
-            if reply.id != request_id:
-                continue  # a late reply to a call that already timed out
-            if reply.error is not None:
-                raise error_from_wire(reply.error, op)
-            assert reply.result is not None
-            return reply.result, frames
+        with self._lock:
+            while not call.done:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._socket.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    self._in_flight.pop(call.request_id, None)
+                    raise DaemonTimeout(f"no reply from {self.endpoint} within {limit:g} s", call.op)
+                self._receive_one()
+
+    def _receive_one(self) -> None:
+        header = self._socket.recv()
+        frames: list[Any] = []
+        target: Call[Any] | None = None
+        try:
+            reply = parse_reply(header)
+        except CuctxError:
+            reply = None
+        if reply is not None:
+            target = self._in_flight.get(reply.id)
+            if target is None and reply.id == 0 and reply.error is not None and self._in_flight:
+                target = self._in_flight[min(self._in_flight)]  # the daemon could not read our request
+        while self._socket.rcvmore:
+            if target is not None and target.into is not None and not frames:
+                frames.append(self._socket.recv_into(target.into))
+            else:
+                frames.append(self._socket.recv(copy=False))
+        if reply is None or target is None:
+            return  # not a reply of ours, or a late one to a call that timed out
+        del self._in_flight[target.request_id]
+        error = None if reply.error is None else error_from_wire(reply.error, target.op)
+        target._resolve(reply.result, frames, error)
 
     def close(self) -> None:
         with self._lock:

@@ -16,19 +16,20 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 
-from daemon.backends.base import Ctx, Driver
+from daemon.backends.base import Ctx, Driver, Event, Pool
+from daemon.device_sharing import SharingMixin
+from daemon.device_streams import EventEntry, StreamEntry, StreamsMixin
 from daemon.sessions import SessionRef
 from daemon.sharing import Share, ShareRegistry
 from protos.cuda_results import CUresult
-from protos.errors import CudaError, NotFound, OutOfRange, UnknownHandle
-from protos.host import host_identity
-from protos.limits import MAX_HANDLE
-from protos.records import BufferRecord, ContextRecord, DeviceInfo, ShareDescriptor
+from protos.errors import CudaError, OutOfRange, UnknownHandle
+from protos.limits import MAX_HANDLE, MAX_ISSUED_HANDLE
+from protos.records import BufferRecord, ContextRecord, DeviceInfo
 
 
 def new_handle() -> int:
-    """An unguessable, session-scoped handle (62 random bits, never 0)."""
-    return secrets.randbits(62) | 1
+    """An unguessable, session-scoped handle in [1, 2**53): exact in every msgpack decoder."""
+    return secrets.randbelow(MAX_ISSUED_HANDLE) + 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Buffer:
     ptr: int
     size: int
     context: SessionContext
+    shareable: bool
     share: Share | None = None
 
 
@@ -74,12 +76,14 @@ class SessionOnDevice:
     contexts: dict[int, SessionContext] = field(default_factory=dict)
     buffers: dict[int, Buffer] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
+    streams: dict[int, StreamEntry] = field(default_factory=dict)
+    events: dict[int, EventEntry] = field(default_factory=dict)
     primary: SessionContext | None = None
     bytes_allocated: int = 0
 
 
-class DeviceState:
-    """Contexts, memory and shares of one device for every session; see the module docstring."""
+class DeviceState(SharingMixin, StreamsMixin):
+    """Contexts, memory, streams and shares of one device for every session (module docstring)."""
 
     def __init__(self, driver: Driver, device: int, info: DeviceInfo, limits: DeviceLimits,
                  registry: ShareRegistry) -> None:
@@ -92,6 +96,9 @@ class DeviceState:
         self.shares: dict[str, Share] = {}
         #: Created contexts whose session is gone but whose shares are still alive.
         self.orphans: dict[int, SessionContext] = {}
+        #: Stream-ordered pools and spare marker events, by context id.
+        self.pools: dict[int, Pool] = {}
+        self.spare_markers: dict[int, list[Event]] = {}
         self.primary_refs = 0
         self._current: Ctx | None = None
         self.worker_thread: threading.Thread | None = None
@@ -114,8 +121,10 @@ class DeviceState:
             return
         for share_id in list(state.holds):
             self._drop_hold(state, share_id, everything=True)
+        self.drop_streams(state)
         for buffer in list(state.buffers.values()):
             self._release_buffer(state, buffer, unpublish=False)
+        self.trim_pools()
         for context in list(state.contexts.values()):
             if not context.is_primary:
                 self._destroy(state, context)
@@ -221,16 +230,23 @@ class DeviceState:
         """Take a created context from the session; destroy it unless shares still live in it."""
         for handle in list(context.buffers):
             self._release_buffer(state, state.buffers[handle], unpublish=False)
+        self.drop_streams(state, context)
         state.contexts.pop(context.handle, None)
         state.stack[:] = [c for c in state.stack if c is not context]
         if context.shares:
             self.orphans[context.context_id] = context
             return
+        self.end_context(context)
+
+    def end_context(self, context: SessionContext) -> None:
+        """Destroy a created context once nothing lives in it any more."""
+        self.forget_context_objects(context)
         self._forget_current(context.ctx)
         self.driver.ctx_destroy(context.ctx)
 
     def _release_primary(self, primary: SessionContext) -> None:
         if self.primary_refs == 1:
+            self.forget_context_objects(primary)
             self._forget_current(primary.ctx)
         self.driver.primary_ctx_release(self.device)
         self.primary_refs -= 1
@@ -249,16 +265,30 @@ class DeviceState:
 
     # --- memory ---------------------------------------------------------------------
 
-    def alloc(self, state: SessionOnDevice, size: int) -> Buffer:
+    def alloc(self, state: SessionOnDevice, size: int, shareable: bool) -> Buffer:
+        """From the context's stream-ordered pool, or ``cuMemAlloc`` when it must be exportable."""
         context = self.current_or_primary(state)
         self.activate(context)
         self._check_quota(state, size)
-        ptr = self.driver.mem_alloc(size)
-        buffer = Buffer(new_handle(), ptr, size, context)
+        try:
+            ptr = self._allocate(context, size, shareable)
+        except CudaError as exc:
+            if exc.code != CUresult.CUDA_ERROR_OUT_OF_MEMORY or not self.pools:
+                raise
+            self.driver.ctx_synchronize()  # let pending stream-ordered frees land, then give them back
+            self.trim_pools()
+            self.activate(context)
+            ptr = self._allocate(context, size, shareable)
+        buffer = Buffer(new_handle(), ptr, size, context, shareable)
         state.buffers[buffer.handle] = buffer
         state.bytes_allocated += size
         context.buffers.add(buffer.handle)
         return buffer
+
+    def _allocate(self, context: SessionContext, size: int, shareable: bool) -> int:
+        if shareable:
+            return self.driver.mem_alloc(size)
+        return self.driver.mem_alloc_from_pool(size, self.pool_of(context), None)
 
     def _check_quota(self, state: SessionOnDevice, size: int) -> None:
         quota, reserve = self.limits.session_quota, self.limits.device_reserve
@@ -300,7 +330,10 @@ class DeviceState:
         """The owner lets go of a buffer: free it, or leave it to its share's other holders."""
         if buffer.share is None:
             self.activate(buffer.context)
-            self.driver.mem_free(buffer.ptr)
+            if buffer.shareable:
+                self.driver.mem_free(buffer.ptr)
+            else:
+                self.driver.mem_free_async(buffer.ptr, None)
         else:
             share = buffer.share
             share.owner_present = False
@@ -319,94 +352,8 @@ class DeviceState:
         return buffer
 
     def buffer_record(self, buffer: Buffer) -> BufferRecord:
-        return BufferRecord(
-            handle=buffer.handle, device=self.device, size=buffer.size, context=buffer.context.handle
-        )
-
-    # --- sharing --------------------------------------------------------------------
-
-    def export(self, state: SessionOnDevice, handle: int) -> Share:
-        """Make a buffer shareable (once); the share keeps its context alive past the session."""
-        buffer = self.buffer(state, handle)
-        if buffer.share is not None:
-            return buffer.share
-        self.activate(buffer.context)
-        ipc_handle = self.driver.ipc_get_mem_handle(buffer.ptr)
-        if buffer.context.is_primary:
-            self.driver.primary_ctx_retain(self.device)  # the share's own reference
-            self.primary_refs += 1
-        descriptor = ShareDescriptor(
-            share_id=secrets.token_hex(16),
-            device=self.device,
-            device_uuid=self.info.uuid,
-            size=buffer.size,
-            backend=self.driver.name,
-            ipc_handle=ipc_handle,
-            host=host_identity(),
-        )
-        share = Share(descriptor, buffer.ptr, buffer.context, state.ref)
-        buffer.share = share
-        buffer.context.shares.add(share.share_id)
-        self.shares[share.share_id] = share
-        self.registry.add(share)
-        return share
-
-    def open_share(self, state: SessionOnDevice, share_id: str) -> Share:
-        share = self.shares.get(share_id)
-        if share is None or not share.keeps_alive():
-            raise NotFound("no such shared buffer on this device (never exported, or already freed)")
-        if not share.owner_present:
-            share.opened_since_orphaned = True
-        state.holds[share_id] = state.holds.get(share_id, 0) + 1
-        share.holders[state.ref.token] = share.holders.get(state.ref.token, 0) + 1
-        self.registry.update(share)
-        return share
-
-    def close_share(self, state: SessionOnDevice, share_id: str) -> None:
-        if share_id not in state.holds:
-            raise NotFound("this session does not hold that shared buffer open")
-        self._drop_hold(state, share_id, everything=False)
-
-    def forget_name(self, name: str, share_id: str) -> None:
-        """After the front unpublished ``name``: drop it here and free the share if that was all."""
-        share = self.shares.get(share_id)
-        if share is not None:
-            share.names.discard(name)
-            self._settle(share)
-
-    def _drop_hold(self, state: SessionOnDevice, share_id: str, *, everything: bool) -> None:
-        count = 0 if everything else state.holds[share_id] - 1
-        if count:
-            state.holds[share_id] = count
-        else:
-            state.holds.pop(share_id, None)
-        share = self.shares.get(share_id)
-        if share is None:
-            return
-        if count:
-            share.holders[state.ref.token] = count
-        else:
-            share.holders.pop(state.ref.token, None)
-        self._settle(share)
-
-    def _settle(self, share: Share) -> None:
-        """Free a share's memory once nothing keeps it alive (deferred free)."""
-        if share.keeps_alive():
-            self.registry.update(share)
-            return
-        context = share.context
-        self.activate(context)
-        self.driver.mem_free(share.ptr)
-        del self.shares[share.share_id]
-        context.shares.discard(share.share_id)
-        self.registry.remove(share)
-        share.names.clear()
-        if context.is_primary:
-            self._release_primary(context)
-        elif not context.shares and self.orphans.pop(context.context_id, None) is not None:
-            self._forget_current(context.ctx)
-            self.driver.ctx_destroy(context.ctx)
-
+        return BufferRecord(handle=buffer.handle, device=self.device, size=buffer.size,
+                            context=buffer.context.handle, shareable=buffer.shareable)
 
 def check_range(size_of_buffer: int, offset: int, size: int | None) -> int:
     """Validate ``[offset, offset+size)`` inside a buffer; return the resolved size."""

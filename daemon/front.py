@@ -22,6 +22,7 @@ from daemon.device_state import DeviceState
 from daemon.front_state import FrontState
 from daemon.handlers import FRONT_HANDLERS
 from daemon.jobs import Job
+from daemon.observe import RequestObserver
 from daemon.replies import FanOut, Gather, Reply
 from daemon.sessions import Session
 from daemon.worker import DeviceWorker
@@ -32,6 +33,7 @@ from protos.errors import (
     CudaError,
     InternalError,
     SessionExpired,
+    ShuttingDown,
     TooLarge,
     UnknownSession,
 )
@@ -46,6 +48,9 @@ _BATCH = 64
 
 class Front:
     """Runs on one thread (the caller of :meth:`serve`) and owns every socket it creates."""
+
+    #: Told about every request handled and every worker reply forwarded (logs, metrics); optional.
+    observer: RequestObserver | None = None
 
     def __init__(
         self,
@@ -96,6 +101,8 @@ class Front:
                 frames = self.replies.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if self.observer is not None:
+                self.observer.replied(frames)
             self._send(frames, copy=False)
 
     def _take_requests(self) -> None:
@@ -113,6 +120,8 @@ class Front:
     def _handle(self, identity: bytes, header_frame: zmq.Frame, payload: Sequence[zmq.Frame]) -> None:
         request_id = 0
         op_name = "?"
+        outcome = "ok"
+        started = time.perf_counter()
         try:
             header = unpack(header_frame.buffer)
             request_id = request_id_of(header)
@@ -121,14 +130,20 @@ class Front:
             self.state.requests_served += 1
             self._dispatch(identity, request, payload)
         except CuctxError as exc:
+            outcome = exc.name
             log.debug("request %d (%s) failed: %s", request_id, op_name, exc)
             self._send([identity, encode_error(request_id, exc)])
         except Exception:
             log.exception("internal error handling request %d (%s)", request_id, op_name)
             error = InternalError(f"unexpected failure in {op_name}; see the daemon log")
+            outcome = error.name
             self._send([identity, encode_error(request_id, error)])
+        if self.observer is not None:
+            self.observer.handled(identity, request_id, op_name, outcome, started)
 
     def _dispatch(self, identity: bytes, request: RequestHeader, payload: Sequence[zmq.Frame]) -> None:
+        if self.state.draining:
+            raise ShuttingDown("cuctxd is shutting down and takes no new requests; retry once it is back")
         spec = request.spec
         session = self._session_of(request)
         self._check_payload(spec, payload)
@@ -145,11 +160,12 @@ class Front:
             return
         assert session is not None
         device = session.current_device if args.device is None else args.device
-        if device >= len(self.workers):
-            raise CudaError.of(
-                CUresult.CUDA_ERROR_INVALID_DEVICE,
-                f"device {device}; this daemon serves {len(self.workers)} device(s)",
-            )
+        for named in (device, getattr(args, "dst_device", None)):
+            if named is not None and named >= len(self.workers):
+                raise CudaError.of(
+                    CUresult.CUDA_ERROR_INVALID_DEVICE,
+                    f"device {named}; this daemon serves {len(self.workers)} device(s)",
+                )
         if spec.name == "set_device":  # cudaSetDevice changes the session's current device
             session.current_device = device
         job = Job(identity, request.id, spec, args, session.ref, device, payload)

@@ -1,9 +1,11 @@
 """What a handler hands back: a reply, or work that another thread finishes.
 
 Handlers never touch sockets. They return :class:`Reply` (sent at once),
-:class:`Forward` (a device worker passes the job on to another device's worker,
-e.g. the second half of a cross-device copy) or, from the front, :class:`FanOut`
-(every worker contributes, the last one to finish sends the reply).
+:class:`Pending` (the worker polls ``done`` between requests and replies once it
+is true, so a synchronize never blocks the worker), :class:`Forward` (a device
+worker passes the job on to another device's worker, e.g. the second half of a
+cross-device copy) or, from the front, :class:`FanOut` (every worker
+contributes, the last one to finish sends the reply).
 """
 
 from __future__ import annotations
@@ -38,11 +40,19 @@ class Reply:
 
 
 @dataclass
+class Pending:
+    """Reply with ``then()`` once ``done()`` (a non-blocking query) returns True."""
+
+    done: Callable[[], bool]
+    then: Callable[[], Reply]
+
+
+@dataclass
 class Forward:
     """Continue on device ``device``'s worker thread with ``then(state)``."""
 
     device: int
-    then: Callable[[DeviceState], Reply | Forward]
+    then: Callable[[DeviceState], Reply | Pending | Forward]
 
 
 @dataclass

@@ -4,7 +4,8 @@ The front thread hands it work through a queue (jobs for requests, tasks for
 fan-outs and forwarded continuations); it runs one item at a time, so its
 :class:`DeviceState` needs no lock, and sends replies on its own inproc PUSH
 socket to the front, which forwards them to clients. A slow op here delays
-only this device.
+only this device; a synchronize does not even delay this device: it becomes a
+:class:`~daemon.replies.Pending` that the loop polls between requests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,13 +23,17 @@ from daemon.backends.base import Driver
 from daemon.device_state import DeviceLimits, DeviceState
 from daemon.handlers import DEVICE_HANDLERS
 from daemon.jobs import Job
-from daemon.replies import FanOut, Forward, Gather, Reply
+from daemon.replies import FanOut, Forward, Gather, Pending, Reply
 from daemon.sharing import ShareRegistry
 from protos.cuda_results import CUresult
 from protos.errors import CuctxError, CudaError, InternalError
 from protos.messages import encode_error, encode_result
 
 log = logging.getLogger(__name__)
+
+#: Bounds of the back-off between polls of pending synchronizations.
+_POLL_MIN_S = 0.000_02
+_POLL_MAX_S = 0.001
 
 Task = Callable[["DeviceWorker"], None]
 
@@ -55,6 +61,7 @@ class DeviceWorker:
         self._limits = limits
         self._shares = shares
         self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._pending: list[tuple[Job, Pending]] = []
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._socket: zmq.Socket[Any] | None = None
@@ -111,13 +118,55 @@ class DeviceWorker:
             return
         self._started.set()
         try:
-            while (task := self._tasks.get()) is not None:
-                task(self)
+            self._loop()
         finally:
             self._shutdown()
 
+    def _loop(self) -> None:
+        idle_polls = 0
+        while True:
+            if self._pending:
+                # Poll soon after new work, then back off to at most 1 ms between queries.
+                wait = min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10)))
+                try:
+                    task = self._tasks.get(timeout=wait)
+                except queue.Empty:
+                    idle_polls += 1
+                    self._poll_pending()
+                    continue
+            else:
+                task = self._tasks.get()
+            if task is None:
+                return
+            task(self)
+            idle_polls = 0
+            if self._pending:
+                self._poll_pending()
+
+    def _poll_pending(self) -> None:
+        still: list[tuple[Job, Pending]] = []
+        for job, pending in self._pending:
+            try:
+                done = pending.done()
+            except BaseException as exc:
+                self._fail(job, exc)
+                continue
+            if not done:
+                still.append((job, pending))
+                continue
+            try:
+                reply = pending.then()
+            except BaseException as exc:
+                self._fail(job, exc)
+                continue
+            self._deliver(job, reply)
+        self._pending = still
+
     def _shutdown(self) -> None:
         assert self.state is not None and self._socket is not None
+        while self._pending:  # answer synchronizes in flight before freeing what they wait on
+            self._poll_pending()
+            time.sleep(_POLL_MAX_S)
         for session in list(self.state.sessions.values()):
             try:
                 self.state.close_session(session.ref)
@@ -142,9 +191,12 @@ class DeviceWorker:
             return
         self._deliver(job, outcome)
 
-    def _deliver(self, job: Job, outcome: Reply | Forward) -> None:
+    def _deliver(self, job: Job, outcome: Reply | Pending | Forward) -> None:
         if isinstance(outcome, Reply):
             self.send(job.identity, encode_result(job.request_id, outcome.result), outcome.frames)
+            return
+        if isinstance(outcome, Pending):
+            self._pending.append((job, outcome))
             return
         peer = self.peers.get(outcome.device)
         if peer is None:

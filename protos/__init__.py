@@ -5,4 +5,5 @@ PROTOCOL.md in this package is the authoritative written spec.
 
 from protos import ops as ops  # registers every op in protos.schema.OPS
 from protos import sharing_ops as sharing_ops
+from protos import stream_ops as stream_ops
 from protos.version import PROTOCOL_VERSION as PROTOCOL_VERSION

@@ -9,5 +9,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 #: Largest number of payload frames a request may carry.
 MAX_PAYLOAD_FRAMES = 1
 
-#: Handles and ids are unsigned and fit in 63 bits so every msgpack implementation keeps them exact.
+#: Sizes, offsets and request ids are unsigned and fit in 63 bits.
 MAX_HANDLE = (1 << 63) - 1
+
+#: Handles the daemon hands out stay below 2**53, exact even as JavaScript numbers.
+MAX_ISSUED_HANDLE = (1 << 53) - 1

@@ -87,7 +87,7 @@ class CreateContext:
     """Like ``cuCtxCreate``: a new context, pushed and current. Result: ``context``."""
 
     device: int | None = count_field()
-    flags: int = count_field(0)
+    flags: int = count_field(0, maximum=0xFFFF_FFFF)
 
 
 @op("push_context", target="device")
@@ -134,7 +134,7 @@ class Synchronize:
 
 @op("device_synchronize", target="device")
 class DeviceSynchronize:
-    """Synchronize every context alive on ``device``. Result: ``{}``."""
+    """Synchronize every context alive on ``device``. Result: ``contexts`` (how many)."""
 
     device: int | None = count_field()
 
@@ -152,11 +152,14 @@ class MemGetInfo:
 
 @op("alloc", target="device")
 class Alloc:
-    """Like ``cuMemAlloc`` in the session's current context on ``device`` (binds the
-    primary lazily). Result: ``buffer`` (buffer record)."""
+    """Allocate in the session's current context on ``device`` (binds the primary lazily):
+    from the device's stream-ordered pool (``cuMemAllocFromPoolAsync``), or with
+    ``cuMemAlloc`` when ``shareable`` (only such buffers can be exported).
+    Result: ``buffer`` (buffer record)."""
 
     size: int = required_count()
     device: int | None = count_field()
+    shareable: bool = False
 
 
 @op("free", target="device")
@@ -170,13 +173,14 @@ class Free:
 @op("fill", target="device")
 class Fill:
     """Like ``cuMemsetD8`` over ``[offset, offset+size)`` (``size`` defaults to the
-    rest of the buffer). Result: ``{}``."""
+    rest of the buffer). Result: ``size`` (bytes filled)."""
 
     buffer: int = handle_field()
     value: int = count_field(0, maximum=255)
     offset: int = count_field(0)
     size: int | None = count_field()
     device: int | None = count_field()
+    stream: int | None = handle_field(optional=True)
 
 
 @op("write", target="device", payload_in=True)
@@ -187,6 +191,7 @@ class Write:
     buffer: int = handle_field()
     offset: int = count_field(0)
     device: int | None = count_field()
+    stream: int | None = handle_field(optional=True)
 
 
 @op("read", target="device", payload_out=True)
@@ -198,6 +203,7 @@ class Read:
     offset: int = count_field(0)
     size: int | None = count_field()
     device: int | None = count_field()
+    stream: int | None = handle_field(optional=True)
 
 
 @op("copy", target="device")
@@ -212,3 +218,4 @@ class Copy:
     dst_offset: int = count_field(0)
     device: int | None = count_field()
     dst_device: int | None = count_field()
+    stream: int | None = handle_field(optional=True)

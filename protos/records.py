@@ -62,6 +62,7 @@ class BufferRecord(_Record):
     device: int
     size: int
     context: int
+    shareable: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,15 @@
 An op is a frozen dataclass registered with :func:`op`; its fields are its wire
 arguments. :func:`decode_args` turns a decoded msgpack map into that dataclass
 or raises :class:`~protos.errors.BadArgument` naming the field, so nothing
-loosely typed travels past the daemon's front door. Unknown fields are ignored,
-so a newer client can talk to an older daemon of the same protocol version.
+loosely typed travels past the daemon's front door. An unknown argument is an
+error (a misspelt ``ofset`` must not silently become offset 0); unknown header
+fields are ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -124,25 +126,46 @@ def _unwrap_optional(hint: Any) -> tuple[type, bool]:
     return hint, False
 
 
+@dataclass(frozen=True)
+class _Arg:
+    name: str
+    type: type
+    optional: bool
+    has_default: bool
+    meta: typing.Mapping[str, Any]
+
+
+@functools.cache
+def _args_of(args_type: type) -> tuple[tuple[_Arg, ...], frozenset[str]]:
+    """Resolve an op's field types once (``get_type_hints`` is far too slow per request)."""
+    hints = typing.get_type_hints(args_type)
+    args = []
+    for f in dataclasses.fields(args_type):
+        expected, optional = _unwrap_optional(hints[f.name])
+        args.append(_Arg(f.name, expected, optional, f.default is not dataclasses.MISSING, f.metadata))
+    return tuple(args), frozenset(a.name for a in args)
+
+
 def decode_args(spec: OpSpec, raw: Any) -> Any:
     """Check ``raw`` (the request's ``args``) against ``spec`` and build its dataclass."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise BadArgument(f"'args' of {spec.name} must be a map, got {type(raw).__name__}")
-    hints = typing.get_type_hints(spec.args_type)
+    args, names = _args_of(spec.args_type)
+    if not names.issuperset(raw):
+        unknown = ", ".join(sorted(repr(k) for k in raw if k not in names)[:5])
+        raise BadArgument(f"{spec.name} has no argument(s) {unknown}")
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(spec.args_type):
-        expected, optional = _unwrap_optional(hints[f.name])
-        has_default = f.default is not dataclasses.MISSING
-        if f.name not in raw or raw[f.name] is None:
-            if f.name in raw and optional:
-                values[f.name] = None
-                continue
-            if has_default:
-                continue
-            raise BadArgument(f"{spec.name} needs argument {f.name!r}")
-        values[f.name] = _check_scalar(f.name, raw[f.name], expected, f.metadata)
+    for arg in args:
+        value = raw.get(arg.name)
+        if value is None:
+            if arg.name in raw and arg.optional:
+                values[arg.name] = None
+            elif not arg.has_default:
+                raise BadArgument(f"{spec.name} needs argument {arg.name!r}")
+            continue
+        values[arg.name] = _check_scalar(arg.name, value, arg.type, arg.meta)
     return spec.args_type(**values)
 
 

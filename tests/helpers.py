@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -135,3 +136,24 @@ def wait_for_line(process: subprocess.Popen[str], expected: str, timeout: float 
         process.kill()
         raise AssertionError(f"no {expected!r} from client process; it printed {''.join(seen)!r}")
     return seen[-1]
+
+
+@functools.cache
+def cuda_unavailable_reason() -> str | None:
+    """Why the real driver cannot run here, or None when it loads and sees a device."""
+    try:
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuInit(0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return f"cuInit(0) failed: {err.name}"
+        err, count = cu.cuDeviceGetCount()
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return f"cuDeviceGetCount failed: {err.name}"
+        if count < 1:
+            return "the CUDA driver sees no device"
+    except ImportError as missing:
+        return f"cuda-python is not importable: {missing}"
+    except RuntimeError as not_loaded:  # cuda.pathfinder's DynamicLibNotFoundError
+        return f"the NVIDIA driver (libcuda.so) does not load ({type(not_loaded).__name__})"
+    return None

@@ -14,12 +14,18 @@ only for its own device; device queries may be called from any thread at start.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NewType
+from typing import Any, NewType
 
 from protos.records import DeviceInfo
 
 #: A backend's context object (``CUcontext`` for cuda); opaque to the daemon.
 Ctx = NewType("Ctx", object)
+#: A stream of the context that was current when it was made (``CUstream``).
+Stream = NewType("Stream", object)
+#: An event (``CUevent``).
+Event = NewType("Event", object)
+#: A stream-ordered memory pool of one device (``CUmemoryPool``).
+Pool = NewType("Pool", object)
 
 #: Bytes of an IPC memory handle (``CU_IPC_HANDLE_SIZE``); the sim's handles have the same size.
 IPC_HANDLE_SIZE = 64
@@ -131,3 +137,94 @@ class Driver(ABC):
     @abstractmethod
     def ipc_get_mem_handle(self, ptr: int) -> bytes:
         """``cuIpcGetMemHandle``: the 64 bytes another process opens the allocation with."""
+
+    # --- streams and events, in the current context ----------------------------------------
+    # Work on a stream runs in order and asynchronously to the caller; the synchronous
+    # memory calls above behave as on CUDA's legacy default stream: they wait for
+    # earlier work on every blocking stream of the context, and that work waits for them.
+
+    @abstractmethod
+    def stream_create(self, non_blocking: bool = False) -> Stream:
+        """``cuStreamCreate`` (``CU_STREAM_NON_BLOCKING`` when asked)."""
+
+    @abstractmethod
+    def stream_destroy(self, stream: Stream) -> None:
+        """``cuStreamDestroy``: returns at once; queued work still completes."""
+
+    @abstractmethod
+    def stream_query(self, stream: Stream) -> bool:
+        """``cuStreamQuery``: True when all work is done, False for ``CUDA_ERROR_NOT_READY``."""
+
+    @abstractmethod
+    def stream_synchronize(self, stream: Stream) -> None: ...
+
+    @abstractmethod
+    def event_create(self, timing: bool = True) -> Event:
+        """``cuEventCreate``; ``timing=False`` is ``CU_EVENT_DISABLE_TIMING``."""
+
+    @abstractmethod
+    def event_destroy(self, event: Event) -> None: ...
+
+    @abstractmethod
+    def event_record(self, event: Event, stream: Stream | None) -> None:
+        """``cuEventRecord``; ``None`` is the legacy default stream."""
+
+    @abstractmethod
+    def event_query(self, event: Event) -> bool:
+        """True once the work before the record is done (an unrecorded event is done)."""
+
+    @abstractmethod
+    def event_synchronize(self, event: Event) -> None: ...
+
+    @abstractmethod
+    def event_elapsed_time(self, start: Event, end: Event) -> float:
+        """Milliseconds between two completed, timed records; ``CUDA_ERROR_NOT_READY`` before."""
+
+    @abstractmethod
+    def stream_wait_event(self, stream: Stream, event: Event) -> None:
+        """Later work on ``stream`` waits for ``event``'s record (``cuStreamWaitEvent``)."""
+
+    @abstractmethod
+    def memset_d8_async(self, ptr: int, value: int, size: int, stream: Stream | None) -> None: ...
+
+    @abstractmethod
+    def memcpy_htod_async(self, dst: int, src: Any, size: int, stream: Stream | None) -> None:
+        """The host buffer must stay alive and unchanged until the stream has passed the copy."""
+
+    @abstractmethod
+    def memcpy_dtoh_async(self, dst: Any, src: int, size: int, stream: Stream | None) -> None:
+        """The host buffer must stay alive until the stream has passed the copy."""
+
+    @abstractmethod
+    def memcpy_dtod_async(self, dst: int, src: int, size: int, stream: Stream | None) -> None: ...
+
+    # --- stream-ordered allocation ----------------------------------------------------------
+
+    @abstractmethod
+    def mem_pool_create(self, ordinal: int) -> Pool:
+        """A device pool (not IPC-exportable) that keeps freed memory cached for reuse."""
+
+    @abstractmethod
+    def mem_pool_destroy(self, pool: Pool) -> None: ...
+
+    @abstractmethod
+    def mem_pool_trim(self, pool: Pool, keep: int) -> None:
+        """``cuMemPoolTrimTo``: give cached memory above ``keep`` bytes back to the device."""
+
+    @abstractmethod
+    def mem_alloc_from_pool(self, size: int, pool: Pool, stream: Stream | None) -> int:
+        """``cuMemAllocFromPoolAsync``: usable in stream order on ``stream``."""
+
+    @abstractmethod
+    def mem_free_async(self, ptr: int, stream: Stream | None) -> None:
+        """``cuMemFreeAsync``: the memory returns to its pool in stream order."""
+
+    # --- pinned host memory -------------------------------------------------------------------
+
+    @abstractmethod
+    def mem_alloc_host(self, size: int) -> memoryview:
+        """``cuMemAllocHost``: page-locked host memory as a writable memoryview (needs a context)."""
+
+    @abstractmethod
+    def mem_free_host(self, view: memoryview) -> None:
+        """``cuMemFreeHost`` of memory from :meth:`mem_alloc_host`."""

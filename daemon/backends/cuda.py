@@ -26,6 +26,14 @@ from typing import Any
 from cuda.bindings.driver import (
     CUcontext,
     CUdevice_attribute,
+    CUevent_flags,
+    CUmemAllocationHandleType,
+    CUmemAllocationType,
+    CUmemLocationType,
+    CUmemPool_attribute,
+    CUmemPoolProps,
+    CUstream,
+    CUstream_flags,
     cuCtxCreate,
     cuCtxDestroy,
     cuCtxGetApiVersion,
@@ -48,20 +56,44 @@ from cuda.bindings.driver import (
     cuDevicePrimaryCtxRetain,
     cuDeviceTotalMem,
     cuDriverGetVersion,
+    cuEventCreate,
+    cuEventDestroy,
+    cuEventElapsedTime,
+    cuEventQuery,
+    cuEventRecord,
+    cuEventSynchronize,
     cuGetErrorName,
     cuGetErrorString,
     cuInit,
     cuIpcGetMemHandle,
     cuMemAlloc,
+    cuMemAllocFromPoolAsync,
+    cuMemAllocHost,
     cuMemcpyDtoD,
+    cuMemcpyDtoDAsync,
     cuMemcpyDtoH,
+    cuMemcpyDtoHAsync,
     cuMemcpyHtoD,
+    cuMemcpyHtoDAsync,
     cuMemFree,
+    cuMemFreeAsync,
+    cuMemFreeHost,
     cuMemGetInfo,
+    cuMemPoolCreate,
+    cuMemPoolDestroy,
+    cuMemPoolSetAttribute,
+    cuMemPoolTrimTo,
     cuMemsetD8,
+    cuMemsetD8Async,
+    cuStreamCreate,
+    cuStreamDestroy,
+    cuStreamQuery,
+    cuStreamSynchronize,
+    cuStreamWaitEvent,
+    cuuint64_t,
 )
 
-from daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver
+from daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver, Event, Pool, Stream
 from protos.cuda_results import CUresult
 from protos.errors import CudaError
 from protos.records import DeviceInfo
@@ -178,6 +210,7 @@ class CudaDriver(Driver):
 
     def __init__(self) -> None:
         self._devices: dict[int, Any] = {}
+        self._pinned: dict[int, Any] = {}  # address -> ctypes array of mem_alloc_host memory
 
     def init(self) -> None:
         check_result(cuInit(0))
@@ -298,3 +331,110 @@ class CudaDriver(Driver):
         # Copy the handle's 64 bytes through its pointer: ``.reserved`` is gone in 13.4+.
         handle = check_result(cuIpcGetMemHandle(ptr))
         return ctypes.string_at(handle.getPtr(), IPC_HANDLE_SIZE)
+
+    # --- streams and events ---------------------------------------------------------------
+
+    def stream_create(self, non_blocking: bool = False) -> Stream:
+        flags = CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else CUstream_flags.CU_STREAM_DEFAULT
+        return check_result(cuStreamCreate(flags))  # type: ignore[no-any-return]
+
+    def stream_destroy(self, stream: Stream) -> None:
+        check_result(cuStreamDestroy(stream))
+
+    def stream_query(self, stream: Stream) -> bool:
+        return _done_or_not_ready(cuStreamQuery(stream))
+
+    def stream_synchronize(self, stream: Stream) -> None:
+        check_result(cuStreamSynchronize(stream))
+
+    def event_create(self, timing: bool = True) -> Event:
+        flags = CUevent_flags.CU_EVENT_DEFAULT if timing else CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return check_result(cuEventCreate(flags))  # type: ignore[no-any-return]
+
+    def event_destroy(self, event: Event) -> None:
+        check_result(cuEventDestroy(event))
+
+    def event_record(self, event: Event, stream: Stream | None) -> None:
+        check_result(cuEventRecord(event, _stream(stream)))
+
+    def event_query(self, event: Event) -> bool:
+        return _done_or_not_ready(cuEventQuery(event))
+
+    def event_synchronize(self, event: Event) -> None:
+        check_result(cuEventSynchronize(event))
+
+    def event_elapsed_time(self, start: Event, end: Event) -> float:
+        return float(check_result(cuEventElapsedTime(start, end)))
+
+    def stream_wait_event(self, stream: Stream, event: Event) -> None:
+        check_result(cuStreamWaitEvent(stream, event, 0))
+
+    def memset_d8_async(self, ptr: int, value: int, size: int, stream: Stream | None) -> None:
+        if not 0 <= value <= 0xFF:
+            raise _invalid_value(f"memset value {value} is not a byte")
+        check_result(cuMemsetD8Async(ptr, value, size, _stream(stream)))
+
+    def memcpy_htod_async(self, dst: int, src: Any, size: int, stream: Stream | None) -> None:
+        check_result(cuMemcpyHtoDAsync(dst, _host_view(src, size, writable=False), size, _stream(stream)))
+
+    def memcpy_dtoh_async(self, dst: Any, src: int, size: int, stream: Stream | None) -> None:
+        check_result(cuMemcpyDtoHAsync(_host_view(dst, size, writable=True), src, size, _stream(stream)))
+
+    def memcpy_dtod_async(self, dst: int, src: int, size: int, stream: Stream | None) -> None:
+        check_result(cuMemcpyDtoDAsync(dst, src, size, _stream(stream)))
+
+    # --- stream-ordered allocation ------------------------------------------------------------
+
+    def mem_pool_create(self, ordinal: int) -> Pool:
+        props = CUmemPoolProps()
+        props.allocType = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.location.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = ordinal
+        pool = check_result(cuMemPoolCreate(props))
+        # Keep freed memory cached: trimming happens explicitly (mem_pool_trim), not at every sync.
+        threshold = cuuint64_t(0xFFFF_FFFF_FFFF_FFFF)
+        check_result(cuMemPoolSetAttribute(pool, CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold))
+        return pool  # type: ignore[no-any-return]
+
+    def mem_pool_destroy(self, pool: Pool) -> None:
+        check_result(cuMemPoolDestroy(pool))
+
+    def mem_pool_trim(self, pool: Pool, keep: int) -> None:
+        check_result(cuMemPoolTrimTo(pool, keep))
+
+    def mem_alloc_from_pool(self, size: int, pool: Pool, stream: Stream | None) -> int:
+        return int(check_result(cuMemAllocFromPoolAsync(size, pool, _stream(stream))))
+
+    def mem_free_async(self, ptr: int, stream: Stream | None) -> None:
+        check_result(cuMemFreeAsync(ptr, _stream(stream)))
+
+    # --- pinned host memory -------------------------------------------------------------------
+
+    def mem_alloc_host(self, size: int) -> memoryview:
+        address = int(check_result(cuMemAllocHost(size)))
+        array = (ctypes.c_char * size).from_address(address)
+        view = memoryview(array).cast("B")
+        self._pinned[address] = array
+        return view
+
+    def mem_free_host(self, view: memoryview) -> None:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
+        if self._pinned.pop(address, None) is None:
+            raise _invalid_value("not memory from mem_alloc_host")
+        view.release()
+        check_result(cuMemFreeHost(address))
+
+
+_LEGACY_STREAM = CUstream(0)
+
+
+def _stream(stream: Stream | None) -> Any:
+    return _LEGACY_STREAM if stream is None else stream
+
+
+def _done_or_not_ready(result: tuple[Any, ...]) -> bool:
+    if int(result[0]) == CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    check_result(result)
+    return True

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from daemon.device_state import DeviceState
+from daemon.device_streams import Marker
 from daemon.handlers.registry import device_handler
 from daemon.jobs import Job
-from daemon.replies import Reply
+from daemon.replies import Pending, Reply
 from protos import ops
 from protos.cuda_results import CUresult
 from protos.errors import CudaError
@@ -69,15 +70,20 @@ def context_info(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.Synchronize)
-def synchronize(state: DeviceState, job: Job) -> Reply:
-    state.activate(state.current_or_primary(state.session(job.session)))
-    state.driver.ctx_synchronize()
-    return Reply()
+def synchronize(state: DeviceState, job: Job) -> Pending:
+    markers = state.context_markers([state.current_or_primary(state.session(job.session))])
+    return _when_done(state, markers, {})
 
 
 @device_handler(ops.DeviceSynchronize)
-def device_synchronize(state: DeviceState, job: Job) -> Reply:
-    for context in state.live_contexts():
-        state.activate(context)
-        state.driver.ctx_synchronize()
-    return Reply({"contexts": len(state.live_contexts())})
+def device_synchronize(state: DeviceState, job: Job) -> Pending:
+    contexts = state.live_contexts()
+    return _when_done(state, state.context_markers(contexts), {"contexts": len(contexts)})
+
+
+def _when_done(state: DeviceState, markers: list[Marker], result: dict[str, int]) -> Pending:
+    def then() -> Reply:
+        state.recycle_markers(markers)
+        return Reply(result)
+
+    return Pending(lambda: state.markers_done(markers), then)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from daemon.device_state import DeviceState, check_range
+from daemon.device_streams import Marker
 from daemon.handlers.registry import device_handler
 from daemon.jobs import Job
-from daemon.replies import Forward, Reply
+from daemon.replies import Forward, Pending, Reply
 from protos import ops
-from protos.errors import TooLarge
+from protos.errors import BadArgument, TooLarge
 
 
 @device_handler(ops.MemGetInfo)
@@ -17,7 +18,7 @@ def mem_get_info(state: DeviceState, job: Job) -> Reply:
 
 @device_handler(ops.Alloc)
 def alloc(state: DeviceState, job: Job) -> Reply:
-    buffer = state.alloc(state.session(job.session), job.args.size)
+    buffer = state.alloc(state.session(job.session), job.args.size, job.args.shareable)
     return Reply({"buffer": state.buffer_record(buffer).to_wire()})
 
 
@@ -29,36 +30,64 @@ def free(state: DeviceState, job: Job) -> Reply:
 
 @device_handler(ops.Fill)
 def fill(state: DeviceState, job: Job) -> Reply:
-    buffer = state.buffer(state.session(job.session), job.args.buffer)
+    session = state.session(job.session)
+    buffer = state.buffer(session, job.args.buffer)
     size = check_range(buffer.size, job.args.offset, job.args.size)
     if size:
-        state.activate(buffer.context)
-        state.driver.memset_d8(buffer.ptr + job.args.offset, job.args.value, size)
+        if job.args.stream is None:
+            state.activate(buffer.context)
+            state.driver.memset_d8(buffer.ptr + job.args.offset, job.args.value, size)
+        else:
+            stream = state.stream_of(session, job.args.stream)
+            state.driver.memset_d8_async(buffer.ptr + job.args.offset, job.args.value, size, stream)
     return Reply({"size": size})
 
 
 @device_handler(ops.Write)
-def write(state: DeviceState, job: Job) -> Reply:
-    buffer = state.buffer(state.session(job.session), job.args.buffer)
+def write(state: DeviceState, job: Job) -> Reply | Pending:
+    session = state.session(job.session)
+    buffer = state.buffer(session, job.args.buffer)
     data = memoryview(job.payload[0])
     size = check_range(buffer.size, job.args.offset, data.nbytes)
-    if size:
+    if not size:
+        return Reply({"size": 0})
+    if job.args.stream is None:
         state.activate(buffer.context)
         state.driver.memcpy_htod(buffer.ptr + job.args.offset, data, size)
-    return Reply({"size": size})
+        return Reply({"size": size})
+    stream_entry = state.stream(session, job.args.stream)
+    state.activate(stream_entry.context)
+    state.driver.memcpy_htod_async(buffer.ptr + job.args.offset, data, size, stream_entry.stream)
+    # The payload frame must outlive the copy: the reply (and the job holding it) waits for it.
+    return _after(state, state.marker_on(stream_entry.context, stream_entry.stream), Reply({"size": size}))
 
 
 @device_handler(ops.Read)
-def read(state: DeviceState, job: Job) -> Reply:
-    buffer = state.buffer(state.session(job.session), job.args.buffer)
+def read(state: DeviceState, job: Job) -> Reply | Pending:
+    session = state.session(job.session)
+    buffer = state.buffer(session, job.args.buffer)
     size = check_range(buffer.size, job.args.offset, job.args.size)
     if size > state.limits.max_payload:
-        raise TooLarge(f"a read of {size} bytes exceeds the daemon's payload limit of {state.limits.max_payload}")
+        raise TooLarge(f"a read of {size} bytes exceeds the payload limit of {state.limits.max_payload}")
     out = bytearray(size)
-    if size:
+    if not size:
+        return Reply({"size": 0}, [out])
+    if job.args.stream is None:
         state.activate(buffer.context)
         state.driver.memcpy_dtoh(memoryview(out), buffer.ptr + job.args.offset, size)
-    return Reply({"size": size}, [out])
+        return Reply({"size": size}, [out])
+    stream_entry = state.stream(session, job.args.stream)
+    state.activate(stream_entry.context)
+    state.driver.memcpy_dtoh_async(memoryview(out), buffer.ptr + job.args.offset, size, stream_entry.stream)
+    return _after(state, state.marker_on(stream_entry.context, stream_entry.stream), Reply({"size": size}, [out]))
+
+
+def _after(state: DeviceState, marker: Marker, reply: Reply) -> Pending:
+    def then() -> Reply:
+        state.recycle_markers([marker])
+        return reply
+
+    return Pending(lambda: state.markers_done([marker]), then)
 
 
 @device_handler(ops.Copy)
@@ -72,9 +101,18 @@ def copy(state: DeviceState, job: Job) -> Reply | Forward:
         dst = state.buffer(session, args.dst)
         check_range(dst.size, args.dst_offset, size)
         if size:
-            state.activate(src.context)
-            state.driver.memcpy_dtod(dst.ptr + args.dst_offset, src.ptr + args.src_offset, size)
+            if args.stream is None:
+                state.activate(src.context)
+                state.driver.memcpy_dtod(dst.ptr + args.dst_offset, src.ptr + args.src_offset, size)
+            else:
+                stream = state.stream_of(session, args.stream)
+                state.driver.memcpy_dtod_async(dst.ptr + args.dst_offset, src.ptr + args.src_offset, size, stream)
         return Reply({"size": size})
+    if args.stream is not None:
+        raise BadArgument("a copy between devices cannot be stream-ordered (it is staged through the daemon)")
+    if size > state.limits.max_payload:
+        raise TooLarge(f"a copy between devices of {size} bytes exceeds the payload limit "
+                       f"of {state.limits.max_payload} (it is staged through host memory)")
     # Across devices, each worker touches only its own device: stage through host memory.
     staged = bytearray(size)
     if size:

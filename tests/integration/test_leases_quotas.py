@@ -44,7 +44,7 @@ c.create_context(0)
 buf = c.alloc(512 * 1024, device=0)
 buf.fill(7)
 owner = Client(ENDPOINT)
-held = c.open_shared(owner.alloc(4096, device=1).export())
+held = c.open_shared(owner.alloc(4096, device=1, shareable=True).export())
 print("ready", c.session_id, flush=True)
 time.sleep(600)
 """

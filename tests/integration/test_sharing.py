@@ -36,7 +36,7 @@ def device_totals(c: Client) -> list[tuple[int, int, int]]:
 PRODUCER = """
 from client import Client
 with Client(ENDPOINT) as c:
-    buf = c.alloc(4096, device=1)
+    buf = c.alloc(4096, device=1, shareable=True)
     buf.write(bytes(range(256)) * 16)
     c.publish(buf, "weights")
     print("published")
@@ -67,7 +67,7 @@ def test_published_buffer_outlives_its_producer_and_is_freed_after_the_consumer(
 
 def test_owner_free_is_deferred_while_another_session_holds_the_buffer(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as owner, Client(daemon.endpoint) as holder:
-        buf = owner.alloc(4096)
+        buf = owner.alloc(4096, shareable=True)
         buf.write(PATTERN)
         descriptor = buf.export()
         shared = holder.open_shared(descriptor)
@@ -83,7 +83,7 @@ def test_owner_free_is_deferred_while_another_session_holds_the_buffer(daemon: D
 
 def test_writes_through_a_mapping_are_seen_by_the_owner(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as owner:
-        buf = owner.alloc(1024)
+        buf = owner.alloc(1024, shareable=True)
         buf.fill(0)
         out = run_client(f"""
 from client import Client
@@ -100,7 +100,7 @@ with Client(ENDPOINT) as c, c.open_shared(desc) as shared:
 
 def test_descriptor_is_plain_picklable_data(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
-        descriptor = c.alloc(512).export()
+        descriptor = c.alloc(512, shareable=True).export()
         assert pickle.loads(pickle.dumps(descriptor)) == descriptor
         assert len(descriptor.ipc_handle) == 64
         assert descriptor.backend == "sim"
@@ -109,10 +109,10 @@ def test_descriptor_is_plain_picklable_data(daemon: DaemonProcess) -> None:
 
 def test_names_are_owned_by_their_publisher(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as a, Client(daemon.endpoint) as b:
-        buf = a.alloc(256)
+        buf = a.alloc(256, shareable=True)
         a.publish(buf, "model")
         with pytest.raises(NameExists):
-            b.publish(b.alloc(256), "model")
+            b.publish(b.alloc(256, shareable=True), "model")
         with pytest.raises(NotOwner):
             b.unpublish("model")
         assert b.lookup("model").size == 256
@@ -125,7 +125,7 @@ def test_names_are_owned_by_their_publisher(daemon: DaemonProcess) -> None:
 
 def test_explicit_free_unpublishes(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as a:
-        buf = a.alloc(256)
+        buf = a.alloc(256, shareable=True)
         a.publish(buf, "ephemeral")
         buf.free()
         with pytest.raises(NotFound):
@@ -145,7 +145,7 @@ def test_a_session_cannot_touch_another_sessions_private_buffers(daemon: DaemonP
 
 def test_bogus_and_stale_descriptors_are_refused_clearly(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
-        descriptor = c.alloc(256).export()
+        descriptor = c.alloc(256, shareable=True).export()
         with pytest.raises(NotFound) as bogus:
             c.open_shared(dataclasses.replace(descriptor, share_id="0" * 32))
         assert bogus.value.name == "CUCTXD_ERROR_NOT_FOUND"
@@ -160,7 +160,7 @@ def test_bogus_and_stale_descriptors_are_refused_clearly(daemon: DaemonProcess) 
 
 def test_cuctx_shared_lists_published_buffers(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
-        c.publish(c.alloc(2048), "listed")
+        c.publish(c.alloc(2048, shareable=True), "listed")
         out = subprocess.run([sys.executable, "-m", "client", "--endpoint", daemon.endpoint, "shared"],
                              capture_output=True, text=True, env=client_env(), cwd=REPO, check=True).stdout
         assert "listed" in out and "2.0 KiB" in out

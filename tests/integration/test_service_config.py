@@ -1,0 +1,160 @@
+"""A real daemon configured by a TOML file and flags: what it serves, what it refuses to start with."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, short_tempdir, start_daemon
+
+MiB = 1 << 20
+
+
+def wait_for_log(process: DaemonProcess, pattern: str, timeout: float = 10.0) -> re.Match[str]:
+    """The first match of ``pattern`` in the daemon's stderr, waiting for it to be read."""
+    deadline = time.monotonic() + timeout
+    while (match := re.search(pattern, process.log())) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {pattern!r} in the daemon's log:\n{process.log()}")
+        time.sleep(0.02)
+    return match
+
+
+def cuctxd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "daemon", *args], capture_output=True, text=True,
+                          env=client_env(), cwd=REPO, timeout=timeout)
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    directory = short_tempdir()
+    yield directory
+    remove_tempdir(directory)
+
+
+@pytest.fixture
+def stop_after() -> Iterator[list[DaemonProcess]]:
+    started: list[DaemonProcess] = []
+    yield started
+    for process in started:
+        code = process.stop()
+        remove_tempdir(process.socket_dir)
+        assert code == 0, process.log()
+
+
+def test_the_daemon_serves_what_its_file_says(workdir: Path, stop_after: list[DaemonProcess]) -> None:
+    config = workdir / "cuctxd.toml"
+    config.write_text('sim_devices = 3\nsim_memory = "32MiB"\nlease_ttl = 2.5\nmax_payload = "2MiB"\n')
+    process = start_daemon("--config", str(config))
+    stop_after.append(process)
+    with Client(process.endpoint, timeout=10) as client:
+        devices = client.devices()
+        assert [d.total_memory for d in devices] == [32 * MiB] * 3
+        assert client.lease_ttl == 2.5
+        assert client.limits["max_payload_bytes"] == 2 * MiB
+
+
+def test_flags_override_the_file(workdir: Path, stop_after: list[DaemonProcess]) -> None:
+    config = workdir / "cuctxd.toml"
+    config.write_text('sim_devices = 3\nsim_memory = "32MiB"\n')
+    process = start_daemon("--config", str(config), "--sim-devices", "1")
+    stop_after.append(process)
+    with Client(process.endpoint, timeout=10) as client:
+        assert [d.total_memory for d in client.devices()] == [32 * MiB]
+
+
+def test_devices_serves_chosen_ordinals_as_0_to_n_minus_1(daemon: DaemonProcess,
+                                                           stop_after: list[DaemonProcess]) -> None:
+    """The module's 2-device daemon shows every sim device; --devices 1,0 shows them swapped."""
+    with Client(daemon.endpoint, timeout=10) as everything:
+        all_devices = everything.devices()
+    process = start_daemon("--sim-devices", "2", "--sim-memory", "64MiB", "--devices", "1,0")
+    stop_after.append(process)
+    with Client(process.endpoint, timeout=10) as client:
+        served = client.devices()
+        assert [d.index for d in served] == [0, 1]
+        assert [d.uuid for d in served] == [all_devices[1].uuid, all_devices[0].uuid]
+        client.set_device(1)
+        buffer = client.alloc(MiB, device=1)
+        buffer.fill(7)
+        assert buffer.read(4) == b"\x07" * 4
+        assert client.current_context(1) is not None
+        (dev0, dev1) = client.status()["devices"]
+        assert [s["bytes"] for s in dev1["sessions"]] == [MiB]
+        assert dev0["sessions"] == [] or all(s["bytes"] == 0 for s in dev0["sessions"])
+    wait_for_log(process, re.escape("driver ordinals [1, 0]"))
+
+
+def test_devices_the_driver_lacks_refuse_to_start(workdir: Path) -> None:
+    done = cuctxd("--backend", "sim", "--sim-devices", "2", "--devices", "0,5",
+                  "--endpoint", f"ipc://{workdir}/d.sock")
+    assert done.returncode == 2, done.stderr
+    assert "'devices'" in done.stderr and "ordinal 5" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("unknown_thing = 1", "unknown_thing"),
+    ("sim_devices = 'two'", "sim_devices"),
+    ("sim_memory = '12 parsecs'", "sim_memory"),
+    ("log_format = 'yaml'", "log_format"),
+    ("endpoints = ['tcp://127.0.0.1:0']", "endpoints"),
+])
+def test_a_bad_file_exits_2_naming_the_key(workdir: Path, text: str, key: str) -> None:
+    config = workdir / "bad.toml"
+    config.write_text(text)
+    done = cuctxd("--config", str(config), "--backend", "sim")
+    assert done.returncode == 2
+    assert f"configuration key '{key}'" in done.stderr
+    assert "listening" not in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_print_config_shows_the_merge_and_exits_0(workdir: Path) -> None:
+    config = workdir / "cuctxd.toml"
+    config.write_text('sim_devices = 3\nsim_memory = 67108864\nlog_format = "json"\n')
+    done = cuctxd("--config", str(config), "--sim-devices", "5", "--endpoint", "ipc:///tmp/x/y.sock",
+                  "--print-config")
+    assert done.returncode == 0, done.stderr
+    printed = tomllib.loads(done.stdout)
+    assert printed["sim_devices"] == 5
+    assert printed["sim_memory"] == "64MiB"
+    assert printed["log_format"] == "json"
+    assert printed["endpoints"] == ["ipc:///tmp/x/y.sock"]
+    (workdir / "printed.toml").write_text(done.stdout)
+    again = cuctxd("--config", str(workdir / "printed.toml"), "--print-config")
+    assert again.stdout == done.stdout
+
+
+def test_tcp_without_curve_is_refused(workdir: Path) -> None:
+    done = cuctxd("--backend", "sim", "--endpoint", "tcp://127.0.0.1:*")
+    assert done.returncode == 2
+    assert "configuration key 'endpoints'" in done.stderr
+    assert "insecure_tcp" in done.stderr
+
+
+def test_insecure_tcp_listens_and_warns(stop_after: list[DaemonProcess]) -> None:
+    process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
+    stop_after.append(process)
+    match = wait_for_log(process, r"tcp://127\.0\.0\.1:(\d+)")
+    wait_for_log(process, r"WARNING .*WITHOUT encryption")
+    with Client(match.group(0), timeout=10) as client:
+        assert client.ping() > 0
+
+
+def test_a_server_key_is_not_served_in_plaintext(workdir: Path) -> None:
+    """Until CURVE is wired in, asking for it must not quietly listen without it."""
+    key = workdir / "server.key_secret"
+    key.write_text("")
+    done = cuctxd("--backend", "sim", "--endpoint", "tcp://127.0.0.1:*", "--server-key", str(key))
+    assert done.returncode == 2
+    assert "'server_key'" in done.stderr
+    assert "listening" not in done.stdout
