@@ -11,6 +11,7 @@ so as a WARN. Any FAIL makes ``cuctx doctor`` exit 1.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import stat
 import time
@@ -64,9 +65,21 @@ def _checks(endpoint: str, timeout: float) -> Iterator[Check]:
         yield Check("ipc", WARN, "not checked: no session with the daemon")
         return
     with client:
-        yield Check("protocol", PASS, f"protocol {client.protocol}, cuctxd {client.daemon_version}, "
-                                      f"backend {client.backend}")
+        detail = f"protocol {client.protocol}, cuctxd {client.daemon_version}, backend {client.backend}"
+        ours = _installed_version()
+        if ours is not None and ours != client.daemon_version:
+            yield Check("protocol", WARN, f"{detail}; this client is cuctxd {ours} (same protocol, other release)")
+        else:
+            yield Check("protocol", PASS, detail)
         yield _ipc_check(client)
+
+
+def _installed_version() -> str | None:
+    """This client's package version when installed (not when run from a source tree)."""
+    try:
+        return importlib.metadata.version("cuctxd")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _driver_checks() -> Iterator[Check]:

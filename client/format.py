@@ -40,6 +40,7 @@ def status_text(status: dict[str, Any]) -> str:
         f"cuctxd {status['daemon_version']} (protocol {status['protocol']}), backend {status['backend']}, "
         f"pid {status['pid']}, up {status['uptime_s']:.0f} s",
         f"listening on {', '.join(status['endpoints'])}",
+        *_ordinals_line(status),
         "",
         f"sessions: {len(status['sessions'])}",
     ]
@@ -79,6 +80,14 @@ def status_text(status: dict[str, Any]) -> str:
                   ",".join(map(str, sh["holders"])) or "-"] for sh in dev["shares"]],
             ))
     return "\n".join(lines)
+
+
+def _ordinals_line(status: dict[str, Any]) -> list[str]:
+    """Which driver ordinal each device is, when the daemon serves a subset (``--devices``)."""
+    ordinals = status.get("device_ordinals")
+    if not ordinals or list(ordinals) == list(range(len(ordinals))):
+        return []
+    return ["driver ordinals: " + ", ".join(f"device {i} = {o}" for i, o in enumerate(ordinals))]
 
 
 def shared_table(shared: Sequence[dict[str, Any]]) -> str:

@@ -5,69 +5,86 @@ client's memory ops but return :class:`~client.transport.Call` futures at once;
 leaving the block waits for every reply (raising the first error). Ops on one
 stream keep their order in the daemon, so a sequence of writes, copies and reads
 flows without a round trip each.
+
+``async with async_client.pipeline() as p:`` is the same for an
+:class:`~client.async_client.AsyncClient`, its methods returning
+:class:`asyncio.Task` futures (each is also simply a concurrent call; the
+pipeline keeps them in order and collects them). Both flavours build their
+requests in :mod:`client.requests`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from client.transport import Call
+from client import requests
+from client.objects import docs_from
+from client.requests import OnDevice, Request
+from client.transport import MAX_IN_FLIGHT, Call
 from protos.errors import CuctxError
 
 if TYPE_CHECKING:
+    from client.async_client import AsyncClient
     from client.client import Client
-    from client.objects import Buffer
-    from client.streams import Stream
 
-#: Requests in flight before the pipeline reads replies: bounded so neither side's
-#: ZeroMQ queue (1,000 messages by default) can overflow.
-MAX_IN_FLIGHT = 256
+__all__ = ["MAX_IN_FLIGHT", "AsyncPipeline", "Pipeline", "PipelineOps", "raise_first"]
 
-
-def _size(result: dict[str, Any], frames: list[Any]) -> int:
-    return int(result["size"])
+#: What a pipeline's methods return: a :class:`Call` or an :class:`asyncio.Task`.
+FutureT = TypeVar("FutureT")
 
 
-def _bytes(result: dict[str, Any], frames: list[Any]) -> bytes:
-    return frames[0].bytes if frames else b""
+def raise_first(outcomes: Iterable[object]) -> None:
+    """Raise the first exception among results gathered with ``return_exceptions``."""
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
-class Pipeline:
+class PipelineOps(Generic[FutureT]):
+    """The memory ops a pipeline offers, each handed to :meth:`send` as one request."""
+
+    def send(self, request: Request[Any]) -> FutureT:
+        raise NotImplementedError
+
+    def write(self, buffer: OnDevice, data: Any, offset: int = 0, *, stream: OnDevice | None = None) -> FutureT:
+        """One write request however large ``data`` is (result: bytes written)."""
+        return self.send(requests.write_frame(buffer, data, offset, stream))
+
+    def read(self, buffer: OnDevice, size: int | None = None, offset: int = 0, *,
+             stream: OnDevice | None = None) -> FutureT:
+        """Result: the bytes."""
+        return self.send(requests.read_frame(buffer, size, offset, stream))
+
+    def fill(self, buffer: OnDevice, value: int = 0, offset: int = 0, size: int | None = None, *,
+             stream: OnDevice | None = None) -> FutureT:
+        """Result: bytes filled."""
+        return self.send(requests.fill(buffer, value, offset, size, stream))
+
+    def copy(self, src: OnDevice, dst: OnDevice, size: int | None = None, src_offset: int = 0,
+             dst_offset: int = 0, *, stream: OnDevice | None = None) -> FutureT:
+        """Result: bytes copied."""
+        return self.send(requests.copy(src, dst, size, src_offset, dst_offset, stream))
+
+
+class Pipeline(PipelineOps[Call[Any]]):
     """Futures-returning twins of the client's memory ops; see the module docstring."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
         self._calls: list[Call[Any]] = []
 
-    def _send(self, op: str, payload: tuple[Any, ...] = (), convert: Any = _size, **args: Any) -> Call[Any]:
+    def send(self, request: Request[Any]) -> Call[Any]:
+        """Send any request now; at most :data:`MAX_IN_FLIGHT` wait for replies at once."""
         transport = self.client._transport
         while transport.in_flight() >= MAX_IN_FLIGHT:
             oldest = next(c for c in self._calls if not c.done)
             transport.wait(oldest)
-        call = self.client._send(op, payload, convert, **args)
+        call = self.client._send(request)
         self._calls.append(call)
         return call
-
-    def write(self, buffer: Buffer, data: Any, offset: int = 0, *, stream: Stream | None = None) -> Call[int]:
-        return self._send("write", (data,), device=buffer.device, buffer=buffer.handle, offset=offset,
-                          stream=None if stream is None else stream.handle)
-
-    def read(self, buffer: Buffer, size: int | None = None, offset: int = 0, *,
-             stream: Stream | None = None) -> Call[bytes]:
-        return self._send("read", (), _bytes, device=buffer.device, buffer=buffer.handle, offset=offset,
-                          size=size, stream=None if stream is None else stream.handle)
-
-    def fill(self, buffer: Buffer, value: int = 0, offset: int = 0, size: int | None = None, *,
-             stream: Stream | None = None) -> Call[int]:
-        return self._send("fill", device=buffer.device, buffer=buffer.handle, value=value, offset=offset,
-                          size=size, stream=None if stream is None else stream.handle)
-
-    def copy(self, src: Buffer, dst: Buffer, size: int | None = None, src_offset: int = 0, dst_offset: int = 0,
-             *, stream: Stream | None = None) -> Call[int]:
-        return self._send("copy", device=src.device, dst_device=dst.device, src=src.handle, dst=dst.handle,
-                          size=size, src_offset=src_offset, dst_offset=dst_offset,
-                          stream=None if stream is None else stream.handle)
 
     def wait(self) -> None:
         """Wait for every reply; raise the first error (after all replies are in)."""
@@ -92,3 +109,35 @@ class Pipeline:
                 with contextlib.suppress(CuctxError):  # the block's own exception is the one to see
                     call.result()
             self._calls.clear()
+
+
+@docs_from(Pipeline)
+class AsyncPipeline(PipelineOps["asyncio.Task[Any]"]):
+    """The async client's pipeline: methods return tasks at once, sent in the order they were made;
+    leaving ``async with`` (or :meth:`wait`) awaits them all and raises the first error."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    def send(self, request: Request[Any]) -> asyncio.Task[Any]:
+        """Start any request as a task of the running loop."""
+        task = asyncio.get_running_loop().create_task(self.client._run(request))
+        self._tasks.append(task)
+        return task
+
+    async def _collect(self) -> list[Any]:
+        outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        return outcomes
+
+    async def wait(self) -> None:
+        raise_first(await self._collect())
+
+    async def __aenter__(self) -> AsyncPipeline:
+        return self
+
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        outcomes = await self._collect()  # every reply is in before the block's own exception goes on
+        if exc_type is None:
+            raise_first(outcomes)

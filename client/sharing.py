@@ -1,20 +1,30 @@
-"""A shared buffer opened in this process: :class:`OpenedShare`.
+"""A shared buffer opened in this process: :class:`OpenedShare` and :class:`AsyncOpenedShare`.
 
 Opening tells the daemon this session holds the share (so it stays alive),
 then maps it here: a device pointer with the cuda backend, a host memoryview
 of the same bytes with the sim backend. Nothing is copied through the daemon.
+Mapping and unmapping are local, synchronous work; only taking and dropping the
+daemon's hold are requests, so :meth:`AsyncOpenedShare.close` is a coroutine
+(and ``async with`` closes it) while everything else is the same as the sync class.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from client import requests
+from client.objects import docs_from
+from client.requests import Plan
 from protos.errors import NotShareable
 from protos.host import host_identity
 from protos.records import ShareDescriptor
 
 if TYPE_CHECKING:
+    from client.async_client import AsyncClient
     from client.client import Client
+
+ShareT = TypeVar("ShareT")
 
 
 def check_same_host(descriptor: ShareDescriptor) -> None:
@@ -25,10 +35,10 @@ def check_same_host(descriptor: ShareDescriptor) -> None:
         )
 
 
-class OpenedShare:
-    """A mapped share; close it (or use ``with``) to unmap and drop the daemon's hold."""
+class MappedShare:
+    """What both flavours of an opened share hold and show: the descriptor and this process's mapping."""
 
-    def __init__(self, client: Client, descriptor: ShareDescriptor, mapping: Any) -> None:
+    def __init__(self, client: Any, descriptor: ShareDescriptor, mapping: Any) -> None:
         self.client = client
         self.descriptor = descriptor
         self._mapping = mapping
@@ -66,20 +76,38 @@ class OpenedShare:
         view: memoryview = self._mapping.view
         return view
 
+
+class OpenedShare(MappedShare):
+    """A mapped share; close it (or use ``with``) to unmap and drop the daemon's hold."""
+
+    client: Client
+
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self._mapping.close()
-        finally:
-            self.client.close_shared(self.descriptor)
+        """Unmap, then drop the daemon's hold (even if unmapping failed); nothing the second time."""
+        self.client._run(close_share(self))
 
     def __enter__(self) -> OpenedShare:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@docs_from(OpenedShare)
+class AsyncOpenedShare(MappedShare):
+    """An :class:`OpenedShare` of an :class:`~client.async_client.AsyncClient`: ``await share.close()``,
+    or ``async with await client.open_shared(name) as share:``."""
+
+    client: AsyncClient
+
+    async def close(self) -> None:
+        await self.client._run(close_share(self))
+
+    async def __aenter__(self) -> AsyncOpenedShare:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 def map_share(descriptor: ShareDescriptor) -> Any:
@@ -94,3 +122,28 @@ def map_share(descriptor: ShareDescriptor) -> Any:
 
         return CudaMapping(descriptor)
     raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")
+
+
+def open_share(owner: Any, kind: Callable[[Any, ShareDescriptor, Any], ShareT],
+               share: str | ShareDescriptor) -> Plan[ShareT]:
+    """Look the share up (by name), hold it, map it here; a failed mapping drops the hold again."""
+    descriptor = (yield requests.lookup(share)) if isinstance(share, str) else share
+    check_same_host(descriptor)
+    descriptor = yield requests.open_shared(descriptor)
+    try:
+        mapping = map_share(descriptor)
+    except BaseException:
+        yield requests.close_shared(descriptor)
+        raise
+    return kind(owner, descriptor, mapping)
+
+
+def close_share(share: MappedShare) -> Plan[None]:
+    """Unmap once, then drop the daemon's hold, even when unmapping raised."""
+    if share.closed:
+        return
+    share.closed = True
+    try:
+        share._mapping.close()
+    finally:
+        yield requests.close_shared(share.descriptor)

@@ -12,18 +12,65 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import zmq
 
 from protos.errors import ConnectionLost, CuctxError, DaemonTimeout, error_from_wire
-from protos.messages import encode_request, parse_reply
+from protos.messages import ReplyHeader, encode_request, parse_reply
 
 #: Seconds a call waits for its reply unless the client is told otherwise.
 DEFAULT_TIMEOUT = 30.0
 
+#: Requests in flight before a pipeline reads replies: bounded so neither side's
+#: ZeroMQ queue (1,000 messages by default) can overflow.
+MAX_IN_FLIGHT = 256
+
 T = TypeVar("T")
+P = TypeVar("P")
+SocketT = TypeVar("SocketT", bound=zmq.Socket[Any])
+
+
+def connect_dealer(context: zmq.Context[SocketT], endpoint: str) -> SocketT:
+    """A DEALER connected to ``endpoint`` that drops unsent requests when closed."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    return socket
+
+
+def match_reply(header: bytes, in_flight: Mapping[int, P]) -> tuple[ReplyHeader | None, P | None]:
+    """Decode a reply header and find the request it answers among ``in_flight`` (by id).
+
+    A reply with id 0 and an error is the daemon saying it could not read a request
+    of ours: it goes to the oldest. ``(None, None)`` for a frame that is no reply;
+    ``(reply, None)`` for a reply to nothing waiting (a call that timed out).
+    """
+    try:
+        reply = parse_reply(header)
+    except CuctxError:
+        return None, None
+    target = in_flight.get(reply.id)
+    if target is None and reply.id == 0 and reply.error is not None and in_flight:
+        target = in_flight[min(in_flight)]
+    return reply, target
+
+
+def no_reply(endpoint: str, limit: float, op: str) -> DaemonTimeout:
+    return DaemonTimeout(f"no reply from {endpoint} within {limit:g} s", op)
+
+
+def read_payload(socket: zmq.Socket[Any], into: Any) -> list[Any]:
+    """The payload frames of a reply whose header was just received (ZeroMQ delivers a
+    message whole, so they are all there): the first straight into ``into`` when given."""
+    frames: list[Any] = []
+    while socket.rcvmore:
+        if into is not None and not frames:
+            frames.append(socket.recv_into(into))
+        else:
+            frames.append(socket.recv(copy=False))
+    return frames
 
 
 class Call(Generic[T]):
@@ -64,9 +111,7 @@ class Transport:
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
-        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(endpoint)
+        self._socket: zmq.Socket[bytes] = connect_dealer(zmq.Context.instance(), endpoint)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._in_flight: dict[int, Call[Any]] = {}
@@ -109,26 +154,12 @@ class Transport:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._socket.poll(int(left * 1000) + 1, zmq.POLLIN):
                     self._in_flight.pop(call.request_id, None)
-                    raise DaemonTimeout(f"no reply from {self.endpoint} within {limit:g} s", call.op)
+                    raise no_reply(self.endpoint, limit, call.op)
                 self._receive_one()
 
     def _receive_one(self) -> None:
-        header = self._socket.recv()
-        frames: list[Any] = []
-        target: Call[Any] | None = None
-        try:
-            reply = parse_reply(header)
-        except CuctxError:
-            reply = None
-        if reply is not None:
-            target = self._in_flight.get(reply.id)
-            if target is None and reply.id == 0 and reply.error is not None and self._in_flight:
-                target = self._in_flight[min(self._in_flight)]  # the daemon could not read our request
-        while self._socket.rcvmore:
-            if target is not None and target.into is not None and not frames:
-                frames.append(self._socket.recv_into(target.into))
-            else:
-                frames.append(self._socket.recv(copy=False))
+        reply, target = match_reply(self._socket.recv(), self._in_flight)
+        frames = read_payload(self._socket, None if target is None else target.into)
         if reply is None or target is None:
             return  # not a reply of ours, or a late one to a call that timed out
         del self._in_flight[target.request_id]

@@ -1,103 +1,177 @@
-"""``cuctxd``: run the daemon in the foreground."""
+"""``cuctxd``: run the daemon in the foreground (under systemd: ``Type=notify``, see daemon/systemd/).
+
+Settings come from built-in defaults, then ``--config FILE`` (TOML, keys as
+the long flags in snake_case), then the flags given. Any bad setting exits 2
+with a message naming it; ``--print-config`` shows the result as TOML.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
 from daemon import __version__
 from daemon.backends import BackendUnavailable, select_backend
-from daemon.config import DEFAULT_LEASE_TTL, DaemonConfig, parse_size
+from daemon.config import DEFAULT_DRAIN_TIMEOUT, DEFAULT_METRICS_HOST, ConfigError, DaemonConfig, check_config
+from daemon.config_file import KEYS, build_config, check_endpoint, load_file, render_toml
 from daemon.endpoint import EndpointInUse
+from daemon.logs import flush_logs, setup_logging
+from daemon.metrics import MetricsUnavailable
 from daemon.server import Daemon
+from daemon.worker import WorkerStartError
 from protos.endpoints import default_endpoint
-from protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 
 log = logging.getLogger("daemon")
+
+#: Exit status for a bad configuration or anything else that stops the daemon from starting.
+EXIT_CONFIG = 2
+
+
+def _flag_type(name: str) -> Callable[[str], Any]:
+    """argparse ``type=`` running key ``name``'s check, so a flag and the file accept the same values."""
+    key = KEYS[name]
+
+    def convert(text: str) -> Any:
+        try:
+            return key.check(key.from_text(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name
+    return convert
+
+
+def _endpoint_type(text: str) -> str:
+    try:
+        return check_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cuctxd",
         description="CUDA context daemon: serves the machine's GPUs to client processes over ZeroMQ.",
+        argument_default=argparse.SUPPRESS,
     )
-    parser.add_argument("--version", action="version", version=f"cuctxd {__version__}")
-    parser.add_argument(
-        "--endpoint", action="append", dest="endpoints", metavar="URL",
-        help=f"where to listen (ipc:// or tcp://; repeatable; default {default_endpoint()})",
-    )
-    parser.add_argument("--backend", choices=("auto", "cuda", "sim"), default="auto",
-                        help="driver backend; auto uses cuda when a driver and a device are present")
-    parser.add_argument("--sim-devices", type=int, default=2, metavar="N",
-                        help="devices of the sim backend (default 2)")
-    parser.add_argument("--sim-memory", type=parse_size, default=parse_size("1GiB"), metavar="SIZE",
-                        help="memory per sim device (default 1GiB)")
-    parser.add_argument("--max-payload", type=parse_size, default=DEFAULT_MAX_PAYLOAD_BYTES, metavar="SIZE",
-                        help="largest payload frame a request or reply may carry (default 1GiB)")
-    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
-                        help="reap a session after this long without a request or heartbeat (default 5)")
-    parser.add_argument("--session-quota", type=parse_size, default=0, metavar="SIZE",
-                        help="most memory one session may hold on each device (default: no quota)")
-    parser.add_argument("--device-reserve", type=parse_size, default=0, metavar="SIZE",
-                        help="memory of each device that allocations must leave free (default 0)")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add = parser.add_argument
+    add("--version", action="version", version=f"cuctxd {__version__}")
+    add("--config", metavar="FILE", help="TOML file of settings (keys: the long options in snake_case); "
+                                         "options given here override it")
+    add("--print-config", action="store_true", default=False,
+        help="print the effective configuration as TOML and exit")
+    add("--endpoint", action="append", dest="endpoints", metavar="URL", type=_endpoint_type,
+        help=f"where to listen (ipc:// or tcp://; repeatable; default {default_endpoint()})")
+    add("--backend", type=_flag_type("backend"), metavar="auto|cuda|sim",
+        help="driver backend; auto (default) uses cuda when a driver and a device are present")
+    add("--sim-devices", type=_flag_type("sim_devices"), metavar="N", help="devices of the sim backend (default 2)")
+    add("--sim-memory", type=_flag_type("sim_memory"), metavar="SIZE", help="memory per sim device (default 1GiB)")
+    add("--devices", type=_flag_type("devices"), metavar="ORDINALS",
+        help="serve only these driver ordinals, e.g. 2,0; clients see them as devices 0..n-1 (default: all)")
+    add("--max-payload", type=_flag_type("max_payload"), metavar="SIZE",
+        help="largest payload frame a request or reply may carry (default 1GiB)")
+    add("--lease-ttl", type=_flag_type("lease_ttl"), metavar="SECONDS",
+        help="reap a session after this long without a request or heartbeat (default 5)")
+    add("--session-quota", type=_flag_type("session_quota"), metavar="SIZE",
+        help="most memory one session may hold on each device (default: no quota)")
+    add("--device-reserve", type=_flag_type("device_reserve"), metavar="SIZE",
+        help="memory of each device that allocations must leave free (default 0)")
+    add("--drain-timeout", type=_flag_type("drain_timeout"), metavar="SECONDS",
+        help=f"on SIGTERM/SIGINT, wait this long for requests in flight (default {DEFAULT_DRAIN_TIMEOUT:g})")
+    add("--log-level", type=_flag_type("log_level"), metavar="LEVEL", help="DEBUG, INFO (default), WARNING, ERROR")
+    add("--log-format", type=_flag_type("log_format"), metavar="text|json",
+        help="text (default) or json: one JSON object per line")
+    add("--metrics-port", type=_flag_type("metrics_port"), metavar="PORT",
+        help="serve Prometheus metrics on this port (default 0: off; needs the 'metrics' extra)")
+    add("--metrics-host", type=_flag_type("metrics_host"), metavar="ADDRESS",
+        help=f"address the metrics endpoint binds (default {DEFAULT_METRICS_HOST})")
+    security = parser.add_argument_group("security and limits")
+    security.add_argument("--group", type=_flag_type("group"), metavar="NAME",
+                          help="group whose members may use the ipc:// socket")
+    security.add_argument("--insecure-tcp", action=argparse.BooleanOptionalAction,
+                          help="allow tcp:// endpoints without CURVE (plaintext, no authentication)")
+    security.add_argument("--server-key", type=_flag_type("server_key"), metavar="PATH",
+                          help="CURVE secret key file of the daemon (required for tcp:// without --insecure-tcp)")
+    security.add_argument("--allow-dir", type=_flag_type("allow_dir"), metavar="PATH",
+                          help="directory of the CURVE public keys of clients allowed in")
+    security.add_argument("--max-sessions-per-peer", type=_flag_type("max_sessions_per_peer"), metavar="N",
+                          help="most sessions one peer may hold open (default 0: no limit)")
+    security.add_argument("--max-objects-per-session", type=_flag_type("max_objects_per_session"), metavar="N",
+                          help="most contexts, buffers and streams one session may hold (default 0: no limit)")
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None) -> DaemonConfig:
-    args = build_parser().parse_args(argv)
-    if args.sim_devices < 0:
-        raise SystemExit("cuctxd: --sim-devices must not be negative")
-    if args.lease_ttl <= 0:
-        raise SystemExit("cuctxd: --lease-ttl must be positive")
-    return DaemonConfig(
-        endpoints=tuple(args.endpoints or [default_endpoint()]),
-        backend=args.backend,
-        sim_devices=args.sim_devices,
-        sim_memory=args.sim_memory,
-        max_payload=args.max_payload,
-        log_level=args.log_level,
-        lease_ttl=args.lease_ttl,
-        session_quota=args.session_quota,
-        device_reserve=args.device_reserve,
-    )
+def parse_config(argv: Sequence[str] | None = None) -> tuple[DaemonConfig, bool]:
+    """The effective configuration and whether ``--print-config`` was asked; exits 2 if it is bad."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    print_config = bool(args.pop("print_config"))
+    path = args.pop("config", None)
+    if "endpoints" in args:
+        args["endpoints"] = tuple(args["endpoints"])
+    try:
+        from_file = load_file(path) if path is not None else {}
+        config = build_config(from_file, args, default_endpoint())
+        check_config(config)
+    except ConfigError as exc:
+        parser.exit(EXIT_CONFIG, f"cuctxd: {exc}\n")
+    return config, print_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_config(argv)
-    logging.basicConfig(
-        level=config.log_level,
-        format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s",
-        stream=sys.stderr,
-    )
+    config, print_config = parse_config(argv)
+    if print_config:
+        sys.stdout.write(render_toml(config))
+        return 0
+    setup_logging(config.log_level, config.log_format)
     try:
         driver, reason = select_backend(
             config.backend, sim_devices=config.sim_devices, sim_memory=config.sim_memory
         )
     except BackendUnavailable as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_CONFIG
     log.info("backend %s: %s", driver.name, reason)
-    daemon = Daemon(config, driver)
+    try:
+        daemon = Daemon(config, driver)
+    except (ConfigError, MetricsUnavailable) as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if daemon.stop_requested:
+            daemon.force_exit(f"second {signal.Signals(signum).name}")
+        log.info("%s: shutting down", signal.Signals(signum).name)
+        daemon.stop()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    # A signal may land on any thread; only the main (front) thread runs Python handlers, so the
+    # C-level handler also writes to the stop pipe the front polls. Only SIGINT/SIGTERM have handlers.
+    signal.set_wakeup_fd(daemon.wakeup_fd, warn_on_full_buffer=False)
     try:
         daemon.start()
-    except (EndpointInUse, OSError, zmq.ZMQError) as exc:
-        log.error("cannot listen: %s", exc)
+    except (ConfigError, EndpointInUse, OSError, zmq.ZMQError, WorkerStartError) as exc:
+        log.error("cannot start: %s", exc)
         daemon.close()
-        return 2
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: daemon.stop())
+        return EXIT_CONFIG
     print(f"cuctxd {__version__} listening on {' '.join(daemon.bound)} "
-          f"(backend {driver.name}, {driver.device_count()} device(s))", flush=True)
+          f"(backend {driver.name}, {daemon.driver.device_count()} device(s))", flush=True)
     try:
         daemon.serve()
     finally:
         daemon.close()
+    if daemon.exit_code:
+        flush_logs()
+        sys.stdout.flush()
+        os._exit(daemon.exit_code)  # workers were abandoned: interpreter shutdown could wait on them
     return 0
 
 

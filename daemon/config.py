@@ -1,4 +1,10 @@
-"""The daemon's effective configuration, and parsing of human sizes like ``8GiB``."""
+"""The daemon's effective configuration, and parsing of human sizes like ``8GiB``.
+
+:class:`DaemonConfig` is built once at start (defaults, then the ``--config``
+TOML file, then command-line flags: see :mod:`daemon.config_file`) and only read
+afterwards. Every value is checked by the converters in :mod:`daemon.config_file`
+before it gets here; :func:`check_config` adds the checks that span keys.
+"""
 
 from __future__ import annotations
 
@@ -14,32 +20,96 @@ _UNITS = {
 }
 #: Seconds a session lives without a request or heartbeat before it is reaped.
 DEFAULT_LEASE_TTL = 5.0
+#: Seconds a SIGTERM/SIGINT drain may take before the daemon gives up on in-flight work.
+DEFAULT_DRAIN_TIMEOUT = 10.0
+#: Where the metrics endpoint listens unless told otherwise: this host only.
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
     """``"512MiB"`` -> 536870912; plain integers are bytes. Raises ValueError on garbage."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64MiB, 8GiB)")
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must not be negative: {text}")
         return text
+    if not isinstance(text, str):
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64MiB, 8GiB)")
     match = _SIZE.match(text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64MiB, 8GiB)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def format_size(n: int) -> str | int:
+    """The inverse of :func:`parse_size` where it is exact: ``1 << 30`` -> ``"1GiB"``; else ``n``."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return n
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; ``key`` names it as the TOML file spells it."""
+
+    def __init__(self, key: str, message: str, source: str | None = None) -> None:
+        self.key = key
+        self.source = source
+        where = f" (in {source})" if source else ""
+        super().__init__(f"configuration key '{key}'{where}: {message}")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
-    """Everything the daemon needs to start; built by the CLI, used read-only afterwards."""
+    """Everything the daemon needs to start; built by the CLI, used read-only afterwards.
+
+    ``devices``: the driver ordinals to serve, in the order clients see them as
+    devices 0..n-1 (None: every device). ``0`` for a size, count or port means
+    "none"/"off". ``group`` .. ``max_objects_per_session`` are the security and
+    limit settings: parsed and checked here, enforced by the daemon where the
+    module docstring of :mod:`daemon.server` says.
+    """
 
     endpoints: tuple[str, ...]
     backend: str = "auto"
     sim_devices: int = 2
     sim_memory: int = 1 << 30
+    devices: tuple[int, ...] | None = None
     max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES
-    log_level: str = "INFO"
     lease_ttl: float = DEFAULT_LEASE_TTL
     session_quota: int = 0
     device_reserve: int = 0
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    log_level: str = "INFO"
+    log_format: str = "text"
+    metrics_port: int = 0
+    metrics_host: str = DEFAULT_METRICS_HOST
+    group: str | None = None
+    insecure_tcp: bool = False
+    server_key: str | None = None
+    allow_dir: str | None = None
+    max_sessions_per_peer: int = 0
+    max_objects_per_session: int = 0
+
+    @property
+    def tcp_endpoints(self) -> tuple[str, ...]:
+        return tuple(e for e in self.endpoints if e.startswith("tcp://"))
+
+
+def check_config(config: DaemonConfig) -> None:
+    """Checks that span keys; raises :class:`ConfigError` naming the key to change.
+
+    tcp:// is refused unless CURVE can protect it (``server_key``) or the
+    operator accepted plaintext (``insecure_tcp``): anyone who reaches a tcp
+    port could otherwise use, and read the memory of, every GPU served.
+    """
+    tcp = config.tcp_endpoints
+    if tcp and config.server_key is None and not config.insecure_tcp:
+        raise ConfigError(
+            "endpoints",
+            f"{tcp[0]} is a tcp:// endpoint, which needs server_key (CURVE encryption and "
+            "authentication) or, to accept plaintext on purpose, insecure_tcp = true (--insecure-tcp)",
+        )

@@ -76,6 +76,14 @@ class SharingMixin:
             share.names.discard(name)
             self._settle(share)
 
+    def expire_orphans(self: DeviceState, now: float, ttl: float) -> None:
+        """Free published buffers whose owner left ``ttl`` seconds ago and nobody has open."""
+        for share in list(self.shares.values()):
+            if (share.orphaned_at is not None and not share.holders and share.names
+                    and now - share.orphaned_at > ttl):
+                self.registry.drop_names(share)
+                self._settle(share)
+
     def _drop_hold(self: DeviceState, state: SessionOnDevice, share_id: str, *, everything: bool) -> None:
         count = 0 if everything else state.holds[share_id] - 1
         if count:

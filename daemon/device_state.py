@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 
 from daemon.backends.base import Ctx, Driver, Event, Pool
@@ -310,6 +311,7 @@ class DeviceState(SharingMixin, StreamsMixin):
         """``cuMemGetInfo`` as this session sees it: free is capped by its quota and the reserve."""
         self.activate(self.current_or_primary(state))
         device_free, total = self.driver.mem_get_info()
+        device_free += sum(self.driver.mem_pool_cached(pool) for pool in self.pools.values())
         free, limited_by = max(0, device_free - self.limits.device_reserve), "device"
         quota = self.limits.session_quota
         if quota and quota - state.bytes_allocated < free:
@@ -337,6 +339,7 @@ class DeviceState(SharingMixin, StreamsMixin):
         else:
             share = buffer.share
             share.owner_present = False
+            share.orphaned_at = time.monotonic()
             share.opened_since_orphaned = bool(share.holders)
             if unpublish:
                 self.registry.drop_names(share)

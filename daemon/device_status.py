@@ -9,7 +9,7 @@ from daemon.device_state import DeviceState
 
 
 def device_status(state: DeviceState) -> dict[str, Any]:
-    """Worker, primary context, contexts, per-session memory and shares; public ids only, never tokens."""
+    """Worker, primary context, contexts, per-session memory and shares; never tokens or full share ids."""
     flags, active = state.driver.primary_ctx_state(state.device)
     thread = state.worker_thread or threading.current_thread()
     by_context: dict[int, list[int]] = {}
@@ -46,7 +46,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         ],
         "shares": [
             {
-                "share_id": share.share_id,
+                "share_id": share.share_id[:8],  # a prefix only: the full id is what opens it
                 "size": share.descriptor.size,
                 "names": sorted(share.names),
                 "owner": share.owner.public_id,

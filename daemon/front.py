@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 _BATCH = 64
 
 
+def _readable(socket: zmq.Socket[Any]) -> bool:
+    """A message is waiting (checking EVENTS is far cheaper than a NOBLOCK recv raising Again)."""
+    return bool(cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
 class Front:
     """Runs on one thread (the caller of :meth:`serve`) and owns every socket it creates."""
 
@@ -73,14 +78,15 @@ class Front:
         ttl = self.state.config.lease_ttl
         reap_every = min(1.0, ttl / 4)
         next_reap = time.monotonic() + reap_every
+        router, replies = self.router, self.replies
         while True:
-            events = dict(poller.poll(max(1, int((next_reap - time.monotonic()) * 1000))))
-            if stop_fd in events:
-                return
-            if self.replies in events:
-                self._forward_replies()
-            if self.router in events:
-                self._take_requests()
+            for ready, _ in poller.poll(max(1, int((next_reap - time.monotonic()) * 1000))):
+                if ready is replies:
+                    self._forward_replies()
+                elif ready is router:
+                    self._take_requests()
+                else:
+                    return  # the stop pipe
             now = time.monotonic()
             if now >= next_reap:
                 self._reap(now, ttl)
@@ -96,34 +102,37 @@ class Front:
                 worker.run(partial(DeviceState.close_session, ref=ref))
 
     def _forward_replies(self) -> None:
-        while True:
-            try:
-                frames = self.replies.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        replies = self.replies
+        while _readable(replies):
+            frames = replies.recv_multipart(copy=False)
             if self.observer is not None:
                 self.observer.replied(frames)
             self._send(frames, copy=False)
 
     def _take_requests(self) -> None:
+        router = self.router
         for _ in range(_BATCH):
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            # Identity and header are small: plain bytes are cheaper than Frames. Payload
+            # frames stay zero-copy all the way to the driver call.
+            if not _readable(router):
                 return
-            if len(frames) < 2:
-                log.warning("dropped a message of %d frame(s): no header to answer", len(frames))
+            identity = router.recv()
+            if not router.rcvmore:
+                log.warning("dropped a message of 1 frame: no header to answer")
                 continue
-            identity = frames[0].bytes
-            self._handle(identity, frames[1], frames[2:])
+            header = router.recv()
+            payload = []
+            while router.rcvmore:
+                payload.append(router.recv(copy=False))
+            self._handle(identity, header, payload)
 
-    def _handle(self, identity: bytes, header_frame: zmq.Frame, payload: Sequence[zmq.Frame]) -> None:
+    def _handle(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame]) -> None:
         request_id = 0
         op_name = "?"
         outcome = "ok"
-        started = time.perf_counter()
+        started = time.perf_counter() if self.observer is not None else 0.0
         try:
-            header = unpack(header_frame.buffer)
+            header = unpack(header_bytes)
             request_id = request_id_of(header)
             request = parse_request(header)
             op_name = request.spec.name

@@ -23,3 +23,5 @@ class FrontState:
     sessions_reaped: int = 0
     started_at: float = field(default_factory=time.time)
     requests_served: int = 0
+    #: Set by the daemon when a shutdown starts: every new request is answered ShuttingDown.
+    draining: bool = False

@@ -1,21 +1,51 @@
-"""The daemon assembled: backend, one worker per device, the front socket, clean shutdown."""
+"""The daemon assembled: backend, one worker per device, the front socket, and its life cycle.
+
+Start: every worker opens its device, then the ROUTER binds (tcp:// only with
+CURVE or ``insecure_tcp``), then the metrics endpoint (if configured) and the
+systemd liveness probe start; ``READY=1`` goes out once the front has answered
+the probe's first ping (:mod:`daemon.liveness`).
+
+Stop (:meth:`Daemon.stop`, SIGTERM/SIGINT): the front stops serving, then
+*drains*: it keeps forwarding worker replies and answers every new request,
+hello included, with ``CUCTXD_ERROR_SHUTTING_DOWN``, until every device request
+in flight has been answered and the workers' queues are empty, or
+``drain_timeout`` has passed. Then the workers close every session (contexts
+destroyed, memory freed), their last replies are forwarded, sockets close and
+ipc:// socket files are removed. A second signal exits at once
+(:meth:`Daemon.force_exit`), still removing the socket files.
+
+Security and limit settings (``group``, ``server_key``, ``allow_dir``,
+``max_sessions_per_peer``, ``max_objects_per_session``) are parsed and checked
+by :mod:`daemon.config_file`; :meth:`Daemon._secure_router` is where CURVE is
+set up, and where the daemon refuses what it cannot honour yet.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from daemon.backends.base import Driver
-from daemon.config import DaemonConfig
-from daemon.device_state import DeviceLimits
+from daemon.config import ConfigError, DaemonConfig, check_config
+from daemon.device_state import DeviceLimits, DeviceState
+from daemon.device_subset import DeviceSubset
 from daemon.endpoint import ipc_path, prepare_ipc, remove_ipc
 from daemon.front import Front
 from daemon.front_state import FrontState
+from daemon.liveness import PROBE_ENDPOINT, FrontProbe
+from daemon.logs import flush_logs
+from daemon.metrics import DaemonMetrics
+from daemon.notify import Notifier
+from daemon.observe import ObservedSessions, RequestObserver
 from daemon.sharing import ShareRegistry
 from daemon.worker import DeviceWorker
 from protos.limits import MAX_HEADER_BYTES
@@ -23,25 +53,50 @@ from protos.limits import MAX_HEADER_BYTES
 log = logging.getLogger(__name__)
 
 _REPLY_ENDPOINT = "inproc://cuctxd-replies"
+#: Most seconds the workers get to close every session once the drain is over (at least 1 s, at most
+#: ``drain_timeout``: an operator asking for a quick drain wants a quick exit).
+STOP_GRACE = 5.0
+#: Exit status after a second signal, or when workers had to be abandoned.
+EXIT_FORCED = 1
+#: Settings parsed and stored now, enforced once the security work lands (see the module docstring).
+_NOT_ENFORCED_YET = ("group", "allow_dir", "max_sessions_per_peer", "max_objects_per_session")
 
 
 class Daemon:
     """Start with :meth:`start`, run :meth:`serve` on the front thread, end with :meth:`close`.
 
     :meth:`stop` may be called from any thread or a signal handler: it only
-    writes a byte to a pipe the front thread polls.
+    writes a byte to a pipe the front thread polls. :attr:`exit_code` is what
+    the process should exit with once :meth:`close` returns.
     """
 
     def __init__(self, config: DaemonConfig, driver: Driver) -> None:
+        check_config(config)
+        if config.devices is not None:
+            try:
+                driver = DeviceSubset.wrap(driver, config.devices)
+            except ValueError as exc:
+                raise ConfigError("devices", str(exc)) from None
         self.config = config
         self.driver = driver
+        self.ordinals: tuple[int, ...] = config.devices or tuple(range(driver.device_count()))
+        self.notifier = Notifier.from_environment()
+        self.metrics = DaemonMetrics() if config.metrics_port else None
+        self.metrics_url: str | None = None
+        self.exit_code = 0
         self._zmq = zmq.Context()
         self._stop_read, self._stop_write = os.pipe()
+        os.set_blocking(self._stop_read, False)
         os.set_blocking(self._stop_write, False)
+        self._stop_requested = False
         self._workers: list[DeviceWorker] = []
         self._ipc_files: list[Path] = []
         self._front: Front | None = None
+        self._probe: FrontProbe | None = None
+        self._backstop: threading.Timer | None = None
         self.bound: list[str] = []
+
+    # --- start ----------------------------------------------------------------------------
 
     def start(self) -> None:
         replies = self._zmq.socket(zmq.PULL)
@@ -57,46 +112,249 @@ class Daemon:
         for worker in self._workers:
             worker.peers = peers
             devices.append(worker.start().info)
-        router = self._bind_router()
-        state = FrontState(self.config, self.driver.name, devices, shares)
+        try:
+            router = self._bind_router()
+        except BaseException:
+            replies.close()
+            raise
+        sessions = ObservedSessions(self.metrics)
+        state = FrontState(self.config, self.driver.name, devices, shares, sessions=sessions)
         self._front = Front(state, self._workers, router, replies)
-        log.info("serving %d %s device(s) on %s", count, self.driver.name, ", ".join(self.bound))
+        self._front.observer = RequestObserver(self.metrics)
+        if self.metrics is not None:
+            self.metrics.watch(state, self._workers, self.ordinals)
+            try:
+                self.metrics_url = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
+            except OSError as exc:
+                raise OSError(exc.errno, f"metrics on {self.config.metrics_host}:{self.config.metrics_port}: "
+                                         f"{exc.strerror or exc}") from exc
+            log.info("metrics on %s", self.metrics_url)
+        for name in _NOT_ENFORCED_YET:
+            if getattr(self.config, name):
+                log.warning("%s is set but not enforced by this build yet", name)
+        mapping = "" if self.config.devices is None else f" (driver ordinals {list(self.ordinals)})"
+        log.info("serving %d %s device(s)%s on %s", count, self.driver.name, mapping, ", ".join(self.bound))
+        if self.notifier.enabled:
+            self._probe = FrontProbe(self._zmq, self.notifier, self._status_line)
+            self._probe.start()
 
     def _bind_router(self) -> zmq.Socket[Any]:
         router = self._zmq.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload + MAX_HEADER_BYTES)
-        router.setsockopt(zmq.LINGER, 0)
-        for endpoint in self.config.endpoints:
-            path = ipc_path(endpoint)
-            if path is not None:
-                prepare_ipc(path)
-            router.bind(endpoint)
-            bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.bound.append(bound)
-            if path is not None:
-                path.chmod(0o600)
-                self._ipc_files.append(path)
+        try:
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload + MAX_HEADER_BYTES)
+            router.setsockopt(zmq.LINGER, 0)
+            self._secure_router(router)
+            for endpoint in self.config.endpoints:
+                path = ipc_path(endpoint)
+                if path is not None:
+                    prepare_ipc(path)
+                router.bind(endpoint)
+                bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.bound.append(bound)
+                if path is not None:
+                    path.chmod(0o600)
+                    self._ipc_files.append(path)
+                elif endpoint.startswith("tcp://") and self.config.server_key is None:
+                    log.warning("listening on %s WITHOUT encryption or authentication (insecure_tcp): anyone "
+                                "who can reach this port can use every GPU served and read its memory", bound)
+            if self.notifier.enabled:
+                router.bind(PROBE_ENDPOINT)
+        except BaseException:
+            router.close()
+            raise
         return router
 
+    def _secure_router(self, router: zmq.Socket[Any]) -> None:
+        """Set up CURVE on the ROUTER before its first bind; the security work plugs in here.
+
+        With ``server_key`` this is where the key is loaded
+        (``zmq.auth.load_certificate``), ``router.curve_server = True`` and
+        ``router.curve_secretkey``/``curve_publickey`` are set, and a ZAP
+        authenticator (``zmq.auth.thread.ThreadAuthenticator`` on
+        ``self._zmq``, ``configure_curve(location=allow_dir)``) is started and
+        stopped in :meth:`close`; the per-peer limits take the ZAP User-Id from
+        each request's frames (``zmq.Frame.get("User-Id")``) in the front. The
+        liveness probe connects over inproc and would need a client key pair too.
+        Until that lands a ``server_key`` cannot be honoured, and serving
+        plaintext while the operator asked for CURVE would be worse than refusing.
+        """
+        if self.config.server_key is not None:
+            raise ConfigError("server_key", "CURVE is not available in this build yet, so the daemon refuses "
+                                            "to start rather than listen without it")
+
+    def _status_line(self) -> str:
+        """STATUS= text for systemd; read on the probe thread (sizes and flags only)."""
+        front = self._front
+        if front is None:
+            return "starting"
+        state = front.state
+        what = "draining" if state.draining else "serving"
+        return (f"{what} {len(state.devices)} {state.backend} device(s), {len(state.sessions)} session(s) "
+                f"on {', '.join(self.bound)}")
+
+    # --- serve, drain ------------------------------------------------------------------
+
     def serve(self) -> None:
+        """Serve until :meth:`stop`, then drain (see the module docstring); returns when drained."""
         assert self._front is not None, "start() first"
         self._front.serve(self._stop_read)
+        self._drain()
 
     def stop(self) -> None:
+        """Ask the front to stop and drain; signal-safe (the drain itself runs in :meth:`serve`)."""
+        self._stop_requested = True
         with contextlib.suppress(BlockingIOError):  # a stop is already pending
             os.write(self._stop_write, b"x")
 
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    @property
+    def wakeup_fd(self) -> int:
+        """For ``signal.set_wakeup_fd``: a signal landing on any thread then wakes the front at once."""
+        return self._stop_write
+
+    def _consume_wakeups(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._stop_read, 4096):
+                pass
+
+    def force_exit(self, reason: str) -> None:
+        """Exit now, without draining: remove the ipc socket files and ``os._exit``. Never returns."""
+        log.warning("%s: exiting at once without draining", reason)
+        for path in self._ipc_files:
+            with contextlib.suppress(OSError):
+                remove_ipc(path)
+        flush_logs()
+        os._exit(EXIT_FORCED)
+
+    def _drain(self) -> None:
+        front = self._front
+        assert front is not None
+        front.state.draining = True
+        self.notifier.stopping(self._status_line())
+        timeout = self.config.drain_timeout
+        in_flight = front.observer.in_flight if front.observer is not None else 0
+        log.info("draining: %d device request(s) in flight, queue depths %s; waiting up to %g s",
+                 in_flight, [w.queue_depth() for w in self._workers], timeout)
+        self._backstop = threading.Timer(timeout + STOP_GRACE + 5.0, self.force_exit,
+                                         args=("shutdown did not finish in time",))
+        self._backstop.daemon = True
+        self._backstop.start()
+        drained: list[bool] = []
+        monitor = threading.Thread(target=self._watch_drain, args=(time.monotonic() + timeout, drained),
+                                   name="cuctxd-drain", daemon=True)
+        started = time.monotonic()
+        self._consume_wakeups()
+        monitor.start()
+        while not drained:  # the monitor wakes the front through the stop pipe; so does a second signal
+            front.serve(self._stop_read)
+            self._consume_wakeups()
+        monitor.join(1.0)
+        if drained[0]:
+            log.info("drained in %.3f s", time.monotonic() - started)
+        else:
+            log.warning("drain timed out after %g s: %d device request(s) unanswered, queue depths %s",
+                        timeout, front.observer.in_flight if front.observer is not None else 0,
+                        [w.queue_depth() for w in self._workers])
+
+    def _watch_drain(self, deadline: float, drained: list[bool]) -> None:
+        """Drain monitor thread: wake the front (the stop pipe) once idle, or at ``deadline``.
+
+        Idle is two rounds in a row after which no worker has anything queued and
+        every device request the front dispatched has had its reply forwarded: a
+        round is a no-op queued on every worker, so when it has run everything
+        queued before it has too; the second round covers work that a job of the
+        first passed on to another device (a cross-device copy's second half).
+        """
+        front = self._front
+        assert front is not None
+        quiet_rounds = 0
+        result = False
+        while time.monotonic() < deadline:
+            marks = [threading.Event() for _ in self._workers]
+            for worker, mark in zip(self._workers, marks, strict=True):
+                worker.run(_setter(mark))
+            if not all(mark.wait(max(0.0, deadline - time.monotonic())) for mark in marks):
+                break
+            idle = all(w.queue_depth() == 0 for w in self._workers) and (
+                front.observer is None or front.observer.in_flight == 0)
+            quiet_rounds = quiet_rounds + 1 if idle else 0
+            if quiet_rounds >= 2:
+                result = True
+                break
+            time.sleep(0.005 if idle else 0.02)
+        drained.append(result)
+        self.stop()
+
+    # --- close -------------------------------------------------------------------------
+
     def close(self) -> None:
-        """Free every session's contexts and memory, close sockets, remove ipc socket files."""
-        for worker in self._workers:
-            worker.stop()
+        """Free every session's contexts and memory, close sockets, remove ipc socket files.
+
+        Bounded: workers that have not finished their queue and closed their
+        sessions within :data:`STOP_GRACE` (at most ``drain_timeout``) are
+        abandoned, and ``exit_code`` becomes :data:`EXIT_FORCED`.
+        """
+        if self._probe is not None:
+            self._probe.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        grace = max(1.0, min(STOP_GRACE, self.config.drain_timeout))
+        stuck = self._stop_workers(self._workers, grace)
         if self._front is not None:
+            self._flush_replies(self._front)
             self._front.router.close()
             self._front.replies.close()
-        self._zmq.term()
+        if stuck:
+            log.error("device worker(s) %s did not stop within %g s; exiting without closing their sessions",
+                      stuck, grace)
+            self.exit_code = EXIT_FORCED
+        else:
+            self._zmq.term()
         for path in self._ipc_files:
             remove_ipc(path)
+        with contextlib.suppress(ValueError):  # ValueError: not on the main thread, so not set from here
+            previous = signal.set_wakeup_fd(-1)  # the pipe closes next: no signal may write to its number
+            if previous not in (-1, self._stop_write):
+                signal.set_wakeup_fd(previous)
         os.close(self._stop_read)
         os.close(self._stop_write)
+        self.notifier.close()
+        if self._backstop is not None:
+            self._backstop.cancel()
         log.info("stopped")
+
+    @staticmethod
+    def _stop_workers(workers: Sequence[DeviceWorker], grace: float) -> list[int]:
+        """Stop all workers at once (each closes its sessions); the devices whose thread is still alive."""
+        started = [w for w in workers if w.thread.ident is not None]
+        for worker in started:
+            worker.stop(timeout=0)
+        deadline = time.monotonic() + grace
+        for worker in started:
+            worker.thread.join(max(0.0, deadline - time.monotonic()))
+        return [w.device for w in started if w.thread.is_alive()]
+
+    @staticmethod
+    def _flush_replies(front: Front) -> None:
+        """Forward what the workers answered while stopping (synchronizes in flight, late continuations)."""
+        while front.replies.poll(20, zmq.POLLIN):
+            frames = front.replies.recv_multipart(copy=False)
+            if front.observer is not None:
+                front.observer.replied(frames)
+            try:
+                front.router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:  # the client is gone or not reading: nothing left to do for it
+                log.debug("dropped a reply at shutdown: %s", exc)
+
+
+def _setter(event: threading.Event) -> Callable[[DeviceState], None]:
+    """A worker task that only sets ``event``: when it runs, everything queued before it has run."""
+
+    def mark(_state: DeviceState) -> None:
+        event.set()
+
+    return mark

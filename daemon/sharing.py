@@ -5,7 +5,9 @@ Lifetime rule (PROTOCOL.md, "Sharing"): a share is kept alive by its owner
 and by its published names while its owner is gone and nobody has consumed it
 yet. An explicit ``free`` unpublishes the buffer's names; a session that ends
 leaves its published buffers behind for the sessions that open them (the
-producer may exit first). The memory is freed once nothing keeps it alive.
+producer may exit first). The memory is freed once nothing keeps it alive. A
+published buffer whose owner is gone and that nobody opens is freed after the
+daemon's ``orphan_ttl``, so abandoned names cannot pile up outside every quota.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Share:
     holders: dict[str, int] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
     opened_since_orphaned: bool = False
+    #: ``time.monotonic()`` when the owner let go (None while the owner holds it).
+    orphaned_at: float | None = None
 
     @property
     def share_id(self) -> str:

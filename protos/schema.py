@@ -146,6 +146,12 @@ def _args_of(args_type: type) -> tuple[tuple[_Arg, ...], frozenset[str]]:
     return tuple(args), frozenset(a.name for a in args)
 
 
+@functools.cache
+def _no_args(args_type: type) -> Any:
+    """The one instance of an argument-less op (frozen, so it can be shared)."""
+    return args_type()
+
+
 def decode_args(spec: OpSpec, raw: Any) -> Any:
     """Check ``raw`` (the request's ``args``) against ``spec`` and build its dataclass."""
     if raw is None:
@@ -153,6 +159,8 @@ def decode_args(spec: OpSpec, raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise BadArgument(f"'args' of {spec.name} must be a map, got {type(raw).__name__}")
     args, names = _args_of(spec.args_type)
+    if not raw and not args:
+        return _no_args(spec.args_type)
     if not names.issuperset(raw):
         unknown = ", ".join(sorted(repr(k) for k in raw if k not in names)[:5])
         raise BadArgument(f"{spec.name} has no argument(s) {unknown}")

@@ -56,7 +56,7 @@ class Lookup:
 @op("list_shared", target="front")
 class ListShared:
     """Every published name. Result: ``shared`` (list of maps: name, share_id, device,
-    size, owner, holders, owner_freed)."""
+    size, owner, owner_present, holders)."""
 
 
 @op("open_shared", target="device")

@@ -212,6 +212,10 @@ class Driver(ABC):
         """``cuMemPoolTrimTo``: give cached memory above ``keep`` bytes back to the device."""
 
     @abstractmethod
+    def mem_pool_cached(self, pool: Pool) -> int:
+        """Bytes the pool holds but no allocation uses (reserved minus used): free for reuse."""
+
+    @abstractmethod
     def mem_alloc_from_pool(self, size: int, pool: Pool, stream: Stream | None) -> int:
         """``cuMemAllocFromPoolAsync``: usable in stream order on ``stream``."""
 

@@ -81,6 +81,7 @@ from cuda.bindings.driver import (
     cuMemGetInfo,
     cuMemPoolCreate,
     cuMemPoolDestroy,
+    cuMemPoolGetAttribute,
     cuMemPoolSetAttribute,
     cuMemPoolTrimTo,
     cuMemsetD8,
@@ -403,7 +404,14 @@ class CudaDriver(Driver):
     def mem_pool_trim(self, pool: Pool, keep: int) -> None:
         check_result(cuMemPoolTrimTo(pool, keep))
 
+    def mem_pool_cached(self, pool: Pool) -> int:
+        reserved = check_result(cuMemPoolGetAttribute(pool, CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT))
+        used = check_result(cuMemPoolGetAttribute(pool, CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_CURRENT))
+        return max(0, int(reserved) - int(used))
+
     def mem_alloc_from_pool(self, size: int, pool: Pool, stream: Stream | None) -> int:
+        if size <= 0:  # the driver would return a NULL "allocation" for 0 bytes
+            raise _invalid_value(f"allocation size {size}")
         return int(check_result(cuMemAllocFromPoolAsync(size, pool, _stream(stream))))
 
     def mem_free_async(self, ptr: int, stream: Stream | None) -> None:
@@ -419,7 +427,10 @@ class CudaDriver(Driver):
         return view
 
     def mem_free_host(self, view: memoryview) -> None:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
+        try:
+            address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
+        except ValueError as released:  # freed (and released) before
+            raise _invalid_value("memory already freed") from released
         if self._pinned.pop(address, None) is None:
             raise _invalid_value("not memory from mem_alloc_host")
         view.release()

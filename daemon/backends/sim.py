@@ -33,11 +33,43 @@ cuda-bindings 13.3):
   range crossing an allocation's end; it only misses accesses that land in unused
   parts of its own 2 MiB pages). ``mem_free(0)`` is a no-op, as in CUDA.
 * ``ipc_get_mem_handle`` gives the same 64 bytes for any pointer into one
-  allocation: the path of the shared-memory file its bytes then live in.
+  allocation: the path of the shared-memory file its bytes then live in. Memory
+  from a stream-ordered pool is ``CUDA_ERROR_INVALID_VALUE``, as cuIpcGetMemHandle
+  answers for it.
+* Streams, events and the legacy default stream are in :mod:`daemon.backends.sim_streams`
+  (its docstring has their rules): work on a stream runs asynchronously, in
+  order, on that stream's own thread; the synchronous memory calls are
+  legacy-stream work, waiting for the blocking streams of the current context;
+  ``ctx_synchronize`` waits for every stream of the current context. Async calls
+  check their arguments when called (``CUDA_ERROR_INVALID_VALUE``) and need a live
+  current context, as the synchronous ones do; the stream may be of another
+  context. Work that finds its memory freed by the time it runs reports
+  ``CUDA_ERROR_ILLEGAL_ADDRESS`` at the next synchronisation, as a GPU would.
+* Stream-ordered pools keep freed blocks cached for reuse, counted as used by
+  ``mem_get_info``, until ``mem_pool_trim``, ``mem_pool_destroy`` or an allocation
+  from the same pool that would otherwise run out of memory gives them back (the
+  cuda backend sets the release threshold to the maximum, so CUDA keeps them too).
+  ``mem_alloc_from_pool`` allocates at once, a valid stream order; a second free
+  of a block is ``CUDA_ERROR_INVALID_VALUE``; ``mem_free`` of pool memory puts it
+  back in its pool without waiting, and ``mem_free_async`` of ``mem_alloc`` memory
+  frees it in stream order, as the driver does; a pool destroyed with blocks in
+  use gives each back when it is freed. One refusal where the driver succeeds:
+  ``mem_alloc_from_pool`` of 0 bytes is ``CUDA_ERROR_INVALID_VALUE``, like
+  ``mem_alloc`` (the interface's choice; cuMemAllocFromPoolAsync gives NULL).
+* ``mem_alloc_host`` maps page-aligned, zeroed memory owned by the current
+  context; 0 bytes give an empty view (cuMemAllocHost gives NULL). Freeing a
+  slice of it, other memory or it twice is ``CUDA_ERROR_INVALID_VALUE``.
+* Copies and fills from 64 KiB move the bytes with the GIL released
+  (:func:`daemon.backends.sim_memory.copy_bytes`), so a big copy on one thread
+  never stalls the others.
 
-All operations are synchronous, so ``ctx_synchronize`` only checks the context.
-Thread safety: any thread may call any method; one lock guards the shared tables
-and is never held while bytes are copied.
+Thread safety: any thread may call any method. Three locks guard the tables
+and are never held together or while bytes are copied or work is waited for:
+the driver's own (context ids and primary reference counts), that of
+:class:`DeviceMemory` (allocations, pools, pinned memory) and that of the stream
+scheduler (the order of work). A lifecycle lock, taken outside them, serialises
+retaining, releasing and destroying contexts; the last two wait for the
+context's queued work before its memory goes.
 """
 
 from __future__ import annotations
@@ -45,16 +77,21 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
-from daemon.backends.base import Ctx, Driver
+from daemon.backends.base import Ctx, Driver, Event, Pool, Stream
 from daemon.backends.sim_memory import (
     DEVICE_SPAN,
-    AddressSpace,
     Allocation,
-    Storage,
-    align_up,
+    DeviceMemory,
+    SimPool,
+    copy_bytes,
+    fill_bytes,
     host_view,
 )
+from daemon.backends.sim_streams import StreamScheduler, StreamSet, Work
 from protos.cuda_results import CUresult
 from protos.errors import CudaError
 from protos.records import DeviceInfo
@@ -68,22 +105,22 @@ CU_CTX_MAP_HOST = 0x08
 _CTX_FLAGS_MASK = 0xFF
 _SCHED_VALUES = (0x00, 0x01, 0x02, 0x04)
 MAX_DEVICES = 16
-_MEMSET_CHUNK = 1 << 24
 
 _INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
 _INVALID_CONTEXT = CUresult.CUDA_ERROR_INVALID_CONTEXT
 _CONTEXT_IS_DESTROYED = CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED
-_OUT_OF_MEMORY = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+_ILLEGAL_ADDRESS = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
 
 
 class SimContext:
     """A simulated ``CUcontext``: the opaque :data:`Ctx` the sim backend hands out.
 
     Compared by identity, like the driver's handles. ``allocations`` holds the base
-    addresses of the memory allocated in it, freed when it is destroyed.
+    addresses of the memory allocated in it, freed when it is destroyed, as are its
+    streams and events (``stream_set``).
     """
 
-    __slots__ = ("alive", "allocations", "context_id", "device", "flags", "is_primary")
+    __slots__ = ("alive", "allocations", "context_id", "device", "flags", "is_primary", "stream_set")
 
     def __init__(self, device: int, flags: int, is_primary: bool, context_id: int, alive: bool) -> None:
         self.device = device
@@ -92,6 +129,7 @@ class SimContext:
         self.context_id = context_id
         self.alive = alive
         self.allocations: set[int] = set()
+        self.stream_set = StreamSet()
 
     def __repr__(self) -> str:
         kind = "primary" if self.is_primary else "created"
@@ -100,13 +138,11 @@ class SimContext:
 
 
 class _Device:
-    """One simulated GPU: its description, memory accounting and primary context."""
+    """One simulated GPU: its description and primary context (its memory is in :class:`DeviceMemory`)."""
 
-    __slots__ = ("capacity", "info", "primary", "primary_refcount", "used")
+    __slots__ = ("info", "primary", "primary_refcount")
 
     def __init__(self, ordinal: int, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
         self.primary = SimContext(ordinal, 0, is_primary=True, context_id=0, alive=False)
         self.primary_refcount = 0
         name = uuid.uuid5(uuid.NAMESPACE_URL, f"cuctxd-sim://device/{ordinal}")
@@ -144,8 +180,10 @@ class SimDriver(Driver):
             limit = DEVICE_SPAN // 4
             raise ValueError(f"memory_per_device must be 1..{limit} bytes, got {memory_per_device}")
         self._devices = [_Device(ordinal, memory_per_device) for ordinal in range(device_count)]
-        self._space = AddressSpace(device_count)
+        self._memory = DeviceMemory(memory_per_device, device_count)
+        self._streams = StreamScheduler()
         self._lock = threading.Lock()
+        self._lifecycle = threading.Lock()
         self._threads = _ThreadStacks()
         self._context_ids = itertools.count(1)
         self._initialized = False
@@ -170,7 +208,7 @@ class SimDriver(Driver):
     def primary_ctx_retain(self, ordinal: int) -> Ctx:
         """One more reference; the first (again) activates the device's one handle with a new id."""
         device = self._device(ordinal)
-        with self._lock:
+        with self._lifecycle, self._lock:
             primary = device.primary
             if device.primary_refcount == 0:
                 primary.context_id = next(self._context_ids)
@@ -180,23 +218,23 @@ class SimDriver(Driver):
         return Ctx(primary)
 
     def primary_ctx_release(self, ordinal: int) -> None:
-        """The last release frees the primary context's memory and deactivates it.
+        """The last release destroys the primary context's streams and events, frees its memory
+        and deactivates it; it waits for the work queued on its streams first.
 
         It is not popped from any stack; ``CUDA_ERROR_INVALID_CONTEXT`` if not retained.
         """
         device = self._device(ordinal)
-        with self._lock:
-            if device.primary_refcount == 0:
-                raise CudaError.of(_INVALID_CONTEXT, f"primary context of device {ordinal} is not retained")
-            device.primary_refcount -= 1
-            if device.primary_refcount > 0:
-                return
-            primary = device.primary
-            primary.alive = False
-            primary.flags = 0
-            storages = self._free_all(primary)
-        for storage in storages:
-            storage.release()
+        with self._lifecycle:
+            with self._lock:
+                if device.primary_refcount == 0:
+                    raise CudaError.of(_INVALID_CONTEXT, f"primary context of device {ordinal} is not retained")
+                device.primary_refcount -= 1
+                if device.primary_refcount > 0:
+                    return
+                primary = device.primary
+                primary.alive = False
+                primary.flags = 0
+            self._retire(primary)
 
     def primary_ctx_state(self, ordinal: int) -> tuple[int, bool]:
         """(flags, active); the flags are the primary context's creation flags, 0 here."""
@@ -217,25 +255,25 @@ class SimDriver(Driver):
         return Ctx(context)
 
     def ctx_destroy(self, ctx: Ctx) -> None:
-        """Destroy a created context and free its memory; pop it if it is the caller's current one.
+        """Destroy a created context, its streams, events and memory; pop it if it is the caller's current one.
 
-        Other threads keep it on their stacks (their calls then raise
-        ``CUDA_ERROR_CONTEXT_IS_DESTROYED``). ``CUDA_ERROR_INVALID_CONTEXT`` for a
-        primary context (release it instead) or one already destroyed.
+        Work queued on its streams completes first. Other threads keep it on their
+        stacks (their calls then raise ``CUDA_ERROR_CONTEXT_IS_DESTROYED``).
+        ``CUDA_ERROR_INVALID_CONTEXT`` for a primary context (release it instead) or
+        one already destroyed.
         """
         context = self._context(ctx)
         if context.is_primary:
             raise CudaError.of(_INVALID_CONTEXT, "a primary context is released, not destroyed")
-        with self._lock:
-            if not context.alive:
-                raise CudaError.of(_INVALID_CONTEXT, "context is already destroyed")
-            context.alive = False
-            storages = self._free_all(context)
+        with self._lifecycle:
+            with self._lock:
+                if not context.alive:
+                    raise CudaError.of(_INVALID_CONTEXT, "context is already destroyed")
+                context.alive = False
+            self._retire(context)
         stack = self._threads.stack
         if stack and stack[-1] is context:
             stack.pop()
-        for storage in storages:
-            storage.release()
 
     def ctx_push(self, ctx: Ctx) -> None:
         self._threads.stack.append(self._pushable(ctx))
@@ -289,95 +327,49 @@ class SimDriver(Driver):
         return context.context_id
 
     def ctx_synchronize(self) -> None:
-        self._live_current()
+        """Wait for all streams of the current context, raising the first error their work met."""
+        self._streams.synchronize_context(self._live_current())
 
     # --- memory, in the current context ------------------------------------------------
 
     def mem_alloc(self, size: int) -> int:
         """A zero-filled allocation in the current context; 512-byte aligned, accounted in 512s."""
         context = self._live_current()
-        if size <= 0:
-            raise CudaError.of(_INVALID_VALUE, f"allocation size {size}")
-        device = self._devices[context.device]
-        reserved = align_up(size)
-        if reserved > device.capacity - device.used:
-            raise CudaError.of(_OUT_OF_MEMORY, f"{size} bytes requested")
-        try:
-            storage = Storage(size)
-        except MemoryError:
-            raise CudaError.of(_OUT_OF_MEMORY, f"host memory for {size} bytes") from None
-        with self._lock:
-            if not context.alive:
-                raise CudaError.of(_CONTEXT_IS_DESTROYED)
-            if reserved > device.capacity - device.used:
-                raise CudaError.of(_OUT_OF_MEMORY, f"{size} bytes requested")
-            base = self._space.place(context.device, reserved)
-            if base is None:
-                raise CudaError.of(_OUT_OF_MEMORY, "address range of the device is fragmented")
-            self._space.insert(Allocation(base, size, reserved, context.device, context, storage))
-            context.allocations.add(base)
-            device.used += reserved
-        return base
+        return self._memory.allocate(context.device, size, context)
 
     def mem_free(self, ptr: int) -> None:
-        """Free an allocation by its base pointer, from any live context; 0 is a no-op."""
-        self._live_current()
+        """Free an allocation by its base pointer, from any live context; 0 is a no-op.
+
+        Pool memory goes back to its pool at once (cuMemFree does not synchronise for
+        it); other memory is freed as legacy-stream work, since cudaFree synchronises.
+        """
+        context = self._live_current()
         if ptr == 0:
             return
-        with self._lock:
-            allocation = self._space.remove(ptr)
-            if allocation is None:
-                raise CudaError.of(_INVALID_VALUE, f"{ptr:#x} is not the start of a live allocation")
-            allocation.owner.allocations.discard(ptr)
-            self._devices[allocation.device].used -= allocation.reserved
-        allocation.storage.release()
+        allocation = self._memory.claim(ptr)
+        if allocation.pool is None:
+            self._streams.run_legacy(context, partial(self._memory.release, allocation))
+        else:
+            self._memory.release(allocation)
 
     def mem_get_info(self) -> tuple[int, int]:
-        device = self._devices[self._live_current().device]
-        return device.capacity - device.used, device.capacity
+        """(free, total); memory cached in pools counts as used, as in CUDA."""
+        return self._memory.info(self._live_current().device)
 
     def memset_d8(self, ptr: int, value: int, size: int) -> None:
-        self._live_current()
-        if not 0 <= value <= 0xFF:
-            raise CudaError.of(_INVALID_VALUE, f"memset value {value} is not a byte")
-        with self._lock:
-            allocation, offset = self._resolve(ptr, size)
-            view = allocation.storage.view
-        end = offset + size
-        chunk = bytes((value,)) * min(size, _MEMSET_CHUNK)
-        while offset < end:
-            step = min(end - offset, len(chunk))
-            view[offset : offset + step] = chunk[:step]
-            offset += step
+        self._streams.run_legacy(self._live_current(), self._memset_work(ptr, value, size))
 
     def memcpy_htod(self, dst: int, src: memoryview | bytes | bytearray, size: int) -> None:
         """Copy from any buffer-protocol object (a non-buffer raises ``TypeError``)."""
-        self._live_current()
-        source = host_view(src, size, writable=False)
-        with self._lock:
-            allocation, offset = self._resolve(dst, size)
-            view = allocation.storage.view
-        view[offset : offset + size] = source
+        self._streams.run_legacy(self._live_current(), self._htod_work(dst, src, size))
 
     def memcpy_dtoh(self, dst: memoryview | bytearray, src: int, size: int) -> None:
         """Copy into a writable buffer; a read-only one is ``CUDA_ERROR_INVALID_VALUE``."""
-        self._live_current()
-        target = host_view(dst, size, writable=True)
-        with self._lock:
-            allocation, offset = self._resolve(src, size)
-            view = allocation.storage.view
-        target[:] = view[offset : offset + size]
+        self._streams.run_legacy(self._live_current(), self._dtoh_work(dst, src, size))
 
     def memcpy_dtod(self, dst: int, src: int, size: int) -> None:
         """Copy within one device (overlap behaves like memmove); across devices ``INVALID_VALUE``."""
-        self._live_current()
-        with self._lock:
-            target, dst_offset = self._resolve(dst, size)
-            source, src_offset = self._resolve(src, size)
-            dst_view, src_view = target.storage.view, source.storage.view
-        if target.device != source.device:
-            raise CudaError.of(_INVALID_VALUE, "the sim copies device to device only within one device")
-        dst_view[dst_offset : dst_offset + size] = src_view[src_offset : src_offset + size]
+        self._streams.run_legacy(self._live_current(), self._dtod_work(dst, src, size))
 
     # --- sharing ----------------------------------------------------------------------
 
@@ -386,18 +378,185 @@ class SimDriver(Driver):
 
         The first call moves the allocation's bytes into a file in ``/dev/shm``
         (:mod:`protos.sim_ipc` encodes its path); freeing the allocation removes it.
-        Needs a live current context; a pointer outside every live allocation is
-        ``CUDA_ERROR_INVALID_VALUE``, as on the real driver; ``CUDA_ERROR_MAP_FAILED``
-        if the file cannot be made.
+        It runs as legacy-stream work, so no queued copy writes to the old bytes.
+        Needs a live current context; a pointer outside every live allocation, or
+        into pool memory, is ``CUDA_ERROR_INVALID_VALUE``, as on the real driver;
+        ``CUDA_ERROR_MAP_FAILED`` if the file cannot be made.
+        """
+        context = self._live_current()
+        allocation, _ = self._memory.resolve(ptr, 0)
+        if allocation.pool is not None:
+            raise CudaError.of(_INVALID_VALUE, "memory from a stream-ordered pool has no legacy IPC handle")
+        try:
+            return encode_handle(self._streams.run_legacy(context, partial(self._memory.export, allocation)))
+        except (OSError, ValueError) as failure:
+            raise CudaError.of(CUresult.CUDA_ERROR_MAP_FAILED, str(failure)) from failure
+
+    # --- streams and events ----------------------------------------------------------------
+
+    def stream_create(self, non_blocking: bool = False) -> Stream:
+        """A stream of the current context; its executor thread starts with its first work."""
+        return Stream(self._streams.create_stream(self._live_current(), non_blocking))
+
+    def stream_destroy(self, stream: Stream) -> None:
+        """Returns at once; queued work still completes, then the stream's thread ends."""
+        self._check_initialized()
+        self._streams.destroy_stream(stream)
+
+    def stream_query(self, stream: Stream) -> bool:
+        """True when all its work is done; raises (once) the first error its work met."""
+        self._check_initialized()
+        return self._streams.query(stream)
+
+    def stream_synchronize(self, stream: Stream) -> None:
+        """Wait for the work queued so far; raises (once) the first error its work met."""
+        self._check_initialized()
+        self._streams.synchronize(stream)
+
+    def event_create(self, timing: bool = True) -> Event:
+        return Event(self._streams.create_event(self._live_current(), timing))
+
+    def event_destroy(self, event: Event) -> None:
+        self._check_initialized()
+        self._streams.destroy_event(event)
+
+    def event_record(self, event: Event, stream: Stream | None) -> None:
+        """Record on a stream of the event's context; ``None`` needs that context current."""
+        self._check_initialized()
+        self._streams.record(event, stream, self._live_current() if stream is None else None)
+
+    def event_query(self, event: Event) -> bool:
+        self._check_initialized()
+        return self._streams.event_query(event)
+
+    def event_synchronize(self, event: Event) -> None:
+        self._check_initialized()
+        self._streams.event_synchronize(event)
+
+    def event_elapsed_time(self, start: Event, end: Event) -> float:
+        """Milliseconds between the completions of the two records.
+
+        As cuEventElapsedTime: ``CUDA_ERROR_INVALID_HANDLE`` if either event has timing
+        disabled or was never recorded, ``CUDA_ERROR_NOT_READY`` while either record is pending.
+        """
+        self._check_initialized()
+        return self._streams.elapsed_ms(start, end)
+
+    def stream_wait_event(self, stream: Stream, event: Event) -> None:
+        """A no-op for an event never recorded; the event may be of another context."""
+        self._check_initialized()
+        self._streams.wait_event(stream, event)
+
+    def launch_host_func(self, stream: Stream | None, func: Callable[[], object]) -> None:
+        """``cuLaunchHostFunc``: run ``func`` on the stream's thread when the stream reaches it.
+
+        Not part of :class:`Driver`: the sim offers it so that tests can hold a stream
+        busy for exactly as long as they need. An exception from ``func`` is the
+        stream's error (``CUDA_ERROR_UNKNOWN`` unless it is a :class:`CudaError`).
+        """
+        self._streams.submit(self._live_current(), stream, func)
+
+    def memset_d8_async(self, ptr: int, value: int, size: int, stream: Stream | None) -> None:
+        self._streams.submit(self._live_current(), stream, self._memset_work(ptr, value, size))
+
+    def memcpy_htod_async(self, dst: int, src: Any, size: int, stream: Stream | None) -> None:
+        self._streams.submit(self._live_current(), stream, self._htod_work(dst, src, size))
+
+    def memcpy_dtoh_async(self, dst: Any, src: int, size: int, stream: Stream | None) -> None:
+        self._streams.submit(self._live_current(), stream, self._dtoh_work(dst, src, size))
+
+    def memcpy_dtod_async(self, dst: int, src: int, size: int, stream: Stream | None) -> None:
+        self._streams.submit(self._live_current(), stream, self._dtod_work(dst, src, size))
+
+    # --- stream-ordered allocation --------------------------------------------------------
+
+    def mem_pool_create(self, ordinal: int) -> Pool:
+        """A pool of the device; a bad ordinal is ``CUDA_ERROR_INVALID_VALUE`` (a bad pool location)."""
+        self._check_initialized()
+        if not 0 <= ordinal < len(self._devices):
+            raise CudaError.of(_INVALID_VALUE, f"no device {ordinal} to place a pool on")
+        return Pool(SimPool(ordinal))
+
+    def mem_pool_destroy(self, pool: Pool) -> None:
+        """Give the cached memory back now; blocks still in use go back to the device when freed."""
+        sim_pool = self._pool(pool)
+        sim_pool.alive = False
+        self._memory.pool_trim(sim_pool, 0)
+
+    def mem_pool_trim(self, pool: Pool, keep: int) -> None:
+        sim_pool = self._pool(pool)
+        if keep < 0:
+            raise CudaError.of(_INVALID_VALUE, f"bytes to keep {keep}")
+        self._memory.pool_trim(sim_pool, keep)
+
+    def mem_pool_cached(self, pool: Pool) -> int:
+        return self._pool(pool).cached_bytes
+
+    def mem_alloc_from_pool(self, size: int, pool: Pool, stream: Stream | None) -> int:
+        """A cached block of the same 512-rounded size if there is one, else a new one.
+
+        Allocated at once, which is a valid stream order. The pool's device pays for
+        it; when that device is full the pool first gives back its other cached
+        blocks, then it is ``CUDA_ERROR_OUT_OF_MEMORY``. Size 0 is ``INVALID_VALUE``.
         """
         self._live_current()
-        with self._lock:
-            allocation, _ = self._resolve(ptr, 0)
-            try:
-                path = allocation.storage.export()
-                return encode_handle(path)
-            except (OSError, ValueError) as failure:
-                raise CudaError.of(CUresult.CUDA_ERROR_MAP_FAILED, str(failure)) from failure
+        self._streams.check_stream(stream)
+        return self._memory.pool_allocate(self._pool(pool), size)
+
+    def mem_free_async(self, ptr: int, stream: Stream | None) -> None:
+        """Free when the stream reaches this point (at once if it is idle); 0 is a no-op.
+
+        Pool memory goes back to its pool's cache, other memory to the device. From
+        this call on the pointer is refused (``CUDA_ERROR_INVALID_VALUE``).
+        """
+        context = self._live_current()
+        idle = self._streams.is_idle(context, stream)
+        if ptr == 0:
+            return
+        allocation = self._memory.claim(ptr)
+        if idle:
+            self._memory.release(allocation)
+        else:
+            self._streams.submit(context, stream, partial(self._memory.release, allocation))
+
+    # --- pinned host memory ----------------------------------------------------------------
+
+    def mem_alloc_host(self, size: int) -> memoryview:
+        """Page-aligned host memory, freed with the current context; size 0 gives an empty view (NULL)."""
+        return self._memory.map_host(size, self._live_current())
+
+    def mem_free_host(self, view: memoryview) -> None:
+        """Free by the view :meth:`mem_alloc_host` returned (an empty one is NULL: a no-op).
+
+        Any other buffer, a slice of one or a second free is ``CUDA_ERROR_INVALID_VALUE``.
+        """
+        self._check_initialized()
+        self._memory.unmap_host(view)
+
+    # --- work: a copy or fill, checked when it is issued, run now or on a stream -------------
+
+    def _memset_work(self, ptr: int, value: int, size: int) -> Work:
+        if not 0 <= value <= 0xFF:
+            raise CudaError.of(_INVALID_VALUE, f"memset value {value} is not a byte")
+        allocation, offset = self._memory.resolve(ptr, size)
+        return lambda: fill_bytes(_device_bytes(allocation, offset, size), value)
+
+    def _htod_work(self, dst: int, src: Any, size: int) -> Work:
+        source = host_view(src, size, writable=False)
+        allocation, offset = self._memory.resolve(dst, size)
+        return lambda: copy_bytes(_device_bytes(allocation, offset, size), source)
+
+    def _dtoh_work(self, dst: Any, src: int, size: int) -> Work:
+        target = host_view(dst, size, writable=True)
+        allocation, offset = self._memory.resolve(src, size)
+        return lambda: copy_bytes(target, _device_bytes(allocation, offset, size))
+
+    def _dtod_work(self, dst: int, src: int, size: int) -> Work:
+        target, dst_offset = self._memory.resolve(dst, size)
+        source, src_offset = self._memory.resolve(src, size)
+        if target.device != source.device:
+            raise CudaError.of(_INVALID_VALUE, "the sim copies device to device only within one device")
+        return lambda: copy_bytes(_device_bytes(target, dst_offset, size), _device_bytes(source, src_offset, size))
 
     # --- internals ---------------------------------------------------------------------
 
@@ -437,28 +596,22 @@ class SimDriver(Driver):
             raise CudaError.of(_CONTEXT_IS_DESTROYED)
         return context
 
-    def _resolve(self, ptr: int, size: int) -> tuple[Allocation, int]:
-        """The allocation holding ``[ptr, ptr + size)`` and the offset in it; call under the lock."""
-        if size < 0:
-            raise CudaError.of(_INVALID_VALUE, f"size {size}")
-        allocation = self._space.find(ptr)
-        if allocation is None:
-            raise CudaError.of(_INVALID_VALUE, f"{ptr:#x} is not in a live allocation")
-        offset = ptr - allocation.base
-        if offset + size > allocation.size:
-            raise CudaError.of(
-                _INVALID_VALUE,
-                f"{size} bytes at {ptr:#x} run past the end of the {allocation.size}-byte allocation",
-            )
-        return allocation, offset
+    def _pool(self, pool: Pool) -> SimPool:
+        self._check_initialized()
+        if not isinstance(pool, SimPool) or not pool.alive:
+            raise CudaError.of(_INVALID_VALUE, f"{pool!r} is not a live pool")
+        return pool
 
-    def _free_all(self, context: SimContext) -> list[Storage]:
-        """Drop every allocation of ``context`` from the tables; call under the lock."""
-        storages = []
-        for base in context.allocations:
-            allocation = self._space.remove(base)
-            if allocation is not None:
-                self._devices[allocation.device].used -= allocation.reserved
-                storages.append(allocation.storage)
-        context.allocations.clear()
-        return storages
+    def _retire(self, context: SimContext) -> None:
+        """After ``context`` died: end its streams and events (their queued work completes
+        first), then free its memory. Call holding the lifecycle lock only."""
+        self._streams.retire(context)
+        self._memory.release_owner(context)
+
+
+def _device_bytes(allocation: Allocation, offset: int, size: int) -> memoryview:
+    """When work runs: its bytes, or ``CUDA_ERROR_ILLEGAL_ADDRESS`` if the memory was freed meanwhile."""
+    view = allocation.storage.view
+    if offset + size > len(view):
+        raise CudaError.of(_ILLEGAL_ADDRESS, f"{size} bytes at offset {offset} of freed memory")
+    return view[offset : offset + size]

@@ -1,21 +1,29 @@
-"""Memory of the sim backend: byte storage, the simulated address space, host buffers.
+"""Memory of the sim backend: byte storage, the simulated address space, pools, host buffers.
 
 :class:`Storage` is the only place that knows how an allocation's bytes are
-held (a ``bytearray`` today; moving to ``multiprocessing.shared_memory`` only
-changes that class). :class:`AddressSpace` hands out realistic device
-pointers and maps any pointer inside a live allocation back to it.
-:func:`host_view` checks the host side of a copy as the cuda backend does.
+held (a ``bytearray`` when small, an anonymous ``mmap`` from 1 MiB, a file in
+``/dev/shm`` once exported). :class:`AddressSpace` hands out realistic device
+pointers and maps any pointer inside an allocation back to it. :class:`SimPool`
+is a stream-ordered pool's cache of freed blocks. :func:`host_view` checks the
+host side of a copy as the cuda backend does; :func:`copy_bytes` and
+:func:`fill_bytes` move the bytes, releasing the GIL for anything above
+:data:`GIL_FREE_SIZE` so that a big copy on one thread never stalls the others.
 
-Nothing here is thread-safe: :class:`daemon.backends.sim.SimDriver` calls it
-under its own lock.
+:class:`DeviceMemory` puts them together: the tables of every device's
+memory behind one lock, which the driver calls from any thread. The other
+classes are not thread-safe and are used only under that lock.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
+import threading
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +33,7 @@ from protos.errors import CudaError
 from protos.sim_ipc import shm_dir
 
 _INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
+_OUT_OF_MEMORY = CUresult.CUDA_ERROR_OUT_OF_MEMORY
 
 #: Where device 0's addresses start; a Linux UVA address as the real driver gives.
 ADDRESS_BASE = 0x7000_0000_0000
@@ -32,6 +41,10 @@ ADDRESS_BASE = 0x7000_0000_0000
 DEVICE_SPAN = 1 << 40
 #: ``cuMemAlloc`` hands out 512-byte aligned pointers (256 is CUDA's documented minimum).
 ALIGNMENT = 512
+#: Copies and fills from this size run in C with the GIL released (``ctypes.memmove``/``memset``).
+GIL_FREE_SIZE = 64 << 10
+#: Allocations from this size are anonymous mappings: zero pages come from the kernel, lazily.
+MAPPED_SIZE = 1 << 20
 
 
 def align_up(value: int, alignment: int = ALIGNMENT) -> int:
@@ -48,7 +61,7 @@ class Storage:
     __slots__ = ("_buffer", "path", "view")
 
     def __init__(self, size: int) -> None:
-        self._buffer: bytearray | mmap.mmap = bytearray(size)
+        self._buffer: bytearray | mmap.mmap = mmap.mmap(-1, size) if size >= MAPPED_SIZE else bytearray(size)
         self.view = memoryview(self._buffer)
         self.path: Path | None = None
 
@@ -69,8 +82,11 @@ class Storage:
                 raise
             finally:
                 os.close(fd)
-            shared[:] = self.view
-            self._buffer, self.view, self.path = shared, memoryview(shared), Path(name)
+            view = memoryview(shared)
+            copy_bytes(view, self.view)
+            old_view, old_buffer = self.view, self._buffer
+            self._buffer, self.view, self.path = shared, view, Path(name)
+            _unmap(old_view, old_buffer)
         return self.path
 
     def release(self) -> None:
@@ -80,11 +96,17 @@ class Storage:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
-            try:
-                old.release()
-                buffer.close()  # type: ignore[union-attr]
-            except BufferError:
-                pass  # a copy in flight still maps it; the mapping goes with its last reference
+        _unmap(old, buffer)
+
+
+def _unmap(view: memoryview, buffer: bytearray | mmap.mmap) -> None:
+    """Unmap a mapped buffer now unless views of it are still in use (then its last reference does)."""
+    if isinstance(buffer, mmap.mmap):
+        try:
+            view.release()
+            buffer.close()
+        except BufferError:
+            pass  # a copy in flight still maps it; the mapping goes with its last reference
 
 
 class Owner(Protocol):
@@ -95,7 +117,12 @@ class Owner(Protocol):
 
 @dataclass(eq=False)
 class Allocation:
-    """One live ``cuMemAlloc`` result; ``owner`` is the context it was allocated in."""
+    """One device allocation; ``owner`` is the context it was allocated in, or its pool.
+
+    ``usable`` is False from a free that has not happened yet (``mem_free_async``)
+    and while the block sits in its pool's cache: it keeps its address range, but
+    every access and free of it is ``CUDA_ERROR_INVALID_VALUE``.
+    """
 
     base: int
     size: int
@@ -103,10 +130,62 @@ class Allocation:
     device: int
     owner: Owner
     storage: Storage = field(repr=False)
+    pool: SimPool | None = field(default=None, repr=False)
+    usable: bool = True
 
     @property
     def end(self) -> int:
         return self.base + self.size
+
+
+class SimPool:
+    """A simulated ``CUmemoryPool`` of one device: its blocks and the cache of freed ones.
+
+    Freed blocks are kept by reserved size (a multiple of 512) and handed out
+    again for the same reserved size, so an alloc+free loop never touches the
+    address space; they count as used device memory until :meth:`take_cached_above`
+    gives them back (``cuMemPoolTrimTo``, pool destruction, or an allocation that
+    would otherwise run out of memory). Compared by identity, like the driver's handles.
+    """
+
+    __slots__ = ("_cache", "alive", "allocations", "cached_bytes", "device")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.alive = True
+        #: Base addresses of every block of the pool, in use, being freed or cached.
+        self.allocations: set[int] = set()
+        self.cached_bytes = 0
+        self._cache: dict[int, list[Allocation]] = {}
+
+    def take(self, reserved: int) -> Allocation | None:
+        """A cached block of exactly ``reserved`` bytes, taken out of the cache, or None."""
+        blocks = self._cache.get(reserved)
+        if not blocks:
+            return None
+        self.cached_bytes -= reserved
+        return blocks.pop()
+
+    def put(self, allocation: Allocation) -> None:
+        """Cache a freed block for reuse (it must already be marked not usable)."""
+        self._cache.setdefault(allocation.reserved, []).append(allocation)
+        self.cached_bytes += allocation.reserved
+
+    def take_cached_above(self, keep: int) -> list[Allocation]:
+        """Take cached blocks out, largest first, until at most ``keep`` bytes stay cached."""
+        taken: list[Allocation] = []
+        for reserved in sorted(self._cache, reverse=True):
+            blocks = self._cache[reserved]
+            while blocks and self.cached_bytes > keep:
+                taken.append(blocks.pop())
+                self.cached_bytes -= reserved
+            if not blocks:
+                del self._cache[reserved]
+        return taken
+
+    def __repr__(self) -> str:
+        state = "" if self.alive else ", destroyed"
+        return f"<SimPool device {self.device}, {len(self.allocations)} blocks, {self.cached_bytes} cached{state}>"
 
 
 class AddressSpace:
@@ -159,6 +238,10 @@ class AddressSpace:
         self._bases.insert(index, allocation.base)
         self._by_base[allocation.base] = allocation
 
+    def get(self, base: int) -> Allocation | None:
+        """The allocation that starts exactly at ``base`` (None if there is none)."""
+        return self._by_base.get(base)
+
     def remove(self, base: int) -> Allocation | None:
         """Take out the allocation that starts exactly at ``base`` (None if there is none)."""
         allocation = self._by_base.pop(base, None)
@@ -167,7 +250,7 @@ class AddressSpace:
         return allocation
 
     def find(self, ptr: int) -> Allocation | None:
-        """The live allocation containing address ``ptr``, if any."""
+        """The allocation containing address ``ptr``, if any (usable or not)."""
         index = bisect_right(self._bases, ptr) - 1
         if index < 0:
             return None
@@ -176,6 +259,209 @@ class AddressSpace:
 
     def __len__(self) -> int:
         return len(self._bases)
+
+
+class LiveOwner(Owner, Protocol):
+    """A context as :meth:`DeviceMemory.allocate` sees it: its allocations and whether it is alive."""
+
+    alive: bool
+
+
+class DeviceMemory:
+    """The memory of every simulated device: allocations, pool blocks, accounting, pinned host memory.
+
+    Thread safety: any thread may call it; one lock guards the tables and is
+    never held while bytes are copied, except while the first export of an
+    allocation moves its bytes into the shared file. Errors are CUDA's:
+    ``CUDA_ERROR_INVALID_VALUE`` for a pointer outside every usable allocation,
+    ``CUDA_ERROR_OUT_OF_MEMORY`` past a device's capacity.
+    """
+
+    def __init__(self, capacity: int, device_count: int) -> None:
+        self.capacity = capacity
+        self._used = [0] * device_count
+        self._space = AddressSpace(device_count)
+        self._host: dict[int, HostAllocation] = {}
+        self._lock = threading.Lock()
+
+    def info(self, device: int) -> tuple[int, int]:
+        """(free, total) bytes of a device; blocks cached in pools count as used."""
+        return self.capacity - self._used[device], self.capacity
+
+    # --- allocations -------------------------------------------------------------------
+
+    def allocate(self, device: int, size: int, owner: LiveOwner) -> int:
+        """A zero-filled allocation of a context; ``CONTEXT_IS_DESTROYED`` if it died meanwhile."""
+        if size <= 0:
+            raise CudaError.of(_INVALID_VALUE, f"allocation size {size}")
+        reserved = align_up(size)
+        if reserved > self.capacity - self._used[device]:
+            raise CudaError.of(_OUT_OF_MEMORY, f"{size} bytes requested")
+        storage = _new_storage(size)
+        with self._lock:
+            if not owner.alive:
+                raise CudaError.of(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED)
+            return self._insert(device, size, reserved, owner, storage, None)
+
+    def resolve(self, ptr: int, size: int) -> tuple[Allocation, int]:
+        """The usable allocation holding ``[ptr, ptr + size)`` and the offset in it."""
+        if size < 0:
+            raise CudaError.of(_INVALID_VALUE, f"size {size}")
+        with self._lock:
+            allocation = self._space.find(ptr)
+        if allocation is None or not allocation.usable:
+            raise CudaError.of(_INVALID_VALUE, f"{ptr:#x} is not in a live allocation")
+        offset = ptr - allocation.base
+        if offset + size > allocation.size:
+            raise CudaError.of(
+                _INVALID_VALUE,
+                f"{size} bytes at {ptr:#x} run past the end of the {allocation.size}-byte allocation",
+            )
+        return allocation, offset
+
+    def claim(self, ptr: int) -> Allocation:
+        """Start freeing the allocation at ``ptr``: from now on it is refused; :meth:`release` ends it."""
+        with self._lock:
+            allocation = self._space.get(ptr)
+            if allocation is None or not allocation.usable:
+                raise CudaError.of(_INVALID_VALUE, f"{ptr:#x} is not the start of a live allocation")
+            allocation.usable = False
+        return allocation
+
+    def release(self, allocation: Allocation) -> None:
+        """Complete a free: back to a live pool's cache, else to the device (any thread).
+
+        A block that went with its context or pool meanwhile is left alone.
+        """
+        with self._lock:
+            if self._space.get(allocation.base) is not allocation:
+                return
+            pool = allocation.pool
+            if pool is not None and pool.alive:
+                pool.put(allocation)
+                return
+            storages = self._drop([allocation])
+        _release_all(storages)
+
+    def release_owner(self, owner: Owner) -> None:
+        """Free everything of a destroyed context: its allocations and its pinned host memory."""
+        with self._lock:
+            allocations = [self._space.get(base) for base in owner.allocations]
+            storages = self._drop([allocation for allocation in allocations if allocation is not None])
+            hosts = [self._host.pop(address) for address, host in list(self._host.items()) if host.owner is owner]
+        _release_all(storages)
+        for host in hosts:
+            host.release()
+
+    def export(self, allocation: Allocation) -> Path:
+        """Move an allocation's bytes to its shared-memory file (see :meth:`Storage.export`)."""
+        with self._lock:
+            return allocation.storage.export()
+
+    # --- pools -------------------------------------------------------------------------
+
+    def pool_allocate(self, pool: SimPool, size: int) -> int:
+        """A cached block of the same reserved size, else a new block.
+
+        When the device is full the pool first gives back its other cached blocks.
+        """
+        if size <= 0:
+            raise CudaError.of(_INVALID_VALUE, f"allocation size {size}")
+        reserved = align_up(size)
+        with self._lock:
+            block = pool.take(reserved)
+            if block is not None:
+                block.size, block.usable = size, True
+                return block.base
+        device = pool.device
+        if reserved > self.capacity - self._used[device] + pool.cached_bytes:
+            raise CudaError.of(_OUT_OF_MEMORY, f"{size} bytes requested from a pool of device {device}")
+        storage = _new_storage(reserved)
+        trimmed: list[Storage] = []
+        try:
+            with self._lock:
+                if not pool.alive:
+                    raise CudaError.of(_INVALID_VALUE, "the pool was destroyed")
+                if reserved > self.capacity - self._used[device]:
+                    trimmed = self._drop(pool.take_cached_above(0))
+                return self._insert(device, size, reserved, pool, storage, pool)
+        finally:
+            _release_all(trimmed)
+
+    def pool_trim(self, pool: SimPool, keep: int) -> None:
+        """Give cached blocks back to the device until at most ``keep`` bytes stay cached."""
+        with self._lock:
+            storages = self._drop(pool.take_cached_above(keep))
+        _release_all(storages)
+
+    # --- pinned host memory -------------------------------------------------------------
+
+    def map_host(self, size: int, owner: object) -> memoryview:
+        """Pinned memory of ``owner``; size 0 is an empty view, as cuMemAllocHost(0) gives NULL."""
+        if size == 0:
+            return memoryview(bytearray())
+        if size < 0:
+            raise CudaError.of(_INVALID_VALUE, f"host allocation size {size}")
+        try:
+            host = HostAllocation.map(size, owner)
+        except (OSError, MemoryError, OverflowError) as failure:
+            raise CudaError.of(_OUT_OF_MEMORY, f"{size} bytes of host memory: {failure}") from None
+        with self._lock:
+            self._host[host.address] = host
+        return host.view
+
+    def unmap_host(self, view: object) -> None:
+        """Free by (the start of) a view that :meth:`map_host` returned; else ``INVALID_VALUE``.
+
+        An empty view is NULL, which cuMemFreeHost accepts.
+        """
+        try:
+            if memoryview(view).nbytes == 0:  # type: ignore[arg-type]
+                return
+            with buffer_address(view) as address:
+                pass
+        except (TypeError, ValueError, BufferError):  # not a buffer, or a view already released
+            raise CudaError.of(_INVALID_VALUE, "not a buffer from mem_alloc_host") from None
+        with self._lock:
+            host = self._host.pop(address, None)
+        if host is None:
+            raise CudaError.of(_INVALID_VALUE, "not the start of a buffer from mem_alloc_host")
+        host.release()
+
+    # --- internals, under the lock ----------------------------------------------------------
+
+    def _insert(
+        self, device: int, size: int, reserved: int, owner: Owner, storage: Storage, pool: SimPool | None
+    ) -> int:
+        if reserved > self.capacity - self._used[device]:
+            raise CudaError.of(_OUT_OF_MEMORY, f"{size} bytes requested")
+        base = self._space.place(device, reserved)
+        if base is None:
+            raise CudaError.of(_OUT_OF_MEMORY, "address range of the device is fragmented")
+        self._space.insert(Allocation(base, size, reserved, device, owner, storage, pool))
+        owner.allocations.add(base)
+        self._used[device] += reserved
+        return base
+
+    def _drop(self, allocations: list[Allocation]) -> list[Storage]:
+        """Take allocations out of the tables and their devices' use; their storages to release."""
+        for allocation in allocations:
+            self._space.remove(allocation.base)
+            allocation.owner.allocations.discard(allocation.base)
+            self._used[allocation.device] -= allocation.reserved
+        return [allocation.storage for allocation in allocations]
+
+
+def _new_storage(size: int) -> Storage:
+    try:
+        return Storage(size)
+    except (MemoryError, OSError):
+        raise CudaError.of(_OUT_OF_MEMORY, f"host memory for {size} bytes") from None
+
+
+def _release_all(storages: list[Storage]) -> None:
+    for storage in storages:
+        storage.release()
 
 
 def host_view(buffer: object, size: int, *, writable: bool) -> memoryview:
@@ -190,3 +476,93 @@ def host_view(buffer: object, size: int, *, writable: bool) -> memoryview:
     if size < 0 or view.nbytes < size:
         raise CudaError.of(_INVALID_VALUE, f"the host buffer has {view.nbytes} bytes, {size} needed")
     return view[:size]
+
+
+# --- moving bytes -------------------------------------------------------------------------
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """Copy ``src`` into the same-sized ``dst`` (overlap behaves like memmove).
+
+    From :data:`GIL_FREE_SIZE` on, the bytes move in ``ctypes.memmove`` with the
+    GIL released; below, a slice assignment is cheaper than taking the addresses.
+    """
+    size = len(dst)
+    if size < GIL_FREE_SIZE:
+        dst[:] = src
+        return
+    with buffer_address(dst) as target, buffer_address(src) as source:
+        ctypes.memmove(target, source, size)
+
+
+def fill_bytes(dst: memoryview, value: int) -> None:
+    """Set every byte of ``dst`` to ``value``; with the GIL released from :data:`GIL_FREE_SIZE` on."""
+    size = len(dst)
+    if size < GIL_FREE_SIZE:
+        dst[:] = bytes((value,)) * size
+        return
+    with buffer_address(dst) as target:
+        ctypes.memset(target, value, size)
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (stable ABI): how the raw address of any buffer is read."""
+
+    _fields_ = (
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    )
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = (ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = (ctypes.POINTER(_PyBuffer),)
+_release_buffer.restype = None
+_PYBUF_SIMPLE = 0
+
+
+@contextmanager
+def buffer_address(buffer: object) -> Iterator[int]:
+    """The address of a contiguous buffer (read-only ones too), pinned by a buffer export meanwhile."""
+    export = _PyBuffer()
+    _get_buffer(buffer, ctypes.byref(export), _PYBUF_SIMPLE)
+    try:
+        yield export.buf or 0
+    finally:
+        _release_buffer(ctypes.byref(export))
+
+
+@dataclass(eq=False)
+class HostAllocation:
+    """Page-locked host memory of ``cuMemAllocHost``: an anonymous, page-aligned mapping.
+
+    ``owner`` is the context it was allocated in; destroying that context frees it, as in CUDA.
+    """
+
+    address: int
+    mapping: mmap.mmap = field(repr=False)
+    view: memoryview = field(repr=False)
+    owner: object = field(repr=False)
+
+    @classmethod
+    def map(cls, size: int, owner: object) -> HostAllocation:
+        """Map ``size`` zeroed bytes; raises OSError (or MemoryError) when the host has none."""
+        mapping = mmap.mmap(-1, size)
+        view = memoryview(mapping)
+        with buffer_address(view) as address:
+            return cls(address, mapping, view, owner)
+
+    def release(self) -> None:
+        """Unmap now, or once the caller's last view of it is gone."""
+        _unmap(self.view, self.mapping)

@@ -1,0 +1,13 @@
+"""The figures, one module per group; each has ``FIGURE`` (its number), ``TITLE`` and ``run(bench)``.
+
+``run`` yields :class:`~bench.records.Figure` records as it measures them, so a
+group that breaks half way keeps what it already measured.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from bench.figures import alloc, bandwidth, ipc_copy, isolation, latency, pipelining, throughput
+
+GROUPS: tuple[ModuleType, ...] = (latency, throughput, alloc, bandwidth, ipc_copy, isolation, pipelining)

@@ -1,0 +1,65 @@
+"""Figure 3: 1 MiB alloc+free through the daemon, against the driver called in this process.
+
+The daemon's ``alloc`` serves pool memory by default (stream-ordered
+``cuMemAllocFromPoolAsync``); the anchor is ``cuMemAlloc``+``cuMemFree`` in the
+bench process. On sim the anchor is the sim driver in process, and the target
+(which is about the GPU) is not judged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from bench.cuda_local import LocalCuda, LocalDriverUnavailable, LocalSim
+from bench.records import Figure, measured, skipped
+from bench.run import Bench, alloc_supports_shareable
+from bench.stats import interleaved, median, us
+
+FIGURE = 3
+TITLE = "alloc+free 1 MiB"
+SIZE = 1 << 20
+
+
+def run(bench: Bench) -> Iterator[Figure]:
+    s = bench.settings
+    target: str | None = "< 1.0"
+    local: LocalCuda | LocalSim
+    if bench.backend == "cuda":
+        try:
+            local = bench.local_cuda()
+        except LocalDriverUnavailable as unavailable:
+            yield skipped(FIGURE, "alloc+free 1 MiB", "us", "in-process cuMemAlloc+cuMemFree", str(unavailable),
+                          target=target)
+            return
+        anchor = "in-process cuMemAlloc+cuMemFree 1 MiB"
+        note = None
+    else:
+        local = LocalSim()
+        anchor = "in-process sim driver mem_alloc+mem_free 1 MiB (daemon.backends.sim.SimDriver)"
+        target = None
+        note = "sim backend: the anchor is the sim driver, not the GPU; the target (< 1.0) is judged on cuda only"
+    try:
+        def local_pair() -> None:
+            local.free(local.alloc(SIZE))
+
+        with bench.client() as client:
+            def daemon_pair() -> None:
+                client.alloc(SIZE).free()
+
+            calls = {"daemon": daemon_pair, "local": local_pair}
+            shareable = alloc_supports_shareable()
+            if shareable:
+                calls["shareable"] = lambda: client.alloc(SIZE, shareable=True).free()
+            samples = interleaved(calls, s.alloc_pairs, warmup=max(10, s.alloc_pairs // 10))
+    finally:
+        if isinstance(local, LocalSim):
+            local.close()
+    anchor_us = us(median(samples["local"]))
+    yield measured(FIGURE, "alloc+free 1 MiB (default alloc)", us(median(samples["daemon"])), "us", anchor,
+                   anchor_us, target=target, note=note or f"median of {len(samples['daemon'])} pairs")
+    if shareable:
+        yield measured(FIGURE, "alloc+free 1 MiB (shareable=True)", us(median(samples["shareable"])), "us",
+                       anchor, anchor_us, note="exportable cuMemAlloc memory through the daemon")
+    else:
+        yield skipped(FIGURE, "alloc+free 1 MiB (shareable=True)", "us", anchor,
+                      "client.Client.alloc has no shareable= argument yet")

@@ -1,0 +1,240 @@
+"""The asyncio client: :class:`AsyncClient`, the :class:`~client.client.Client` API as coroutines.
+
+Every method of :class:`~client.client.Client` is here under the same name and
+arguments as a coroutine (``await client.alloc(n)``), and the objects it returns
+(:class:`~client.objects.AsyncBuffer`, :class:`~client.objects.AsyncContext`,
+:class:`~client.streams.AsyncStream`, :class:`~client.streams.AsyncEvent`,
+:class:`~client.sharing.AsyncOpenedShare`) have coroutine methods too. The
+requests are the sync client's own (:mod:`client.requests`); only the running
+differs.
+
+Open it with ``async with AsyncClient(endpoint) as client:`` (or ``client =
+await AsyncClient(endpoint)`` and ``await client.close()``). Any number of tasks
+of one event loop may call it at once: they share one socket, and replies find
+their callers by request id (:mod:`client.async_transport`). A heartbeat task
+renews the lease while the loop runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Generator
+from typing import Any, TypeVar
+
+from client import requests
+from client.async_transport import AsyncTransport
+from client.client import Client
+from client.lease import AsyncHeartbeat
+from client.objects import AsyncBuffer, AsyncContext, docs_from
+from client.pipeline import AsyncPipeline, raise_first
+from client.requests import Batch, Plan, Request, Run, SessionState, Step
+from client.sharing import AsyncOpenedShare, open_share
+from client.streams import AsyncEvent, AsyncStream
+from client.transport import DEFAULT_TIMEOUT
+from protos.endpoints import client_endpoint
+from protos.errors import ConnectionLost, CuctxError
+from protos.records import DeviceInfo, ShareDescriptor
+
+T = TypeVar("T")
+
+
+@docs_from(Client)
+class AsyncClient(SessionState):
+    """A session with a cuctxd daemon for asyncio code; arguments as for :class:`~client.client.Client`.
+
+    Nothing is sent until it is opened (``async with``, ``await AsyncClient(...)`` or
+    :meth:`open`). It belongs to the event loop that opened it. Timeouts raise
+    :class:`~protos.errors.DaemonTimeout`; daemon errors are the same typed
+    exceptions as the sync client's.
+    """
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                 name: str | None = None, heartbeat: bool = True) -> None:
+        self.endpoint = client_endpoint(endpoint)
+        self.timeout = timeout
+        self._name = name
+        self._beats = heartbeat
+        self._transport: AsyncTransport | None = None
+        self._heartbeat: AsyncHeartbeat | None = None
+
+    async def open(self) -> AsyncClient:
+        """Say hello (the session starts) and start the heartbeat; once only."""
+        if self._transport is not None:
+            return self
+        self._transport = AsyncTransport(self.endpoint, self.timeout)
+        try:
+            token = self._adopt(await self._run(requests.hello(self._name)))
+        except BaseException:
+            await self._transport.close()
+            raise
+        if self._beats:
+            self._heartbeat = AsyncHeartbeat(self.endpoint, token, self.lease_ttl)
+        return self
+
+    def __await__(self) -> Generator[Any, None, AsyncClient]:
+        return self.open().__await__()
+
+    # --- plumbing -------------------------------------------------------------------
+
+    async def _run(self, operation: Request[T] | Plan[T]) -> T:
+        """Run one request, or every step of a plan, awaiting each."""
+        run = Run(operation)
+        while run.step is not None:
+            run.resume(await self._execute(run.step))
+        return run.value
+
+    async def _execute(self, step: Step) -> Any:
+        if isinstance(step, Batch):
+            outcomes = await asyncio.gather(*(self._execute(request) for request in step.requests),
+                                            return_exceptions=True)
+            raise_first(outcomes)
+            return outcomes
+        if self._transport is None:
+            raise ConnectionLost("the client is not open: use `async with AsyncClient(...)`", step.op)
+        result, frames = await self._transport.call(step.op, step.args, self._token, step.payload,
+                                                    into=step.into, timeout=step.timeout)
+        return step.convert(result, frames)
+
+    def pipeline(self) -> AsyncPipeline:
+        """Start memory ops without awaiting each (``async with client.pipeline() as p:``)."""
+        return AsyncPipeline(self)
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            await self._heartbeat.stop()
+            self._heartbeat = None
+        if self._transport is None:
+            return
+        try:
+            if self._token is not None:  # a daemon that is gone must not hold the caller for long
+                await self._run(requests.goodbye(timeout=min(self.timeout, 2.0)))
+        except CuctxError:
+            pass  # the daemon is gone or already forgot us: nothing left to free
+        finally:
+            self._token = None
+            await self._transport.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- daemon and devices -----------------------------------------------------------
+
+    async def ping(self) -> float:
+        start = time.perf_counter()
+        await self._run(requests.ping())
+        return time.perf_counter() - start
+
+    async def device_count(self) -> int:
+        return await self._run(requests.device_count())
+
+    async def devices(self) -> list[DeviceInfo]:
+        return await self._run(requests.devices())
+
+    async def status(self) -> dict[str, Any]:
+        return await self._run(requests.status())
+
+    async def get_device(self) -> int:
+        return await self._run(requests.get_device())
+
+    async def set_device(self, device: int) -> AsyncContext:
+        return await self._run(requests.set_device(self, AsyncContext, device))
+
+    # --- contexts -------------------------------------------------------------------
+
+    async def current_context(self, device: int | None = None) -> AsyncContext | None:
+        return await self._run(requests.current_context(self, AsyncContext, device))
+
+    async def context_stack(self, device: int | None = None) -> list[AsyncContext]:
+        return await self._run(requests.context_stack(self, AsyncContext, device))
+
+    async def create_context(self, device: int | None = None, flags: int = 0) -> AsyncContext:
+        return await self._run(requests.create_context(self, AsyncContext, device, flags))
+
+    async def push_context(self, context: AsyncContext) -> None:
+        await self._run(requests.push_context(context))
+
+    async def pop_context(self, device: int | None = None) -> AsyncContext:
+        return await self._run(requests.pop_context(self, AsyncContext, device))
+
+    async def destroy_context(self, context: AsyncContext) -> None:
+        await self._run(requests.destroy_context(context))
+
+    async def context_info(self, context: AsyncContext) -> AsyncContext:
+        return await self._run(requests.context_info(self, AsyncContext, context))
+
+    async def synchronize(self, device: int | None = None) -> None:
+        await self._run(requests.synchronize(device))
+
+    async def device_synchronize(self, device: int | None = None) -> None:
+        await self._run(requests.device_synchronize(device))
+
+    # --- memory ---------------------------------------------------------------------
+
+    async def mem_get_info(self, device: int | None = None) -> tuple[int, int]:
+        return await self._run(requests.mem_get_info(device))
+
+    async def memory_info(self, device: int | None = None) -> dict[str, Any]:
+        return await self._run(requests.memory_info(device))
+
+    async def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> AsyncBuffer:
+        return await self._run(requests.alloc(self, AsyncBuffer, size, device, shareable))
+
+    async def free(self, buffer: AsyncBuffer) -> None:
+        await self._run(requests.free(buffer))
+
+    async def fill(self, buffer: AsyncBuffer, value: int = 0, offset: int = 0, size: int | None = None, *,
+                   stream: AsyncStream | None = None) -> None:
+        await self._run(requests.fill(buffer, value, offset, size, stream))
+
+    async def write(self, buffer: AsyncBuffer, data: Any, offset: int = 0, *,
+                    stream: AsyncStream | None = None) -> int:
+        return await self._run(requests.write(buffer, data, offset, stream, self.limits["max_payload_bytes"]))
+
+    async def read(self, buffer: AsyncBuffer, size: int | None = None, offset: int = 0, *,
+                   stream: AsyncStream | None = None) -> bytes:
+        return await self._run(requests.read(buffer, size, offset, stream))
+
+    async def read_into(self, buffer: AsyncBuffer, out: Any, offset: int = 0, *,
+                        stream: AsyncStream | None = None) -> int:
+        return await self._run(requests.read_into(buffer, out, offset, stream))
+
+    async def copy(self, src: AsyncBuffer, dst: AsyncBuffer, size: int | None = None, src_offset: int = 0,
+                   dst_offset: int = 0, *, stream: AsyncStream | None = None) -> int:
+        return await self._run(requests.copy(src, dst, size, src_offset, dst_offset, stream))
+
+    # --- streams and events -----------------------------------------------------------------
+
+    async def create_stream(self, device: int | None = None, *, non_blocking: bool = False) -> AsyncStream:
+        return await self._run(requests.create_stream(self, AsyncStream, device, non_blocking))
+
+    async def create_event(self, device: int | None = None, *, timing: bool = True) -> AsyncEvent:
+        return await self._run(requests.create_event(self, AsyncEvent, device, timing))
+
+    # --- sharing between processes --------------------------------------------------------
+
+    async def export(self, buffer: AsyncBuffer) -> ShareDescriptor:
+        return await self._run(requests.export(buffer))
+
+    async def publish(self, buffer: AsyncBuffer, name: str) -> ShareDescriptor:
+        return await self._run(requests.publish(buffer, name))
+
+    async def unpublish(self, name: str) -> None:
+        await self._run(requests.unpublish(name))
+
+    async def lookup(self, name: str) -> ShareDescriptor:
+        return await self._run(requests.lookup(name))
+
+    async def list_shared(self) -> list[dict[str, Any]]:
+        return await self._run(requests.list_shared())
+
+    async def open_shared(self, share: str | ShareDescriptor) -> AsyncOpenedShare:
+        """Hold a share (by name or descriptor) and map it in this process (mapping is local,
+        synchronous work); ``await share.close()`` or ``async with`` drops the hold."""
+        return await self._run(open_share(self, AsyncOpenedShare, share))
+
+    async def close_shared(self, descriptor: ShareDescriptor) -> None:
+        await self._run(requests.close_shared(descriptor))

@@ -1,0 +1,62 @@
+"""The daemon's log output: human text (default) or one JSON object per line (``log_format = "json"``).
+
+A JSON line carries ``ts`` (ISO 8601, UTC), ``level``, ``logger``, ``thread``
+and ``message``, then every ``extra=`` field the call passed (``session``,
+``op``, ``outcome``, ``latency_ms`` ...), and ``exc`` with the traceback when
+there is one. Everything goes to stderr: systemd's journal picks it up there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"
+
+#: Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record; values JSON cannot hold are written as their ``str()``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "thread": record.threadName,
+            "message": record.getMessage(),
+        }
+        for name, value in vars(record).items():
+            if name not in _STANDARD and not name.startswith("_"):
+                line[name] = value
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exc"] = record.exc_text
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(line, default=str)
+
+
+def setup_logging(level: str, log_format: str, stream: TextIO | None = None) -> None:
+    """Replace the root logger's handlers with one writing ``log_format`` at ``level`` to ``stream``."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def flush_logs() -> None:
+    """Flush every root handler (before an ``os._exit``, which skips logging's own shutdown)."""
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(OSError, ValueError):
+            handler.flush()

@@ -1,0 +1,36 @@
+"""The reliability suite's switches: ``--soak`` (or ``CUCTXD_SOAK=1``) for the long run, and a count of inputs.
+
+In CI the suite is short and deterministic. The soak runs the same tests with
+far more fuzz examples and load operations (see ``strategies.scaled``); the
+option is registered here, so pass it with this directory on the command line
+(``pytest tests/reliability --soak``), or set the environment variable, which
+works from anywhere and also reaches the load test's client processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the reliability suite as a long soak (same as CUCTXD_SOAK=1)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--soak", default=False):
+        os.environ["CUCTXD_SOAK"] = "1"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from tests.reliability.strategies import INPUTS, soak_mode
+
+    if not INPUTS:
+        return
+    mode = "soak" if soak_mode() else "ci"
+    terminalreporter.write_sep("-", f"reliability inputs run ({mode} mode)")
+    for kind, count in sorted(INPUTS.items()):
+        terminalreporter.write_line(f"{kind}: {count}")
+    terminalreporter.write_line(f"total: {sum(INPUTS.values())}")

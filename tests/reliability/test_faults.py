@@ -1,0 +1,285 @@
+"""Faults: clients SIGKILLed mid-transfer, the daemon SIGKILLed and restarted, a session quota run full.
+
+* A client process killed while it moves megabytes leaves a daemon that goes
+  on answering, reaps the session within its lease (``--lease-ttl 1.5``) plus
+  the reaper's period and a margin, and gets all the memory back.
+* A daemon killed with SIGKILL and started again on the same ipc:// endpoint:
+  a client that had a session sees ``DaemonTimeout`` after its own timeout
+  while the daemon is gone (also for a transfer in flight at the kill), and
+  after the restart ``UnknownSession`` for its old token (never
+  ``SessionExpired``: the new daemon never knew it), while its connection
+  recovers by itself and a new ``Client`` works at once.
+* An ``alloc`` past ``--session-quota`` fails with ``CUDA_ERROR_OUT_OF_MEMORY``
+  whose message names the quota; nothing else changes, and the session frees
+  and goes on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+from client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
+from tests.helpers import READY_LINE, REPO, DaemonProcess, remove_tempdir, short_tempdir, start_daemon
+
+MiB = 1 << 20
+LEASE_TTL = 1.5
+#: The reaper looks every min(1 s, ttl/4); the rest is slack for a loaded machine.
+REAP_MARGIN = 2.5
+QUOTA = 16 * MiB
+RESTART_TIMEOUT = 2.0
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def lease_daemon() -> Iterator[DaemonProcess]:
+    process = start_daemon("--sim-devices", "2", "--sim-memory", "128MiB", "--lease-ttl", str(LEASE_TTL),
+                           "--session-quota", "16MiB")
+    yield process
+    code = process.stop()
+    remove_tempdir(process.socket_dir)
+    assert code == 0, f"cuctxd exited with {code}:\n{process.log()[-5000:]}"
+    assert "Traceback" not in process.log()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# --- a client killed mid-transfer ----------------------------------------------------------------------
+
+
+def transfer_forever(endpoint: str, mode: str, ticks: Connection) -> None:
+    """Run in a spawned process until killed: large transfers back to back, a tick after each."""
+    pattern = bytes(range(256)) * (12 * MiB // 256)
+    with Client(endpoint, timeout=30, name=f"victim-{mode}") as client:
+        big = client.alloc(len(pattern), device=0)
+        other = client.alloc(3 * MiB, device=1, shareable=True)
+        client.create_context(device=1)
+        stream = client.create_stream(device=0)
+        big.write(pattern)
+        ticks.send(client.session_id)
+        while True:
+            if mode == "writes":
+                big.write(pattern)  # 12 MiB: pipelined 4 MiB chunks
+            elif mode == "reads":
+                assert big.read() == pattern
+            else:  # many requests in flight at once, on a stream and across devices
+                with client.pipeline() as pipe:
+                    for offset in range(0, len(pattern), 256 * 1024):
+                        pipe.write(big, pattern[offset:offset + 256 * 1024], offset, stream=stream)
+                    pipe.copy(big, other, 3 * MiB)
+            ticks.send(0)
+
+
+def session_ids(observer: Client) -> set[int]:
+    return {s["session"] for s in observer.status()["sessions"]}
+
+
+def device_free(observer: Client) -> list[int]:
+    return [int(observer.memory_info(d)["device_free"]) for d in (0, 1)]
+
+
+@pytest.mark.parametrize("mode", ["writes", "reads", "pipelined"])
+def test_a_client_killed_mid_transfer_is_reaped_and_its_memory_returns(lease_daemon: DaemonProcess,
+                                                                        mode: str) -> None:
+    spawn = multiprocessing.get_context("spawn")
+    with Client(lease_daemon.endpoint, timeout=10, name="observer") as observer:
+        baseline = device_free(observer)
+        parent, child = spawn.Pipe(duplex=False)
+        victim = spawn.Process(target=transfer_forever, args=(lease_daemon.endpoint, mode, child), daemon=True)
+        victim.start()
+        try:
+            assert parent.poll(30), "the victim never got going"
+            victim_id = parent.recv()
+            for _ in range(2):  # two transfers done: the next one is under way
+                assert parent.poll(30), "the victim stopped transferring"
+                parent.recv()
+            assert victim_id in session_ids(observer)
+        finally:
+            victim.kill()
+            victim.join(10)
+            killed_at = time.monotonic()
+            parent.close()
+            child.close()
+        assert victim.exitcode == -9
+        assert observer.ping() > 0, "the daemon stopped answering after a client was killed"
+        assert wait_until(lambda: victim_id not in session_ids(observer), LEASE_TTL + REAP_MARGIN), (
+            f"the killed client's session was not reaped within {LEASE_TTL + REAP_MARGIN} s")
+        reaped_after = time.monotonic() - killed_at
+        assert reaped_after > LEASE_TTL * 0.5, "reaped long before its lease could have run out"
+        assert wait_until(lambda: device_free(observer) == baseline, 5.0), (
+            f"memory did not come back: {device_free(observer)} free, {baseline} before")
+        for device in observer.status()["devices"]:
+            assert {s["session"] for s in device["sessions"]} <= {observer.session_id}, device["sessions"]
+            assert [c for c in device["contexts"] if not c["is_primary"]] == [], device["contexts"]
+        assert f"session {victim_id} " in lease_daemon.log() and "reaped" in lease_daemon.log()
+
+
+# --- the daemon killed and restarted -----------------------------------------------------------------------
+
+
+def start_daemon_at(endpoint: str, *extra: str, ready_timeout: float = 30.0) -> DaemonProcess:
+    """Like ``tests.helpers.start_daemon``, but on a given endpoint (so that a restart can reuse it)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "daemon", "--endpoint", endpoint, "--backend", "sim", "--sim-devices", "2",
+         "--sim-memory", "64MiB", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+    )
+    daemon = DaemonProcess(process, endpoint, Path(endpoint[len("ipc://"):]).parent)
+    ready = threading.Event()
+
+    def pump_stdout() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if READY_LINE in line:
+                ready.set()
+
+    def pump_stderr() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            daemon.stderr_lines.append(line)
+
+    daemon.pumps = [threading.Thread(target=pump_stdout, daemon=True),
+                    threading.Thread(target=pump_stderr, daemon=True)]
+    for pump in daemon.pumps:
+        pump.start()
+    if not ready.wait(ready_timeout):
+        process.kill()
+        process.wait()
+        daemon.close_pipes()
+        raise AssertionError(f"cuctxd did not become ready in {ready_timeout} s:\n{daemon.log()}")
+    return daemon
+
+
+def kill(daemon: DaemonProcess) -> None:
+    if daemon.process.poll() is None:
+        daemon.process.kill()
+    daemon.process.wait(10)
+    daemon.close_pipes()
+
+
+def test_a_daemon_killed_and_restarted_on_the_same_endpoint() -> None:
+    socket_dir = short_tempdir()
+    endpoint = f"ipc://{socket_dir}/d.sock"
+    first = start_daemon_at(endpoint)
+    second: DaemonProcess | None = None
+    old = Client(endpoint, timeout=RESTART_TIMEOUT, name="survivor")
+    try:
+        buffer = old.alloc(16 * MiB)
+        buffer.write(b"\x5a" * buffer.size)
+        in_flight: list[BaseException] = []
+
+        def transfer() -> None:
+            try:
+                while True:
+                    buffer.write(b"\xa5" * buffer.size)  # pipelined chunks, one after another
+            except BaseException as exc:
+                in_flight.append(exc)
+
+        mover = threading.Thread(target=transfer, name="transfer-at-the-kill")
+        mover.start()
+        time.sleep(0.2)  # let a few transfers run: the kill must land in the middle of one
+        kill(first)
+        mover.join(RESTART_TIMEOUT + 5)
+        assert not mover.is_alive(), "a transfer in flight at the kill hung past the client's timeout"
+        assert len(in_flight) == 1 and isinstance(in_flight[0], DaemonTimeout), in_flight
+
+        started = time.monotonic()
+        with pytest.raises(DaemonTimeout) as gone:
+            old.alloc(4096)
+        waited = time.monotonic() - started
+        assert gone.value.name == "CUCTXD_TIMEOUT" and gone.value.op == "alloc"
+        assert RESTART_TIMEOUT - 0.05 <= waited < RESTART_TIMEOUT + 2.0
+
+        second = start_daemon_at(endpoint)  # clears the dead daemon's socket file
+        assert wait_until(lambda: _answers(old), 10.0), "the old client's connection did not come back"
+        with pytest.raises(UnknownSession) as unknown:
+            buffer.read(16)
+        assert not isinstance(unknown.value, SessionExpired)
+        assert unknown.value.name == "CUCTXD_ERROR_UNKNOWN_SESSION" and unknown.value.code == 10005
+        with pytest.raises(UnknownSession):
+            old.alloc(4096)
+
+        with Client(endpoint, timeout=5, name="after-restart") as fresh:
+            assert fresh.session_id == 1, "the restarted daemon numbers its sessions afresh"
+            renewed = fresh.alloc(MiB)
+            renewed.write(b"\x42" * MiB)
+            assert renewed.read() == b"\x42" * MiB
+            assert {s["session"] for s in fresh.status()["sessions"]} == {fresh.session_id}
+    finally:
+        old.close()
+        kill(first)
+        if second is not None:
+            assert second.stop() == 0, second.log()
+        remove_tempdir(socket_dir)
+
+
+def _answers(client: Client) -> bool:
+    try:
+        client.ping()
+    except DaemonTimeout:
+        return False
+    return True
+
+
+# --- a full quota ----------------------------------------------------------------------------------------
+
+
+def usage(client: Client, device: int) -> tuple[int, int]:
+    for dev in client.status()["devices"]:
+        for entry in dev["sessions"]:
+            if dev["device"] == device and entry["session"] == client.session_id:
+                return entry["allocations"], entry["bytes"]
+    return 0, 0
+
+
+def test_a_full_quota_is_out_of_memory_naming_the_quota_and_the_session_goes_on(lease_daemon: DaemonProcess) -> None:
+    with Client(lease_daemon.endpoint, timeout=10) as client, Client(lease_daemon.endpoint, timeout=10) as other:
+        half = client.alloc(QUOTA // 2)
+        quarter = client.alloc(QUOTA // 4, shareable=True)
+        rest = client.alloc(QUOTA - half.size - quarter.size)
+        half.fill(7)
+        assert usage(client, 0) == (3, QUOTA)
+        info = client.memory_info(0)
+        assert (info["free"], info["limited_by"], info["quota"]) == (0, "quota", QUOTA)
+
+        for size, shareable in ((1, False), (4096, True), (QUOTA, False)):
+            with pytest.raises(CudaError) as full:
+                client.alloc(size, shareable=shareable)
+            assert (full.value.name, full.value.code) == ("CUDA_ERROR_OUT_OF_MEMORY", 2)
+            assert "quota" in full.value.message and str(QUOTA) in full.value.message, full.value.message
+        assert usage(client, 0) == (3, QUOTA), "a refused alloc changed the session's accounting"
+
+        created = client.create_context(device=0)  # a context of its own does not escape the quota
+        with pytest.raises(CudaError, match="quota"):
+            client.alloc(1)
+        created.destroy()
+
+        assert other.alloc(QUOTA // 2, device=0).size == QUOTA // 2, "the quota is per session"
+        assert client.alloc(QUOTA, device=1).size == QUOTA, "the quota is per device"
+
+        rest.free()
+        again = client.alloc(rest.size)
+        again.write(b"\x33" * again.size)
+        assert again.read(8, offset=again.size - 8) == b"\x33" * 8
+        assert half.read(4) == b"\x07" * 4
+        quarter.free()
+        client.alloc(quarter.size).fill(1)
+        assert usage(client, 0) == (3, QUOTA)

@@ -1,0 +1,450 @@
+"""Fuzz the daemon's front door: nothing a client sends may stop it, hang it, or touch another session.
+
+One real sim daemon (2 devices of 64 MiB, a 64 KiB payload limit, so no input
+can make it hold much memory) serves the module. A *bystander* session, set up
+once, owns buffers with known bytes on both devices, a created context on its
+stack, a stream, an event and a published share; a *probe* session on the
+fuzzing connection never binds anything. The inputs: random bytes as header
+frames, multipart messages of 1..5 random frames (a DEALER cannot send 0),
+random msgpack values as headers, and requests built from ``protos.schema.OPS``
+with mutated fields (strategies.py). For every input:
+
+* exactly one reply comes, within :data:`REPLY_DEADLINE` (a sentinel round after
+  each example catches extra or late replies);
+* its shape is valid, with the id and envelope error the oracle predicts
+  (``strategies.expect``), and never ``CUCTXD_ERROR_INTERNAL``;
+* a request naming the bystander's handles, or handles never issued, fails.
+
+After every example the daemon answers ``ping`` and the probe's stacks are
+still empty; every :data:`CHECK_EVERY` examples and after each test the
+bystander's bytes, stacks, share and accounting are unchanged. The last test
+checks that the fuzz sessions left nothing behind. CI draws a few hundred
+examples per test, derandomized; ``CUCTXD_SOAK=1`` (or ``--soak``) draws 50x
+as many at random (``CUCTXD_SOAK_FACTOR`` changes the factor).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from client import Buffer, Client, Event, Stream
+from protos.schema import OPS
+from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+from tests.helpers_raw import RawPeer
+from tests.reliability.strategies import (
+    BUFFER_SIZE,
+    HANDLE_ROLES,
+    INPUTS,
+    OP_ARGS,
+    Expected,
+    RequestPlan,
+    World,
+    expect_frames,
+    fuzz_settings,
+    garbage_headers,
+    header_like,
+    msgpack_values,
+    pack,
+    payload_junk,
+    request_plans,
+    shape_problem,
+    soak_mode,
+)
+
+MAX_PAYLOAD = 64 * 1024
+DEVICES = 2
+#: Seconds any reply may take; the sim answers these inputs in well under a millisecond.
+REPLY_DEADLINE = 5.0
+#: Examples between full checks of the bystander.
+CHECK_EVERY = 25
+SHARE_NAME = "bystander-weights"
+
+pytestmark = pytest.mark.timeout(0 if soak_mode() else 120)
+
+
+@pytest.fixture(scope="module")
+def fuzz_daemon() -> Iterator[DaemonProcess]:
+    process = start_daemon("--sim-devices", str(DEVICES), "--sim-memory", "64MiB", "--max-payload", str(MAX_PAYLOAD),
+                           "--lease-ttl", "30")
+    yield process
+    code = process.stop()
+    remove_tempdir(process.socket_dir)
+    log = process.log()
+    assert code == 0, f"cuctxd exited with {code}:\n{log[-5000:]}"
+    assert "Traceback" not in log, f"the daemon logged a traceback:\n{log[log.index('Traceback') - 2000:][:6000]}"
+
+
+# --- the bystander ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Bystander:
+    """A session the fuzz must never affect; :meth:`check` proves it was not."""
+
+    client: Client
+    buffers: list[tuple[Buffer, bytes]]
+    stacks: dict[int, list[int]]
+    handles: dict[str, list[tuple[int, int]]]
+    stream: Stream
+    event: Event
+    share_id: str
+    usage: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
+    device_free: list[int] = field(default_factory=list)
+
+    def foreign_values(self) -> set[int]:
+        return {handle for kind in self.handles.values() for handle, _ in kind}
+
+    def _usage(self) -> dict[int, tuple[int, int, int, int]]:
+        found = {}
+        for device in self.client.status()["devices"]:
+            for entry in device["sessions"]:
+                if entry["session"] == self.client.session_id:
+                    found[device["device"]] = (entry["contexts"], entry["stack_depth"], entry["allocations"],
+                                               entry["bytes"])
+        return found
+
+    def check(self) -> None:
+        INPUTS["fuzz: bystander checks"] += 1
+        assert self.client.ping() > 0
+        for buffer, data in self.buffers:
+            assert buffer.read() == data, f"the bystander's buffer on device {buffer.device} changed"
+        for device, stack in self.stacks.items():
+            assert [c.handle for c in self.client.context_stack(device)] == stack, \
+                f"the bystander's context stack on device {device} changed"
+        assert self.client.get_device() == 1
+        assert self.client.lookup(SHARE_NAME).share_id == self.share_id
+        assert isinstance(self.stream.query(), bool) and isinstance(self.event.query(), bool)
+        assert self._usage() == self.usage, "the bystander's contexts, stacks or allocations changed"
+
+
+@pytest.fixture(scope="module")
+def bystander(fuzz_daemon: DaemonProcess) -> Iterator[Bystander]:
+    rng = random.Random(20240601)
+    with Client(fuzz_daemon.endpoint, timeout=10, name="bystander") as client:
+        on_one = client.alloc(64 * 1024, device=1)
+        context = client.create_context(device=0)
+        on_zero = client.alloc(32 * 1024, device=0)
+        shared = client.alloc(BUFFER_SIZE, device=1, shareable=True)
+        stream, event = client.create_stream(device=0), client.create_event(device=0)
+        buffers = []
+        for buffer in (on_one, on_zero, shared):
+            data = rng.randbytes(buffer.size)
+            buffer.write(data)
+            buffers.append((buffer, data))
+        share = client.publish(shared, SHARE_NAME)
+        primary = client.set_device(1)
+        event.record(stream)
+        who = Bystander(
+            client, buffers, {0: [context.handle], 1: [primary.handle]},
+            {"buffer": [(b.handle, b.device) for b in (on_one, on_zero, shared)],
+             "context": [(context.handle, 0), (primary.handle, 1)],
+             "stream": [(stream.handle, 0)], "event": [(event.handle, 0)]},
+            stream, event, share.share_id,
+        )
+        who.usage = who._usage()
+        who.device_free = [int(client.memory_info(d)["device_free"]) for d in range(DEVICES)]
+        who.check()
+        yield who
+
+
+# --- the fuzzing connection ------------------------------------------------------------------------
+
+
+def _short(frames: Sequence[bytes]) -> str:
+    return ", ".join(f"{len(f)} bytes {f[:80]!r}" for f in frames)
+
+
+class Harness:
+    """The fuzzing DEALER, the probe session on it, and what the oracle knows (one per module)."""
+
+    def __init__(self, endpoint: str, bystander: Bystander) -> None:
+        self.peer = RawPeer(endpoint)
+        self.probe = self.peer.hello()
+        self.world = World(DEVICES, MAX_PAYLOAD, {self.probe: 0})
+        self.bystander = bystander
+        self.examples = 0
+
+    def roundtrip(self, frames: Sequence[bytes], expected: Expected, kind: str) -> tuple[dict[str, Any], list[bytes]]:
+        """Send one input; its one reply must come in time, be well formed and match the oracle."""
+        INPUTS[kind] += 1
+        self.peer.send_frames(frames)
+        try:
+            header, payload = self.peer.recv(REPLY_DEADLINE)
+        except AssertionError:
+            raise AssertionError(f"no reply within {REPLY_DEADLINE} s to: {_short(frames)}") from None
+        problem = shape_problem(header, payload, expected)
+        assert problem is None, f"{problem}\n  request: {_short(frames)}"
+        if expected.error is not None:
+            assert header["ok"] is False and header["error"]["name"] == expected.error, (
+                f"expected {expected.error}, got {header}\n  request: {_short(frames)}")
+        if header["ok"] and expected.spec is not None and expected.spec.name == "hello":
+            self.peer.ok("goodbye", {}, header["result"]["session"])  # a session the fuzz opened by chance
+        return header, payload
+
+    def after_example(self) -> None:
+        """Nothing else is queued for us, the daemon answers ping, the probe is untouched."""
+        stacks = {self.peer.send("context_stack", {"device": d}, self.probe): d for d in range(DEVICES)}
+        waiting = {*stacks, self.peer.send("ping")}
+        while waiting:
+            header, _ = self.peer.recv(REPLY_DEADLINE)
+            assert header.get("id") in waiting, f"a reply no request was waiting for: {header!r}"
+            waiting.discard(header["id"])
+            assert header["ok"] is True, header
+            if header["id"] in stacks:
+                assert header["result"]["stack"] == [], "the probe's context stack changed"
+        self.examples += 1
+        if self.examples % CHECK_EVERY == 0:
+            self.bystander.check()
+
+    def call(self, op: str, args: dict[str, Any], token: str) -> dict[str, Any]:
+        return self.peer.ok(op, args, token)[0]
+
+    def release_orphans(self) -> None:
+        """Free shares whose fuzz owner ended while they were published: open and close them once."""
+        for entry in self.call("list_shared", {}, self.probe)["shared"]:
+            if entry["owner"] != self.bystander.client.session_id and not entry["owner_present"]:
+                where = {"share_id": entry["share_id"], "device": entry["device"]}
+                self.call("open_shared", where, self.probe)
+                self.call("close_shared", where, self.probe)
+
+
+@pytest.fixture(scope="module")
+def harness(fuzz_daemon: DaemonProcess, bystander: Bystander) -> Iterator[Harness]:
+    fuzzer = Harness(fuzz_daemon.endpoint, bystander)
+    yield fuzzer
+    fuzzer.peer.close()
+
+
+# --- a fuzz session: one per example of mutated requests ----------------------------------------------
+
+
+class FuzzSession:
+    """A session on the fuzzing connection with objects to aim at; resolves plans into frames."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.h = harness
+        self.token = harness.peer.hello()
+        harness.world.current_device[self.token] = 0
+        self.own: dict[str, list[tuple[int, int]]] = {role: [] for role in HANDLE_ROLES}
+        self.shares: list[tuple[str, int]] = []
+        self.names: list[str] = []
+        call = self._call
+        pool = call("alloc", {"size": BUFFER_SIZE, "device": 0})["buffer"]
+        shareable = call("alloc", {"size": BUFFER_SIZE, "device": 1, "shareable": True})["buffer"]
+        self.own["buffer"] += [(pool["handle"], 0), (shareable["handle"], 1)]
+        self.shares.append((call("export", {"buffer": shareable["handle"], "device": 1})["share"]["share_id"], 1))
+        self.own["stream"].append((call("create_stream", {"device": 0})["stream"], 0))
+        self.own["event"].append((call("create_event", {"device": 0})["event"], 0))
+        self.own["context"].append((call("create_context", {"device": 0})["context"]["handle"], 0))
+
+    def _call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        return self.h.call(op, args, self.token)
+
+    @property
+    def alive(self) -> bool:
+        return self.token in self.h.world.current_device
+
+    def issued(self) -> set[int]:
+        return {handle for kind in self.own.values() for handle, _ in kind}
+
+    # resolving abstract choices -------------------------------------------------------------------
+
+    def _value(self, role: str, choice: Any, devices: list[int]) -> Any:
+        bystander = self.h.bystander
+        if role in HANDLE_ROLES:
+            pool = {"own": self.own[role], "foreign": bystander.handles[role]}.get(choice[0])
+            if pool is None:
+                return choice[1]
+            handle, device = pool[choice[1] % len(pool)] if pool else (choice[1] + 1, 0)
+            devices.append(device)
+            return handle
+        if role == "device":
+            if choice[0] == "match":
+                return devices[0] if devices else self.h.world.current_device.get(self.token, 0)
+            return choice[1]
+        if role == "share_id":
+            if choice[0] == "own_share":
+                return self.shares[choice[1] % len(self.shares)][0] if self.shares else "0" * 32
+            return bystander.share_id if choice[0] == "foreign_share" else choice[1]
+        if role == "share_name":
+            if choice[0] == "own_name":
+                return self.names[choice[1] % len(self.names)] if self.names else f"fz-{choice[1]}"
+            return SHARE_NAME if choice[0] == "foreign_name" else choice[1]
+        return choice
+
+    def _args(self, op: str, plan: tuple[Any, ...]) -> tuple[bool, Any]:
+        """(present, value) of the header's ``args``."""
+        if plan[0] == "absent":
+            return False, None
+        if plan[0] in ("nil", "raw"):
+            return True, plan[1] if plan[0] == "raw" else None
+        _, choices, extras = plan
+        args: dict[Any, Any] = {}
+        devices: list[int] = []
+        ordered = sorted(OP_ARGS[op].args, key=lambda a: a.role == "device")  # handles first, for "match"
+        for arg in ordered:
+            kind, *rest = choices[arg.name]
+            if kind == "omit":
+                continue
+            args[arg.name] = None if kind == "nil" else rest[0] if kind == "raw" else \
+                self._value(arg.role, rest[0], devices)
+        for key, value in extras:
+            args[key] = value
+        return True, args
+
+    def frames(self, plan: RequestPlan) -> list[bytes]:
+        header: dict[str, Any] = {}
+        if plan.id[0] != "absent":
+            header["id"] = self.h.peer.next_id() if plan.id[0] == "fresh" else plan.id[1]
+        if plan.op != ("absent",):
+            header["op"] = plan.op if isinstance(plan.op, str) else plan.op[1]
+        kind, *value = plan.session
+        if kind != "absent":
+            header["session"] = self.token if kind == "own" else None if kind == "nil" else value[0]
+        present, args = self._args(plan.args_op, plan.args)
+        if present:
+            header["args"] = args
+        count, sizes = plan.frames
+        spec = OPS.get(header.get("op")) if isinstance(header.get("op"), str) else None
+        if count == "expected":
+            count = 1 if spec is not None and spec.payload_in else 0
+        lengths = [{"max": MAX_PAYLOAD, "max+1": MAX_PAYLOAD + 1}.get(s, s) for s in sizes[:count]]
+        return [pack(header), *(bytes([n % 251]) * n for n in lengths)]
+
+    # running a plan ----------------------------------------------------------------------------------
+
+    def run(self, plan: RequestPlan) -> None:
+        frames = self.frames(plan)
+        expected = expect_frames(frames, self.h.world)
+        header, payload = self.h.roundtrip(frames, expected, "fuzz: mutated requests")
+        if expected.error is None:
+            INPUTS["fuzz: mutated requests that reached their op"] += 1
+            INPUTS["fuzz: mutated requests that succeeded"] += bool(header["ok"])
+            self._after(expected, header, payload, frames)
+
+    def _after(self, expected: Expected, header: dict[str, Any], payload: list[bytes], frames: list[bytes]) -> None:
+        spec, args, ok = expected.spec, expected.args or {}, header["ok"]
+        assert spec is not None
+        name = spec.name
+        what = f"{name} {args!r} -> {header!r}"
+        world = self.h.world
+        named = [args[a.name] for a in OP_ARGS[name].args if a.role in HANDLE_ROLES and args.get(a.name) is not None]
+        if any(h in self.h.bystander.foreign_values() for h in named):
+            assert not ok, f"a request naming the bystander's handle succeeded: {what}"
+        if any(h not in self.issued() and h not in self.h.bystander.foreign_values() for h in named):
+            assert not ok, f"a request naming a handle the daemon never issued succeeded: {what}"
+        if name == "set_device":
+            world.current_device[expected.session] = expected.device  # type: ignore[index,assignment]
+        if name in ("ping", "device_count", "devices", "get_device", "heartbeat", "list_shared", "status",
+                    "goodbye", "context_stack", "current_context", "device_synchronize"):
+            assert ok, f"{name} cannot fail here: {what}"
+        if name == "hello":
+            assert ok == (args.get("protocol") == 1), what
+        if name == "get_device":
+            assert header["result"]["device"] == world.current_device[expected.session]  # type: ignore[index]
+        if name == "device_count":
+            assert header["result"]["count"] == DEVICES
+        if name == "unpublish" and args.get("name") == SHARE_NAME:
+            assert header.get("error", {}).get("name") == "CUCTXD_ERROR_NOT_OWNER", what
+        if name == "lookup" and args.get("name") == SHARE_NAME:
+            assert ok and header["result"]["share"]["share_id"] == self.h.bystander.share_id, what
+        if ok and spec.payload_out:
+            assert len(payload) == 1 and len(payload[0]) == header["result"]["size"], what
+        elif ok:
+            assert payload == [], what
+        if ok and name == "write":
+            assert header["result"]["size"] == len(frames[1]), what
+        if not ok:
+            return
+        result, device = header["result"], expected.device
+        if name == "goodbye":
+            world.current_device.pop(expected.session, None)  # type: ignore[arg-type]
+        elif name == "alloc":
+            assert result["buffer"]["device"] == device and result["buffer"]["size"] == args["size"], what
+            self.own["buffer"].append((result["buffer"]["handle"], device))  # type: ignore[arg-type]
+        elif name in ("create_context", "set_device"):
+            self.own["context"].append((result["context"]["handle"], device))  # type: ignore[arg-type]
+        elif name in ("create_stream", "create_event"):
+            role = name.removeprefix("create_")
+            self.own[role].append((result[role], device))  # type: ignore[arg-type]
+        elif name in ("export", "publish"):
+            self.shares.append((result["share"]["share_id"], device))  # type: ignore[arg-type]
+            if name == "publish":
+                self.names.append(args["name"])
+
+    def close(self) -> None:
+        """Unpublish, goodbye, free any published share left behind, and check nothing else is queued."""
+        if self.alive:
+            for name in self.names:
+                header, _ = self.h.peer.call("unpublish", {"name": name}, self.token)
+                assert header["ok"] or header["error"]["name"] == "CUCTXD_ERROR_NOT_FOUND", header
+            assert self._call("goodbye", {}) == {}
+            self.h.world.current_device.pop(self.token)
+        self.h.release_orphans()
+        self.h.after_example()
+
+
+# --- the tests -------------------------------------------------------------------------------------
+
+
+def test_random_header_frames_and_multipart_messages(harness: Harness) -> None:
+    @fuzz_settings(400)
+    @given(header=garbage_headers, payload=st.lists(payload_junk, max_size=4))
+    def one_message(header: bytes, payload: list[bytes]) -> None:
+        frames = [header, *payload]
+        harness.roundtrip(frames, expect_frames(frames, harness.world), "fuzz: random frames")
+        harness.after_example()
+
+    one_message()
+    harness.bystander.check()
+
+
+def test_random_msgpack_values_as_headers(harness: Harness) -> None:
+    @fuzz_settings(400)
+    @given(value=st.one_of(msgpack_values, header_like, header_like), payload=st.lists(payload_junk, max_size=2))
+    def one_header(value: Any, payload: list[bytes]) -> None:
+        frames = [pack(value), *payload]
+        harness.roundtrip(frames, expect_frames(frames, harness.world), "fuzz: msgpack headers")
+        harness.after_example()
+
+    one_header()
+    harness.bystander.check()
+
+
+def test_mutated_requests_of_every_op(harness: Harness) -> None:
+    @fuzz_settings(1200)
+    @given(plans=st.lists(request_plans, min_size=1, max_size=8))
+    def one_session(plans: list[RequestPlan]) -> None:
+        session = FuzzSession(harness)
+        try:
+            for plan in plans:
+                session.run(plan)
+        finally:
+            session.close()
+
+    one_session()
+    harness.bystander.check()
+
+
+def test_after_the_fuzz_only_the_bystanders_state_is_left(harness: Harness) -> None:
+    """Last in the module: every fuzz session's memory, contexts and shares are gone."""
+    bystander = harness.bystander
+    bystander.check()
+    mine = bystander.client.session_id
+    status = bystander.client.status()
+    for device in status["devices"]:
+        leftovers = [s for s in device["sessions"] if s["session"] != mine and (s["allocations"] or s["bytes"]
+                                                                                  or s["holds"])]
+        assert leftovers == [], f"device {device['device']}: fuzz sessions left {leftovers}"
+        assert not any(c["orphaned"] for c in device["contexts"]), device["contexts"]
+        assert [s["owner"] for s in device["shares"]] == ([mine] if device["device"] == 1 else [])
+    assert [s["name"] for s in bystander.client.list_shared()] == [SHARE_NAME]
+    free = [int(bystander.client.memory_info(d)["device_free"]) for d in range(DEVICES)]
+    assert free == bystander.device_free, "device memory did not come back after the fuzz sessions ended"

@@ -1,0 +1,184 @@
+"""The daemon's configuration: the TOML file, flags over the file, checks naming the key, --print-config."""
+
+from __future__ import annotations
+
+import grp
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from daemon.cli import parse_config
+from daemon.config import ConfigError, DaemonConfig, check_config, format_size, parse_size
+from daemon.config_file import KEYS, load_file, render_toml
+
+MiB = 1 << 20
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cuctxd.toml"
+    path.write_text(text)
+    return path
+
+
+def config_from(tmp_path: Path, text: str, *flags: str) -> DaemonConfig:
+    config, _ = parse_config(["--config", str(write(tmp_path, text)), *flags])
+    return config
+
+
+def test_every_key_is_read_from_the_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "server.key_secret"
+    key_file.write_text("")
+    allow = tmp_path / "allowed"
+    allow.mkdir()
+    group = grp.getgrgid(os.getgid()).gr_name
+    config = config_from(tmp_path, f"""
+        endpoints = ["ipc:///tmp/x/a.sock", "tcp://127.0.0.1:5555"]
+        backend = "sim"
+        sim_devices = 3
+        sim_memory = "8GiB"
+        devices = [2, 0]
+        max_payload = 4096
+        lease_ttl = 2.5
+        session_quota = "512MiB"
+        device_reserve = "1GiB"
+        drain_timeout = 3
+        log_level = "debug"
+        log_format = "json"
+        metrics_port = 9400
+        metrics_host = "0.0.0.0"
+        group = "{group}"
+        insecure_tcp = true
+        server_key = "{key_file}"
+        allow_dir = "{allow}"
+        max_sessions_per_peer = 4
+        max_objects_per_session = 1000
+    """)
+    assert config == DaemonConfig(
+        endpoints=("ipc:///tmp/x/a.sock", "tcp://127.0.0.1:5555"), backend="sim", sim_devices=3,
+        sim_memory=8 << 30, devices=(2, 0), max_payload=4096, lease_ttl=2.5, session_quota=512 * MiB,
+        device_reserve=1 << 30, drain_timeout=3.0, log_level="DEBUG", log_format="json", metrics_port=9400,
+        metrics_host="0.0.0.0", group=group, insecure_tcp=True, server_key=str(key_file), allow_dir=str(allow),
+        max_sessions_per_peer=4, max_objects_per_session=1000,
+    )
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    config = config_from(tmp_path, 'sim_devices = 3\nlog_format = "json"\nendpoints = ["ipc:///tmp/x/f.sock"]\n',
+                         "--sim-devices", "1", "--endpoint", "ipc:///tmp/x/flag.sock")
+    assert config.sim_devices == 1
+    assert config.endpoints == ("ipc:///tmp/x/flag.sock",)
+    assert config.log_format == "json"  # not given as a flag: the file's value stays
+
+
+def test_a_flag_can_turn_a_file_boolean_off(tmp_path: Path) -> None:
+    text = 'insecure_tcp = true\nendpoints = ["tcp://127.0.0.1:5555"]\n'
+    assert config_from(tmp_path, text).insecure_tcp is True
+    with pytest.raises(SystemExit) as exit_info:
+        config_from(tmp_path, text, "--no-insecure-tcp")  # then tcp:// has no protection: refused
+    assert exit_info.value.code == 2
+
+
+def test_defaults_without_a_file() -> None:
+    config, print_config = parse_config(["--endpoint", "ipc:///tmp/x/d.sock"])
+    assert not print_config
+    assert config == DaemonConfig(endpoints=("ipc:///tmp/x/d.sock",))
+
+
+@pytest.mark.parametrize(("text", "key", "says"), [
+    ("sim_memroy = '1GiB'", "sim_memroy", "did you mean 'sim_memory'"),
+    ("frobnicate = 1", "frobnicate", "unknown key"),
+    ("sim_devices = '2'", "sim_devices", "must be an integer"),
+    ("sim_devices = true", "sim_devices", "must be an integer"),
+    ("sim_devices = 99", "sim_devices", "0..16"),
+    ("sim_memory = 'lots'", "sim_memory", "not a size"),
+    ("sim_memory = 1.5", "sim_memory", "not a size"),
+    ("max_payload = 0", "max_payload", "at least 1"),
+    ("session_quota = -1", "session_quota", "negative"),
+    ("lease_ttl = 0", "lease_ttl", "positive"),
+    ("lease_ttl = 'soon'", "lease_ttl", "number of seconds"),
+    ("drain_timeout = -1", "drain_timeout", "positive"),
+    ("log_format = 'xml'", "log_format", "text, json"),
+    ("log_level = 'LOUD'", "log_level", "DEBUG"),
+    ("backend = 'opencl'", "backend", "auto, cuda, sim"),
+    ("endpoints = 'ipc:///tmp/x'", "endpoints", "array"),
+    ("endpoints = []", "endpoints", "non-empty"),
+    ("endpoints = ['http://x']", "endpoints", "not an ipc:// or tcp://"),
+    ("devices = [0, 0]", "devices", "twice"),
+    ("devices = [-1]", "devices", ">= 0"),
+    ("metrics_port = 70000", "metrics_port", "0..65535"),
+    ("insecure_tcp = 'yes'", "insecure_tcp", "true or false"),
+    ("group = 'no-such-group-cuctxd'", "group", "no such group"),
+    ("server_key = '/nonexistent/key'", "server_key", "not a readable file"),
+    ("allow_dir = '/nonexistent/dir'", "allow_dir", "not a directory"),
+    ("max_objects_per_session = -3", "max_objects_per_session", ">= 0"),
+    ("[metrics]\nport = 1", "metrics", "unknown key"),
+])
+def test_a_bad_value_names_its_key(tmp_path: Path, text: str, key: str, says: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as error:
+        load_file(path)
+    assert error.value.key == key
+    assert f"'{key}'" in str(error.value)
+    assert str(path) in str(error.value)
+    assert says in str(error.value)
+
+
+def test_not_toml_and_no_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_file(write(tmp_path, "sim_devices = = 2"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_file(tmp_path / "absent.toml")
+
+
+def test_a_bad_file_exits_2_with_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        config_from(tmp_path, "sim_memory = 'lots'")
+    assert exit_info.value.code == 2
+    assert "cuctxd: configuration key 'sim_memory'" in capsys.readouterr().err
+
+
+def test_a_bad_flag_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--lease-ttl", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lease-ttl" in err
+    assert "positive" in err
+
+
+def test_tcp_needs_a_server_key_or_insecure_tcp() -> None:
+    plain = DaemonConfig(endpoints=("ipc:///tmp/x/a.sock", "tcp://127.0.0.1:5555"))
+    with pytest.raises(ConfigError) as error:
+        check_config(plain)
+    assert error.value.key == "endpoints"
+    assert "insecure_tcp" in str(error.value) and "server_key" in str(error.value)
+    check_config(DaemonConfig(endpoints=plain.endpoints, insecure_tcp=True))
+    check_config(DaemonConfig(endpoints=plain.endpoints, server_key="/etc/cuctxd/server.key_secret"))
+    check_config(DaemonConfig(endpoints=("ipc:///tmp/x/a.sock",)))
+
+
+def test_print_config_reads_back_to_the_same_configuration(tmp_path: Path) -> None:
+    config = config_from(tmp_path, 'sim_memory = "96MiB"\ndevices = [1]\nlease_ttl = 0.25\nmax_payload = 1000\n'
+                         'endpoints = ["ipc:///tmp/x/q\\"uote.sock"]\n', "--log-format", "json")
+    text = render_toml(config)
+    assert 'sim_memory = "96MiB"' in text
+    assert "max_payload = 1000" in text
+    assert "# server_key is not set" in text
+    assert set(tomllib.loads(text)) == set(KEYS) - {"group", "server_key", "allow_dir"}
+    again = config_from(tmp_path, text)
+    assert again == config
+
+
+def test_print_config_flag() -> None:
+    config, print_config = parse_config(["--print-config", "--sim-devices", "4"])
+    assert print_config
+    assert "sim_devices = 4" in render_toml(config)
+
+
+@pytest.mark.parametrize(("size", "text"), [(0, 0), (1000, 1000), (1 << 30, "1GiB"), (3 << 20, "3MiB"),
+                                            ((1 << 30) + 1, (1 << 30) + 1), (1536 << 20, "1536MiB")])
+def test_sizes_render_and_parse_back(size: int, text: str | int) -> None:
+    assert format_size(size) == text
+    assert parse_size(text) == size
