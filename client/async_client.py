@@ -59,14 +59,16 @@ class AsyncClient(SessionState):
         self._heartbeat: AsyncHeartbeat | None = None
 
     async def open(self) -> AsyncClient:
-        """Say hello (the session starts) and start the heartbeat; once only."""
+        """Say hello (the session starts) and start the heartbeat; does nothing once open.
+        Raises :class:`~protos.errors.DaemonTimeout` when no daemon answers within ``timeout``."""
         if self._transport is not None:
             return self
-        self._transport = AsyncTransport(self.endpoint, self.timeout)
+        transport = self._transport = AsyncTransport(self.endpoint, self.timeout)
         try:
             token = self._adopt(await self._run(requests.hello(self._name)))
         except BaseException:
-            await self._transport.close()
+            self._transport = None  # not open: a later open() may try again
+            await transport.close()
             raise
         if self._beats:
             self._heartbeat = AsyncHeartbeat(self.endpoint, token, self.lease_ttl)

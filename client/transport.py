@@ -4,7 +4,9 @@ Requests may be sent without waiting (:meth:`Transport.send` returns a
 :class:`Call`); replies are matched to calls by id as they arrive, in any
 order. A lock serialises socket use, since a ZeroMQ socket belongs to one thread
 at a time. Replies to calls that already timed out are discarded, so a timeout
-never makes a later call read someone else's answer.
+never makes a later call read someone else's answer. Matching a reply to its
+call and reading its frames (:func:`match_reply`, :func:`read_payload`) serve
+:mod:`client.async_transport` too.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from protos.messages import ReplyHeader, encode_request, parse_reply
 #: Seconds a call waits for its reply unless the client is told otherwise.
 DEFAULT_TIMEOUT = 30.0
 
-#: Requests in flight before a pipeline reads replies: bounded so neither side's
-#: ZeroMQ queue (1,000 messages by default) can overflow.
+#: Most requests one connection has waiting for replies (a sync pipeline then reads
+#: replies; async calls queue for a slot): bounded so neither side's ZeroMQ queue
+#: (1,000 messages by default) can overflow.
 MAX_IN_FLIGHT = 256
 
 T = TypeVar("T")
@@ -57,6 +60,9 @@ def match_reply(header: bytes, in_flight: Mapping[int, P]) -> tuple[ReplyHeader 
     return reply, target
 
 
+_RCVMORE = int(zmq.RCVMORE)  # a plain int: pyzmq's option enums cost a lookup per use
+
+
 def no_reply(endpoint: str, limit: float, op: str) -> DaemonTimeout:
     return DaemonTimeout(f"no reply from {endpoint} within {limit:g} s", op)
 
@@ -65,7 +71,7 @@ def read_payload(socket: zmq.Socket[Any], into: Any) -> list[Any]:
     """The payload frames of a reply whose header was just received (ZeroMQ delivers a
     message whole, so they are all there): the first straight into ``into`` when given."""
     frames: list[Any] = []
-    while socket.rcvmore:
+    while socket.getsockopt(_RCVMORE):
         if into is not None and not frames:
             frames.append(socket.recv_into(into))
         else:
@@ -115,6 +121,7 @@ class Transport:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._in_flight: dict[int, Call[Any]] = {}
+        self._rcvtimeo = -1
         self._closed = False
 
     def call(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any] = (), *,
@@ -149,16 +156,29 @@ class Transport:
         """Read replies until ``call``'s has come; :class:`DaemonTimeout` after ``timeout`` s."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
+        limit_ms = max(1, int(limit * 1000))
         with self._lock:
             while not call.done:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._socket.poll(int(left * 1000) + 1, zmq.POLLIN):
+                left_ms = (deadline - time.monotonic()) * 1000
+                header = None
+                if left_ms > 0:
+                    # A blocking recv with RCVTIMEO costs one call less per reply than poll + recv;
+                    # the option is set again only when the time left is short of the usual limit.
+                    want = limit_ms if left_ms >= limit_ms - 1 else max(1, int(left_ms))
+                    if want != self._rcvtimeo:
+                        self._socket.setsockopt(zmq.RCVTIMEO, want)
+                        self._rcvtimeo = want
+                    try:
+                        header = self._socket.recv()
+                    except zmq.Again:
+                        header = None
+                if header is None:
                     self._in_flight.pop(call.request_id, None)
                     raise no_reply(self.endpoint, limit, call.op)
-                self._receive_one()
+                self._receive_one(header)
 
-    def _receive_one(self) -> None:
-        reply, target = match_reply(self._socket.recv(), self._in_flight)
+    def _receive_one(self, header: bytes) -> None:
+        reply, target = match_reply(header, self._in_flight)
         frames = read_payload(self._socket, None if target is None else target.into)
         if reply is None or target is None:
             return  # not a reply of ours, or a late one to a call that timed out

@@ -101,6 +101,8 @@ class DeviceState(SharingMixin, StreamsMixin):
         self.pools: dict[int, Pool] = {}
         self.spare_markers: dict[int, list[Event]] = {}
         self.primary_refs = 0
+        #: The sticky CUDA error that made this device unusable, if one struck.
+        self.failure: CudaError | None = None
         self._current: Ctx | None = None
         self.worker_thread: threading.Thread | None = None
 

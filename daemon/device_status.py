@@ -30,6 +30,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
     return {
         "device": state.device,
         "name": state.info.name,
+        "failed": None if state.failure is None else f"{state.failure.name}: {state.failure.message}",
         "worker": {"name": thread.name, "native_id": thread.native_id, "alive": thread.is_alive()},
         "primary_context": {"active": bool(active), "flags": flags, "references": state.primary_refs},
         "contexts": contexts,

@@ -46,9 +46,17 @@ log = logging.getLogger(__name__)
 _BATCH = 64
 
 
+# Plain ints: pyzmq's flag enums cost a Python-level enum operation on every use.
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
 def _readable(socket: zmq.Socket[Any]) -> bool:
     """A message is waiting (checking EVENTS is far cheaper than a NOBLOCK recv raising Again)."""
-    return bool(cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(cast(int, socket.getsockopt(_EVENTS)) & _POLLIN)
 
 
 class Front:
@@ -117,12 +125,12 @@ class Front:
             if not _readable(router):
                 return
             identity = router.recv()
-            if not router.rcvmore:
+            if not router.getsockopt(_RCVMORE):
                 log.warning("dropped a message of 1 frame: no header to answer")
                 continue
             header = router.recv()
             payload = []
-            while router.rcvmore:
+            while router.getsockopt(_RCVMORE):
                 payload.append(router.recv(copy=False))
             self._handle(identity, header, payload)
 
@@ -216,8 +224,10 @@ class Front:
             worker.fan_out(identity, request_id, gather, fan_out)
 
     def _send(self, frames: Sequence[Any], *, copy: bool = True) -> None:
+        router, last = self.router, len(frames) - 1
         try:
-            self.router.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            for index, frame in enumerate(frames):
+                router.send(frame, _NOBLOCK_MORE if index < last else _NOBLOCK, copy=copy)
         except zmq.Again:
             log.warning("dropped a reply: the client is not reading (send queue full)")
         except zmq.ZMQError as exc:

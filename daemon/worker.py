@@ -25,11 +25,13 @@ from daemon.handlers import DEVICE_HANDLERS
 from daemon.jobs import Job
 from daemon.replies import FanOut, Forward, Gather, Pending, Reply
 from daemon.sharing import ShareRegistry
-from protos.cuda_results import CUresult
+from protos.cuda_results import STICKY_CODES, CUresult
 from protos.errors import CuctxError, CudaError, InternalError
 from protos.messages import encode_error, encode_result
 
 log = logging.getLogger(__name__)
+
+_SNDMORE = int(zmq.SNDMORE)  # a plain int: pyzmq's flag enums are slow to combine
 
 #: Bounds of the back-off between polls of pending synchronizations.
 _POLL_MIN_S = 0.000_02
@@ -184,6 +186,11 @@ class DeviceWorker:
 
     def _run_job(self, job: Job) -> None:
         assert self.state is not None
+        if self.state.failure is not None:
+            failure = self.state.failure
+            self._fail(job, CudaError(failure.code, failure.name, f"device {self.device} is unusable since "
+                                      f"{failure.name} ({failure.message}); restart the daemon"))
+            return
         try:
             outcome = DEVICE_HANDLERS[job.spec.name](self.state, job)
         except BaseException as exc:
@@ -214,6 +221,11 @@ class DeviceWorker:
         self._deliver(job, outcome)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
+        assert self.state is not None
+        if isinstance(exc, CudaError) and exc.code in STICKY_CODES and self.state.failure is None:
+            self.state.failure = exc
+            log.error("device %d: sticky %s in %s; this device now refuses all work, other devices go on",
+                      self.device, exc.name, job.spec.name)
         if isinstance(exc, CuctxError):
             error: CuctxError = exc
             log.debug("device %d: %s failed: %s", self.device, job.spec.name, exc)
@@ -236,6 +248,11 @@ class DeviceWorker:
     def send(self, identity: bytes, header: bytes, frames: Any = ()) -> None:
         assert self._socket is not None
         if frames:
-            self._socket.send_multipart([identity, header, *frames], copy=False)
+            self._socket.send(identity, _SNDMORE)
+            self._socket.send(header, _SNDMORE)
+            for frame in frames[:-1]:
+                self._socket.send(frame, _SNDMORE, copy=False)
+            self._socket.send(frames[-1], copy=False)
         else:
-            self._socket.send_multipart([identity, header])
+            self._socket.send(identity, _SNDMORE)
+            self._socket.send(header)

@@ -36,6 +36,11 @@ class CUresult(IntEnum):
     CUDA_ERROR_UNKNOWN = 999
 
 
+#: Codes after which a CUDA context is corrupt: every later call in it fails the same way
+#: (ECC uncorrectable, illegal address, device assert, hardware stack error, illegal
+#: instruction, misaligned address, invalid address space, invalid PC, launch failure).
+STICKY_CODES = frozenset({214, 700, 710, 714, 715, 716, 717, 718, 719})
+
 #: What ``cuGetErrorString`` returns for each code (driver 580).
 DRIVER_MESSAGES: dict[CUresult, str] = {
     CUresult.CUDA_SUCCESS: "no error",

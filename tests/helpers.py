@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0)
     """Start ``python -m daemon`` and return once it prints that it is listening."""
     socket_dir = short_tempdir()
     endpoint = f"ipc://{socket_dir}/d.sock"
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = client_env()
     process = subprocess.Popen(
         [sys.executable, "-m", "daemon", "--endpoint", endpoint, "--backend", backend, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
@@ -86,7 +87,11 @@ def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0)
                     threading.Thread(target=pump_stderr, daemon=True)]
     for pump in daemon.pumps:
         pump.start()
-    if not ready.wait(ready_timeout):
+    deadline = time.monotonic() + ready_timeout
+    while not ready.wait(0.05):
+        if process.poll() is not None or time.monotonic() > deadline:
+            break
+    if not ready.is_set():
         process.kill()
         process.wait()
         daemon.close_pipes()
@@ -99,7 +104,9 @@ def remove_tempdir(path: Path) -> None:
 
 
 def client_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    """This environment with the repository first on PYTHONPATH (keeping what was there)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
 
 
 def run_client(code: str, endpoint: str, timeout: float = 30.0) -> str:

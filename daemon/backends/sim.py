@@ -187,6 +187,8 @@ class SimDriver(Driver):
         self._threads = _ThreadStacks()
         self._context_ids = itertools.count(1)
         self._initialized = False
+        #: Injected sticky errors by device: (calls left before it strikes, the error).
+        self._faults: dict[int, tuple[int, CUresult]] = {}
 
     # --- init and devices ---------------------------------------------------------
 
@@ -594,7 +596,25 @@ class SimDriver(Driver):
         context = self._current()
         if not context.alive:
             raise CudaError.of(_CONTEXT_IS_DESTROYED)
+        if self._faults:
+            self._strike(context.device)
         return context
+
+    def inject_sticky_error(self, ordinal: int, result: CUresult, after_calls: int = 0) -> None:
+        """Fault injection for tests: after ``after_calls`` more calls in a live context of the
+        device, every such call raises ``result``, as a corrupted CUDA context does."""
+        self._device(ordinal)
+        self._faults[ordinal] = (after_calls, result)
+
+    def _strike(self, ordinal: int) -> None:
+        fault = self._faults.get(ordinal)
+        if fault is None:
+            return
+        left, result = fault
+        if left > 0:
+            self._faults[ordinal] = (left - 1, result)
+            return
+        raise CudaError.of(result, f"injected on sim device {ordinal}")
 
     def _pool(self, pool: Pool) -> SimPool:
         self._check_initialized()

@@ -198,7 +198,7 @@ _VALID: dict[str, st.SearchStrategy[Any]] = {
 }
 for _role in HANDLE_ROLES:
     _VALID[_role] = st.one_of(
-        st.tuples(st.just("own"), st.integers(0, 7)), st.tuples(st.just("own"), st.integers(0, 7)),
+        *[st.tuples(st.just("own"), st.integers(0, 7))] * 4,
         st.tuples(st.just("foreign"), st.integers(0, 7)),
         st.tuples(st.just("random"), st.one_of(st.integers(1, MAX_HANDLE), st.sampled_from([1, 2, 3, MAX_HANDLE])))
     )
@@ -235,7 +235,11 @@ def arg_choice(arg: Arg, mutated: bool) -> st.SearchStrategy[tuple[Any, ...]]:
             broken += [st.just(("omit",)), st.just(("nil",))]
         return st.one_of(*broken)
     valid = _VALID[arg.role].map(lambda v: ("valid", v))
-    return valid if arg.required else st.one_of(valid, valid, st.just(("omit",)), st.just(("nil",)))
+    if arg.required:
+        return valid
+    absent = st.just(("omit",))
+    return st.one_of(valid, valid, absent, absent, absent, st.just(("nil",))) if arg.role in HANDLE_ROLES \
+        else st.one_of(valid, valid, absent, st.just(("nil",)))
 
 
 @dataclass(frozen=True)
