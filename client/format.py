@@ -60,6 +60,8 @@ def status_text(status: dict[str, Any]) -> str:
             f"{'alive' if worker['alive'] else 'DEAD'}); primary context "
             f"{'active' if primary['active'] else 'inactive'}, {primary['references']} reference(s)",
         ]
+        if dev.get("failed"):
+            lines.append(f"  FAILED: {dev['failed']} (this device refuses all work until the daemon restarts)")
         if dev["contexts"]:
             lines.append(table(
                 ["CONTEXT", "KIND", "FLAGS", "SESSIONS"],

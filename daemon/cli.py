@@ -19,6 +19,7 @@ import zmq
 
 from daemon import __version__
 from daemon.backends import BackendUnavailable, select_backend
+from daemon.backends.sim import SimDriver
 from daemon.config import DEFAULT_DRAIN_TIMEOUT, DEFAULT_METRICS_HOST, ConfigError, DaemonConfig, check_config
 from daemon.config_file import KEYS, build_config, check_endpoint, load_file, render_toml
 from daemon.endpoint import EndpointInUse
@@ -26,6 +27,7 @@ from daemon.logs import flush_logs, setup_logging
 from daemon.metrics import MetricsUnavailable
 from daemon.server import Daemon
 from daemon.worker import WorkerStartError
+from protos.cuda_results import CUresult
 from protos.endpoints import default_endpoint
 
 log = logging.getLogger("daemon")
@@ -88,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-level", type=_flag_type("log_level"), metavar="LEVEL", help="DEBUG, INFO (default), WARNING, ERROR")
     add("--log-format", type=_flag_type("log_format"), metavar="text|json",
         help="text (default) or json: one JSON object per line")
+    add("--orphan-ttl", type=_flag_type("orphan_ttl"), metavar="SECONDS",
+        help="free a published buffer whose owner left after this long without a consumer (default 600)")
+    add("--sim-fault", type=_flag_type("sim_fault"), metavar="DEV:CALLS:ERROR",
+        help="testing aid (sim backend only): device DEV turns sticky with ERROR after CALLS more calls")
     add("--metrics-port", type=_flag_type("metrics_port"), metavar="PORT",
         help="serve Prometheus metrics on this port (default 0: off; needs the 'metrics' extra)")
     add("--metrics-host", type=_flag_type("metrics_host"), metavar="ADDRESS",
@@ -139,6 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         return EXIT_CONFIG
     log.info("backend %s: %s", driver.name, reason)
+    if config.sim_fault is not None:
+        if not isinstance(driver, SimDriver):
+            log.error("configuration key 'sim_fault': needs the sim backend, not %s", driver.name)
+            return EXIT_CONFIG
+        device, after, name = config.sim_fault.split(":")
+        driver.inject_sticky_error(int(device), CUresult[name], int(after))
+        log.warning("sim fault injection: device %s turns sticky with %s after %s calls", device, name, after)
     try:
         daemon = Daemon(config, driver)
     except (ConfigError, MetricsUnavailable) as exc:

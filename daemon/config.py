@@ -18,6 +18,9 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
+#: Seconds a published buffer whose owner left waits for a consumer before it is freed.
+DEFAULT_ORPHAN_TTL = 600.0
+
 #: Seconds a session lives without a request or heartbeat before it is reaped.
 DEFAULT_LEASE_TTL = 5.0
 #: Seconds a SIGTERM/SIGINT drain may take before the daemon gives up on in-flight work.
@@ -93,6 +96,8 @@ class DaemonConfig:
     allow_dir: str | None = None
     max_sessions_per_peer: int = 0
     max_objects_per_session: int = 0
+    orphan_ttl: float = DEFAULT_ORPHAN_TTL
+    sim_fault: str | None = None
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

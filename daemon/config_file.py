@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config import ConfigError, DaemonConfig, format_size, parse_size
+from protos.cuda_results import CUresult
 
 #: Most devices the sim backend can simulate (its own limit, repeated so checking needs no backend import).
 _MAX_SIM_DEVICES = 16
@@ -143,6 +144,15 @@ def _group(value: Any) -> str:
     return name
 
 
+def _sim_fault(value: Any) -> str:
+    """``DEVICE:AFTER_CALLS:CUDA_ERROR_NAME``: a sim-only fault injection for testing."""
+    text = _string(value)
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in CUresult.__members__:
+        raise ValueError(f"{text!r} is not DEVICE:AFTER_CALLS:CUDA_ERROR_NAME (e.g. 1:40:CUDA_ERROR_ILLEGAL_ADDRESS)")
+    return text
+
+
 def _int_text(text: str) -> int:
     return int(text)
 
@@ -176,6 +186,8 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("allow_dir", _path("dir")),
     Key("max_sessions_per_peer", _integer(0), _int_text),
     Key("max_objects_per_session", _integer(0), _int_text),
+    Key("orphan_ttl", _seconds, _number_text),
+    Key("sim_fault", _sim_fault),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"

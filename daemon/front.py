@@ -98,6 +98,9 @@ class Front:
             now = time.monotonic()
             if now >= next_reap:
                 self._reap(now, ttl)
+                orphan_ttl = self.state.config.orphan_ttl
+                for worker in self.workers:
+                    worker.run(partial(DeviceState.expire_orphans, now=now, ttl=orphan_ttl))
                 next_reap = now + reap_every
 
     def _reap(self, now: float, ttl: float) -> None:

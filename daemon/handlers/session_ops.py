@@ -85,6 +85,7 @@ def status(front: FrontState, session: Session | None, args: ops.Status) -> FanO
         "uptime_s": time.time() - front.started_at,
         "endpoints": list(front.config.endpoints),
         "sessions": [s.to_status() for s in front.sessions.all()],
+        "device_ordinals": list(front.config.devices or range(len(front.devices))),
     }
 
     def finish(parts: list[Any]) -> Reply:
