@@ -57,6 +57,8 @@ class SharingMixin:
         share = self.shares.get(share_id)
         if share is None or not share.keeps_alive():
             raise NotFound("no such shared buffer on this device (never exported, or already freed)")
+        if share_id not in state.holds:
+            self.check_object_limit(state, "share hold")
         if not share.owner_present:
             share.opened_since_orphaned = True
         state.holds[share_id] = state.holds.get(share_id, 0) + 1

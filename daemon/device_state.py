@@ -23,7 +23,7 @@ from daemon.device_streams import EventEntry, StreamEntry, StreamsMixin
 from daemon.sessions import SessionRef
 from daemon.sharing import Share, ShareRegistry
 from protos.cuda_results import CUresult
-from protos.errors import CudaError, OutOfRange, UnknownHandle
+from protos.errors import CudaError, LimitExceeded, OutOfRange, UnknownHandle
 from protos.limits import MAX_HANDLE, MAX_ISSUED_HANDLE
 from protos.records import BufferRecord, ContextRecord, DeviceInfo
 
@@ -40,6 +40,8 @@ class DeviceLimits:
     max_payload: int
     session_quota: int = 0
     device_reserve: int = 0
+    #: Most contexts created + buffers + streams + events + shares held one session may have here.
+    max_objects_per_session: int = 0
 
 
 @dataclass(eq=False)
@@ -81,6 +83,12 @@ class SessionOnDevice:
     events: dict[int, EventEntry] = field(default_factory=dict)
     primary: SessionContext | None = None
     bytes_allocated: int = 0
+
+    def object_count(self) -> int:
+        """What ``max_objects_per_session`` counts: created contexts (not the shared primary),
+        buffers, streams, events and distinct shares held open."""
+        created = len(self.contexts) - (1 if self.primary is not None else 0)
+        return created + len(self.buffers) + len(self.streams) + len(self.events) + len(self.holds)
 
 
 class DeviceState(SharingMixin, StreamsMixin):
@@ -180,7 +188,18 @@ class DeviceState(SharingMixin, StreamsMixin):
             state.stack.append(primary)
         return primary
 
+    def check_object_limit(self, state: SessionOnDevice, what: str) -> None:
+        """Raise :class:`LimitExceeded` if ``state`` may not have one more object (``what``)."""
+        limit = self.limits.max_objects_per_session
+        if limit and state.object_count() >= limit:
+            raise LimitExceeded(
+                f"max_objects_per_session: the session already holds {state.object_count()} of {limit} "
+                f"objects (contexts, buffers, streams, events, shares held) on device {self.device}; "
+                f"free some before making another {what}"
+            )
+
     def create(self, state: SessionOnDevice, flags: int) -> SessionContext:
+        self.check_object_limit(state, "context")
         if self._current is not None:
             self.driver.ctx_set_current(None)
             self._current = None
@@ -270,6 +289,7 @@ class DeviceState(SharingMixin, StreamsMixin):
 
     def alloc(self, state: SessionOnDevice, size: int, shareable: bool) -> Buffer:
         """From the context's stream-ordered pool, or ``cuMemAlloc`` when it must be exportable."""
+        self.check_object_limit(state, "buffer")
         context = self.current_or_primary(state)
         self.activate(context)
         self._check_quota(state, size)

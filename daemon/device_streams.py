@@ -53,6 +53,7 @@ class StreamsMixin:
     def create_stream(self: DeviceState, state: SessionOnDevice, non_blocking: bool) -> StreamEntry:
         from daemon.device_state import new_handle
 
+        self.check_object_limit(state, "stream")
         context = self.current_or_primary(state)
         self.activate(context)
         entry = StreamEntry(new_handle(), self.driver.stream_create(non_blocking), context, non_blocking)
@@ -82,6 +83,7 @@ class StreamsMixin:
     def create_event(self: DeviceState, state: SessionOnDevice, timing: bool) -> EventEntry:
         from daemon.device_state import new_handle
 
+        self.check_object_limit(state, "event")
         context = self.current_or_primary(state)
         self.activate(context)
         entry = EventEntry(new_handle(), self.driver.event_create(timing), context, timing)

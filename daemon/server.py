@@ -14,10 +14,15 @@ destroyed, memory freed), their last replies are forwarded, sockets close and
 ipc:// socket files are removed. A second signal exits at once
 (:meth:`Daemon.force_exit`), still removing the socket files.
 
-Security and limit settings (``group``, ``server_key``, ``allow_dir``,
-``max_sessions_per_peer``, ``max_objects_per_session``) are parsed and checked
-by :mod:`daemon.config_file`; :meth:`Daemon._secure_router` is where CURVE is
-set up, and where the daemon refuses what it cannot honour yet.
+Security (``protos/PROTOCOL.md``, "Security"): with ``server_key`` the one
+ROUTER is a CURVE server on every endpoint it binds, ipc:// included, and a ZAP
+authenticator thread admits only clients whose public key is in ``allow_dir``
+(:meth:`Daemon._secure_router`). The liveness probe's inproc:// connection is
+not subject to CURVE (libzmq runs no security handshake over inproc), which is
+safe since only this process can reach it. ``group`` opens the ipc:// socket to
+one group (:func:`daemon.endpoint.prepare_ipc`); ``max_sessions_per_peer`` is
+enforced by the front (hello), ``max_objects_per_session`` by each device's
+:class:`~daemon.device_state.DeviceState`.
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+import zmq.auth
+import zmq.auth.thread
 
 from daemon.backends.base import Driver
 from daemon.config import ConfigError, DaemonConfig, check_config
 from daemon.device_state import DeviceLimits, DeviceState
 from daemon.device_subset import DeviceSubset
-from daemon.endpoint import ipc_path, prepare_ipc, remove_ipc
+from daemon.endpoint import ipc_path, open_ipc_socket, prepare_ipc, remove_ipc
 from daemon.front import Front
 from daemon.front_state import FrontState
 from daemon.liveness import PROBE_ENDPOINT, FrontProbe
@@ -58,8 +65,8 @@ _REPLY_ENDPOINT = "inproc://cuctxd-replies"
 STOP_GRACE = 5.0
 #: Exit status after a second signal, or when workers had to be abandoned.
 EXIT_FORCED = 1
-#: Settings parsed and stored now, enforced once the security work lands (see the module docstring).
-_NOT_ENFORCED_YET = ("group", "allow_dir", "max_sessions_per_peer", "max_objects_per_session")
+#: Settings parsed and stored now but not enforced by this build (none left; kept for future keys).
+_NOT_ENFORCED_YET: tuple[str, ...] = ()
 
 
 class Daemon:
@@ -94,6 +101,7 @@ class Daemon:
         self._front: Front | None = None
         self._probe: FrontProbe | None = None
         self._backstop: threading.Timer | None = None
+        self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
         self.bound: list[str] = []
 
     # --- start ----------------------------------------------------------------------------
@@ -102,7 +110,8 @@ class Daemon:
         replies = self._zmq.socket(zmq.PULL)
         replies.bind(_REPLY_ENDPOINT)
         count = self.driver.device_count()
-        limits = DeviceLimits(self.config.max_payload, self.config.session_quota, self.config.device_reserve)
+        limits = DeviceLimits(self.config.max_payload, self.config.session_quota, self.config.device_reserve,
+                              self.config.max_objects_per_session)
         shares = ShareRegistry()
         self._workers = [
             DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares) for n in range(count)
@@ -148,13 +157,13 @@ class Daemon:
             for endpoint in self.config.endpoints:
                 path = ipc_path(endpoint)
                 if path is not None:
-                    prepare_ipc(path)
+                    prepare_ipc(path, self.config.group)
                 router.bind(endpoint)
                 bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
                 self.bound.append(bound)
                 if path is not None:
-                    path.chmod(0o600)
                     self._ipc_files.append(path)
+                    open_ipc_socket(path, self.config.group)
                 elif endpoint.startswith("tcp://") and self.config.server_key is None:
                     log.warning("listening on %s WITHOUT encryption or authentication (insecure_tcp): anyone "
                                 "who can reach this port can use every GPU served and read its memory", bound)
@@ -166,22 +175,43 @@ class Daemon:
         return router
 
     def _secure_router(self, router: zmq.Socket[Any]) -> None:
-        """Set up CURVE on the ROUTER before its first bind; the security work plugs in here.
+        """With ``server_key``: make ``router`` a CURVE server and admit only the keys in ``allow_dir``.
 
-        With ``server_key`` this is where the key is loaded
-        (``zmq.auth.load_certificate``), ``router.curve_server = True`` and
-        ``router.curve_secretkey``/``curve_publickey`` are set, and a ZAP
-        authenticator (``zmq.auth.thread.ThreadAuthenticator`` on
-        ``self._zmq``, ``configure_curve(location=allow_dir)``) is started and
-        stopped in :meth:`close`; the per-peer limits take the ZAP User-Id from
-        each request's frames (``zmq.Frame.get("User-Id")``) in the front. The
-        liveness probe connects over inproc and would need a client key pair too.
-        Until that lands a ``server_key`` cannot be honoured, and serving
-        plaintext while the operator asked for CURVE would be worse than refusing.
+        Called before the first bind, so no endpoint is ever served in
+        plaintext. CURVE covers the whole socket: ipc:// endpoints bound with
+        tcp:// ones need client keys too. The ZAP authenticator runs on its own
+        thread in this daemon's ZeroMQ context and is stopped in :meth:`close`;
+        it rereads nothing, so keys added to ``allow_dir`` need a restart. Each
+        admitted client's z85 public key becomes the User-Id of its frames, which
+        the front uses as the peer for ``max_sessions_per_peer``. Raises
+        :class:`ConfigError` for an unreadable key or a missing ``allow_dir``.
         """
-        if self.config.server_key is not None:
-            raise ConfigError("server_key", "CURVE is not available in this build yet, so the daemon refuses "
-                                            "to start rather than listen without it")
+        if self.config.server_key is None:
+            return
+        if self.config.allow_dir is None:
+            raise ConfigError("allow_dir", "server_key turns CURVE on, which needs allow_dir: the directory of "
+                                           "public keys (NAME.key) of the clients let in")
+        try:
+            public, secret = zmq.auth.load_certificate(self.config.server_key)
+        except (OSError, ValueError) as exc:
+            raise ConfigError("server_key", f"cannot load a CURVE key pair from {self.config.server_key}: "
+                                            f"{exc}") from None
+        if secret is None:
+            raise ConfigError("server_key", f"{self.config.server_key} holds only a public key; give the "
+                                            "secret key file (NAME.key_secret written by 'cuctxd keygen')")
+        allowed = zmq.auth.load_certificates(self.config.allow_dir)
+        if not allowed:
+            log.warning("allow_dir %s holds no client public keys: every client will be turned away",
+                        self.config.allow_dir)
+        authenticator = zmq.auth.thread.ThreadAuthenticator(self._zmq, log=logging.getLogger("daemon.zap"))
+        authenticator.start()
+        self._authenticator = authenticator
+        authenticator.configure_curve(domain="*", location=self.config.allow_dir)
+        router.curve_server = True
+        router.curve_secretkey = secret
+        router.curve_publickey = public
+        log.info("CURVE on: server public key %s, %d client key(s) allowed from %s",
+                 public.decode(), len(allowed), self.config.allow_dir)
 
     def _status_line(self) -> str:
         """STATUS= text for systemd; read on the probe thread (sizes and flags only)."""
@@ -308,6 +338,9 @@ class Daemon:
             self._flush_replies(self._front)
             self._front.router.close()
             self._front.replies.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         if stuck:
             log.error("device worker(s) %s did not stop within %g s; exiting without closing their sessions",
                       stuck, grace)

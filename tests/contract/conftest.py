@@ -16,31 +16,11 @@ from typing import Any
 import pytest
 
 from daemon.backends.base import Driver
+from tests.helpers import cuda_unavailable_reason
 
 #: Simulated devices, so that multi-device tests run on the sim too.
 SIM_DEVICES = 2
 SIM_MEMORY = 256 << 20
-
-
-@cache
-def cuda_unavailable_reason() -> str | None:
-    """Why the real driver cannot run here, or None when it loads and sees a device."""
-    try:
-        from cuda.bindings import driver as cu
-
-        (err,) = cu.cuInit(0)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            return f"cuInit(0) failed: {err.name}"
-        err, count = cu.cuDeviceGetCount()
-        if err != cu.CUresult.CUDA_SUCCESS:
-            return f"cuDeviceGetCount failed: {err.name}"
-        if count < 1:
-            return "the CUDA driver sees no device"
-    except ImportError as missing:
-        return f"cuda-python is not importable: {missing}"
-    except RuntimeError as not_loaded:  # cuda.pathfinder's DynamicLibNotFoundError
-        return f"the NVIDIA driver (libcuda.so) does not load ({type(not_loaded).__name__})"
-    return None
 
 
 @cache

@@ -14,6 +14,7 @@ Every input sent is counted in :data:`INPUTS`; the conftest prints the counts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from collections import Counter
@@ -51,10 +52,11 @@ def scaled(ci_count: int) -> int:
 
 
 def fuzz_settings(ci_examples: int) -> settings:
-    """Deterministic in CI (derandomized, no example database); random and reproducible-by-blob in the soak."""
+    """Deterministic in CI (derandomized, no example database, the first bug only, so that shrinking stays
+    short); random, reproducible by blob and reporting every distinct bug in the soak."""
     soak = soak_mode()
     return settings(max_examples=scaled(ci_examples), deadline=None, derandomize=not soak, database=None,
-                    suppress_health_check=list(HealthCheck), print_blob=soak)
+                    suppress_health_check=list(HealthCheck), print_blob=soak, report_multiple_bugs=soak)
 
 
 # --- plain msgpack values and garbage frames -----------------------------------------------------
@@ -261,31 +263,42 @@ _bad_sessions = st.one_of(st.just(("absent",)), st.just(("nil",)),
                           st.one_of(st.text(max_size=40), packable_ints, st.binary(max_size=16), st.booleans())
                           .map(lambda v: ("raw", v)))
 _sizes = st.one_of(st.integers(0, 2 * BUFFER_SIZE), st.sampled_from(["max", 0, 1]))
-_bad_sizes = st.one_of(_sizes, st.just("max+1"))
+_frame_sizes = st.lists(_sizes, min_size=3, max_size=3)
+_bad_frame_sizes = st.lists(st.one_of(_sizes, st.just("max+1")), min_size=3, max_size=3)
 _extra_keys = st.one_of(st.text(max_size=8).filter(lambda k: k not in ALL_ARG_NAMES), st.sampled_from(ALL_ARG_NAMES),
                         packable_ints)
 _extras = st.lists(st.tuples(_extra_keys, scalars), min_size=1, max_size=2).map(tuple)
 _bad_args = st.one_of(st.just(("absent",)), st.just(("nil",)),
-                      msgpack_values.filter(lambda v: not isinstance(v, dict) and v is not None).map(lambda v: ("raw", v)))
+                      msgpack_values.filter(lambda v: not isinstance(v, dict) and v is not None)
+                      .map(lambda v: ("raw", v)))
 _junk_ops = st.one_of(st.text(max_size=12).filter(lambda s: s not in OPS).map(lambda s: ("raw", s)),
                       scalars.filter(lambda v: not isinstance(v, str)).map(lambda v: ("raw", v)),
                       st.just(("absent",)))
 _ENVELOPE = ("id", "session", "frames", "args", "extras")
 
 
+@functools.cache
+def _parts(name: str) -> tuple[st.SearchStrategy[frozenset[str]], dict[tuple[str, bool], st.SearchStrategy[Any]]]:
+    """Per op, built once: which parts to mutate, and each argument's valid and mutated choices."""
+    targets = [a.name for a in OP_ARGS[name].args] + list(_ENVELOPE)
+    mutated = st.one_of(*[st.just(frozenset())] * 5, st.sets(st.sampled_from(targets), min_size=1, max_size=1),
+                        st.sets(st.sampled_from(targets), min_size=1, max_size=3))
+    choices = {(a.name, broken): arg_choice(a, broken) for a in OP_ARGS[name].args for broken in (False, True)}
+    return mutated, choices
+
+
 @st.composite
 def _plan(draw: st.DrawFn, name: str, junk: bool) -> RequestPlan:
     """A valid request of op ``name`` with none, one or a few of its parts mutated."""
-    targets = [a.name for a in OP_ARGS[name].args] + list(_ENVELOPE)
-    mutated = draw(st.one_of(*[st.just(frozenset())] * 5, st.sets(st.sampled_from(targets), min_size=1, max_size=1),
-                             st.sets(st.sampled_from(targets), min_size=1, max_size=3)))
-    choices = {a.name: draw(arg_choice(a, a.name in mutated)) for a in OP_ARGS[name].args}
+    mutation, arg_choices = _parts(name)
+    mutated = draw(mutation)
+    choices = {a.name: draw(arg_choices[a.name, a.name in mutated]) for a in OP_ARGS[name].args}
     if "args" in mutated:
         args: tuple[Any, ...] = draw(_bad_args)
     else:
         args = ("map", choices, draw(_extras) if "extras" in mutated else ())
     count = draw(st.integers(0, 3)) if "frames" in mutated else "expected"
-    sizes = draw(st.lists(_bad_sizes if "frames" in mutated else _sizes, min_size=3, max_size=3))
+    sizes = draw(_bad_frame_sizes if "frames" in mutated else _frame_sizes)
     return RequestPlan(
         op=draw(_junk_ops) if junk else name,
         id=draw(_bad_ids) if "id" in mutated else ("fresh",),
