@@ -31,7 +31,7 @@ from client.pipeline import AsyncPipeline, raise_first
 from client.requests import Batch, Plan, Request, Run, SessionState, Step
 from client.sharing import AsyncOpenedShare, open_share
 from client.streams import AsyncEvent, AsyncStream
-from client.transport import DEFAULT_TIMEOUT
+from client.transport import DEFAULT_TIMEOUT, CurveKeys, KeyPath, curve_keys
 from protos.endpoints import client_endpoint
 from protos.errors import ConnectionLost, CuctxError
 from protos.records import DeviceInfo, ShareDescriptor
@@ -50,8 +50,10 @@ class AsyncClient(SessionState):
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                 name: str | None = None, heartbeat: bool = True) -> None:
+                 name: str | None = None, heartbeat: bool = True, server_key: KeyPath | CurveKeys | None = None,
+                 client_key: KeyPath | None = None) -> None:
         self.endpoint = client_endpoint(endpoint)
+        self.curve = curve_keys(server_key, client_key)
         self.timeout = timeout
         self._name = name
         self._beats = heartbeat
@@ -63,7 +65,7 @@ class AsyncClient(SessionState):
         Raises :class:`~protos.errors.DaemonTimeout` when no daemon answers within ``timeout``."""
         if self._transport is not None:
             return self
-        transport = self._transport = AsyncTransport(self.endpoint, self.timeout)
+        transport = self._transport = AsyncTransport(self.endpoint, self.timeout, self.curve)
         try:
             token = self._adopt(await self._run(requests.hello(self._name)))
         except BaseException:
@@ -71,7 +73,7 @@ class AsyncClient(SessionState):
             await transport.close()
             raise
         if self._beats:
-            self._heartbeat = AsyncHeartbeat(self.endpoint, token, self.lease_ttl)
+            self._heartbeat = AsyncHeartbeat(self.endpoint, token, self.lease_ttl, self.curve)
         return self
 
     def __await__(self) -> Generator[Any, None, AsyncClient]:

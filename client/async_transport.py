@@ -25,7 +25,15 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from client.transport import DEFAULT_TIMEOUT, MAX_IN_FLIGHT, connect_dealer, match_reply, no_reply, read_payload
+from client.transport import (
+    DEFAULT_TIMEOUT,
+    MAX_IN_FLIGHT,
+    CurveKeys,
+    connect_dealer,
+    match_reply,
+    no_reply,
+    read_payload,
+)
 from protos.errors import ConnectionLost, CuctxError, error_from_wire
 from protos.messages import encode_request
 
@@ -47,10 +55,11 @@ class _Waiting:
 class AsyncTransport:
     """A connection to one daemon endpoint, for coroutines of one event loop."""
 
-    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
-        self._socket = connect_dealer(zmq.asyncio.Context.instance(), endpoint)
+        self.curve = curve
+        self._socket = connect_dealer(zmq.asyncio.Context.instance(), endpoint, curve)
         # A plain view of the same socket, for the rest of a message whose first frame has come.
         self._frames: zmq.Socket[Any] = zmq.Socket.shadow(self._socket.underlying)
         self._ids = itertools.count(1)
@@ -73,7 +82,7 @@ class AsyncTransport:
             async with asyncio.timeout(limit), self._window:
                 return await self._exchange(op, args, session, payload, into)
         except TimeoutError:
-            raise no_reply(self.endpoint, limit, op) from None
+            raise no_reply(self.endpoint, limit, op, self.curve) from None
 
     async def _exchange(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any],
                         into: Any) -> Reply:

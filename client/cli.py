@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from client.client import Client
 from client.doctor import FAIL, run_checks
 from client.format import devices_table, doctor_text, shared_table, status_text, watch_frame
+from client.transport import curve_keys
 from protos.endpoints import client_endpoint
 from protos.errors import CuctxError
 
@@ -34,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoint", help="daemon endpoint (default: $CUCTXD_ENDPOINT, else the per-user socket)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--server-key", metavar="PATH",
+                        help="CURVE: the daemon's public key file (server.key); needed for a daemon with server_key")
+    parser.add_argument("--client-key", metavar="PATH",
+                        help="CURVE: this client's secret key file (NAME.key_secret; its NAME.key must be in the "
+                             "daemon's allow_dir)")
     commands = parser.add_subparsers(dest="command", required=True)
     ping = commands.add_parser("ping", help="round-trip time to the daemon")
     ping.add_argument("-c", "--count", type=int, default=1, help="number of pings")
@@ -55,7 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "status" and args.watch:
         return watch_status(args)
     try:
-        with Client(args.endpoint, timeout=args.timeout, name="cuctx") as client:
+        curve = curve_keys(args.server_key, args.client_key)
+    except ValueError as exc:
+        print(f"cuctx: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.endpoint, timeout=args.timeout, name="cuctx", server_key=curve) as client:
             if args.command == "ping":
                 times = [client.ping() for _ in range(max(1, args.count))]
                 if args.json:
@@ -88,6 +99,11 @@ def watch_status(args: argparse.Namespace) -> int:
     Exits 1 only when ``--count`` ran out and the last refresh failed.
     """
     endpoint = client_endpoint(args.endpoint)
+    try:
+        curve = curve_keys(args.server_key, args.client_key)
+    except ValueError as exc:
+        print(f"cuctx: {exc}", file=sys.stderr)
+        return 2
     client: Client | None = None
     failed = False
     shown = 0
@@ -95,7 +111,7 @@ def watch_status(args: argparse.Namespace) -> int:
         while True:
             try:
                 if client is None:
-                    client = Client(endpoint, timeout=args.timeout, name="cuctx")
+                    client = Client(endpoint, timeout=args.timeout, name="cuctx", server_key=curve)
                 status = client.status()
                 body = json.dumps(status) if args.json else status_text(status)
                 failed = False

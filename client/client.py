@@ -20,7 +20,7 @@ from client.pipeline import Pipeline
 from client.requests import CHUNK_BYTES, Batch, Plan, Request, Run, SessionState, Step
 from client.sharing import OpenedShare, open_share
 from client.streams import Event, Stream
-from client.transport import DEFAULT_TIMEOUT, Call, Transport
+from client.transport import DEFAULT_TIMEOUT, Call, CurveKeys, KeyPath, Transport, curve_keys
 from protos.endpoints import client_endpoint
 from protos.errors import CuctxError
 from protos.records import DeviceInfo, ShareDescriptor
@@ -39,18 +39,27 @@ class Client(SessionState):
     :meth:`close`, so the daemon frees the session's contexts and memory. A
     background thread renews the session's lease; ``heartbeat=False`` turns it
     off (the session then ends ``lease_ttl`` seconds after its last call).
+
+    CURVE (a daemon with ``server_key``): ``server_key`` is the daemon's public
+    key file (``server.key``), ``client_key`` this client's secret key file
+    (``NAME.key_secret`` from ``cuctxd keygen``), whose public half must be in
+    the daemon's ``allow_dir``. A daemon refusing the keys never answers, so a
+    key problem shows as :class:`~protos.errors.DaemonTimeout` saying so. A bad
+    key file raises ValueError at once.
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                 name: str | None = None, heartbeat: bool = True) -> None:
+                 name: str | None = None, heartbeat: bool = True, server_key: KeyPath | CurveKeys | None = None,
+                 client_key: KeyPath | None = None) -> None:
         self.endpoint = client_endpoint(endpoint)
-        self._transport = Transport(self.endpoint, timeout)
+        self.curve = curve_keys(server_key, client_key)
+        self._transport = Transport(self.endpoint, timeout, self.curve)
         try:
             token = self._adopt(self._run(requests.hello(name)))
         except BaseException:
             self._transport.close()
             raise
-        self._heartbeat = Heartbeat(self.endpoint, token, self.lease_ttl) if heartbeat else None
+        self._heartbeat = Heartbeat(self.endpoint, token, self.lease_ttl, self.curve) if heartbeat else None
 
     # --- plumbing -------------------------------------------------------------------
 

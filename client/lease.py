@@ -13,7 +13,7 @@ import logging
 import threading
 
 from client.async_transport import AsyncTransport
-from client.transport import Transport
+from client.transport import CurveKeys, Transport
 from protos.errors import CuctxError, SessionExpired, UnknownSession
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,9 @@ class _Beats:
 class Heartbeat(_Beats):
     """A daemon thread with its own socket, so a long call on the main socket never starves it."""
 
-    def __init__(self, endpoint: str, token: str, lease_ttl: float) -> None:
+    def __init__(self, endpoint: str, token: str, lease_ttl: float, curve: CurveKeys | None = None) -> None:
         super().__init__(token, lease_ttl)
-        self._transport = Transport(endpoint, timeout=self._timeout)
+        self._transport = Transport(endpoint, timeout=self._timeout, curve=curve)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cuctxd-heartbeat", daemon=True)
         self._thread.start()
@@ -65,9 +65,9 @@ class AsyncHeartbeat(_Beats):
     """A task of the running loop with its own socket; it beats only while the loop runs,
     so code that blocks the loop for a whole lease loses the session."""
 
-    def __init__(self, endpoint: str, token: str, lease_ttl: float) -> None:
+    def __init__(self, endpoint: str, token: str, lease_ttl: float, curve: CurveKeys | None = None) -> None:
         super().__init__(token, lease_ttl)
-        self._transport = AsyncTransport(endpoint, timeout=self._timeout)
+        self._transport = AsyncTransport(endpoint, timeout=self._timeout, curve=curve)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="cuctxd-heartbeat")
 
     async def _run(self) -> None:

@@ -12,12 +12,15 @@ call and reading its frames (:func:`match_reply`, :func:`read_payload`) serve
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import zmq
+import zmq.auth
 
 from protos.errors import ConnectionLost, CuctxError, DaemonTimeout, error_from_wire
 from protos.messages import ReplyHeader, encode_request, parse_reply
@@ -33,12 +36,70 @@ MAX_IN_FLIGHT = 256
 T = TypeVar("T")
 P = TypeVar("P")
 SocketT = TypeVar("SocketT", bound=zmq.Socket[Any])
+#: A key file's path.
+KeyPath = str | os.PathLike[str]
 
 
-def connect_dealer(context: zmq.Context[SocketT], endpoint: str) -> SocketT:
-    """A DEALER connected to ``endpoint`` that drops unsent requests when closed."""
+@dataclass(frozen=True)
+class CurveKeys:
+    """What a client needs to reach a daemon that runs CURVE: its public key and a key pair of ours.
+
+    Build it with :meth:`load`. The daemon lets the client in only if ``public``
+    is in its ``allow_dir``; when it is not (or ``server_public`` is wrong) the
+    handshake fails without a word and calls end in :class:`DaemonTimeout`.
+    """
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, server_key: KeyPath, client_key: KeyPath | None) -> CurveKeys:
+        """``server_key``: the daemon's public key file (``server.key``); ``client_key``: this client's
+        secret key file (``NAME.key_secret``), or None for a throwaway pair (encryption only: a daemon
+        with an ``allow_dir`` turns it away). Raises ValueError naming the file that is wrong."""
+        server_public, _ = _load_key_file(server_key, "server_key")
+        if client_key is None:
+            public, secret = zmq.curve_keypair()
+            return cls(server_public, public, secret)
+        public, client_secret = _load_key_file(client_key, "client_key")
+        if client_secret is None:
+            raise ValueError(f"client_key {os.fspath(client_key)!r} holds no secret key: give NAME.key_secret")
+        return cls(server_public, public, client_secret)
+
+    def apply(self, socket: zmq.Socket[Any]) -> None:
+        """Make ``socket`` a CURVE client of the daemon; before it connects."""
+        socket.curve_serverkey = self.server_public
+        socket.curve_publickey = self.public
+        socket.curve_secretkey = self.secret
+
+
+def _load_key_file(path: KeyPath, what: str) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what}: cannot read a CURVE key from {os.fspath(path)!r}: {exc}") from None
+    return public, secret
+
+
+def curve_keys(server_key: KeyPath | CurveKeys | None,
+               client_key: KeyPath | None) -> CurveKeys | None:
+    """The keys a client was given (paths, or ready :class:`CurveKeys`), or None for no CURVE."""
+    if isinstance(server_key, CurveKeys):
+        return server_key
+    if server_key is None:
+        if client_key is not None:
+            raise ValueError("client_key needs server_key (the daemon's public key file) as well")
+        return None
+    return CurveKeys.load(server_key, client_key)
+
+
+def connect_dealer(context: zmq.Context[SocketT], endpoint: str, curve: CurveKeys | None = None) -> SocketT:
+    """A DEALER connected to ``endpoint`` that drops unsent requests when closed; a CURVE client with ``curve``."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(socket)
     socket.connect(endpoint)
     return socket
 
@@ -63,8 +124,14 @@ def match_reply(header: bytes, in_flight: Mapping[int, P]) -> tuple[ReplyHeader 
 _RCVMORE = int(zmq.RCVMORE)  # a plain int: pyzmq's option enums cost a lookup per use
 
 
-def no_reply(endpoint: str, limit: float, op: str) -> DaemonTimeout:
-    return DaemonTimeout(f"no reply from {endpoint} within {limit:g} s", op)
+def no_reply(endpoint: str, limit: float, op: str, curve: CurveKeys | None = None) -> DaemonTimeout:
+    if curve is None:
+        return DaemonTimeout(f"no reply from {endpoint} within {limit:g} s", op)
+    return DaemonTimeout(
+        f"no reply from {endpoint} within {limit:g} s over CURVE; a daemon that refuses the handshake says "
+        "nothing, so check the key setup: server_key must be the daemon's public key file and this client's "
+        "public key (NAME.key of client_key) must be in the daemon's allow_dir, or the daemon is not running",
+        op)
 
 
 def read_payload(socket: zmq.Socket[Any], into: Any) -> list[Any]:
@@ -114,10 +181,11 @@ def _raw(result: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], lis
 class Transport:
     """A connection to one daemon endpoint."""
 
-    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
-        self._socket: zmq.Socket[bytes] = connect_dealer(zmq.Context.instance(), endpoint)
+        self.curve = curve
+        self._socket: zmq.Socket[bytes] = connect_dealer(zmq.Context.instance(), endpoint, curve)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._in_flight: dict[int, Call[Any]] = {}
@@ -174,7 +242,7 @@ class Transport:
                         header = None
                 if header is None:
                     self._in_flight.pop(call.request_id, None)
-                    raise no_reply(self.endpoint, limit, call.op)
+                    raise no_reply(self.endpoint, limit, call.op, self.curve)
                 self._receive_one(header)
 
     def _receive_one(self, header: bytes) -> None:

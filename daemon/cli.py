@@ -3,6 +3,8 @@
 Settings come from built-in defaults, then ``--config FILE`` (TOML, keys as
 the long flags in snake_case), then the flags given. Any bad setting exits 2
 with a message naming it; ``--print-config`` shows the result as TOML.
+``cuctxd keygen DIR [--name NAME]`` writes a CURVE key pair instead
+(:mod:`daemon.keygen`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from daemon import __version__
+from daemon import __version__, keygen
 from daemon.backends import BackendUnavailable, select_backend
 from daemon.backends.sim import SimDriver
 from daemon.config import DEFAULT_DRAIN_TIMEOUT, DEFAULT_METRICS_HOST, ConfigError, DaemonConfig, check_config
@@ -60,7 +62,8 @@ def _endpoint_type(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cuctxd",
-        description="CUDA context daemon: serves the machine's GPUs to client processes over ZeroMQ.",
+        description="CUDA context daemon: serves the machine's GPUs to client processes over ZeroMQ. "
+                    "'cuctxd keygen DIR [--name NAME]' writes a CURVE key pair.",
         argument_default=argparse.SUPPRESS,
     )
     add = parser.add_argument
@@ -100,17 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"address the metrics endpoint binds (default {DEFAULT_METRICS_HOST})")
     security = parser.add_argument_group("security and limits")
     security.add_argument("--group", type=_flag_type("group"), metavar="NAME",
-                          help="group whose members may use the ipc:// socket")
+                          help="group whose members may use the ipc:// socket (directory 0770, socket 0660)")
     security.add_argument("--insecure-tcp", action=argparse.BooleanOptionalAction,
                           help="allow tcp:// endpoints without CURVE (plaintext, no authentication)")
     security.add_argument("--server-key", type=_flag_type("server_key"), metavar="PATH",
                           help="CURVE secret key file of the daemon (required for tcp:// without --insecure-tcp)")
     security.add_argument("--allow-dir", type=_flag_type("allow_dir"), metavar="PATH",
-                          help="directory of the CURVE public keys of clients allowed in")
+                          help="directory of the CURVE public keys (NAME.key) of clients let in; needed with "
+                               "--server-key")
     security.add_argument("--max-sessions-per-peer", type=_flag_type("max_sessions_per_peer"), metavar="N",
                           help="most sessions one peer may hold open (default 0: no limit)")
     security.add_argument("--max-objects-per-session", type=_flag_type("max_objects_per_session"), metavar="N",
-                          help="most contexts, buffers and streams one session may hold (default 0: no limit)")
+                          help="most contexts, buffers, streams, events and share holds one session may have "
+                               "on each device (default 0: no limit)")
     return parser
 
 
@@ -132,7 +137,10 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[DaemonConfig, bool]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config, print_config = parse_config(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["keygen"]:
+        return keygen.main(args[1:])
+    config, print_config = parse_config(args)
     if print_config:
         sys.stdout.write(render_toml(config))
         return 0

@@ -23,6 +23,7 @@ from daemon.front_state import FrontState
 from daemon.handlers import FRONT_HANDLERS
 from daemon.jobs import Job
 from daemon.observe import RequestObserver
+from daemon.peers import peer_of
 from daemon.replies import FanOut, Gather, Reply
 from daemon.sessions import Session
 from daemon.worker import DeviceWorker
@@ -131,13 +132,19 @@ class Front:
             if not router.getsockopt(_RCVMORE):
                 log.warning("dropped a message of 1 frame: no header to answer")
                 continue
-            header = router.recv()
+            peer = None
+            if self.state.config.max_sessions_per_peer:  # a Frame, to read who sent it (daemon.peers)
+                header_frame = router.recv(copy=False)
+                header, peer = header_frame.bytes, peer_of(header_frame)
+            else:
+                header = router.recv()
             payload = []
             while router.getsockopt(_RCVMORE):
                 payload.append(router.recv(copy=False))
-            self._handle(identity, header, payload)
+            self._handle(identity, header, payload, peer)
 
-    def _handle(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame]) -> None:
+    def _handle(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame],
+                peer: str | None = None) -> None:
         request_id = 0
         op_name = "?"
         outcome = "ok"
@@ -148,6 +155,7 @@ class Front:
             request = parse_request(header)
             op_name = request.spec.name
             self.state.requests_served += 1
+            self.state.request_peer = peer
             self._dispatch(identity, request, payload)
         except CuctxError as exc:
             outcome = exc.name

@@ -25,3 +25,5 @@ class FrontState:
     requests_served: int = 0
     #: Set by the daemon when a shutdown starts: every new request is answered ShuttingDown.
     draining: bool = False
+    #: Who sent the request being handled, when its frames say (:mod:`daemon.peers`); set by the front.
+    request_peer: str | None = None

@@ -101,8 +101,8 @@ class ObservedSessions(SessionRegistry):
         super().__init__()
         self.metrics = metrics
 
-    def open(self, client: str, pid: int) -> Session:
-        session = super().open(client, pid)
+    def open(self, client: str, pid: int, peer: str = "") -> Session:
+        session = super().open(client, pid, peer)
         ref = session.ref
         session_log.info("session %d opened by %s (pid %d)", ref.public_id, ref.client, ref.pid,
                          extra={"session": ref.public_id, "client": ref.client, "pid": ref.pid})

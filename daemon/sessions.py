@@ -32,6 +32,8 @@ class Session:
     opened_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
     current_device: int = 0
+    #: Who opened it, for ``max_sessions_per_peer`` (:mod:`daemon.peers`).
+    peer: str = ""
 
     def to_status(self) -> dict[str, object]:
         return {
@@ -55,9 +57,9 @@ class SessionRegistry:
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._public_ids = itertools.count(1)
 
-    def open(self, client: str, pid: int) -> Session:
+    def open(self, client: str, pid: int, peer: str = "") -> Session:
         ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid)
-        session = Session(ref)
+        session = Session(ref, peer=peer)
         self._sessions[ref.token] = session
         return session
 
@@ -76,6 +78,10 @@ class SessionRegistry:
         while len(self._expired) > _EXPIRED_MEMORY:
             self._expired.popitem(last=False)
         return stale
+
+    def count_peer(self, peer: str) -> int:
+        """Open sessions of ``peer``."""
+        return sum(1 for s in self._sessions.values() if s.peer == peer)
 
     def was_expired(self, token: str) -> bool:
         return token in self._expired

@@ -11,10 +11,11 @@ from daemon.device_state import DeviceState
 from daemon.device_status import device_status
 from daemon.front_state import FrontState
 from daemon.handlers.registry import front_handler
+from daemon.peers import peer_or_pid
 from daemon.replies import FanOut, Reply
 from daemon.sessions import Session
 from protos import ops
-from protos.errors import VersionMismatch
+from protos.errors import LimitExceeded, VersionMismatch
 from protos.limits import MAX_HEADER_BYTES, MAX_PAYLOAD_FRAMES
 from protos.version import PROTOCOL_VERSION
 
@@ -25,7 +26,12 @@ def hello(front: FrontState, session: Session | None, args: ops.Hello) -> Reply:
         raise VersionMismatch(
             f"client speaks protocol {args.protocol}, this daemon speaks {PROTOCOL_VERSION}"
         )
-    opened = front.sessions.open(args.client, args.pid)
+    peer = peer_or_pid(front.request_peer, args.pid)
+    limit = front.config.max_sessions_per_peer
+    if limit and front.sessions.count_peer(peer) >= limit:
+        raise LimitExceeded(f"max_sessions_per_peer: {peer} already holds {limit} open session(s); "
+                            "close one (or let its lease run out) first")
+    opened = front.sessions.open(args.client, args.pid, peer)
     return Reply({
         "session": opened.ref.token,
         "session_id": opened.ref.public_id,

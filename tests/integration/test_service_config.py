@@ -150,11 +150,16 @@ def test_insecure_tcp_listens_and_warns(stop_after: list[DaemonProcess]) -> None
         assert client.ping() > 0
 
 
-def test_a_server_key_is_not_served_in_plaintext(workdir: Path) -> None:
-    """Until CURVE is wired in, asking for it must not quietly listen without it."""
+def test_a_server_key_is_never_served_in_plaintext(workdir: Path) -> None:
+    """CURVE asked for but not possible (no allow_dir, or no usable key): refuse to start, never listen without it."""
     key = workdir / "server.key_secret"
     key.write_text("")
     done = cuctxd("--backend", "sim", "--endpoint", "tcp://127.0.0.1:*", "--server-key", str(key))
     assert done.returncode == 2
-    assert "'server_key'" in done.stderr
+    assert "'allow_dir'" in done.stderr
+    assert "listening" not in done.stdout
+    done = cuctxd("--backend", "sim", "--endpoint", "tcp://127.0.0.1:*", "--server-key", str(key),
+                  "--allow-dir", str(workdir))
+    assert done.returncode == 2
+    assert "'server_key'" in done.stderr and "cannot load a CURVE key pair" in done.stderr
     assert "listening" not in done.stdout

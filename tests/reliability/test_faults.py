@@ -8,7 +8,10 @@
   while the daemon is gone (also for a transfer in flight at the kill), and
   after the restart ``UnknownSession`` for its old token (never
   ``SessionExpired``: the new daemon never knew it), while its connection
-  recovers by itself and a new ``Client`` works at once.
+  recovers by itself and a new ``Client`` works at once. A read or write the
+  client splits into chunks must fail within the client's timeout as well.
+* A daemon stopped with SIGTERM removes the sim's shared-memory files of every
+  exported or published buffer, also those whose owner session had ended.
 * An ``alloc`` past ``--session-quota`` fails with ``CUDA_ERROR_OUT_OF_MEMORY``
   whose message names the quota; nothing else changes, and the session frees
   and goes on.
@@ -29,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
+from protos.sim_ipc import decode_handle
 from tests.helpers import READY_LINE, REPO, DaemonProcess, remove_tempdir, short_tempdir, start_daemon
 
 MiB = 1 << 20
@@ -37,6 +41,8 @@ LEASE_TTL = 1.5
 REAP_MARGIN = 2.5
 QUOTA = 16 * MiB
 RESTART_TIMEOUT = 2.0
+#: A write the Python client sends as one request (it splits only those above 8 MiB).
+SINGLE_REQUEST = 8 * MiB
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -182,24 +188,31 @@ def test_a_daemon_killed_and_restarted_on_the_same_endpoint() -> None:
     second: DaemonProcess | None = None
     old = Client(endpoint, timeout=RESTART_TIMEOUT, name="survivor")
     try:
-        buffer = old.alloc(16 * MiB)
+        buffer = old.alloc(SINGLE_REQUEST)
         buffer.write(b"\x5a" * buffer.size)
-        in_flight: list[BaseException] = []
+        in_flight: list[tuple[BaseException, float]] = []
+        running = threading.Event()
+        killed_at = [float("inf")]
 
         def transfer() -> None:
-            try:
-                while True:
-                    buffer.write(b"\xa5" * buffer.size)  # pipelined chunks, one after another
-            except BaseException as exc:
-                in_flight.append(exc)
+            while True:
+                started = time.monotonic()
+                try:
+                    buffer.write(b"\xa5" * buffer.size)  # one request: the client splits only above 8 MiB
+                except BaseException as exc:
+                    in_flight.append((exc, time.monotonic() - max(started, killed_at[0])))
+                    return
+                running.set()
 
         mover = threading.Thread(target=transfer, name="transfer-at-the-kill")
         mover.start()
-        time.sleep(0.2)  # let a few transfers run: the kill must land in the middle of one
+        assert running.wait(10), "no transfer completed before the kill"
+        killed_at[0] = time.monotonic()  # transfers run back to back: the kill lands in one
         kill(first)
-        mover.join(RESTART_TIMEOUT + 5)
+        mover.join(RESTART_TIMEOUT + 3)
         assert not mover.is_alive(), "a transfer in flight at the kill hung past the client's timeout"
-        assert len(in_flight) == 1 and isinstance(in_flight[0], DaemonTimeout), in_flight
+        assert len(in_flight) == 1 and isinstance(in_flight[0][0], DaemonTimeout), in_flight
+        assert in_flight[0][1] < RESTART_TIMEOUT + 1.0, f"the transfer in flight took {in_flight[0][1]:.1f} s to fail"
 
         started = time.monotonic()
         with pytest.raises(DaemonTimeout) as gone:
@@ -237,6 +250,55 @@ def _answers(client: Client) -> bool:
     except DaemonTimeout:
         return False
     return True
+
+
+def test_a_large_transfer_to_a_dead_daemon_fails_within_the_clients_timeout() -> None:
+    """``Client(timeout=...)`` bounds every call, also a read or write the client splits into chunks."""
+    socket_dir = short_tempdir()
+    endpoint = f"ipc://{socket_dir}/d.sock"
+    daemon = start_daemon_at(endpoint)
+    timeout = 0.5
+    client = Client(endpoint, timeout=timeout, name="large-transfer", heartbeat=False)
+    try:
+        buffer = client.alloc(32 * MiB)  # 8 chunks of 4 MiB either way
+        kill(daemon)
+        for name, transfer in (("read", buffer.read), ("write", lambda: buffer.write(bytes(buffer.size)))):
+            started = time.monotonic()
+            with pytest.raises(DaemonTimeout):
+                transfer()
+            waited = time.monotonic() - started
+            assert waited < timeout + 1.0, (
+                f"a 32 MiB {name} to a dead daemon raised DaemonTimeout only after {waited:.1f} s, "
+                f"with timeout={timeout} s (one timeout per chunk?)")
+    finally:
+        client.close()
+        kill(daemon)
+        remove_tempdir(socket_dir)
+
+
+def test_a_stopped_daemon_leaves_no_shared_memory_files() -> None:
+    """SIGTERM frees every session's memory, exported and published buffers included: the sim's
+    ``/dev/shm`` files must go with it, whoever still held a name on them."""
+    daemon = start_daemon("--sim-devices", "1", "--sim-memory", "16MiB")
+    paths: list[Path] = []
+    try:
+        with Client(daemon.endpoint, timeout=5, name="producer") as producer:  # ends before the daemon
+            paths.append(decode_handle(producer.publish(producer.alloc(4096, shareable=True), "left-behind")
+                                       .ipc_handle))
+        owner = Client(daemon.endpoint, timeout=0.5, name="owner", heartbeat=False)  # still open at the stop
+        paths.append(decode_handle(owner.publish(owner.alloc(8192, shareable=True), "kept").ipc_handle))
+        paths.append(decode_handle(owner.alloc(12288, shareable=True).export().ipc_handle))
+        assert all(p.exists() for p in paths)
+        assert daemon.stop() == 0, daemon.log()
+        owner.close()
+        left = [p for p in paths if p.exists()]
+        assert left == [], f"the stopped daemon left {len(left)} shared-memory file(s) of {len(paths)}: {left}"
+    finally:
+        if daemon.process.poll() is None:
+            daemon.stop()
+        remove_tempdir(daemon.socket_dir)
+        for path in paths:  # do not leave the leak behind in /dev/shm
+            path.unlink(missing_ok=True)
 
 
 # --- a full quota ----------------------------------------------------------------------------------------

@@ -64,6 +64,8 @@ DEVICES = 2
 REPLY_DEADLINE = 5.0
 #: Examples between full checks of the bystander.
 CHECK_EVERY = 25
+#: Most requests a pipelined burst sends before reading a reply: well under ZeroMQ's 1000-message queues.
+BURST = 60
 SHARE_NAME = "bystander-weights"
 
 pytestmark = pytest.mark.timeout(0 if soak_mode() else 120)
@@ -152,6 +154,8 @@ def bystander(fuzz_daemon: DaemonProcess) -> Iterator[Bystander]:
         who.device_free = [int(client.memory_info(d)["device_free"]) for d in range(DEVICES)]
         who.check()
         yield who
+        client.unpublish(SHARE_NAME)  # a published share outlives its session; do not leave it to the daemon
+        shared.free()
 
 
 # --- the fuzzing connection ------------------------------------------------------------------------
@@ -320,35 +324,49 @@ class FuzzSession:
 
     # running a plan ----------------------------------------------------------------------------------
 
+    def predict(self, frames: list[bytes]) -> tuple[Expected, int | None]:
+        """The oracle's expectation, and what it implies for the session's state once the front has it:
+        ``set_device`` moves the current device and ``goodbye`` ends the session at once (PROTOCOL.md
+        section 3). Also returns the current device a ``get_device`` must report."""
+        world = self.h.world
+        expected = expect_frames(frames, world)
+        device_now = world.current_device.get(expected.session) if expected.session is not None else None
+        if expected.error is None and expected.spec is not None:
+            if expected.spec.name == "set_device":
+                world.current_device[expected.session] = expected.device  # type: ignore[index,assignment]
+            elif expected.spec.name == "goodbye":
+                world.current_device.pop(expected.session, None)  # type: ignore[arg-type]
+        return expected, device_now
+
     def run(self, plan: RequestPlan) -> None:
         frames = self.frames(plan)
-        expected = expect_frames(frames, self.h.world)
+        expected, device_now = self.predict(frames)
         header, payload = self.h.roundtrip(frames, expected, "fuzz: mutated requests")
         if expected.error is None:
-            INPUTS["fuzz: mutated requests that reached their op"] += 1
-            INPUTS["fuzz: mutated requests that succeeded"] += bool(header["ok"])
-            self._after(expected, header, payload, frames)
+            self.check(expected, device_now, header, payload, frames)
 
-    def _after(self, expected: Expected, header: dict[str, Any], payload: list[bytes], frames: list[bytes]) -> None:
+    def check(self, expected: Expected, device_now: int | None, header: dict[str, Any], payload: list[bytes],
+              frames: list[bytes]) -> None:
+        """What must hold of a reply to a request that reached its op; then note what it created."""
+        INPUTS["fuzz: mutated requests that reached their op"] += 1
+        INPUTS["fuzz: mutated requests that succeeded"] += bool(header["ok"])
         spec, args, ok = expected.spec, expected.args or {}, header["ok"]
         assert spec is not None
         name = spec.name
         what = f"{name} {args!r} -> {header!r}"
-        world = self.h.world
+        foreign = self.h.bystander.foreign_values()
         named = [args[a.name] for a in OP_ARGS[name].args if a.role in HANDLE_ROLES and args.get(a.name) is not None]
-        if any(h in self.h.bystander.foreign_values() for h in named):
+        if any(h in foreign for h in named):
             assert not ok, f"a request naming the bystander's handle succeeded: {what}"
-        if any(h not in self.issued() and h not in self.h.bystander.foreign_values() for h in named):
+        if any(h not in self.issued() and h not in foreign for h in named):
             assert not ok, f"a request naming a handle the daemon never issued succeeded: {what}"
-        if name == "set_device":
-            world.current_device[expected.session] = expected.device  # type: ignore[index,assignment]
         if name in ("ping", "device_count", "devices", "get_device", "heartbeat", "list_shared", "status",
                     "goodbye", "context_stack", "current_context", "device_synchronize"):
             assert ok, f"{name} cannot fail here: {what}"
         if name == "hello":
             assert ok == (args.get("protocol") == 1), what
         if name == "get_device":
-            assert header["result"]["device"] == world.current_device[expected.session]  # type: ignore[index]
+            assert header["result"]["device"] == device_now, what
         if name == "device_count":
             assert header["result"]["count"] == DEVICES
         if name == "unpublish" and args.get("name") == SHARE_NAME:
@@ -361,12 +379,11 @@ class FuzzSession:
             assert payload == [], what
         if ok and name == "write":
             assert header["result"]["size"] == len(frames[1]), what
-        if not ok:
-            return
-        result, device = header["result"], expected.device
-        if name == "goodbye":
-            world.current_device.pop(expected.session, None)  # type: ignore[arg-type]
-        elif name == "alloc":
+        if ok:
+            self._record(name, expected.device, args, header["result"], what)
+
+    def _record(self, name: str, device: int | None, args: Any, result: dict[str, Any], what: str) -> None:
+        if name == "alloc":
             assert result["buffer"]["device"] == device and result["buffer"]["size"] == args["size"], what
             self.own["buffer"].append((result["buffer"]["handle"], device))  # type: ignore[arg-type]
         elif name in ("create_context", "set_device"):
@@ -431,6 +448,64 @@ def test_mutated_requests_of_every_op(harness: Harness) -> None:
 
     one_session()
     harness.bystander.check()
+
+
+def test_a_pipelined_burst_of_mutated_requests_gets_one_reply_each(harness: Harness) -> None:
+    """Sent without waiting: replies may come in any order, but each request gets exactly its own one."""
+    @fuzz_settings(200)
+    @given(plans=st.lists(request_plans, min_size=10, max_size=BURST))
+    def one_burst(plans: list[RequestPlan]) -> None:
+        session = FuzzSession(harness)
+        try:
+            waiting: dict[int, list[tuple[Expected, int | None, list[bytes]]]] = {}
+            for plan in plans:
+                frames = session.frames(plan)
+                expected, device_now = session.predict(frames)
+                INPUTS["fuzz: pipelined requests"] += 1
+                harness.peer.send_frames(frames)
+                waiting.setdefault(expected.reply_id, []).append((expected, device_now, frames))
+            for _ in plans:
+                header, payload = harness.peer.recv(REPLY_DEADLINE)
+                candidates = waiting.get(header.get("id"), [])
+                fits = [c for c in candidates if shape_problem(header, payload, c[0]) is None
+                        and (c[0].error is None or header.get("error", {}).get("name") == c[0].error)]
+                assert fits, f"a reply that answers none of the requests in flight: {header!r}\n  {candidates!r}"
+                expected, device_now, frames = fits[0]
+                candidates.remove(fits[0])
+                if expected.error is None:
+                    session.check(expected, device_now, header, payload, frames)
+                    if header["ok"] and expected.spec is not None and expected.spec.name == "hello":
+                        harness.call("goodbye", {}, header["result"]["session"])
+        finally:
+            session.close()
+
+    one_burst()
+    harness.bystander.check()
+
+
+@pytest.mark.parametrize("stream", ["bystander's", "never issued"])
+@pytest.mark.parametrize("size", [0, 16])
+@pytest.mark.parametrize("op", ["write", "read", "fill", "copy"])
+def test_a_transfer_naming_a_stream_not_of_this_session_fails(harness: Harness, op: str, size: int,
+                                                              stream: str) -> None:
+    """Also when there is nothing to move: a stream handle is checked like any handle (UNKNOWN_HANDLE)."""
+    session = FuzzSession(harness)
+    try:
+        buffer, device = session.own["buffer"][0]
+        handle = harness.bystander.handles["stream"][0][0] if stream == "bystander's" else 0x1234_5679
+        args: dict[str, Any] = {"device": device, "stream": handle}
+        args.update({"write": {"buffer": buffer}, "read": {"buffer": buffer, "size": size},
+                     "fill": {"buffer": buffer, "size": size, "value": 1},
+                     "copy": {"src": buffer, "dst": buffer, "size": size, "dst_offset": 2 * size}}[op])
+        frames = [pack({"id": harness.peer.next_id(), "op": op, "session": session.token, "args": args}),
+                  *([bytes(size)] if op == "write" else [])]
+        expected = expect_frames(frames, harness.world)
+        assert expected.error is None
+        header, _ = harness.roundtrip(frames, expected, "fuzz: fixed requests")
+        assert header["ok"] is False and header["error"]["name"] == "CUCTXD_ERROR_UNKNOWN_HANDLE", (
+            f"{op} of {size} bytes on {stream} stream {handle:#x}: {header}")
+    finally:
+        session.close()
 
 
 def test_after_the_fuzz_only_the_bystanders_state_is_left(harness: Harness) -> None:

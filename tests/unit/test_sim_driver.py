@@ -817,17 +817,20 @@ def test_pool_arguments_are_checked(sim: SimDriver) -> None:
     sim.mem_pool_destroy(pool)
 
 
-def test_pool_alloc_and_free_are_fast(sim: SimDriver) -> None:
-    """The benchmark's anchor is well under 10 µs a pair; this only catches a thread hand-off per call."""
+def test_pool_alloc_and_free_reuse_one_cached_block(sim: SimDriver) -> None:
+    """The fast path: a pool alloc+free loop keeps handing out the same cached block (its
+    speed is measured in bench/, not here)."""
     with created(sim):
         pool, stream = sim.mem_pool_create(0), sim.stream_create()
-        rounds = 2000
         for target in (None, stream):
-            started = time.perf_counter()
-            for _ in range(rounds):
-                sim.mem_free_async(sim.mem_alloc_from_pool(MIB, pool, target), target)
-            per_pair = (time.perf_counter() - started) / rounds
-            assert per_pair < 25e-6, f"{per_pair * 1e6:.1f} µs per alloc+free on {target}"
+            first = sim.mem_alloc_from_pool(MIB, pool, target)
+            sim.mem_free_async(first, target)
+            sim.stream_synchronize(stream)
+            for _ in range(100):
+                again = sim.mem_alloc_from_pool(MIB, pool, target)
+                assert again == first
+                sim.mem_free_async(again, target)
+                sim.stream_synchronize(stream)
         sim.stream_destroy(stream)
         sim.mem_pool_destroy(pool)
 

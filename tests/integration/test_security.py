@@ -1,0 +1,218 @@
+"""CURVE on tcp://, keygen, the ipc:// group, and the named limits, against real daemon processes."""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from client import AsyncClient, Client
+from protos.errors import DaemonTimeout, LimitExceeded
+from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, short_tempdir, start_daemon
+
+KEYGEN_FAST = 2.0  # timeout for clients expected to be turned away
+
+
+def keygen(directory: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "daemon", "keygen", str(directory), *extra], capture_output=True,
+                          text=True, env=client_env(), cwd=REPO, timeout=30)
+
+
+def tcp_endpoint(process: DaemonProcess, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while (match := re.search(r"tcp://127\.0\.0\.1:\d+", process.log())) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no tcp endpoint in the daemon's log:\n{process.log()}")
+        time.sleep(0.02)
+    return match.group(0)
+
+
+@dataclass
+class Keys:
+    root: Path
+
+    @property
+    def server_public(self) -> Path:
+        return self.root / "server" / "server.key"
+
+    @property
+    def server_secret(self) -> Path:
+        return self.root / "server" / "server.key_secret"
+
+    @property
+    def allow_dir(self) -> Path:
+        return self.root / "allowed"
+
+    def client_secret(self, name: str) -> Path:
+        return self.root / "clients" / f"{name}.key_secret"
+
+
+@pytest.fixture(scope="module")
+def keys() -> Iterator[Keys]:
+    """A server pair, client 'alice' (allowed) and 'mallory' (not allowed)."""
+    root = short_tempdir()
+    made = Keys(root)
+    assert keygen(root / "server").returncode == 0
+    for name in ("alice", "mallory"):
+        assert keygen(root / "clients", "--name", name).returncode == 0
+    made.allow_dir.mkdir()
+    (made.allow_dir / "alice.key").write_bytes((root / "clients" / "alice.key").read_bytes())
+    yield made
+    remove_tempdir(root)
+
+
+@pytest.fixture(scope="module")
+def curve_daemon(keys: Keys) -> Iterator[tuple[DaemonProcess, str]]:
+    process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--server-key", str(keys.server_secret),
+                           "--allow-dir", str(keys.allow_dir), "--sim-devices", "1", "--sim-memory", "16MiB")
+    yield process, tcp_endpoint(process)
+    code = process.stop()
+    remove_tempdir(process.socket_dir)
+    assert code == 0, process.log()
+
+
+@pytest.fixture
+def stop_after() -> Iterator[list[DaemonProcess]]:
+    started: list[DaemonProcess] = []
+    yield started
+    for process in started:
+        code = process.stop()
+        remove_tempdir(process.socket_dir)
+        assert code == 0, process.log()
+
+
+def test_keygen_writes_a_private_secret_and_prints_the_public_key(tmp_path: Path) -> None:
+    done = keygen(tmp_path / "k", "--name", "node1")
+    assert done.returncode == 0, done.stderr
+    public, secret = tmp_path / "k" / "node1.key", tmp_path / "k" / "node1.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert str(public) in done.stdout and str(secret) in done.stdout
+    z85 = re.search(r'public-key = "(.{40})"', public.read_text())
+    assert z85 is not None and z85.group(1) in done.stdout
+    again = keygen(tmp_path / "k", "--name", "node1")
+    assert again.returncode == 1 and "exists" in again.stderr, "an existing key is never overwritten silently"
+
+
+def test_an_allowed_client_key_works_end_to_end(keys: Keys, curve_daemon: tuple[DaemonProcess, str]) -> None:
+    _, endpoint = curve_daemon
+    with Client(endpoint, timeout=10, server_key=keys.server_public,
+                client_key=keys.client_secret("alice")) as client:
+        buffer = client.alloc(4096)
+        client.write(buffer, b"\x07" * 4096)
+        assert client.read(buffer) == b"\x07" * 4096
+
+
+def test_the_async_client_speaks_curve_too(keys: Keys, curve_daemon: tuple[DaemonProcess, str]) -> None:
+    _, endpoint = curve_daemon
+
+    async def main() -> float:
+        async with AsyncClient(endpoint, timeout=10, server_key=keys.server_public,
+                               client_key=keys.client_secret("alice")) as client:
+            return await client.ping()
+
+    assert asyncio.run(main()) > 0
+
+
+def test_the_ipc_endpoint_of_a_curve_daemon_needs_keys_too(keys: Keys,
+                                                           curve_daemon: tuple[DaemonProcess, str]) -> None:
+    process, _ = curve_daemon
+    with Client(process.endpoint, timeout=10, server_key=keys.server_public,
+                client_key=keys.client_secret("alice")) as client:
+        assert client.ping() > 0
+    with pytest.raises(DaemonTimeout):
+        Client(process.endpoint, timeout=KEYGEN_FAST)
+
+
+@pytest.mark.parametrize("who", ["mallory", "no curve", "throwaway key"])
+def test_a_client_not_allowed_in_gets_a_quick_timeout(keys: Keys, curve_daemon: tuple[DaemonProcess, str],
+                                                      who: str) -> None:
+    _, endpoint = curve_daemon
+    started = time.monotonic()
+    with pytest.raises(DaemonTimeout) as error:
+        if who == "mallory":
+            Client(endpoint, timeout=KEYGEN_FAST, server_key=keys.server_public,
+                   client_key=keys.client_secret("mallory"))
+        elif who == "throwaway key":
+            Client(endpoint, timeout=KEYGEN_FAST, server_key=keys.server_public)
+        else:
+            Client(endpoint, timeout=KEYGEN_FAST)
+    assert time.monotonic() - started < KEYGEN_FAST + 3
+    if who != "no curve":
+        assert "allow_dir" in str(error.value), "a CURVE timeout points at the key setup"
+
+
+def test_cuctx_takes_the_key_flags(keys: Keys, curve_daemon: tuple[DaemonProcess, str]) -> None:
+    _, endpoint = curve_daemon
+    done = subprocess.run([sys.executable, "-m", "client", "--endpoint", endpoint, "--timeout", "10",
+                           "--server-key", str(keys.server_public), "--client-key", str(keys.client_secret("alice")),
+                           "ping"], capture_output=True, text=True, env=client_env(), cwd=REPO, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "pong" in done.stdout
+
+
+def test_group_opens_the_ipc_socket_to_that_group(stop_after: list[DaemonProcess]) -> None:
+    group = grp.getgrgid(os.getgid()).gr_name
+    process = start_daemon("--group", group)
+    stop_after.append(process)
+    directory, socket_file = process.socket_path.parent.stat(), process.socket_path.stat()
+    assert stat.S_IMODE(directory.st_mode) == 0o770 and directory.st_gid == os.getgid()
+    assert stat.S_IMODE(socket_file.st_mode) == 0o660 and socket_file.st_gid == os.getgid()
+    with Client(process.endpoint, timeout=10) as client:
+        assert client.ping() > 0
+
+
+def test_without_group_the_ipc_socket_stays_private(stop_after: list[DaemonProcess]) -> None:
+    process = start_daemon()
+    stop_after.append(process)
+    assert stat.S_IMODE(process.socket_path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(process.socket_path.stat().st_mode) == 0o600
+
+
+def test_max_sessions_per_peer_names_the_limit(stop_after: list[DaemonProcess]) -> None:
+    process = start_daemon("--max-sessions-per-peer", "2")
+    stop_after.append(process)
+    with Client(process.endpoint, timeout=10), Client(process.endpoint, timeout=10):
+        with pytest.raises(LimitExceeded) as error:
+            Client(process.endpoint, timeout=10)
+        assert "max_sessions_per_peer" in str(error.value)
+    with Client(process.endpoint, timeout=10) as client:  # closing one makes room again
+        assert client.ping() > 0
+
+
+def test_max_sessions_per_peer_counts_curve_keys(keys: Keys, stop_after: list[DaemonProcess]) -> None:
+    process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--server-key", str(keys.server_secret),
+                           "--allow-dir", str(keys.allow_dir), "--max-sessions-per-peer", "1")
+    stop_after.append(process)
+    endpoint = tcp_endpoint(process)
+    alice = {"server_key": keys.server_public, "client_key": keys.client_secret("alice")}
+    with Client(endpoint, timeout=10, **alice):  # type: ignore[arg-type]
+        with pytest.raises(LimitExceeded) as error:
+            Client(endpoint, timeout=10, **alice)  # type: ignore[arg-type]
+        assert "key:" in str(error.value)
+
+
+def test_max_objects_per_session_names_the_limit(stop_after: list[DaemonProcess]) -> None:
+    process = start_daemon("--max-objects-per-session", "3")
+    stop_after.append(process)
+    with Client(process.endpoint, timeout=10) as client:
+        buffer = client.alloc(256)
+        client.create_stream()
+        client.create_event()
+        for make in (lambda: client.alloc(256), client.create_stream, client.create_event, client.create_context):
+            with pytest.raises(LimitExceeded) as error:
+                make()
+            assert "max_objects_per_session" in str(error.value)
+        client.free(buffer)
+        client.alloc(256)  # freeing made room
+        with Client(process.endpoint, timeout=10) as other:  # the limit is per session
+            other.alloc(256)

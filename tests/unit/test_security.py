@@ -1,0 +1,106 @@
+"""Units of the security work: key loading, peers, per-peer session counts, per-session object limits."""
+
+from __future__ import annotations
+
+import grp
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+import zmq
+
+from client.transport import CurveKeys, curve_keys, no_reply
+from daemon.backends.sim import SimDriver
+from daemon.device_state import DeviceLimits, DeviceState
+from daemon.endpoint import open_ipc_socket, prepare_ipc
+from daemon.keygen import write_key_pair
+from daemon.peers import peer_of, peer_or_pid
+from daemon.sessions import SessionRef, SessionRegistry
+from daemon.sharing import ShareRegistry
+from protos.errors import LimitExceeded
+
+
+def test_write_key_pair_and_load_it_back(tmp_path: Path) -> None:
+    public_file, secret_file, public = write_key_pair(tmp_path / "keys", "alice")
+    assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
+    server_pub, _, _ = write_key_pair(tmp_path / "keys", "server")
+    keys = CurveKeys.load(server_pub, secret_file)
+    assert keys.public.decode() == public and len(keys.secret) == 40
+    with pytest.raises(FileExistsError):
+        write_key_pair(tmp_path / "keys", "alice")
+    with pytest.raises(ValueError, match="no secret key"):
+        CurveKeys.load(server_pub, public_file)
+    with pytest.raises(ValueError, match="server_key"):
+        CurveKeys.load(tmp_path / "missing.key", secret_file)
+    with pytest.raises(ValueError, match="needs server_key"):
+        curve_keys(None, secret_file)
+    assert curve_keys(None, None) is None
+    assert curve_keys(keys, None) is keys
+
+
+def test_a_curve_timeout_points_at_the_keys() -> None:
+    assert "allow_dir" not in str(no_reply("tcp://h:1", 2, "hello"))
+    keys = CurveKeys(*(zmq.curve_keypair() + zmq.curve_keypair()[:1]))
+    assert "allow_dir" in str(no_reply("tcp://h:1", 2, "hello", keys))
+
+
+def test_peer_of_a_plain_inproc_frame_is_unknown_and_falls_back_to_the_pid() -> None:
+    context = zmq.Context()
+    try:
+        pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+        pull.bind("inproc://peers-test")
+        push.connect("inproc://peers-test")
+        push.send(b"x")
+        frame = pull.recv(copy=False)
+        assert peer_of(frame) is None
+        assert peer_or_pid(peer_of(frame), 42) == "pid:42"
+        assert peer_or_pid("key:abc", 42) == "key:abc"
+        push.close()
+        pull.close()
+    finally:
+        context.term()
+
+
+def test_sessions_are_counted_per_peer() -> None:
+    sessions = SessionRegistry()
+    a = sessions.open("c", 1, "key:a")
+    sessions.open("c", 2, "key:a")
+    sessions.open("c", 3, "key:b")
+    assert sessions.count_peer("key:a") == 2 and sessions.count_peer("key:b") == 1
+    sessions.close(a.ref.token)
+    assert sessions.count_peer("key:a") == 1
+
+
+def test_object_limit_counts_every_kind_and_spares_the_primary() -> None:
+    driver = SimDriver(device_count=1, memory_per_device=1 << 20)
+    driver.init()
+    state = DeviceState(driver, 0, driver.device_info(0), DeviceLimits(4096, max_objects_per_session=2),
+                        ShareRegistry())
+    session = state.session(SessionRef("t", 1, "unit", 1))
+    state.set_device(session)  # the primary is not counted
+    state.alloc(session, 64, False)
+    state.create_stream(session, False)
+    with pytest.raises(LimitExceeded, match="max_objects_per_session"):
+        state.create_event(session, True)
+    with pytest.raises(LimitExceeded, match="context"):
+        state.create(session, 0)
+    state.close_session(session.ref)
+
+
+def test_group_mode_of_the_ipc_directory_and_socket(tmp_path: Path) -> None:
+    group = grp.getgrgid(os.getgid()).gr_name
+    path = tmp_path / "cuctxd-g" / "d.sock"
+    prepare_ipc(path, group)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o770
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(path))
+        open_ipc_socket(path, group)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+        open_ipc_socket(path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        server.close()
