@@ -24,7 +24,7 @@ from client import requests
 from client.objects import docs_from
 from client.requests import OnDevice, Request
 from client.transport import MAX_IN_FLIGHT, Call
-from protos.errors import CuctxError
+from protos.errors import CuctxError, DaemonTimeout
 
 if TYPE_CHECKING:
     from client.async_client import AsyncClient
@@ -87,9 +87,16 @@ class Pipeline(PipelineOps[Call[Any]]):
         return call
 
     def wait(self) -> None:
-        """Wait for every reply; raise the first error (after all replies are in)."""
+        """Wait for every reply; raise the first error (after all replies are in).
+
+        Once one reply times out the daemon is taken as gone: the calls still open are
+        abandoned at once, so a batch fails within about one timeout, not one per call.
+        """
         first_error: BaseException | None = None
         for call in self._calls:
+            if isinstance(first_error, DaemonTimeout):
+                self.client._transport.abandon(call)
+                continue
             try:
                 call.result()
             except BaseException as exc:
@@ -105,10 +112,8 @@ class Pipeline(PipelineOps[Call[Any]]):
         if exc_type is None:
             self.wait()
         else:
-            for call in self._calls:  # collect replies so none is left for later calls
-                with contextlib.suppress(CuctxError):  # the block's own exception is the one to see
-                    call.result()
-            self._calls.clear()
+            with contextlib.suppress(CuctxError):  # the block's own exception is the one to see
+                self.wait()
 
 
 @docs_from(Pipeline)

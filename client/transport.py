@@ -186,6 +186,7 @@ class Transport:
         self.timeout = timeout
         self.curve = curve
         self._socket: zmq.Socket[bytes] = connect_dealer(zmq.Context.instance(), endpoint, curve)
+        self._socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._in_flight: dict[int, Call[Any]] = {}
@@ -209,13 +210,24 @@ class Transport:
                 raise ConnectionLost("the client is closed", op)
             request_id = next(self._ids)
             header = encode_request(request_id, op, session, args)
-            if payload:
-                self._socket.send_multipart([header, *payload], copy=False)
-            else:
-                self._socket.send(header)
+            try:  # SNDTIMEO bounds a send that cannot leave (no daemon, or its queue is full)
+                if payload:
+                    self._socket.send_multipart([header, *payload], copy=False)
+                else:
+                    self._socket.send(header)
+            except zmq.Again:
+                raise DaemonTimeout(f"could not send to {self.endpoint} within {self.timeout:g} s", op) from None
             call: Call[Any] = Call(self, request_id, op, into, convert)
             self._in_flight[request_id] = call
             return call
+
+    def abandon(self, call: Call[Any]) -> None:
+        """Stop waiting for ``call``: a reply that still comes is dropped like a late one."""
+        with self._lock:
+            self._in_flight.pop(call.request_id, None)
+            if not call.done:
+                abandoned = DaemonTimeout(f"abandoned: an earlier request to {self.endpoint} timed out", call.op)
+                call._resolve(None, [], abandoned)
 
     def in_flight(self) -> int:
         return len(self._in_flight)

@@ -86,6 +86,14 @@ class SharingMixin:
                 self.registry.drop_names(share)
                 self._settle(share)
 
+    def drop_all_shares(self: DeviceState) -> None:
+        """At shutdown, after every session closed: free what published names and orphans kept."""
+        for share in list(self.shares.values()):
+            self.registry.drop_names(share)
+            share.owner_present = False
+            share.holders.clear()
+            self._settle(share)
+
     def _drop_hold(self: DeviceState, state: SessionOnDevice, share_id: str, *, everything: bool) -> None:
         count = 0 if everything else state.holds[share_id] - 1
         if count:

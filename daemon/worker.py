@@ -175,6 +175,10 @@ class DeviceWorker:
             except CuctxError as exc:
                 log.warning("device %d: closing session %d at shutdown: %s",
                             self.device, session.ref.public_id, exc)
+        try:
+            self.state.drop_all_shares()
+        except CuctxError as exc:
+            log.warning("device %d: freeing shared buffers at shutdown: %s", self.device, exc)
         self._socket.close()
 
     def _run_quietly(self, work: Callable[[DeviceState], None]) -> None:

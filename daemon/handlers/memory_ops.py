@@ -33,12 +33,12 @@ def fill(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
     buffer = state.buffer(session, job.args.buffer)
     size = check_range(buffer.size, job.args.offset, job.args.size)
+    stream = state.stream_of(session, job.args.stream)  # checked even when there is nothing to do
     if size:
-        if job.args.stream is None:
+        if stream is None:
             state.activate(buffer.context)
             state.driver.memset_d8(buffer.ptr + job.args.offset, job.args.value, size)
         else:
-            stream = state.stream_of(session, job.args.stream)
             state.driver.memset_d8_async(buffer.ptr + job.args.offset, job.args.value, size, stream)
     return Reply({"size": size})
 
@@ -49,6 +49,8 @@ def write(state: DeviceState, job: Job) -> Reply | Pending:
     buffer = state.buffer(session, job.args.buffer)
     data = memoryview(job.payload[0])
     size = check_range(buffer.size, job.args.offset, data.nbytes)
+    if job.args.stream is not None:
+        state.stream(session, job.args.stream)  # checked even when there is nothing to do
     if not size:
         return Reply({"size": 0})
     if job.args.stream is None:
@@ -70,6 +72,8 @@ def read(state: DeviceState, job: Job) -> Reply | Pending:
     if size > state.limits.max_payload:
         raise TooLarge(f"a read of {size} bytes exceeds the payload limit of {state.limits.max_payload}")
     out = bytearray(size)
+    if job.args.stream is not None:
+        state.stream(session, job.args.stream)  # checked even when there is nothing to do
     if not size:
         return Reply({"size": 0}, [out])
     if job.args.stream is None:
@@ -100,12 +104,12 @@ def copy(state: DeviceState, job: Job) -> Reply | Forward:
     if dst_device == job.device:
         dst = state.buffer(session, args.dst)
         check_range(dst.size, args.dst_offset, size)
+        stream = state.stream_of(session, args.stream)  # checked even when there is nothing to do
         if size:
-            if args.stream is None:
+            if stream is None:
                 state.activate(src.context)
                 state.driver.memcpy_dtod(dst.ptr + args.dst_offset, src.ptr + args.src_offset, size)
             else:
-                stream = state.stream_of(session, args.stream)
                 state.driver.memcpy_dtod_async(dst.ptr + args.dst_offset, src.ptr + args.src_offset, size, stream)
         return Reply({"size": size})
     if args.stream is not None:

@@ -336,7 +336,7 @@ class Expected:
     args: Mapping[Any, Any] | None = None
 
 
-def _valid_id(value: Any) -> bool:
+def valid_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_HANDLE
 
 
@@ -394,7 +394,7 @@ def expect(header: Any, payload_sizes: Sequence[int], world: World) -> Expected:
     if not isinstance(header, dict):
         return Expected(0, bad_request)
     rid = header.get("id")
-    if not _valid_id(rid):
+    if not valid_id(rid):
         return Expected(0, bad_request)
     name = header.get("op")
     if not isinstance(name, str):

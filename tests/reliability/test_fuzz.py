@@ -25,6 +25,8 @@ as many at random (``CUCTXD_SOAK_FACTOR`` changes the factor).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +58,7 @@ from tests.reliability.strategies import (
     request_plans,
     shape_problem,
     soak_mode,
+    valid_id,
 )
 
 MAX_PAYLOAD = 64 * 1024
@@ -169,11 +172,30 @@ class Harness:
     """The fuzzing DEALER, the probe session on it, and what the oracle knows (one per module)."""
 
     def __init__(self, endpoint: str, bystander: Bystander) -> None:
+        self.endpoint = endpoint
         self.peer = RawPeer(endpoint)
         self.probe = self.peer.hello()
         self.world = World(DEVICES, MAX_PAYLOAD, {self.probe: 0})
         self.bystander = bystander
         self.examples = 0
+
+    @contextlib.contextmanager
+    def resets_on_failure(self, token: str | None = None) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.reset(token)
+            raise
+
+    def reset(self, token: str | None) -> None:
+        """After a failed example: a fresh connection (replies still due go to the old one, so they
+        cannot be mistaken for the next example's), and the failed example's session ended."""
+        self.peer.close()
+        self.peer = RawPeer(self.endpoint)
+        if token is not None and token in self.world.current_device:
+            self.world.current_device.pop(token)
+            self.peer.call("goodbye", {}, token)
+        self.release_orphans()
 
     def roundtrip(self, frames: Sequence[bytes], expected: Expected, kind: str) -> tuple[dict[str, Any], list[bytes]]:
         """Send one input; its one reply must come in time, be well formed and match the oracle."""
@@ -193,14 +215,16 @@ class Harness:
         return header, payload
 
     def after_example(self) -> None:
-        """Nothing else is queued for us, the daemon answers ping, the probe is untouched."""
+        """Nothing else is queued for us, the daemon answers ping, the probe is untouched, and every
+        context alive on each device can still be synchronized (none is left half-destroyed)."""
         stacks = {self.peer.send("context_stack", {"device": d}, self.probe): d for d in range(DEVICES)}
-        waiting = {*stacks, self.peer.send("ping")}
+        syncs = {self.peer.send("device_synchronize", {"device": d}, self.probe): d for d in range(DEVICES)}
+        waiting = {*stacks, *syncs, self.peer.send("ping")}
         while waiting:
             header, _ = self.peer.recv(REPLY_DEADLINE)
             assert header.get("id") in waiting, f"a reply no request was waiting for: {header!r}"
             waiting.discard(header["id"])
-            assert header["ok"] is True, header
+            assert header["ok"] is True, f"after the example: {header}"
             if header["id"] in stacks:
                 assert header["result"]["stack"] == [], "the probe's context stack changed"
         self.examples += 1
@@ -408,6 +432,20 @@ class FuzzSession:
         self.h.after_example()
 
 
+@contextlib.contextmanager
+def fuzz_session(harness: Harness) -> Iterator[FuzzSession]:
+    """A fresh fuzz session, closed and checked after the example; after a failure the harness is
+    reset instead, so that one failure cannot make the examples hypothesis tries next fail too."""
+    session: FuzzSession | None = None
+    try:
+        session = FuzzSession(harness)
+        yield session
+    except BaseException:
+        harness.reset(None if session is None else session.token)
+        raise
+    session.close()
+
+
 # --- the tests -------------------------------------------------------------------------------------
 
 
@@ -416,8 +454,9 @@ def test_random_header_frames_and_multipart_messages(harness: Harness) -> None:
     @given(header=garbage_headers, payload=st.lists(payload_junk, max_size=4))
     def one_message(header: bytes, payload: list[bytes]) -> None:
         frames = [header, *payload]
-        harness.roundtrip(frames, expect_frames(frames, harness.world), "fuzz: random frames")
-        harness.after_example()
+        with harness.resets_on_failure():
+            harness.roundtrip(frames, expect_frames(frames, harness.world), "fuzz: random frames")
+            harness.after_example()
 
     one_message()
     harness.bystander.check()
@@ -428,8 +467,9 @@ def test_random_msgpack_values_as_headers(harness: Harness) -> None:
     @given(value=st.one_of(msgpack_values, header_like, header_like), payload=st.lists(payload_junk, max_size=2))
     def one_header(value: Any, payload: list[bytes]) -> None:
         frames = [pack(value), *payload]
-        harness.roundtrip(frames, expect_frames(frames, harness.world), "fuzz: msgpack headers")
-        harness.after_example()
+        with harness.resets_on_failure():
+            harness.roundtrip(frames, expect_frames(frames, harness.world), "fuzz: msgpack headers")
+            harness.after_example()
 
     one_header()
     harness.bystander.check()
@@ -451,14 +491,17 @@ def test_mutated_requests_of_every_op(harness: Harness) -> None:
 
 
 def test_a_pipelined_burst_of_mutated_requests_gets_one_reply_each(harness: Harness) -> None:
-    """Sent without waiting: replies may come in any order, but each request gets exactly its own one."""
+    """Sent without waiting: replies may come in any order, but each request gets exactly its own one.
+    (Only requests whose header has no readable id share a reply id, 0; they differ in nothing else.)"""
     @fuzz_settings(200)
     @given(plans=st.lists(request_plans, min_size=10, max_size=BURST))
     def one_burst(plans: list[RequestPlan]) -> None:
-        session = FuzzSession(harness)
-        try:
+        with fuzz_session(harness) as session:
             waiting: dict[int, list[tuple[Expected, int | None, list[bytes]]]] = {}
+            opened: list[str] = []
             for plan in plans:
+                if plan.id[0] == "raw" and valid_id(plan.id[1]):
+                    plan = dataclasses.replace(plan, id=("fresh",))  # in flight together, ids must differ
                 frames = session.frames(plan)
                 expected, device_now = session.predict(frames)
                 INPUTS["fuzz: pipelined requests"] += 1
@@ -475,9 +518,9 @@ def test_a_pipelined_burst_of_mutated_requests_gets_one_reply_each(harness: Harn
                 if expected.error is None:
                     session.check(expected, device_now, header, payload, frames)
                     if header["ok"] and expected.spec is not None and expected.spec.name == "hello":
-                        harness.call("goodbye", {}, header["result"]["session"])
-        finally:
-            session.close()
+                        opened.append(header["result"]["session"])
+            for token in opened:  # sessions the fuzz opened by chance, ended once no reply is due
+                harness.call("goodbye", {}, token)
 
     one_burst()
     harness.bystander.check()
@@ -489,8 +532,7 @@ def test_a_pipelined_burst_of_mutated_requests_gets_one_reply_each(harness: Harn
 def test_a_transfer_naming_a_stream_not_of_this_session_fails(harness: Harness, op: str, size: int,
                                                               stream: str) -> None:
     """Also when there is nothing to move: a stream handle is checked like any handle (UNKNOWN_HANDLE)."""
-    session = FuzzSession(harness)
-    try:
+    with fuzz_session(harness) as session:
         buffer, device = session.own["buffer"][0]
         handle = harness.bystander.handles["stream"][0][0] if stream == "bystander's" else 0x1234_5679
         args: dict[str, Any] = {"device": device, "stream": handle}
@@ -504,8 +546,50 @@ def test_a_transfer_naming_a_stream_not_of_this_session_fails(harness: Harness, 
         header, _ = harness.roundtrip(frames, expected, "fuzz: fixed requests")
         assert header["ok"] is False and header["error"]["name"] == "CUCTXD_ERROR_UNKNOWN_HANDLE", (
             f"{op} of {size} bytes on {stream} stream {handle:#x}: {header}")
-    finally:
-        session.close()
+
+
+def _wait_then_destroy(peer: RawPeer, case: str, waiter: str, other: str) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The two requests of a case: one that waits, and one, sent right after it, that ends something."""
+    if case == "device_synchronize, then another session's goodbye":
+        peer.ok("create_context", {"device": 0}, other)
+        return ("device_synchronize", {"device": 0}, waiter), ("goodbye", {}, other)
+    if case == "device_synchronize, then another session's destroy_context":
+        context = peer.ok("create_context", {"device": 0}, other)[0]["context"]["handle"]
+        return ("device_synchronize", {"device": 0}, waiter), ("destroy_context", {"context": context, "device": 0},
+                                                               other)
+    context = peer.ok("create_context", {"device": 0}, waiter)[0]["context"]["handle"]
+    destroy = ("destroy_context", {"context": context, "device": 0}, waiter)
+    if case == "synchronize, then destroy_context of the current context":
+        return ("synchronize", {"device": 0}, waiter), destroy
+    stream = peer.ok("create_stream", {"device": 0}, waiter)[0]["stream"]
+    buffer = peer.ok("alloc", {"size": BUFFER_SIZE, "device": 0}, waiter)[0]["buffer"]["handle"]
+    return ("write", {"buffer": buffer, "stream": stream, "device": 0}, waiter, [bytes(BUFFER_SIZE)]), destroy
+
+
+@pytest.mark.parametrize("case", [
+    "device_synchronize, then another session's goodbye",
+    "device_synchronize, then another session's destroy_context",
+    "synchronize, then destroy_context of the current context",
+    "write on a stream, then destroy_context of the stream's context",
+])
+def test_a_waiting_op_is_not_failed_by_a_context_destroyed_after_it(harness: Harness, case: str) -> None:
+    """Found by the pipelined fuzz. A waiting op covers the work queued before it (PROTOCOL.md section 3);
+    a context destroyed by a later request (even another session's) must not turn it into an error,
+    as it would not if the two requests had been sent one at a time."""
+    with harness.resets_on_failure():
+        peer = harness.peer
+        waiter, other = peer.hello(), peer.hello()
+        first, second = _wait_then_destroy(peer, case, waiter, other)
+        ids = [peer.send(*first), peer.send(*second)]
+        replies = {}
+        for _ in ids:
+            header, _ = peer.recv(REPLY_DEADLINE)
+            replies[header["id"]] = header
+        assert replies[ids[1]]["ok"] is True, replies[ids[1]]
+        assert replies[ids[0]]["ok"] is True, f"{first[0]} failed because of a later {second[0]}: {replies[ids[0]]}"
+        for token in (waiter, other):
+            peer.call("goodbye", {}, token)
+        harness.after_example()
 
 
 def test_after_the_fuzz_only_the_bystanders_state_is_left(harness: Harness) -> None:
