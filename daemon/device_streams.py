@@ -137,7 +137,11 @@ class StreamsMixin:
         return markers
 
     def markers_done(self: DeviceState, markers: list[Marker]) -> bool:
+        """True once every marker has passed; a marker whose context has ended counts as
+        passed (its work ended with it) and is never touched again."""
         for context, event in markers:
+            if context.context_id in self.ended_contexts:
+                continue
             self.activate(context)
             if not self.driver.event_query(event):
                 return False
@@ -145,10 +149,12 @@ class StreamsMixin:
 
     def recycle_markers(self: DeviceState, markers: list[Marker]) -> None:
         for context, event in markers:
-            self.spare_markers.setdefault(context.context_id, []).append(event)
+            if context.context_id not in self.ended_contexts:  # an ended context took its events along
+                self.spare_markers.setdefault(context.context_id, []).append(event)
 
     def forget_context_objects(self: DeviceState, context: SessionContext) -> None:
         """Before a context goes away: drop its spare markers and destroy its pool."""
+        self.ended_contexts.add(context.context_id)
         self.activate(context)
         for event in self.spare_markers.pop(context.context_id, []):
             self.driver.event_destroy(event)
