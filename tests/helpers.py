@@ -60,10 +60,17 @@ def short_tempdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="cuctxd-t-", dir="/tmp"))
 
 
-def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0) -> DaemonProcess:
-    """Start ``python -m daemon`` and return once it prints that it is listening."""
-    socket_dir = short_tempdir()
-    endpoint = f"ipc://{socket_dir}/d.sock"
+def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
+                 endpoint: str | None = None) -> DaemonProcess:
+    """Start ``python -m daemon`` and return once it prints that it is listening.
+
+    ``endpoint``: an ipc:// endpoint to reuse (a restart on the same socket); default a new one.
+    """
+    if endpoint is None:
+        socket_dir = short_tempdir()
+        endpoint = f"ipc://{socket_dir}/d.sock"
+    else:
+        socket_dir = Path(endpoint[len("ipc://"):]).parent
     env = client_env()
     process = subprocess.Popen(
         [sys.executable, "-m", "daemon", "--endpoint", endpoint, "--backend", backend, *extra],

@@ -20,9 +20,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +30,7 @@ import pytest
 
 from client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
 from protos.sim_ipc import decode_handle
-from tests.helpers import READY_LINE, REPO, DaemonProcess, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
 
 MiB = 1 << 20
 LEASE_TTL = 1.5
@@ -140,38 +137,9 @@ def test_a_client_killed_mid_transfer_is_reaped_and_its_memory_returns(lease_dae
 # --- the daemon killed and restarted -----------------------------------------------------------------------
 
 
-def start_daemon_at(endpoint: str, *extra: str, ready_timeout: float = 30.0) -> DaemonProcess:
-    """Like ``tests.helpers.start_daemon``, but on a given endpoint (so that a restart can reuse it)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "daemon", "--endpoint", endpoint, "--backend", "sim", "--sim-devices", "2",
-         "--sim-memory", "64MiB", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-    )
-    daemon = DaemonProcess(process, endpoint, Path(endpoint[len("ipc://"):]).parent)
-    ready = threading.Event()
-
-    def pump_stdout() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            if READY_LINE in line:
-                ready.set()
-
-    def pump_stderr() -> None:
-        assert process.stderr is not None
-        for line in process.stderr:
-            daemon.stderr_lines.append(line)
-
-    daemon.pumps = [threading.Thread(target=pump_stdout, daemon=True),
-                    threading.Thread(target=pump_stderr, daemon=True)]
-    for pump in daemon.pumps:
-        pump.start()
-    if not ready.wait(ready_timeout):
-        process.kill()
-        process.wait()
-        daemon.close_pipes()
-        raise AssertionError(f"cuctxd did not become ready in {ready_timeout} s:\n{daemon.log()}")
-    return daemon
+def start_daemon_at(endpoint: str, *extra: str) -> DaemonProcess:
+    """A sim daemon on a given endpoint, so that a restart can reuse it."""
+    return start_daemon("--sim-devices", "2", "--sim-memory", "64MiB", *extra, endpoint=endpoint)
 
 
 def kill(daemon: DaemonProcess) -> None:
