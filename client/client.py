@@ -65,6 +65,8 @@ class Client(SessionState):
 
     def _run(self, operation: Request[T] | Plan[T]) -> T:
         """Run one request, or every step of a plan, on this thread."""
+        if isinstance(operation, Request):  # the common case, without a plan's generator
+            return self._send(operation).result(operation.timeout)
         run = Run(operation)
         while run.step is not None:
             run.resume(self._execute(run.step))
