@@ -3,17 +3,19 @@
 A new :class:`Client` is like a new CUDA host thread: no current context on any
 device until :meth:`Client.set_device`, :meth:`Client.create_context`, or a
 runtime-style call (``alloc``, ``synchronize``, ``mem_get_info`` ...) binds the
-device's primary context. Calls are thread-safe (serialised on one socket).
+device's primary context. Calls are thread-safe (serialised per socket).
 Each method builds its request (or plan) in :mod:`client.requests` and runs it
 here; :class:`~client.async_client.AsyncClient` awaits the very same ones.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, TypeVar
 
 from client import requests
+from client.lanes import FRONT, Lanes, Route, lane_endpoints
 from client.lease import Heartbeat
 from client.objects import Buffer, Context
 from client.pipeline import Pipeline
@@ -46,19 +48,30 @@ class Client(SessionState):
     the daemon's ``allow_dir``. A daemon refusing the keys never answers, so a
     key problem shows as :class:`~protos.errors.DaemonTimeout` saying so. A bad
     key file raises ValueError at once.
+
+    Device ops go straight to each device's own endpoint when the daemon offers
+    them (:mod:`client.lanes`); ``device_endpoints=False`` sends everything
+    through the main endpoint.
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  name: str | None = None, heartbeat: bool = True, server_key: KeyPath | CurveKeys | None = None,
-                 client_key: KeyPath | None = None) -> None:
+                 client_key: KeyPath | None = None, device_endpoints: bool = True) -> None:
         self.endpoint = client_endpoint(endpoint)
         self.curve = curve_keys(server_key, client_key)
         self._transport = Transport(self.endpoint, timeout, self.curve)
+        self._lanes = Lanes([])
+        self._lane_transports: dict[int, Transport] = {}
+        self._route_lock = threading.RLock()
         try:
-            token = self._adopt(self._run(requests.hello(name)))
+            hello = self._run(requests.hello(name))
         except BaseException:
             self._transport.close()
             raise
+        token = self._adopt(hello)
+        if device_endpoints:
+            self._lanes = Lanes(lane_endpoints(self.endpoint, hello.get("endpoints", ()),
+                                               hello.get("device_endpoints", ())))
         self._heartbeat = Heartbeat(self.endpoint, token, self.lease_ttl, self.curve) if heartbeat else None
 
     # --- plumbing -------------------------------------------------------------------
@@ -80,8 +93,29 @@ class Client(SessionState):
         return self._send(step).result(step.timeout)
 
     def _send(self, request: Request[T]) -> Call[T]:
-        return self._transport.send(request.op, request.args, self._token, request.payload, into=request.into,
-                                    convert=request.convert)
+        """Send on the request's lane (:mod:`client.lanes`), once what it must follow has been answered."""
+        with self._route_lock:
+            route = self._lanes.route(request.op, request.args)
+            transport = self._transport if route.lane == FRONT else self._lane_transport(route.lane)
+            if self._lane_transports:
+                self._wait_for_conflicts(route)
+            return transport.send(request.op, request.args, self._token, request.payload, into=request.into,
+                                  convert=request.convert, reach=route.reach)
+
+    def _lane_transport(self, device: int) -> Transport:
+        transport = self._lane_transports.get(device)
+        if transport is None:
+            transport = Transport(self._lanes.endpoints[device], self._transport.timeout, self.curve)
+            self._lane_transports[device] = transport
+        return transport
+
+    def _wait_for_conflicts(self, route: Route) -> None:
+        lanes = [(FRONT, self._transport), *self._lane_transports.items()]
+        for lane, transport in lanes:
+            calls = transport.in_flight()
+            if calls and Lanes.conflicts(route, lane, (call.reach for call in calls)):
+                for call in calls:
+                    transport.wait(call)
 
     def pipeline(self) -> Pipeline:
         """Send memory ops without waiting for each reply (see :mod:`client.pipeline`)."""
@@ -100,6 +134,8 @@ class Client(SessionState):
         finally:
             self._token = None
             self._transport.close()
+            for transport in self._lane_transports.values():
+                transport.close()
 
     def __enter__(self) -> Client:
         return self

@@ -77,11 +77,7 @@ class Pipeline(PipelineOps[Call[Any]]):
         self._calls: list[Call[Any]] = []
 
     def send(self, request: Request[Any]) -> Call[Any]:
-        """Send any request now; at most :data:`MAX_IN_FLIGHT` wait for replies at once."""
-        transport = self.client._transport
-        while transport.in_flight() >= MAX_IN_FLIGHT:
-            oldest = next(c for c in self._calls if not c.done)
-            transport.wait(oldest)
+        """Send any request now; at most :data:`MAX_IN_FLIGHT` wait for replies at once on each socket."""
         call = self.client._send(request)
         self._calls.append(call)
         return call
@@ -95,7 +91,7 @@ class Pipeline(PipelineOps[Call[Any]]):
         first_error: BaseException | None = None
         for call in self._calls:
             if isinstance(first_error, DaemonTimeout):
-                self.client._transport.abandon(call)
+                call.transport.abandon(call)
                 continue
             try:
                 call.result()

@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import zmq
 import zmq.auth
 
+from client.lanes import Reach
 from protos.errors import ConnectionLost, CuctxError, DaemonTimeout, error_from_wire
 from protos.messages import ReplyHeader, encode_request, parse_reply
 
@@ -150,11 +151,13 @@ class Call(Generic[T]):
     """A request in flight; :meth:`result` waits for its reply (and reads others on the way)."""
 
     def __init__(self, transport: Transport, request_id: int, op: str, into: Any,
-                 convert: Callable[[dict[str, Any], list[Any]], T]) -> None:
+                 convert: Callable[[dict[str, Any], list[Any]], T], reach: Reach = None) -> None:
         self.transport = transport
         self.request_id = request_id
         self.op = op
         self.into = into
+        #: The devices the request touches (None: all), for ordering across lanes (:mod:`client.lanes`).
+        self.reach = reach
         self._convert = convert
         self.done = False
         self._result: dict[str, Any] = {}
@@ -203,11 +206,15 @@ class Transport:
         return self.send(op, args, session, payload, into=into).result(timeout)
 
     def send(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any] = (), *,
-             into: Any = None, convert: Callable[[dict[str, Any], list[Any]], Any] = _raw) -> Call[Any]:
-        """Send a request without waiting for its reply."""
+             into: Any = None, convert: Callable[[dict[str, Any], list[Any]], Any] = _raw,
+             reach: Reach = None) -> Call[Any]:
+        """Send a request without waiting for its reply; with :data:`MAX_IN_FLIGHT` waiting, first
+        wait for the oldest."""
         with self._lock:
             if self._closed:
                 raise ConnectionLost("the client is closed", op)
+            while len(self._in_flight) >= MAX_IN_FLIGHT:
+                self.wait(next(iter(self._in_flight.values())))
             request_id = next(self._ids)
             header = encode_request(request_id, op, session, args)
             try:  # SNDTIMEO bounds a send that cannot leave (no daemon, or its queue is full)
@@ -217,7 +224,7 @@ class Transport:
                     self._socket.send(header)
             except zmq.Again:
                 raise DaemonTimeout(f"could not send to {self.endpoint} within {self.timeout:g} s", op) from None
-            call: Call[Any] = Call(self, request_id, op, into, convert)
+            call: Call[Any] = Call(self, request_id, op, into, convert, reach)
             self._in_flight[request_id] = call
             return call
 
@@ -229,8 +236,9 @@ class Transport:
                 abandoned = DaemonTimeout(f"abandoned: an earlier request to {self.endpoint} timed out", call.op)
                 call._resolve(None, [], abandoned)
 
-    def in_flight(self) -> int:
-        return len(self._in_flight)
+    def in_flight(self) -> list[Call[Any]]:
+        """The calls sent and not answered yet, oldest first."""
+        return list(self._in_flight.values())
 
     def wait(self, call: Call[Any], timeout: float | None = None) -> None:
         """Read replies until ``call``'s has come; :class:`DaemonTimeout` after ``timeout`` s."""

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="free a published buffer whose owner left after this long without a consumer (default 600)")
     add("--sim-fault", type=_flag_type("sim_fault"), metavar="DEV:CALLS:ERROR",
         help="testing aid (sim backend only): device DEV turns sticky with ERROR after CALLS more calls")
+    add("--device-endpoints", action=argparse.BooleanOptionalAction,
+        help="give each device its own socket next to each endpoint, so device ops skip a thread hand-off "
+             "(default on; --no-device-endpoints when only the one socket or port may be used)")
     add("--metrics-port", type=_flag_type("metrics_port"), metavar="PORT",
         help="serve Prometheus metrics on this port (default 0: off; needs the 'metrics' extra)")
     add("--metrics-host", type=_flag_type("metrics_host"), metavar="ADDRESS",

@@ -98,6 +98,8 @@ class DaemonConfig:
     max_objects_per_session: int = 0
     orphan_ttl: float = DEFAULT_ORPHAN_TTL
     sim_fault: str | None = None
+    #: Give each device its own ROUTER next to every endpoint (:mod:`daemon.lane`), told to clients in hello.
+    device_endpoints: bool = True
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

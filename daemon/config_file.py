@@ -188,6 +188,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("max_objects_per_session", _integer(0), _int_text),
     Key("orphan_ttl", _seconds, _number_text),
     Key("sim_fault", _sim_fault),
+    Key("device_endpoints", _boolean),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"

@@ -18,6 +18,18 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
 
 
+def lane_endpoint(endpoint: str, device: int) -> str:
+    """Where device ``device``'s own ROUTER binds next to the front's ``endpoint``.
+
+    ipc: the socket file plus ``-dev<N>``, in the same private directory; tcp:
+    the same host, a port of the kernel's choosing.
+    """
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://"):].rpartition(":")[0]
+        return f"tcp://{host}:*"
+    return f"{endpoint}-dev{device}"
+
+
 class EndpointInUse(RuntimeError):
     """Another daemon already answers on this ipc:// socket."""
 

@@ -4,7 +4,8 @@ Requests enter here (:meth:`Front.serve`), are decoded and checked against
 ``protos`` (:meth:`Front._handle`), and either answered on this thread (front
 ops) or queued to the device's worker as a :class:`~daemon.jobs.Job`. Workers
 send their replies over inproc to the PULL socket polled here, and they leave
-through the ROUTER. Garbage gets an error reply, or is dropped and logged when
+through the ROUTER. (Device ops a client sends to a device's own endpoint never
+pass here: :mod:`daemon.lane`.) Garbage gets an error reply, or is dropped and logged when
 it cannot even be addressed; nothing a client sends can stop this loop.
 """
 
@@ -14,50 +15,23 @@ import logging
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import zmq
 
 from daemon.device_state import DeviceState
 from daemon.front_state import FrontState
 from daemon.handlers import FRONT_HANDLERS
+from daemon.intake import Admitted, admit, device_of
 from daemon.jobs import Job
 from daemon.observe import RequestObserver
-from daemon.peers import peer_of
 from daemon.replies import FanOut, Gather, Reply
-from daemon.sessions import Session
+from daemon.router_io import BATCH, readable, recv_request, send_reply
 from daemon.worker import DeviceWorker
-from protos.cuda_results import CUresult
-from protos.errors import (
-    BadRequest,
-    CuctxError,
-    CudaError,
-    InternalError,
-    SessionExpired,
-    ShuttingDown,
-    TooLarge,
-    UnknownSession,
-)
-from protos.messages import RequestHeader, encode_error, encode_result, parse_request, request_id_of, unpack
-from protos.schema import OpSpec, decode_args
+from protos.errors import CuctxError, InternalError
+from protos.messages import encode_error, encode_result, parse_request, request_id_of, unpack
 
 log = logging.getLogger(__name__)
-
-#: Requests taken off the ROUTER per poll wake-up before replies get a turn.
-_BATCH = 64
-
-
-# Plain ints: pyzmq's flag enums cost a Python-level enum operation on every use.
-_NOBLOCK = int(zmq.NOBLOCK)
-_NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-
-
-def _readable(socket: zmq.Socket[Any]) -> bool:
-    """A message is waiting (checking EVENTS is far cheaper than a NOBLOCK recv raising Again)."""
-    return bool(cast(int, socket.getsockopt(_EVENTS)) & _POLLIN)
 
 
 class Front:
@@ -115,48 +89,34 @@ class Front:
 
     def _forward_replies(self) -> None:
         replies = self.replies
-        while _readable(replies):
+        while readable(replies):
             frames = replies.recv_multipart(copy=False)
             if self.observer is not None:
                 self.observer.replied(frames)
             self._send(frames, copy=False)
 
     def _take_requests(self) -> None:
-        router = self.router
-        for _ in range(_BATCH):
-            # Identity and header are small: plain bytes are cheaper than Frames. Payload
-            # frames stay zero-copy all the way to the driver call.
-            if not _readable(router):
+        router, want_peer = self.router, bool(self.state.config.max_sessions_per_peer)
+        for _ in range(BATCH):
+            if not readable(router):
                 return
-            identity = router.recv()
-            if not router.getsockopt(_RCVMORE):
-                log.warning("dropped a message of 1 frame: no header to answer")
-                continue
-            peer = None
-            if self.state.config.max_sessions_per_peer:  # a Frame, to read who sent it (daemon.peers)
-                header_frame = router.recv(copy=False)
-                header, peer = header_frame.bytes, peer_of(header_frame)
-            else:
-                header = router.recv()
-            payload = []
-            while router.getsockopt(_RCVMORE):
-                payload.append(router.recv(copy=False))
-            self._handle(identity, header, payload, peer)
+            message = recv_request(router, want_peer)
+            if message is not None:
+                self._handle(*message)
 
     def _handle(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame],
                 peer: str | None = None) -> None:
         request_id = 0
         op_name = "?"
         outcome = "ok"
-        started = time.perf_counter() if self.observer is not None else 0.0
+        started = time.perf_counter()
         try:
             header = unpack(header_bytes)
             request_id = request_id_of(header)
             request = parse_request(header)
             op_name = request.spec.name
-            self.state.requests_served += 1
             self.state.request_peer = peer
-            self._dispatch(identity, request, payload)
+            self._dispatch(identity, admit(self.state, request, payload), payload, started)
         except CuctxError as exc:
             outcome = exc.name
             log.debug("request %d (%s) failed: %s", request_id, op_name, exc)
@@ -169,13 +129,9 @@ class Front:
         if self.observer is not None:
             self.observer.handled(identity, request_id, op_name, outcome, started)
 
-    def _dispatch(self, identity: bytes, request: RequestHeader, payload: Sequence[zmq.Frame]) -> None:
-        if self.state.draining:
-            raise ShuttingDown("cuctxd is shutting down and takes no new requests; retry once it is back")
+    def _dispatch(self, identity: bytes, admitted: Admitted, payload: Sequence[zmq.Frame], started: float) -> None:
+        request, session, args = admitted.request, admitted.session, admitted.args
         spec = request.spec
-        session = self._session_of(request)
-        self._check_payload(spec, payload)
-        args = decode_args(spec, request.args)
         if spec.target == "front":
             outcome = FRONT_HANDLERS[spec.name](self.state, session, args)
             if isinstance(outcome, FanOut):
@@ -187,43 +143,9 @@ class Front:
                     self.workers[task.device].run(task.run)
             return
         assert session is not None
-        device = session.current_device if args.device is None else args.device
-        for named in (device, getattr(args, "dst_device", None)):
-            if named is not None and named >= len(self.workers):
-                raise CudaError.of(
-                    CUresult.CUDA_ERROR_INVALID_DEVICE,
-                    f"device {named}; this daemon serves {len(self.workers)} device(s)",
-                )
-        if spec.name == "set_device":  # cudaSetDevice changes the session's current device
-            session.current_device = device
-        job = Job(identity, request.id, spec, args, session.ref, device, payload)
+        device = device_of(spec, session, args, len(self.workers))
+        job = Job(identity, request.id, spec, args, session.ref, device, payload, received=started)
         self.workers[device].submit(job)
-
-    def _session_of(self, request: RequestHeader) -> Session | None:
-        if not request.spec.needs_session:
-            return None
-        if request.session is None:
-            raise UnknownSession(f"{request.spec.name} needs a session: send hello first")
-        session = self.state.sessions.get(request.session)
-        if session is None:
-            if self.state.sessions.was_expired(request.session):
-                raise SessionExpired(
-                    f"the session's lease ran out ({self.state.config.lease_ttl:g} s without a request "
-                    "or heartbeat) and the daemon freed its contexts and memory; open a new session"
-                )
-            raise UnknownSession("unknown or closed session; open a new one with hello")
-        session.last_seen = time.monotonic()
-        return session
-
-    def _check_payload(self, spec: OpSpec, payload: Sequence[zmq.Frame]) -> None:
-        expected = 1 if spec.payload_in else 0
-        if len(payload) != expected:
-            raise BadRequest(f"{spec.name} takes {expected} payload frame(s), got {len(payload)}")
-        for frame in payload:
-            if len(frame) > self.state.config.max_payload:
-                raise TooLarge(
-                    f"payload of {len(frame)} bytes exceeds the limit of {self.state.config.max_payload}"
-                )
 
     def _fan_out(self, identity: bytes, request_id: int, fan_out: FanOut) -> None:
         if not self.workers:
@@ -235,13 +157,4 @@ class Front:
             worker.fan_out(identity, request_id, gather, fan_out)
 
     def _send(self, frames: Sequence[Any], *, copy: bool = True) -> None:
-        router, last = self.router, len(frames) - 1
-        try:
-            for index, frame in enumerate(frames):
-                router.send(frame, _NOBLOCK_MORE if index < last else _NOBLOCK, copy=copy)
-        except zmq.Again:
-            log.warning("dropped a reply: the client is not reading (send queue full)")
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            log.debug("dropped a reply to a client that has gone away")
+        send_reply(self.router, frames, copy=copy)

@@ -13,7 +13,7 @@ from protos.records import DeviceInfo
 
 @dataclass
 class FrontState:
-    """Owned by the front thread; device workers never see it."""
+    """Owned by the front thread; device workers' lanes read it (:mod:`daemon.intake`)."""
 
     config: DaemonConfig
     backend: str
@@ -21,8 +21,11 @@ class FrontState:
     shares: ShareRegistry
     sessions: SessionRegistry = field(default_factory=SessionRegistry)
     sessions_reaped: int = 0
+    #: The endpoints the front's ROUTER bound, and per device those its own ROUTER bound next to each
+    #: (same order; empty when ``device_endpoints`` is off); both told to clients in hello.
+    endpoints: list[str] = field(default_factory=list)
+    device_endpoints: list[list[str]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
-    requests_served: int = 0
     #: Set by the daemon when a shutdown starts: every new request is answered ShuttingDown.
     draining: bool = False
     #: Who sent the request being handled, when its frames say (:mod:`daemon.peers`); set by the front.

@@ -14,8 +14,11 @@ from protos.schema import OpSpec
 class Job:
     """Everything a device handler needs; immutable, so handing it across threads is safe.
 
-    ``device`` is resolved by the front (the op's ``device`` argument, else the
+    ``device`` is resolved on receipt (the op's ``device`` argument, else the
     session's current device). ``payload`` holds the request's raw frames.
+    ``lane``: the device whose own ROUTER received the request and must send the
+    reply (:mod:`daemon.lane`); None when it came through the front.
+    ``received``: ``time.perf_counter()`` on arrival, for the request's latency.
     """
 
     identity: bytes
@@ -25,3 +28,5 @@ class Job:
     session: SessionRef
     device: int
     payload: Sequence[Any] = ()
+    lane: int | None = None
+    received: float = 0.0

@@ -75,7 +75,7 @@ class DaemonMetrics:
         self._server: Any = None
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
-        """Front thread: one finished request."""
+        """One finished request; any thread (``labels`` gives every caller the same child series)."""
         counter = self._requests.get((op, outcome))
         if counter is None:
             counter = self._requests[(op, outcome)] = self.requests.labels(op, outcome)

@@ -4,8 +4,10 @@
 the end of ``Front._handle`` (every request; front ops and failures are
 finished there) and where worker replies are forwarded (device ops finish
 there, so their latency runs from the request's arrival to its reply leaving).
-:class:`ObservedSessions` is the session registry that logs every session
-opened and closed and counts reaps. Both run on the front thread only.
+Device lanes (:mod:`daemon.lane`) call :meth:`RequestObserver.finished` from
+their worker threads as each reply leaves; it only logs and updates thread-safe
+metrics. :class:`ObservedSessions` is the session registry that logs every
+session opened and closed and counts reaps, on the front thread.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class RequestObserver:
                 self._pending.pop(next(iter(self._pending)))
             self._pending[(identity, request_id)] = (op, started)
             return
-        self._finish(op, outcome, started, request_id)
+        self.finished(op, outcome, started, request_id)
 
     def replied(self, frames: Sequence[Any]) -> None:
         """A worker's reply ``[identity, header, *payload]`` is about to leave."""
@@ -68,14 +70,15 @@ class RequestObserver:
             return  # a fan-out reply (status, goodbye): counted when the front handled it
         error = header.get("error")
         outcome = OK if header.get("ok") else str(error.get("name", "UNKNOWN") if isinstance(error, dict) else "?")
-        self._finish(entry[0], outcome, entry[1], request_id)
+        self.finished(entry[0], outcome, entry[1], request_id)
 
     @property
     def in_flight(self) -> int:
         """Device requests queued or running whose reply has not left yet."""
         return len(self._pending)
 
-    def _finish(self, op: str, outcome: str, started: float, request_id: int) -> None:
+    def finished(self, op: str, outcome: str, started: float, request_id: int) -> None:
+        """A request has been answered: count, time and log it (any thread: device lanes call it too)."""
         latency = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.observe(op, outcome, latency)

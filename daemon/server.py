@@ -1,7 +1,9 @@
 """The daemon assembled: backend, one worker per device, the front socket, and its life cycle.
 
-Start: every worker opens its device, then the ROUTER binds (tcp:// only with
-CURVE or ``insecure_tcp``), then the metrics endpoint (if configured) and the
+Start: every worker opens its device, then the front's ROUTER binds (tcp://
+only with CURVE or ``insecure_tcp``), then each device's own ROUTER binds next
+to every endpoint and goes to its worker (:mod:`daemon.lane`; unless
+``device_endpoints`` is off), then the metrics endpoint (if configured) and the
 systemd liveness probe start; ``READY=1`` goes out once the front has answered
 the probe's first ping (:mod:`daemon.liveness`).
 
@@ -14,8 +16,8 @@ destroyed, memory freed), their last replies are forwarded, sockets close and
 ipc:// socket files are removed. A second signal exits at once
 (:meth:`Daemon.force_exit`), still removing the socket files.
 
-Security (``protos/PROTOCOL.md``, "Security"): with ``server_key`` the one
-ROUTER is a CURVE server on every endpoint it binds, ipc:// included, and a ZAP
+Security (``protos/PROTOCOL.md``, "Security"): with ``server_key`` every
+ROUTER (front and devices) is a CURVE server on every endpoint it binds, ipc:// included, and a ZAP
 authenticator thread admits only clients whose public key is in ``allow_dir``
 (:meth:`Daemon._secure_router`). The liveness probe's inproc:// connection is
 not subject to CURVE (libzmq runs no security handshake over inproc), which is
@@ -45,9 +47,10 @@ from daemon.backends.base import Driver
 from daemon.config import ConfigError, DaemonConfig, check_config
 from daemon.device_state import DeviceLimits, DeviceState
 from daemon.device_subset import DeviceSubset
-from daemon.endpoint import ipc_path, open_ipc_socket, prepare_ipc, remove_ipc
+from daemon.endpoint import ipc_path, lane_endpoint, open_ipc_socket, prepare_ipc, remove_ipc
 from daemon.front import Front
 from daemon.front_state import FrontState
+from daemon.lane import DeviceLane
 from daemon.liveness import PROBE_ENDPOINT, FrontProbe
 from daemon.logs import flush_logs
 from daemon.metrics import DaemonMetrics
@@ -102,6 +105,7 @@ class Daemon:
         self._probe: FrontProbe | None = None
         self._backstop: threading.Timer | None = None
         self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._curve: tuple[bytes, bytes] | None = None
         self.bound: list[str] = []
 
     # --- start ----------------------------------------------------------------------------
@@ -127,9 +131,11 @@ class Daemon:
             replies.close()
             raise
         sessions = ObservedSessions(self.metrics)
-        state = FrontState(self.config, self.driver.name, devices, shares, sessions=sessions)
+        state = FrontState(self.config, self.driver.name, devices, shares, sessions=sessions,
+                           endpoints=list(self.bound))
         self._front = Front(state, self._workers, router, replies)
         self._front.observer = RequestObserver(self.metrics)
+        state.device_endpoints = self._open_lanes(state, self._front.observer)
         if self.metrics is not None:
             self.metrics.watch(state, self._workers, self.ordinals)
             try:
@@ -148,25 +154,14 @@ class Daemon:
             self._probe.start()
 
     def _bind_router(self) -> zmq.Socket[Any]:
-        router = self._zmq.socket(zmq.ROUTER)
+        router = self._new_router()
         try:
-            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload + MAX_HEADER_BYTES)
-            router.setsockopt(zmq.LINGER, 0)
-            self._secure_router(router)
             for endpoint in self.config.endpoints:
-                path = ipc_path(endpoint)
-                if path is not None:
-                    prepare_ipc(path, self.config.group)
-                router.bind(endpoint)
-                bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
-                self.bound.append(bound)
-                if path is not None:
-                    self._ipc_files.append(path)
-                    open_ipc_socket(path, self.config.group)
-                elif endpoint.startswith("tcp://") and self.config.server_key is None:
+                self.bound.append(self._bind(router, endpoint))
+                if endpoint.startswith("tcp://") and self.config.server_key is None:
                     log.warning("listening on %s WITHOUT encryption or authentication (insecure_tcp): anyone "
-                                "who can reach this port can use every GPU served and read its memory", bound)
+                                "who can reach this port can use every GPU served and read its memory",
+                                self.bound[-1])
             if self.notifier.enabled:
                 router.bind(PROBE_ENDPOINT)
         except BaseException:
@@ -174,20 +169,71 @@ class Daemon:
             raise
         return router
 
+    def _open_lanes(self, state: FrontState, observer: RequestObserver) -> list[list[str]]:
+        """Bind each device's own ROUTER next to every endpoint and hand it to its worker; the endpoints."""
+        if not self.config.device_endpoints:
+            return []
+        lanes = []
+        for worker in self._workers:
+            router = self._new_router()
+            try:
+                bound = [self._bind(router, lane_endpoint(endpoint, worker.device))
+                         for endpoint in self.config.endpoints]
+            except BaseException:
+                router.close()
+                raise
+            worker.open_lane(DeviceLane(worker.device, router, state, observer))
+            lanes.append(bound)
+        return lanes
+
+    def _new_router(self) -> zmq.Socket[Any]:
+        router = self._zmq.socket(zmq.ROUTER)
+        try:
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload + MAX_HEADER_BYTES)
+            router.setsockopt(zmq.LINGER, 0)
+            self._secure_router(router)
+        except BaseException:
+            router.close()
+            raise
+        return router
+
+    def _bind(self, router: zmq.Socket[Any], endpoint: str) -> str:
+        """Bind ``endpoint`` (an ipc:// one private to this user or ``group``); the endpoint bound."""
+        path = ipc_path(endpoint)
+        if path is not None:
+            prepare_ipc(path, self.config.group)
+        router.bind(endpoint)
+        if path is not None:
+            self._ipc_files.append(path)
+            open_ipc_socket(path, self.config.group)
+        return router.getsockopt_string(zmq.LAST_ENDPOINT)
+
     def _secure_router(self, router: zmq.Socket[Any]) -> None:
         """With ``server_key``: make ``router`` a CURVE server and admit only the keys in ``allow_dir``.
 
         Called before the first bind, so no endpoint is ever served in
         plaintext. CURVE covers the whole socket: ipc:// endpoints bound with
         tcp:// ones need client keys too. The ZAP authenticator runs on its own
-        thread in this daemon's ZeroMQ context and is stopped in :meth:`close`;
-        it rereads nothing, so keys added to ``allow_dir`` need a restart. Each
-        admitted client's z85 public key becomes the User-Id of its frames, which
-        the front uses as the peer for ``max_sessions_per_peer``. Raises
-        :class:`ConfigError` for an unreadable key or a missing ``allow_dir``.
+        thread in this daemon's ZeroMQ context, serves every ROUTER (the front's
+        and the devices'), and is stopped in :meth:`close`; it rereads nothing,
+        so keys added to ``allow_dir`` need a restart. Each admitted client's z85
+        public key becomes the User-Id of its frames, which the front uses as the
+        peer for ``max_sessions_per_peer``. Raises :class:`ConfigError` for an
+        unreadable key or a missing ``allow_dir``.
         """
         if self.config.server_key is None:
             return
+        if self._curve is None:
+            self._curve = self._start_curve()
+        public, secret = self._curve
+        router.curve_server = True
+        router.curve_secretkey = secret
+        router.curve_publickey = public
+
+    def _start_curve(self) -> tuple[bytes, bytes]:
+        """Load the server key pair and start the ZAP authenticator; the key pair."""
+        assert self.config.server_key is not None
         if self.config.allow_dir is None:
             raise ConfigError("allow_dir", "server_key turns CURVE on, which needs allow_dir: the directory of "
                                            "public keys (NAME.key) of the clients let in")
@@ -207,11 +253,9 @@ class Daemon:
         authenticator.start()
         self._authenticator = authenticator
         authenticator.configure_curve(domain="*", location=self.config.allow_dir)
-        router.curve_server = True
-        router.curve_secretkey = secret
-        router.curve_publickey = public
         log.info("CURVE on: server public key %s, %d client key(s) allowed from %s",
                  public.decode(), len(allowed), self.config.allow_dir)
+        return public, secret
 
     def _status_line(self) -> str:
         """STATUS= text for systemd; read on the probe thread (sizes and flags only)."""
@@ -369,6 +413,8 @@ class Daemon:
         deadline = time.monotonic() + grace
         for worker in started:
             worker.thread.join(max(0.0, deadline - time.monotonic()))
+        for worker in workers:
+            worker.close()
         return [w.device for w in started if w.thread.is_alive()]
 
     @staticmethod

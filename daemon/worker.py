@@ -1,20 +1,23 @@
 """The device worker: the one thread that calls the driver for its device.
 
-The front thread hands it work through a queue (jobs for requests, tasks for
-fan-outs and forwarded continuations); it runs one item at a time, so its
-:class:`DeviceState` needs no lock, and sends replies on its own inproc PUSH
-socket to the front, which forwards them to clients. A slow op here delays
-only this device; a synchronize does not even delay this device: it becomes a
-:class:`~daemon.replies.Pending` that the loop polls between requests.
+Work reaches it two ways. Other threads queue tasks (jobs the front received,
+fan-outs, forwarded continuations) and ring an eventfd doorbell; clients send
+device ops straight to its own ROUTER (:mod:`daemon.lane`). One poller waits on
+both. It runs one item at a time, so its :class:`DeviceState` needs no lock,
+and answers each job where it came from: over its inproc PUSH socket to the
+front, or on its lane. A slow op here delays only this device; a synchronize
+does not even delay this device: it becomes a :class:`~daemon.replies.Pending`
+that the loop polls between requests.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -23,6 +26,7 @@ from daemon.backends.base import Driver
 from daemon.device_state import DeviceLimits, DeviceState
 from daemon.handlers import DEVICE_HANDLERS
 from daemon.jobs import Job
+from daemon.lane import DeviceLane
 from daemon.replies import FanOut, Forward, Gather, Pending, Reply
 from daemon.sharing import ShareRegistry
 from protos.cuda_results import STICKY_CODES, CUresult
@@ -36,6 +40,9 @@ _SNDMORE = int(zmq.SNDMORE)  # a plain int: pyzmq's flag enums are slow to combi
 #: Bounds of the back-off between polls of pending synchronizations.
 _POLL_MIN_S = 0.000_02
 _POLL_MAX_S = 0.001
+_POLLIN = int(zmq.POLLIN)
+#: Outcome a request's observer hears for a reply that is not an error.
+_OK = "ok"
 
 Task = Callable[["DeviceWorker"], None]
 
@@ -63,6 +70,10 @@ class DeviceWorker:
         self._limits = limits
         self._shares = shares
         self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poller = zmq.Poller()
+        self._poller.register(self._doorbell, _POLLIN)
+        self._lane: DeviceLane | None = None
         self._pending: list[tuple[Job, Pending]] = []
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -83,25 +94,38 @@ class DeviceWorker:
         return self.state
 
     def submit(self, job: Job) -> None:
-        self._tasks.put(lambda worker: worker._run_job(job))
+        self.submit_task(lambda worker: worker._run_job(job))
 
-    def submit_task(self, task: Task) -> None:
+    def submit_task(self, task: Task | None) -> None:
+        """Queue ``task`` (None: stop) and wake the worker; any thread."""
         self._tasks.put(task)
+        os.eventfd_write(self._doorbell, 1)
 
     def run(self, work: Callable[[DeviceState], None]) -> None:
         """Queue fire-and-forget work on this device's state; failures are logged."""
-        self._tasks.put(lambda worker: worker._run_quietly(work))
+        self.submit_task(lambda worker: worker._run_quietly(work))
 
     def fan_out(self, identity: bytes, request_id: int, gather: Gather, fan_out: FanOut) -> None:
-        self._tasks.put(lambda worker: worker._run_fan_out(identity, request_id, gather, fan_out))
+        self.submit_task(lambda worker: worker._run_fan_out(identity, request_id, gather, fan_out))
+
+    def open_lane(self, lane: DeviceLane) -> None:
+        """Hand the worker its own ROUTER (bound, not used by any other thread since)."""
+        self.submit_task(lambda worker: worker._adopt_lane(lane))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Close every session on this device, then end the thread."""
-        self._tasks.put(None)
+        self.submit_task(None)
         self.thread.join(timeout)
 
+    def close(self) -> None:
+        """Release the doorbell once the thread has ended (:meth:`stop`); nothing may be queued after."""
+        if not self.thread.is_alive() and self._doorbell >= 0:
+            os.close(self._doorbell)
+            self._doorbell = -1
+
     def queue_depth(self) -> int:
-        return self._tasks.qsize()
+        """Work not answered yet: queued tasks and pending synchronizations."""
+        return self._tasks.qsize() + len(self._pending)
 
     # --- on the worker thread -----------------------------------------------------------
 
@@ -129,21 +153,50 @@ class DeviceWorker:
         while True:
             if self._pending:
                 # Poll soon after new work, then back off to at most 1 ms between queries.
-                wait = min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10)))
-                try:
-                    task = self._tasks.get(timeout=wait)
-                except queue.Empty:
-                    idle_polls += 1
-                    self._poll_pending()
-                    continue
+                self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
             else:
-                task = self._tasks.get()
-            if task is None:
+                self._wait(None)
+            ran = self._take_tasks()
+            if ran is None:
                 return
-            task(self)
-            idle_polls = 0
+            if self._lane is not None and self._lane.take_requests(self._run_job):
+                ran = True
+            idle_polls = 0 if ran else idle_polls + 1
             if self._pending:
                 self._poll_pending()
+
+    def _wait(self, seconds: float | None) -> None:
+        """Until a task or a request comes, or ``seconds`` pass (None: no limit).
+
+        ZeroMQ polls in whole milliseconds, so shorter waits poll once and sleep.
+        """
+        if seconds is None:
+            self._poller.poll()
+        elif seconds >= 0.001:
+            self._poller.poll(int(seconds * 1000))
+        elif not self._poller.poll(0):
+            time.sleep(seconds)
+
+    def _take_tasks(self) -> bool | None:
+        """Run every queued task; whether there was one, None once told to stop."""
+        try:
+            os.eventfd_read(self._doorbell)
+        except BlockingIOError:
+            return False
+        ran = False
+        while True:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                return ran
+            if task is None:
+                return None
+            task(self)
+            ran = True
+
+    def _adopt_lane(self, lane: DeviceLane) -> None:
+        self._lane = lane
+        self._poller.register(lane.router, _POLLIN)
 
     def _poll_pending(self) -> None:
         still: list[tuple[Job, Pending]] = []
@@ -180,6 +233,8 @@ class DeviceWorker:
         except CuctxError as exc:
             log.warning("device %d: freeing shared buffers at shutdown: %s", self.device, exc)
         self._socket.close()
+        if self._lane is not None:
+            self._lane.close()
 
     def _run_quietly(self, work: Callable[[DeviceState], None]) -> None:
         assert self.state is not None
@@ -204,7 +259,7 @@ class DeviceWorker:
 
     def _deliver(self, job: Job, outcome: Reply | Pending | Forward) -> None:
         if isinstance(outcome, Reply):
-            self.send(job.identity, encode_result(job.request_id, outcome.result), outcome.frames)
+            self._answer(job, encode_result(job.request_id, outcome.result), outcome.frames, _OK)
             return
         if isinstance(outcome, Pending):
             self._pending.append((job, outcome))
@@ -236,7 +291,7 @@ class DeviceWorker:
         else:
             log.exception("device %d: internal error in %s", self.device, job.spec.name)
             error = InternalError(f"{type(exc).__name__} in {job.spec.name}; see the daemon log")
-        self.send(job.identity, encode_error(job.request_id, error))
+        self._answer(job, encode_error(job.request_id, error), (), error.name)
 
     def _run_fan_out(self, identity: bytes, request_id: int, gather: Gather, fan_out: FanOut) -> None:
         assert self.state is not None
@@ -249,7 +304,17 @@ class DeviceWorker:
         if reply is not None:
             self.send(identity, encode_result(request_id, reply.result), reply.frames)
 
-    def send(self, identity: bytes, header: bytes, frames: Any = ()) -> None:
+    def _answer(self, job: Job, header: bytes, frames: Sequence[Any], outcome: str) -> None:
+        """Reply where ``job`` came from: the front, this device's lane, or another device's lane."""
+        if job.lane is None:
+            self.send(job.identity, header, frames)
+        elif job.lane == self.device and self._lane is not None:
+            self._lane.reply(job.identity, job.request_id, job.spec.name, header, frames, outcome, job.received)
+        else:  # the second half of a cross-device op that came in on the other device's lane
+            self.peers[job.lane].submit_task(lambda worker: worker._answer(job, header, frames, outcome))
+
+    def send(self, identity: bytes, header: bytes, frames: Sequence[Any] = ()) -> None:
+        """To the front (which forwards it to the client ``identity``) over inproc."""
         assert self._socket is not None
         if frames:
             self._socket.send(identity, _SNDMORE)

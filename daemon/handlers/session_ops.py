@@ -40,6 +40,8 @@ def hello(front: FrontState, session: Session | None, args: ops.Hello) -> Reply:
         "backend": front.backend,
         "devices": [d.to_wire() for d in front.devices],
         "lease_ttl": front.config.lease_ttl,
+        "endpoints": front.endpoints,
+        "device_endpoints": front.device_endpoints,
         "limits": {
             "max_header_bytes": MAX_HEADER_BYTES,
             "max_payload_bytes": front.config.max_payload,

@@ -1,0 +1,97 @@
+"""A device's own ROUTER: device ops that clients send straight to the worker that runs them.
+
+Through the front, a device op crosses two threads (front -> worker -> front),
+and each hand-off under the GIL costs tens of microseconds. A client that was
+told the device endpoints in ``hello`` sends device ops for device N to device
+N's endpoint instead; its worker thread receives, admits (:mod:`daemon.intake`,
+the same checks as the front), runs and answers each one itself. Front ops and
+requests for another device are refused here with ``CUCTXD_ERROR_BAD_REQUEST``
+rather than passed on, so a session's requests for one device always arrive
+through one socket, in order. Owned by its worker thread, like the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from daemon.front_state import FrontState
+from daemon.intake import admit, device_of
+from daemon.jobs import Job
+from daemon.observe import RequestObserver
+from daemon.router_io import BATCH, readable, recv_request, send_parts
+from protos.errors import BadRequest, CuctxError, InternalError
+from protos.messages import encode_error, parse_request, request_id_of, unpack
+
+log = logging.getLogger(__name__)
+
+
+class DeviceLane:
+    """Device ``device``'s ROUTER, with the front's state to admit requests against."""
+
+    def __init__(self, device: int, router: zmq.Socket[Any], front: FrontState,
+                 observer: RequestObserver | None) -> None:
+        self.device = device
+        self.router = router
+        self.front = front
+        self.observer = observer
+
+    def take_requests(self, run: Callable[[Job], None]) -> bool:
+        """Admit the requests waiting (at most :data:`~daemon.router_io.BATCH`), handing each to ``run``;
+        whether there was any."""
+        router = self.router
+        for taken in range(BATCH):
+            if not readable(router):
+                return taken > 0
+            message = recv_request(router, False)
+            if message is not None:
+                identity, header, payload, _ = message
+                job = self._admit(identity, header, payload)
+                if job is not None:
+                    run(job)
+        return True
+
+    def _admit(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame]) -> Job | None:
+        """The request as a job, or None once it has been answered with its error."""
+        received = time.perf_counter()
+        request_id, op_name = 0, "?"
+        try:
+            header = unpack(header_bytes)
+            request_id = request_id_of(header)
+            request = parse_request(header)
+            spec = request.spec
+            op_name = spec.name
+            if spec.target != "device":
+                raise BadRequest(f"{op_name} is not a device op: send it to the daemon's main endpoint, "
+                                 f"not to device {self.device}'s")
+            admitted = admit(self.front, request, payload)
+            assert admitted.session is not None
+            device = device_of(spec, admitted.session, admitted.args, len(self.front.devices))
+            if device != self.device:
+                raise BadRequest(f"{op_name} is for device {device} but came to device {self.device}'s endpoint: "
+                                 f"send it to device {device}'s endpoint or the main one")
+            return Job(identity, request.id, spec, admitted.args, admitted.session.ref, device, payload,
+                       lane=self.device, received=received)
+        except CuctxError as exc:
+            log.debug("request %d (%s) on device %d's endpoint failed: %s", request_id, op_name, self.device, exc)
+            error = exc
+        except Exception:
+            log.exception("internal error admitting request %d (%s) on device %d's endpoint",
+                          request_id, op_name, self.device)
+            error = InternalError(f"unexpected failure in {op_name}; see the daemon log")
+        self.reply(identity, request_id, op_name, encode_error(request_id, error), (), error.name, received)
+        return None
+
+    def reply(self, identity: bytes, request_id: int, op: str, header: bytes, payload: Sequence[Any],
+              outcome: str, received: float) -> None:
+        """Answer a request that came in here; the observer hears of it as the front's requests."""
+        send_parts(self.router, identity, header, payload)
+        if self.observer is not None:
+            self.observer.finished(op, outcome, received, request_id)
+
+    def close(self) -> None:
+        self.router.close()

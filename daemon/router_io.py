@@ -1,0 +1,93 @@
+"""Taking requests off a ROUTER socket and putting replies on it, for the front and the device lanes.
+
+Both the front's ROUTER and each device's own ROUTER (:mod:`daemon.lane`) read
+and write messages the same way: a message is ``[identity, header, *payload]``;
+replies never block (a client that does not read loses its reply, the daemon
+goes on). Flags are plain ints: pyzmq's enums cost a Python-level operation on
+every use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import zmq
+
+from daemon.peers import peer_of
+
+log = logging.getLogger(__name__)
+
+#: Requests taken off a ROUTER per wake-up before other work gets a turn.
+BATCH = 64
+
+NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
+def readable(socket: zmq.Socket[Any]) -> bool:
+    """A message is waiting (checking EVENTS is far cheaper than a NOBLOCK recv raising Again)."""
+    return bool(cast(int, socket.getsockopt(_EVENTS)) & _POLLIN)
+
+
+def recv_request(router: zmq.Socket[Any], want_peer: bool) -> tuple[bytes, bytes, list[zmq.Frame], str | None] | None:
+    """The next whole message as ``(identity, header, payload frames, peer)``, once :func:`readable`.
+
+    None (logged) for a message of one frame, which has no header to answer.
+    Identity and header are small: plain bytes are cheaper than Frames; payload
+    frames stay zero-copy all the way to the driver call. ``peer`` (who sent it,
+    :mod:`daemon.peers`) is read only when ``want_peer``.
+    """
+    identity = router.recv()
+    if not router.getsockopt(_RCVMORE):
+        log.warning("dropped a message of 1 frame: no header to answer")
+        return None
+    peer = None
+    if want_peer:
+        header_frame = router.recv(copy=False)
+        header, peer = header_frame.bytes, peer_of(header_frame)
+    else:
+        header = router.recv()
+    payload = []
+    while router.getsockopt(_RCVMORE):
+        payload.append(router.recv(copy=False))
+    return identity, header, payload, peer
+
+
+def send_reply(router: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool = True) -> None:
+    """Send ``[identity, header, *payload]`` without blocking; a reply nobody can take is dropped."""
+    last = len(frames) - 1
+    with _dropping():
+        for index, frame in enumerate(frames):
+            router.send(frame, _NOBLOCK_MORE if index < last else NOBLOCK, copy=copy)
+
+
+def send_parts(router: zmq.Socket[Any], identity: bytes, header: bytes, payload: Sequence[Any] = ()) -> None:
+    """:func:`send_reply` for a reply built here: identity and header copied, payload frames zero-copy."""
+    with _dropping():
+        if not payload:
+            router.send(identity, _NOBLOCK_MORE)
+            router.send(header, NOBLOCK)
+            return
+        router.send(identity, _NOBLOCK_MORE)
+        router.send(header, _NOBLOCK_MORE)
+        for frame in payload[:-1]:
+            router.send(frame, _NOBLOCK_MORE, copy=False)
+        router.send(payload[-1], NOBLOCK, copy=False)
+
+
+@contextlib.contextmanager
+def _dropping() -> Iterator[None]:
+    try:
+        yield
+    except zmq.Again:
+        log.warning("dropped a reply: the client is not reading (send queue full)")
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+        log.debug("dropped a reply to a client that has gone away")
