@@ -108,11 +108,11 @@ class AsyncTransport:
         """The one reader: every reply goes to the future waiting under its id."""
         try:
             while True:
-                header = await self._socket.recv()
-                reply, waiting = match_reply(header, self._waiting)
+                header = await self._socket.recv(copy=False)
+                reply, waiting = match_reply(header.bytes, self._waiting)
                 if waiting is not None and waiting.reply.done():
                     waiting = None  # timed out or cancelled: its buffer is no longer ours to fill
-                frames = read_payload(self._frames, None if waiting is None else waiting.into)
+                frames = read_payload(self._frames, None if waiting is None else waiting.into, header.more)
                 if reply is None or waiting is None:
                     continue  # not a reply of ours, or a late one to a call that gave up
                 del self._waiting[waiting.request_id]

@@ -110,10 +110,11 @@ class Client(SessionState):
         return transport
 
     def _wait_for_conflicts(self, route: Route) -> None:
-        lanes = [(FRONT, self._transport), *self._lane_transports.items()]
-        for lane, transport in lanes:
+        for lane, transport in ((FRONT, self._transport), *self._lane_transports.items()):
+            if lane == route.lane or not transport.busy:
+                continue
             calls = transport.in_flight()
-            if calls and Lanes.conflicts(route, lane, (call.reach for call in calls)):
+            if Lanes.conflicts(route, lane, (call.reach for call in calls)):
                 for call in calls:
                     transport.wait(call)
 

@@ -92,7 +92,7 @@ class Lanes:
 
     @staticmethod
     def conflicts(route: Route, lane: int, reaches: Iterable[Reach]) -> bool:
-        """Whether a request on ``route`` must wait for requests in flight on ``lane`` that reach ``reaches``."""
-        if lane == route.lane:
-            return False
-        return any(r is None or route.reach is None or not r.isdisjoint(route.reach) for r in reaches)
+        """Whether a request on ``route`` must wait for requests in flight on another ``lane`` that reach
+        ``reaches``."""
+        return lane != route.lane and any(
+            r is None or route.reach is None or not r.isdisjoint(route.reach) for r in reaches)

@@ -315,21 +315,28 @@ def read(buffer: Sized, size: int | None, offset: int, stream: OnDevice | None) 
     size = buffer.size - offset if size is None else size
     if 2 * CHUNK_BYTES < size <= buffer.size - offset:  # out-of-range sizes: the daemon says why
         out = bytearray(size)
-        yield from read_into(buffer, out, offset, stream)
+        yield from _read_chunks(buffer, memoryview(out), offset, stream)
         return bytes(out)
     data: bytes = yield read_frame(buffer, size, offset, stream)
     return data
 
 
-def read_into(buffer: OnDevice, out: Any, offset: int, stream: OnDevice | None) -> Plan[int]:
-    """Device to host straight into ``out`` (``recv_into``), in pipelined chunks when large."""
+def read_into(buffer: OnDevice, out: Any, offset: int, stream: OnDevice | None) -> Request[int] | Plan[int]:
+    """Device to host straight into ``out`` (``recv_into``): one request, or pipelined chunks when large."""
     view = memoryview(out).cast("B")
-    sizes = yield Batch(tuple(
-        _request("read", _size, into=view[at:at + CHUNK_BYTES], **_on(
-            buffer, buffer=buffer.handle, offset=offset + at, size=min(CHUNK_BYTES, view.nbytes - at),
-            stream=_handle(stream)))
-        for at in range(0, max(view.nbytes, 1), CHUNK_BYTES)
-    ))
+    if view.nbytes <= 2 * CHUNK_BYTES:
+        return _read_chunk(buffer, view, offset, stream)
+    return _read_chunks(buffer, view, offset, stream)
+
+
+def _read_chunk(buffer: OnDevice, view: memoryview, offset: int, stream: OnDevice | None) -> Request[int]:
+    return _request("read", _size, into=view, **_on(buffer, buffer=buffer.handle, offset=offset,
+                                                    size=view.nbytes, stream=_handle(stream)))
+
+
+def _read_chunks(buffer: OnDevice, view: memoryview, offset: int, stream: OnDevice | None) -> Plan[int]:
+    sizes = yield Batch(tuple(_read_chunk(buffer, view[at:at + CHUNK_BYTES], offset + at, stream)
+                              for at in range(0, view.nbytes, CHUNK_BYTES)))
     return sum(sizes)
 
 

@@ -135,15 +135,18 @@ def no_reply(endpoint: str, limit: float, op: str, curve: CurveKeys | None = Non
         op)
 
 
-def read_payload(socket: zmq.Socket[Any], into: Any) -> list[Any]:
+def read_payload(socket: zmq.Socket[Any], into: Any, more: bool) -> list[Any]:
     """The payload frames of a reply whose header was just received (ZeroMQ delivers a
-    message whole, so they are all there): the first straight into ``into`` when given."""
+    message whole, so they are all there): the first straight into ``into`` when given.
+    ``more``: the header frame's flag (there are payload frames)."""
     frames: list[Any] = []
-    while socket.getsockopt(_RCVMORE):
-        if into is not None and not frames:
-            frames.append(socket.recv_into(into))
-        else:
-            frames.append(socket.recv(copy=False))
+    if more and into is not None:
+        frames.append(socket.recv_into(into))
+        more = bool(socket.getsockopt(_RCVMORE))
+    while more:
+        frame = socket.recv(copy=False)
+        frames.append(frame)
+        more = frame.more
     return frames
 
 
@@ -236,6 +239,11 @@ class Transport:
                 abandoned = DaemonTimeout(f"abandoned: an earlier request to {self.endpoint} timed out", call.op)
                 call._resolve(None, [], abandoned)
 
+    @property
+    def busy(self) -> bool:
+        """Some call is waiting for its reply."""
+        return bool(self._in_flight)
+
     def in_flight(self) -> list[Call[Any]]:
         """The calls sent and not answered yet, oldest first."""
         return list(self._in_flight.values())
@@ -257,7 +265,7 @@ class Transport:
                         self._socket.setsockopt(zmq.RCVTIMEO, want)
                         self._rcvtimeo = want
                     try:
-                        header = self._socket.recv()
+                        header = self._socket.recv(copy=False)
                     except zmq.Again:
                         header = None
                 if header is None:
@@ -265,9 +273,9 @@ class Transport:
                     raise no_reply(self.endpoint, limit, call.op, self.curve)
                 self._receive_one(header)
 
-    def _receive_one(self, header: bytes) -> None:
-        reply, target = match_reply(header, self._in_flight)
-        frames = read_payload(self._socket, None if target is None else target.into)
+    def _receive_one(self, header: zmq.Frame) -> None:
+        reply, target = match_reply(header.bytes, self._in_flight)
+        frames = read_payload(self._socket, None if target is None else target.into, header.more)
         if reply is None or target is None:
             return  # not a reply of ours, or a late one to a call that timed out
         del self._in_flight[target.request_id]

@@ -96,9 +96,10 @@ class Front:
             self._send(frames, copy=False)
 
     def _take_requests(self) -> None:
+        """The poller said a request is waiting: take it, and those behind it, up to a batch."""
         router, want_peer = self.router, bool(self.state.config.max_sessions_per_peer)
-        for _ in range(BATCH):
-            if not readable(router):
+        for taken in range(BATCH):
+            if taken and not readable(router):
                 return
             message = recv_request(router, want_peer)
             if message is not None:

@@ -40,20 +40,19 @@ class DeviceLane:
         self.front = front
         self.observer = observer
 
-    def take_requests(self, run: Callable[[Job], None]) -> bool:
-        """Admit the requests waiting (at most :data:`~daemon.router_io.BATCH`), handing each to ``run``;
-        whether there was any."""
+    def take_requests(self, run: Callable[[Job], None]) -> None:
+        """The poller said a request is waiting: admit it, and those behind it up to a batch, handing
+        each to ``run``."""
         router = self.router
         for taken in range(BATCH):
-            if not readable(router):
-                return taken > 0
+            if taken and not readable(router):
+                return
             message = recv_request(router, False)
             if message is not None:
                 identity, header, payload, _ = message
                 job = self._admit(identity, header, payload)
                 if job is not None:
                     run(job)
-        return True
 
     def _admit(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame]) -> Job | None:
         """The request as a job, or None once it has been answered with its error."""

@@ -25,7 +25,6 @@ BATCH = 64
 
 NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
@@ -36,27 +35,28 @@ def readable(socket: zmq.Socket[Any]) -> bool:
 
 
 def recv_request(router: zmq.Socket[Any], want_peer: bool) -> tuple[bytes, bytes, list[zmq.Frame], str | None] | None:
-    """The next whole message as ``(identity, header, payload frames, peer)``, once :func:`readable`.
+    """The next whole message as ``(identity, header, payload frames, peer)``; call it only when one
+    is waiting (the poller said so, or :func:`readable`).
 
     None (logged) for a message of one frame, which has no header to answer.
-    Identity and header are small: plain bytes are cheaper than Frames; payload
-    frames stay zero-copy all the way to the driver call. ``peer`` (who sent it,
-    :mod:`daemon.peers`) is read only when ``want_peer``.
+    Frames are read as :class:`zmq.Frame` (their ``more`` flag is cheaper than
+    ``getsockopt(RCVMORE)``); payload frames stay zero-copy all the way to the
+    driver call. ``peer`` (who sent it, :mod:`daemon.peers`) is read only when
+    ``want_peer``.
     """
-    identity = router.recv()
-    if not router.getsockopt(_RCVMORE):
+    first = router.recv(copy=False)
+    if not first.more:
         log.warning("dropped a message of 1 frame: no header to answer")
         return None
-    peer = None
-    if want_peer:
-        header_frame = router.recv(copy=False)
-        header, peer = header_frame.bytes, peer_of(header_frame)
-    else:
-        header = router.recv()
+    header_frame = router.recv(copy=False)
+    peer = peer_of(header_frame) if want_peer else None
     payload = []
-    while router.getsockopt(_RCVMORE):
-        payload.append(router.recv(copy=False))
-    return identity, header, payload, peer
+    more = header_frame.more
+    while more:
+        frame = router.recv(copy=False)
+        payload.append(frame)
+        more = frame.more
+    return first.bytes, header_frame.bytes, payload, peer
 
 
 def send_reply(router: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool = True) -> None:

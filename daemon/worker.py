@@ -153,46 +153,44 @@ class DeviceWorker:
         while True:
             if self._pending:
                 # Poll soon after new work, then back off to at most 1 ms between queries.
-                self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
+                ready = self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
             else:
-                self._wait(None)
-            ran = self._take_tasks()
-            if ran is None:
-                return
-            if self._lane is not None and self._lane.take_requests(self._run_job):
-                ran = True
-            idle_polls = 0 if ran else idle_polls + 1
+                ready = self._wait(None)
+            lane = self._lane
+            for source, _ in ready:
+                if source == self._doorbell:
+                    if not self._take_tasks():
+                        return
+                elif lane is not None and source is lane.router:
+                    lane.take_requests(self._run_job)
+            idle_polls = 0 if ready else idle_polls + 1
             if self._pending:
                 self._poll_pending()
 
-    def _wait(self, seconds: float | None) -> None:
-        """Until a task or a request comes, or ``seconds`` pass (None: no limit).
-
-        ZeroMQ polls in whole milliseconds, so shorter waits poll once and sleep.
-        """
+    def _wait(self, seconds: float | None) -> list[tuple[Any, int]]:
+        """What is ready (the doorbell, the lane's ROUTER) once something is, or ``seconds`` have passed
+        (None: no limit). ZeroMQ polls in whole milliseconds, so shorter waits poll, sleep and poll."""
         if seconds is None:
-            self._poller.poll()
-        elif seconds >= 0.001:
-            self._poller.poll(int(seconds * 1000))
-        elif not self._poller.poll(0):
-            time.sleep(seconds)
+            return self._poller.poll()
+        if seconds >= 0.001:
+            return self._poller.poll(int(seconds * 1000))
+        ready = self._poller.poll(0)
+        if ready:
+            return ready
+        time.sleep(seconds)
+        return self._poller.poll(0)
 
-    def _take_tasks(self) -> bool | None:
-        """Run every queued task; whether there was one, None once told to stop."""
-        try:
-            os.eventfd_read(self._doorbell)
-        except BlockingIOError:
-            return False
-        ran = False
+    def _take_tasks(self) -> bool:
+        """Run every queued task; False once told to stop."""
+        os.eventfd_read(self._doorbell)
         while True:
             try:
                 task = self._tasks.get_nowait()
             except queue.Empty:
-                return ran
+                return True
             if task is None:
-                return None
+                return False
             task(self)
-            ran = True
 
     def _adopt_lane(self, lane: DeviceLane) -> None:
         self._lane = lane
