@@ -25,3 +25,14 @@ def client(daemon: DaemonProcess) -> Iterator[Client]:
     """A fresh session: like a new host thread, it starts with no context."""
     with Client(daemon.endpoint, timeout=10) as session:
         yield session
+
+
+#: The two ways a client can reach device ops: each device's own endpoint (the default), or the main one.
+ROUTES = {"device endpoints": True, "main endpoint only": False}
+
+
+@pytest.fixture(params=list(ROUTES))
+def routed_client(request: pytest.FixtureRequest, daemon: DaemonProcess) -> Iterator[Client]:
+    """:func:`client`, once per route: modules whose ops must behave the same both ways use it as ``client``."""
+    with Client(daemon.endpoint, timeout=10, device_endpoints=ROUTES[request.param]) as session:
+        yield session

@@ -34,6 +34,13 @@ from protos.version import PROTOCOL_VERSION
 from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
 from tests.helpers_raw import RawPeer, error_name, raw_peer
 
+
+@pytest.fixture
+def client(routed_client: Client) -> Client:
+    """Every test here runs through the device endpoints and through the main endpoint only."""
+    return routed_client
+
+
 MiB = 1 << 20
 SMALL_PAYLOAD = 64 * 1024
 

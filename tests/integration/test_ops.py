@@ -12,6 +12,13 @@ from daemon import __version__
 from protos.version import PROTOCOL_VERSION
 from tests.helpers import DaemonProcess
 
+
+@pytest.fixture
+def client(routed_client: Client) -> Client:
+    """Every test here runs through the device endpoints and through the main endpoint only."""
+    return routed_client
+
+
 MiB = 1 << 20
 DEVICE_MEMORY = 64 * MiB
 

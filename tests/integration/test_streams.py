@@ -10,6 +10,13 @@ import pytest
 from client import Client, CudaError, NotShareable, OutOfRange, UnknownHandle
 from tests.helpers import DaemonProcess
 
+
+@pytest.fixture
+def client(routed_client: Client) -> Client:
+    """Every test here runs through the device endpoints and through the main endpoint only."""
+    return routed_client
+
+
 MIB = 1 << 20
 
 
