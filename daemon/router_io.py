@@ -9,9 +9,8 @@ every use.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import zmq
@@ -62,32 +61,33 @@ def recv_request(router: zmq.Socket[Any], want_peer: bool) -> tuple[bytes, bytes
 def send_reply(router: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool = True) -> None:
     """Send ``[identity, header, *payload]`` without blocking; a reply nobody can take is dropped."""
     last = len(frames) - 1
-    with _dropping():
+    try:
         for index, frame in enumerate(frames):
             router.send(frame, _NOBLOCK_MORE if index < last else NOBLOCK, copy=copy)
+    except zmq.ZMQError as exc:
+        _dropped(exc)
 
 
 def send_parts(router: zmq.Socket[Any], identity: bytes, header: bytes, payload: Sequence[Any] = ()) -> None:
     """:func:`send_reply` for a reply built here: identity and header copied, payload frames zero-copy."""
-    with _dropping():
+    try:
+        router.send(identity, _NOBLOCK_MORE)
         if not payload:
-            router.send(identity, _NOBLOCK_MORE)
             router.send(header, NOBLOCK)
             return
-        router.send(identity, _NOBLOCK_MORE)
         router.send(header, _NOBLOCK_MORE)
         for frame in payload[:-1]:
             router.send(frame, _NOBLOCK_MORE, copy=False)
         router.send(payload[-1], NOBLOCK, copy=False)
-
-
-@contextlib.contextmanager
-def _dropping() -> Iterator[None]:
-    try:
-        yield
-    except zmq.Again:
-        log.warning("dropped a reply: the client is not reading (send queue full)")
     except zmq.ZMQError as exc:
-        if exc.errno != zmq.EHOSTUNREACH:
-            raise
+        _dropped(exc)
+
+
+def _dropped(exc: zmq.ZMQError) -> None:
+    """Log a reply that could not leave; re-raise anything but a full queue or a vanished client."""
+    if isinstance(exc, zmq.Again):
+        log.warning("dropped a reply: the client is not reading (send queue full)")
+    elif exc.errno == zmq.EHOSTUNREACH:
         log.debug("dropped a reply to a client that has gone away")
+    else:
+        raise exc

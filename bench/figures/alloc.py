@@ -2,8 +2,11 @@
 
 The daemon's ``alloc`` serves pool memory by default (stream-ordered
 ``cuMemAllocFromPoolAsync``); the anchor is ``cuMemAlloc``+``cuMemFree`` in the
-bench process. On sim the anchor is the sim driver in process, and the target
-(which is about the GPU) is not judged.
+bench process. One by one, a pair costs two round trips, more than the anchor
+whatever the daemon does; pipelined (:data:`BATCH` allocs sent without waiting,
+then their frees), the cost per pair is what the daemon adds. On sim the
+anchor is the sim driver in process, and the target (which is about the GPU)
+is not judged.
 """
 
 from __future__ import annotations
@@ -13,11 +16,15 @@ from collections.abc import Iterator
 from bench.cuda_local import LocalCuda, LocalDriverUnavailable, LocalSim
 from bench.records import Figure, measured, skipped
 from bench.run import Bench, alloc_supports_shareable
-from bench.stats import interleaved, median, us
+from bench.stats import interleaved, median, time_calls, us
+from client import Buffer
+from client import requests as wire
 
 FIGURE = 3
 TITLE = "alloc+free 1 MiB"
 SIZE = 1 << 20
+#: Pairs per pipelined sample.
+BATCH = 50
 
 
 def run(bench: Bench) -> Iterator[Figure]:
@@ -51,12 +58,24 @@ def run(bench: Bench) -> Iterator[Figure]:
             if shareable:
                 calls["shareable"] = lambda: client.alloc(SIZE, shareable=True).free()
             samples = interleaved(calls, s.alloc_pairs, warmup=max(10, s.alloc_pairs // 10))
+
+            def daemon_batch() -> None:
+                with client.pipeline() as p:
+                    allocs = [p.send(wire.alloc(client, Buffer, SIZE, None, False)) for _ in range(BATCH)]
+                with client.pipeline() as p:
+                    for call in allocs:
+                        p.send(wire.free(call.result()))
+
+            batches = time_calls(daemon_batch, max(5, s.alloc_pairs // BATCH))
     finally:
         if isinstance(local, LocalSim):
             local.close()
     anchor_us = us(median(samples["local"]))
     yield measured(FIGURE, "alloc+free 1 MiB (default alloc)", us(median(samples["daemon"])), "us", anchor,
                    anchor_us, target=target, note=note or f"median of {len(samples['daemon'])} pairs")
+    yield measured(FIGURE, f"alloc+free 1 MiB, {BATCH} pipelined, per pair", us(median(batches) / BATCH), "us",
+                   anchor, anchor_us, target=target,
+                   note=note or f"{BATCH} allocs without waiting, then their frees; median of {len(batches)}")
     if shareable:
         yield measured(FIGURE, "alloc+free 1 MiB (shareable=True)", us(median(samples["shareable"])), "us",
                        anchor, anchor_us, note="exportable cuMemAlloc memory through the daemon")
