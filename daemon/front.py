@@ -98,10 +98,11 @@ class Front:
     def _take_requests(self) -> None:
         """The poller said a request is waiting: take it, and those behind it, up to a batch."""
         router, want_peer = self.router, bool(self.state.config.max_sessions_per_peer)
-        for taken in range(BATCH):
-            if taken and not readable(router):
+        for _ in range(BATCH):
+            try:
+                message = recv_request(router, want_peer)
+            except zmq.Again:
                 return
-            message = recv_request(router, want_peer)
             if message is not None:
                 self._handle(*message)
 

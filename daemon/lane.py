@@ -23,7 +23,7 @@ from daemon.front_state import FrontState
 from daemon.intake import admit, device_of
 from daemon.jobs import Job
 from daemon.observe import RequestObserver
-from daemon.router_io import BATCH, readable, recv_request, send_parts
+from daemon.router_io import BATCH, recv_request, send_parts
 from protos.errors import BadRequest, CuctxError, InternalError
 from protos.messages import encode_error, parse_request, request_id_of, unpack
 
@@ -44,10 +44,11 @@ class DeviceLane:
         """The poller said a request is waiting: admit it, and those behind it up to a batch, handing
         each to ``run``."""
         router = self.router
-        for taken in range(BATCH):
-            if taken and not readable(router):
+        for _ in range(BATCH):
+            try:
+                message = recv_request(router, False)
+            except zmq.Again:
                 return
-            message = recv_request(router, False)
             if message is not None:
                 identity, header, payload, _ = message
                 job = self._admit(identity, header, payload)

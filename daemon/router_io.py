@@ -34,8 +34,8 @@ def readable(socket: zmq.Socket[Any]) -> bool:
 
 
 def recv_request(router: zmq.Socket[Any], want_peer: bool) -> tuple[bytes, bytes, list[zmq.Frame], str | None] | None:
-    """The next whole message as ``(identity, header, payload frames, peer)``; call it only when one
-    is waiting (the poller said so, or :func:`readable`).
+    """The next whole message as ``(identity, header, payload frames, peer)``; :class:`zmq.Again` when
+    none is waiting (one exception per batch costs less than an ``EVENTS`` check per message).
 
     None (logged) for a message of one frame, which has no header to answer.
     Frames are read as :class:`zmq.Frame` (their ``more`` flag is cheaper than
@@ -43,7 +43,7 @@ def recv_request(router: zmq.Socket[Any], want_peer: bool) -> tuple[bytes, bytes
     driver call. ``peer`` (who sent it, :mod:`daemon.peers`) is read only when
     ``want_peer``.
     """
-    first = router.recv(copy=False)
+    first = router.recv(NOBLOCK, copy=False)
     if not first.more:
         log.warning("dropped a message of 1 frame: no header to answer")
         return None
