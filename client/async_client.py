@@ -10,9 +10,12 @@ differs.
 
 Open it with ``async with AsyncClient(endpoint) as client:`` (or ``client =
 await AsyncClient(endpoint)`` and ``await client.close()``). Any number of tasks
-of one event loop may call it at once: they share one socket, and replies find
-their callers by request id (:mod:`client.async_transport`). A heartbeat task
-renews the lease while the loop runs.
+of one event loop may call it at once: they share its sockets (the main one and,
+as for the sync client, each device's own: :mod:`client.lanes`), and replies
+find their callers by request id (:mod:`client.async_transport`). With several
+sockets in use, requests still leave in the order they were started, each after
+what it must follow has been answered. A heartbeat task renews the lease while
+the loop runs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, TypeVar
 from client import requests
 from client.async_transport import AsyncTransport
 from client.client import Client
+from client.lanes import FRONT, Lanes, Route, lane_endpoints
 from client.lease import AsyncHeartbeat
 from client.objects import AsyncBuffer, AsyncContext, docs_from
 from client.pipeline import AsyncPipeline, raise_first
@@ -51,14 +55,19 @@ class AsyncClient(SessionState):
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  name: str | None = None, heartbeat: bool = True, server_key: KeyPath | CurveKeys | None = None,
-                 client_key: KeyPath | None = None) -> None:
+                 client_key: KeyPath | None = None, device_endpoints: bool = True) -> None:
         self.endpoint = client_endpoint(endpoint)
         self.curve = curve_keys(server_key, client_key)
         self.timeout = timeout
         self._name = name
         self._beats = heartbeat
+        self._use_lanes = device_endpoints
         self._transport: AsyncTransport | None = None
         self._heartbeat: AsyncHeartbeat | None = None
+        self._lanes = Lanes([])
+        self._lane_transports: dict[int, AsyncTransport] = {}
+        #: Set once the request started last has been sent: with several lanes, requests leave in order.
+        self._last_sent: asyncio.Future[None] | None = None
 
     async def open(self) -> AsyncClient:
         """Say hello (the session starts) and start the heartbeat; does nothing once open.
@@ -67,11 +76,15 @@ class AsyncClient(SessionState):
             return self
         transport = self._transport = AsyncTransport(self.endpoint, self.timeout, self.curve)
         try:
-            token = self._adopt(await self._run(requests.hello(self._name)))
+            hello = await self._run(requests.hello(self._name))
         except BaseException:
             self._transport = None  # not open: a later open() may try again
             await transport.close()
             raise
+        token = self._adopt(hello)
+        if self._use_lanes:
+            self._lanes = Lanes(lane_endpoints(self.endpoint, hello.get("endpoints", ()),
+                                               hello.get("device_endpoints", ())))
         if self._beats:
             self._heartbeat = AsyncHeartbeat(self.endpoint, token, self.lease_ttl, self.curve)
         return self
@@ -96,9 +109,45 @@ class AsyncClient(SessionState):
             return outcomes
         if self._transport is None:
             raise ConnectionLost("the client is not open: use `async with AsyncClient(...)`", step.op)
-        result, frames = await self._transport.call(step.op, step.args, self._token, step.payload,
-                                                    into=step.into, timeout=step.timeout)
+        route = self._lanes.route(step.op, step.args)
+        if route.lane == FRONT and not self._lane_transports:  # one socket: it keeps the order itself
+            result, frames = await self._transport.call(step.op, step.args, self._token, step.payload,
+                                                        into=step.into, timeout=step.timeout)
+            return step.convert(result, frames)
+        transport = self._transport if route.lane == FRONT else self._lane_transport(route.lane)
+        previous, mine = self._last_sent, asyncio.get_running_loop().create_future()
+        self._last_sent = mine
+
+        async def in_turn() -> None:
+            """After the request started before this one has left, and what this one must follow is answered."""
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])
+            await self._after_conflicts(route)
+
+        def sent() -> None:
+            if not mine.done():
+                mine.set_result(None)
+
+        try:
+            result, frames = await transport.call(step.op, step.args, self._token, step.payload, into=step.into,
+                                                  timeout=step.timeout, reach=route.reach, before=in_turn, sent=sent)
+        finally:
+            sent()  # also when it never left (timed out, cancelled): the next request must not wait forever
         return step.convert(result, frames)
+
+    def _lane_transport(self, device: int) -> AsyncTransport:
+        transport = self._lane_transports.get(device)
+        if transport is None:
+            transport = AsyncTransport(self._lanes.endpoints[device], self.timeout, self.curve)
+            self._lane_transports[device] = transport
+        return transport
+
+    async def _after_conflicts(self, route: Route) -> None:
+        assert self._transport is not None
+        for lane, transport in ((FRONT, self._transport), *self._lane_transports.items()):
+            calls = transport.in_flight()
+            if calls and Lanes.conflicts(route, lane, (call.reach for call in calls)):
+                await asyncio.wait([call.reply for call in calls])
 
     def pipeline(self) -> AsyncPipeline:
         """Start memory ops without awaiting each (``async with client.pipeline() as p:``)."""
@@ -118,6 +167,9 @@ class AsyncClient(SessionState):
         finally:
             self._token = None
             await self._transport.close()
+            for transport in self._lane_transports.values():
+                await transport.close()
+            self._lane_transports.clear()
 
     async def __aenter__(self) -> AsyncClient:
         return await self.open()

@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from client.lanes import Reach
 from client.transport import (
     DEFAULT_TIMEOUT,
     MAX_IN_FLIGHT,
@@ -50,6 +51,8 @@ class _Waiting:
     op: str
     into: Any
     reply: asyncio.Future[Reply]
+    #: The devices the request touches (None: all), for ordering across lanes (:mod:`client.lanes`).
+    reach: Reach = None
 
 
 class AsyncTransport:
@@ -69,31 +72,43 @@ class AsyncTransport:
         self._failure: CuctxError | None = None
 
     async def call(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any] = (), *,
-                   into: Any = None, timeout: float | None = None) -> Reply:
+                   into: Any = None, timeout: float | None = None, reach: Reach = None,
+                   before: Callable[[], Awaitable[None]] | None = None,
+                   sent: Callable[[], None] | None = None) -> Reply:
         """Send one request and await its reply: ``(result, payload frames)``.
 
         Raises the daemon's typed error, :class:`~protos.errors.DaemonTimeout` after
         ``timeout`` seconds (default: the transport's), or
         :class:`~protos.errors.ConnectionLost` once the transport is closed or broken.
         ``into``: a writable buffer that receives the reply's first payload frame directly.
+        ``before`` is awaited (within the timeout) just before sending and ``sent`` called
+        just after: the client keeps its order across lanes with them.
         """
         limit = self.timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(limit), self._window:
-                return await self._exchange(op, args, session, payload, into)
+                if before is not None:
+                    await before()
+                return await self._exchange(op, args, session, payload, into, reach, sent)
         except TimeoutError:
             raise no_reply(self.endpoint, limit, op, self.curve) from None
 
+    def in_flight(self) -> list[_Waiting]:
+        """The calls sent and not answered yet."""
+        return list(self._waiting.values())
+
     async def _exchange(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any],
-                        into: Any) -> Reply:
+                        into: Any, reach: Reach, sent: Callable[[], None] | None) -> Reply:
         if self._failure is not None:
             raise ConnectionLost(self._failure.message, op)
         self._start_reader()
-        waiting = _Waiting(next(self._ids), op, into, asyncio.get_running_loop().create_future())
+        waiting = _Waiting(next(self._ids), op, into, asyncio.get_running_loop().create_future(), reach)
         self._waiting[waiting.request_id] = waiting
         try:
             header = encode_request(waiting.request_id, op, session, args)
             await self._socket.send_multipart([header, *payload], copy=False)
+            if sent is not None:
+                sent()
             return await waiting.reply
         except zmq.ZMQError as exc:
             raise ConnectionLost(f"sending to {self.endpoint} failed: {exc}", op) from exc

@@ -1,4 +1,4 @@
-"""The asyncio client against a real daemon: the sync client's API as coroutines, on one socket.
+"""The asyncio client against a real daemon: the sync client's API as coroutines.
 
 Each test runs its own event loop with ``asyncio.run``; no pytest plugin is needed.
 """

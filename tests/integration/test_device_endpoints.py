@@ -9,6 +9,7 @@ back to the main endpoint.
 
 from __future__ import annotations
 
+import asyncio
 import stat
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client import Client
+from client import AsyncClient, Client
 from client import requests as wire
 from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, start_daemon
 from tests.helpers_raw import RawPeer, error_name, raw_peer
@@ -192,3 +193,49 @@ def test_over_tcp_the_client_reaches_device_endpoints_by_the_host_it_used() -> N
         assert daemon.stop() == 0
         remove_tempdir(daemon.socket_dir)
 
+
+
+def test_the_async_client_routes_like_the_sync_one(daemon: DaemonProcess) -> None:
+    async def body() -> tuple[int, int, bytes, int]:
+        async with AsyncClient(daemon.endpoint, timeout=10) as session:
+            await session.set_device(1)
+            moved = await session.alloc(64)
+            on_0 = await session.alloc(64, device=0)
+            async with session.pipeline() as p:
+                p.write(on_0, b"a" * 64)
+                p.write(moved, b"b" * 64)
+                p.copy(on_0, moved, 32)
+                p.send(wire.status())
+                p.fill(moved, ord("c"), 48, 16)
+                read = p.read(moved)
+                device = p.send(wire.get_device())
+            return moved.device, len(session._lane_transports), read.result(), device.result()
+
+    moved_device, lanes_used, data, current = asyncio.run(body())
+    assert moved_device == 1 and current == 1
+    assert lanes_used == 2
+    assert data == b"a" * 32 + b"b" * 16 + b"c" * 16
+
+
+def test_many_async_tasks_share_the_lanes(daemon: DaemonProcess) -> None:
+    async def body() -> list[bytes]:
+        async with AsyncClient(daemon.endpoint, timeout=10) as session:
+            buffers = [await session.alloc(16, device=n % 2) for n in range(8)]
+
+            async def round_trip(n: int) -> bytes:
+                await buffers[n].write(bytes([n]) * 16)
+                return await buffers[n].read()
+
+            return await asyncio.gather(*(round_trip(n) for n in range(8)))
+
+    assert asyncio.run(body()) == [bytes([n]) * 16 for n in range(8)]
+
+
+def test_the_async_client_can_use_the_main_endpoint_only(daemon: DaemonProcess) -> None:
+    async def body() -> tuple[bytes, int]:
+        async with AsyncClient(daemon.endpoint, timeout=10, device_endpoints=False) as session:
+            buffer = await session.alloc(8, device=1)
+            await buffer.write(b"12345678")
+            return await buffer.read(), len(session._lane_transports)
+
+    assert asyncio.run(body()) == (b"12345678", 0)
