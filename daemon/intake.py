@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from daemon.front_state import FrontState
 from daemon.sessions import Session
@@ -23,8 +22,7 @@ from protos.messages import RequestHeader
 from protos.schema import OpSpec, decode_args
 
 
-@dataclass(frozen=True)
-class Admitted:
+class Admitted(NamedTuple):
     """A request that passed every check: its header, session (None for sessionless ops), arguments."""
 
     request: RequestHeader

@@ -1,17 +1,15 @@
-"""A decoded, validated request on its way from the front thread to a device worker."""
+"""A decoded, validated request on its way to the device worker that runs it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from daemon.sessions import SessionRef
 from protos.schema import OpSpec
 
 
-@dataclass(frozen=True)
-class Job:
+class Job(NamedTuple):
     """Everything a device handler needs; immutable, so handing it across threads is safe.
 
     ``device`` is resolved on receipt (the op's ``device`` argument, else the

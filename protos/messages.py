@@ -8,8 +8,7 @@ Bulk bytes never go through msgpack.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -18,8 +17,7 @@ from protos.limits import MAX_HANDLE, MAX_HEADER_BYTES
 from protos.schema import OPS, OpSpec
 
 
-@dataclass(frozen=True)
-class RequestHeader:
+class RequestHeader(NamedTuple):
     """A decoded request header whose op is known; ``args`` is still unchecked."""
 
     id: int
@@ -87,8 +85,7 @@ def encode_error(request_id: int, error: CuctxError) -> bytes:
     return pack({"id": request_id, "ok": False, "error": error_to_wire(error)})
 
 
-@dataclass(frozen=True)
-class ReplyHeader:
+class ReplyHeader(NamedTuple):
     """A decoded reply header; exactly one of ``result``/``error`` is set."""
 
     id: int
