@@ -184,24 +184,33 @@ def goodbye(timeout: float) -> Request[None]:
     return _request("goodbye", _nothing, timeout=timeout)
 
 
+# Ops without arguments are the same request every time: built once.
+_PING: Request[None] = Request("ping", {}, _nothing)
+_DEVICE_COUNT: Request[int] = Request("device_count", {}, _field("count", int))
+_DEVICES: Request[list[DeviceInfo]] = Request(
+    "devices", {}, lambda result, _: [DeviceInfo.from_wire(d) for d in result["devices"]])
+_STATUS: Request[dict[str, Any]] = Request("status", {}, _result)
+_GET_DEVICE: Request[int] = Request("get_device", {}, _field("device", int))
+
+
 def ping() -> Request[None]:
-    return _request("ping", _nothing)
+    return _PING
 
 
 def device_count() -> Request[int]:
-    return _request("device_count", _field("count", int))
+    return _DEVICE_COUNT
 
 
 def devices() -> Request[list[DeviceInfo]]:
-    return _request("devices", lambda result, _: [DeviceInfo.from_wire(d) for d in result["devices"]])
+    return _DEVICES
 
 
 def status() -> Request[dict[str, Any]]:
-    return _request("status", _result)
+    return _STATUS
 
 
 def get_device() -> Request[int]:
-    return _request("get_device", _field("device", int))
+    return _GET_DEVICE
 
 
 def set_device(owner: Any, context: FromWire[T], device: int) -> Request[T]:
