@@ -26,7 +26,7 @@ from daemon.intake import Admitted, admit, device_of
 from daemon.jobs import Job
 from daemon.observe import RequestObserver
 from daemon.replies import FanOut, Gather, Reply
-from daemon.router_io import BATCH, readable, recv_request, send_reply
+from daemon.router_io import BATCH, readable, recv_request, send_parts, send_reply
 from daemon.worker import DeviceWorker
 from protos.errors import CuctxError, InternalError
 from protos.messages import encode_error, encode_result, parse_request, request_id_of, unpack
@@ -93,7 +93,7 @@ class Front:
             frames = replies.recv_multipart(copy=False)
             if self.observer is not None:
                 self.observer.replied(frames)
-            self._send(frames, copy=False)
+            send_reply(self.router, frames, copy=False)
 
     def _take_requests(self) -> None:
         """The poller said a request is waiting: take it, and those behind it, up to a batch."""
@@ -122,12 +122,12 @@ class Front:
         except CuctxError as exc:
             outcome = exc.name
             log.debug("request %d (%s) failed: %s", request_id, op_name, exc)
-            self._send([identity, encode_error(request_id, exc)])
+            send_parts(self.router, identity, encode_error(request_id, exc))
         except Exception:
             log.exception("internal error handling request %d (%s)", request_id, op_name)
             error = InternalError(f"unexpected failure in {op_name}; see the daemon log")
             outcome = error.name
-            self._send([identity, encode_error(request_id, error)])
+            send_parts(self.router, identity, encode_error(request_id, error))
         if self.observer is not None:
             self.observer.handled(identity, request_id, op_name, outcome, started)
 
@@ -140,7 +140,7 @@ class Front:
                 self._fan_out(identity, request.id, outcome)
             else:
                 assert isinstance(outcome, Reply)
-                self._send([identity, encode_result(request.id, outcome.result), *outcome.frames])
+                send_parts(self.router, identity, encode_result(request.id, outcome.result), outcome.frames)
                 for task in outcome.tasks:
                     self.workers[task.device].run(task.run)
             return
@@ -152,11 +152,8 @@ class Front:
     def _fan_out(self, identity: bytes, request_id: int, fan_out: FanOut) -> None:
         if not self.workers:
             reply = fan_out.finish([])
-            self._send([identity, encode_result(request_id, reply.result)])
+            send_parts(self.router, identity, encode_result(request_id, reply.result))
             return
         gather = Gather(fan_out, len(self.workers))
         for worker in self.workers:
             worker.fan_out(identity, request_id, gather, fan_out)
-
-    def _send(self, frames: Sequence[Any], *, copy: bool = True) -> None:
-        send_reply(self.router, frames, copy=copy)

@@ -24,7 +24,7 @@ from client import AsyncClient, Client
 from client import requests as wire
 from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, start_daemon
 from tests.helpers_raw import RawPeer, error_name, raw_peer
-from tests.reliability.strategies import fuzz_settings, garbage_headers, payload_junk
+from tests.reliability.strategies import fuzz_settings, garbage_headers, payload_junk, soak_mode
 
 
 def lane(daemon: DaemonProcess, device: int) -> str:
@@ -103,19 +103,34 @@ def test_set_device_on_a_device_endpoint_moves_the_current_device(daemon: Daemon
     assert result["device"] == 1
 
 
+@pytest.fixture(scope="module")
+def bystander(daemon: DaemonProcess) -> Iterator[tuple[str, int]]:
+    """A session token and a buffer on device 0 holding :data:`KNOWN`, for checks after garbage."""
+    with raw_peer(daemon.endpoint) as main:
+        token = main.hello()
+        result, _ = main.ok("alloc", {"size": len(KNOWN), "device": 0}, token)
+        handle = result["buffer"]["handle"]
+        main.ok("write", {"buffer": handle, "device": 0}, token, [KNOWN])
+        yield token, handle
+        main.ok("goodbye", None, token)
+
+
+KNOWN = b"still serving..."
+
+
+@pytest.mark.timeout(0 if soak_mode() else 120)
 @given(header=garbage_headers, payload=st.lists(payload_junk, max_size=3))
 @fuzz_settings(ci_examples=200)
 def test_garbage_on_a_device_endpoint_gets_an_error_and_the_device_goes_on(
-        daemon: DaemonProcess, header: bytes, payload: list[bytes]) -> None:
+        daemon: DaemonProcess, bystander: tuple[str, int], header: bytes, payload: list[bytes]) -> None:
+    token, handle = bystander
     with raw_peer(lane(daemon, 0)) as device_0:
         device_0.send_frames([header, *payload])
         reply, _ = device_0.recv()
         assert reply["ok"] is False
         assert reply["error"]["name"] != "CUCTXD_ERROR_INTERNAL", reply
-    with Client(daemon.endpoint, timeout=10) as session:
-        buffer = session.alloc(16)
-        buffer.write(b"still serving...")
-        assert buffer.read() == b"still serving..."
+        _, frames = device_0.ok("read", {"buffer": handle, "device": 0}, token)
+    assert frames == [KNOWN]
 
 
 def test_the_client_follows_set_device(client: Client) -> None:
