@@ -18,8 +18,7 @@ plain calls have nothing in flight.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from protos.schema import OPS
 
@@ -59,12 +58,15 @@ def _column(endpoint: str, endpoints: Sequence[str]) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(NamedTuple):
     """Where a request goes (a device index, or :data:`FRONT`) and what it reaches."""
 
     lane: int
     reach: Reach
+
+
+#: The route of every front op, and of every request while there are no lanes.
+_MAIN = Route(FRONT, None)
 
 
 class Lanes:
@@ -78,10 +80,10 @@ class Lanes:
         """The lane for ``op`` with wire ``args``; a ``set_device`` moves the current device as it goes."""
         spec = OPS.get(op)
         if spec is None or spec.target != "device" or not self.endpoints:
-            return Route(FRONT, None)
+            return _MAIN
         device = args.get("device", self.current_device)
         if not self._serves(device):
-            return Route(FRONT, None)  # the main endpoint answers with the error the spec gives
+            return _MAIN  # the main endpoint answers with the error the spec gives
         if op == "set_device":
             self.current_device = device
         dst = args.get("dst_device")

@@ -153,6 +153,9 @@ def read_payload(socket: zmq.Socket[Any], into: Any, more: bool) -> list[Any]:
 class Call(Generic[T]):
     """A request in flight; :meth:`result` waits for its reply (and reads others on the way)."""
 
+    __slots__ = ("_convert", "_error", "_frames", "_result", "done", "into", "op", "reach", "request_id",
+                 "transport")
+
     def __init__(self, transport: Transport, request_id: int, op: str, into: Any,
                  convert: Callable[[dict[str, Any], list[Any]], T], reach: Reach = None) -> None:
         self.transport = transport
