@@ -108,22 +108,23 @@ class Front:
 
     def _handle(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame],
                 peer: str | None = None) -> None:
-        request_id = 0
+        header: Any = None
         op_name = "?"
         outcome = "ok"
         started = time.perf_counter()
         try:
             header = unpack(header_bytes)
-            request_id = request_id_of(header)
             request = parse_request(header)
-            op_name = request.spec.name
+            request_id, op_name = request.id, request.spec.name
             self.state.request_peer = peer
             self._dispatch(identity, admit(self.state, request, payload), payload, started)
         except CuctxError as exc:
+            request_id = request_id_of(header)  # only failures need it from a header that may be garbage
             outcome = exc.name
             log.debug("request %d (%s) failed: %s", request_id, op_name, exc)
             send_parts(self.router, identity, encode_error(request_id, exc))
         except Exception:
+            request_id = request_id_of(header)
             log.exception("internal error handling request %d (%s)", request_id, op_name)
             error = InternalError(f"unexpected failure in {op_name}; see the daemon log")
             outcome = error.name

@@ -58,10 +58,10 @@ class DeviceLane:
     def _admit(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame]) -> Job | None:
         """The request as a job, or None once it has been answered with its error."""
         received = time.perf_counter()
-        request_id, op_name = 0, "?"
+        header: Any = None
+        op_name = "?"
         try:
             header = unpack(header_bytes)
-            request_id = request_id_of(header)
             request = parse_request(header)
             spec = request.spec
             op_name = spec.name
@@ -77,9 +77,11 @@ class DeviceLane:
             return Job(identity, request.id, spec, admitted.args, admitted.session.ref, device, payload,
                        lane=self.device, received=received)
         except CuctxError as exc:
+            request_id = request_id_of(header)  # only failures need it from a header that may be garbage
             log.debug("request %d (%s) on device %d's endpoint failed: %s", request_id, op_name, self.device, exc)
             error = exc
         except Exception:
+            request_id = request_id_of(header)
             log.exception("internal error admitting request %d (%s) on device %d's endpoint",
                           request_id, op_name, self.device)
             error = InternalError(f"unexpected failure in {op_name}; see the daemon log")
