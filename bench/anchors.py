@@ -7,6 +7,10 @@ encode a reply header. Three ops:
 * ``ping`` — the echo: reply ``{id, ok, result: {}}``.
 * ``sink`` — take a payload frame and drop it (reply with its size): the anchor for writes.
 * ``source`` — reply with ``args.size`` bytes as a payload frame: the anchor for reads.
+  Started with a ``device`` (see :func:`start_anchor`), the server first reads
+  those bytes from a device buffer with the driver's synchronous device-to-host
+  copy, as the daemon's ``read`` does: the anchor for what the daemon adds to the
+  driver call.
 
 :class:`RawClient` is the matching DEALER with the same msgpack work per call as
 the client library; it also speaks to the daemon itself (``ping`` needs no session),
@@ -29,19 +33,44 @@ SOURCE_CAPACITY = 64 << 20
 RAW_TIMEOUT_S = 60
 
 
-def serve_anchor(ipc_endpoint: str, conn: Connection) -> None:
+#: Largest ``source`` reply read from the device, when the server has one.
+DEVICE_SOURCE_CAPACITY = 1 << 20
+
+
+@dataclass(frozen=True)
+class AnchorDevice:
+    """The device a ``source`` reply is read from: ``backend`` ``cuda`` (the device with ``uuid``) or ``sim``."""
+
+    backend: str
+    uuid: str | None = None
+
+
+def serve_anchor(ipc_endpoint: str, conn: Connection, device: AnchorDevice | None = None) -> None:
     """Bind ``ipc_endpoint`` and a random tcp://127.0.0.1 port, report both on ``conn``, serve forever.
 
-    Runs until the process is terminated; one thread, one socket.
+    Runs until the process is terminated; one thread, one socket. With a
+    ``device``, a driver that cannot be opened is reported on ``conn`` as
+    ``("error", reason)`` instead of the endpoints.
     """
+    read_device = None
+    if device is not None:
+        try:
+            read_device = _DeviceSource(device)
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.close()
+            return
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(ipc_endpoint)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    conn.send((ipc_endpoint, f"tcp://127.0.0.1:{port}"))
+    conn.send(("ok", (ipc_endpoint, f"tcp://127.0.0.1:{port}")))
     conn.close()
     source = memoryview(pattern(SOURCE_CAPACITY))
+    limit = SOURCE_CAPACITY
+    if read_device is not None:
+        source, limit = read_device.out, DEVICE_SOURCE_CAPACITY
     packb, unpackb = msgpack.packb, msgpack.unpackb
     while True:
         identity = router.recv()
@@ -52,7 +81,9 @@ def serve_anchor(ipc_endpoint: str, conn: Connection) -> None:
         request = unpackb(header)
         op = request.get("op")
         if op == "source":
-            size = min(int(request["args"]["size"]), SOURCE_CAPACITY)
+            size = min(int(request["args"]["size"]), limit)
+            if read_device is not None:
+                read_device.read(size)
             reply = packb({"id": request["id"], "ok": True, "result": {"size": size}})
             router.send_multipart([identity, reply, source[:size]], copy=False)
         elif op == "sink":
@@ -87,16 +118,40 @@ def stop_process(process: multiprocessing.process.BaseProcess, timeout: float = 
         process.join(timeout)
 
 
-def start_anchor(ipc_endpoint: str, timeout: float = 60.0) -> AnchorServer:
+class _DeviceSource:
+    """A device buffer filled with :func:`pattern`, read back into host memory before each ``source`` reply."""
+
+    def __init__(self, device: AnchorDevice) -> None:
+        from bench.cuda_local import LocalCuda, LocalSim
+
+        self.local = LocalCuda(device.uuid) if device.backend == "cuda" else LocalSim()
+        self.ptr = self.local.alloc(DEVICE_SOURCE_CAPACITY)
+        self.local.htod(self.ptr, pattern(DEVICE_SOURCE_CAPACITY), DEVICE_SOURCE_CAPACITY)
+        self.out = memoryview(bytearray(DEVICE_SOURCE_CAPACITY))
+
+    def read(self, size: int) -> None:
+        self.local.dtoh(self.out, self.ptr, size)
+
+
+class AnchorUnavailable(RuntimeError):
+    """The anchor server could not open the device it was to read from."""
+
+
+def start_anchor(ipc_endpoint: str, timeout: float = 60.0, device: AnchorDevice | None = None) -> AnchorServer:
+    """Start :func:`serve_anchor` in a spawned process; :class:`AnchorUnavailable` if its device would not open."""
     mp = multiprocessing.get_context("spawn")
     parent, child = mp.Pipe(duplex=False)
-    process = mp.Process(target=serve_anchor, args=(ipc_endpoint, child), name="bench-anchor", daemon=True)
+    process = mp.Process(target=serve_anchor, args=(ipc_endpoint, child, device), name="bench-anchor",
+                         daemon=True)
     process.start()
     child.close()
     try:
         if not parent.poll(timeout):
             raise RuntimeError(f"the anchor server did not start within {timeout:.0f} s")
-        ipc, tcp = parent.recv()
+        kind, value = parent.recv()
+        if kind == "error":
+            raise AnchorUnavailable(f"the anchor server could not open its device: {value}")
+        ipc, tcp = value
     except BaseException:
         stop_process(process)
         raise

@@ -84,7 +84,7 @@ class LocalCuda:
 
 
 class LocalSim:
-    """The sim backend's driver in this process: the anchor for alloc+free when the daemon runs sim."""
+    """The sim backend's driver in this process: the anchor for alloc+free (and the device-reading echo) on sim."""
 
     name = "sim"
 
@@ -101,6 +101,12 @@ class LocalSim:
 
     def free(self, ptr: int) -> None:
         self.driver.mem_free(ptr)
+
+    def htod(self, ptr: int, host: Any, size: int) -> None:
+        self.driver.memcpy_htod(ptr, host, size)
+
+    def dtoh(self, host: Any, ptr: int, size: int) -> None:
+        self.driver.memcpy_dtoh(host, ptr, size)
 
     def close(self) -> None:
         self.driver.ctx_set_current(None)

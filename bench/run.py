@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.anchors import AnchorServer, start_anchor
+from bench.anchors import AnchorDevice, AnchorServer, AnchorUnavailable, start_anchor
 from bench.cuda_local import LocalCuda, LocalDriverUnavailable
 from bench.daemon_run import DaemonRun, start_daemon
 from bench.pool import ClientPool
@@ -33,6 +33,7 @@ class Bench:
         self.workdir = Path(tempfile.mkdtemp(prefix="cuctxd-b-", dir="/tmp"))  # short: ipc paths < 100 bytes
         self.daemon: DaemonRun | None = None
         self.anchor: AnchorServer | None = None
+        self._device_anchor: AnchorServer | AnchorUnavailable | None = None
         self._pool: ClientPool | None = None
         self._local: LocalCuda | LocalDriverUnavailable | None = None
         self.backend = "?"
@@ -64,6 +65,20 @@ class Bench:
     def anchor_endpoint(self, transport: str = "ipc") -> str:
         assert self.anchor is not None
         return self.anchor.endpoint(transport)
+
+    def device_anchor_endpoint(self) -> str:
+        """The ipc endpoint of the echo that reads each ``source`` reply from device 0 (the daemon's
+        backend, in its own process); raises :class:`AnchorUnavailable`."""
+        if self._device_anchor is None:
+            uuid = self.devices[0].uuid if self.backend == "cuda" and self.devices else None
+            try:
+                self._device_anchor = start_anchor(f"ipc://{self.workdir}/device-anchor.sock",
+                                                   device=AnchorDevice(self.backend, uuid))
+            except AnchorUnavailable as unavailable:
+                self._device_anchor = unavailable
+        if isinstance(self._device_anchor, AnchorUnavailable):
+            raise self._device_anchor
+        return self._device_anchor.ipc
 
     def client(self, transport: str = "ipc") -> Any:
         from client import Client
@@ -108,9 +123,10 @@ class Bench:
             self._local = None
         finally:
             try:
-                if self.anchor is not None:
-                    self.anchor.stop()
-                    self.anchor = None
+                for anchor in (self.anchor, self._device_anchor):
+                    if isinstance(anchor, AnchorServer):
+                        anchor.stop()
+                self.anchor = self._device_anchor = None
             finally:
                 if self.daemon is not None:
                     self.daemon.stop()

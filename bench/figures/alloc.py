@@ -4,15 +4,19 @@ The daemon's ``alloc`` serves pool memory by default (stream-ordered
 ``cuMemAllocFromPoolAsync``); the anchor is ``cuMemAlloc``+``cuMemFree`` in the
 bench process. One by one, a pair costs two round trips, more than the anchor
 whatever the daemon does; pipelined (:data:`BATCH` allocs sent without waiting,
-then their frees), the cost per pair is what the daemon adds. On sim the
+then their frees), the cost per pair is what the daemon adds. The floor line
+measures that first point: two round trips to the bare echo, against the same
+anchor; no daemon can go below it one by one. On sim the
 anchor is the sim driver in process, and the target (which is about the GPU)
 is not judged.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
+from bench.anchors import RawClient
 from bench.cuda_local import LocalCuda, LocalDriverUnavailable, LocalSim
 from bench.records import Figure, measured, skipped
 from bench.run import Bench, alloc_supports_shareable
@@ -49,11 +53,19 @@ def run(bench: Bench) -> Iterator[Figure]:
         def local_pair() -> None:
             local.free(local.alloc(SIZE))
 
-        with bench.client() as client:
+        with contextlib.ExitStack() as stack:
+            client = stack.enter_context(bench.client())
+
             def daemon_pair() -> None:
                 client.alloc(SIZE).free()
 
-            calls = {"daemon": daemon_pair, "local": local_pair}
+            echo = stack.enter_context(RawClient(bench.anchor_endpoint("ipc")))
+
+            def echo_pair() -> None:
+                echo.ping()
+                echo.ping()
+
+            calls = {"daemon": daemon_pair, "local": local_pair, "floor": echo_pair}
             shareable = alloc_supports_shareable()
             if shareable:
                 calls["shareable"] = lambda: client.alloc(SIZE, shareable=True).free()
@@ -76,6 +88,8 @@ def run(bench: Bench) -> Iterator[Figure]:
     yield measured(FIGURE, f"alloc+free 1 MiB, {BATCH} pipelined, per pair", us(median(batches) / BATCH), "us",
                    anchor, anchor_us, target=target,
                    note=note or f"{BATCH} allocs without waiting, then their frees; median of {len(batches)}")
+    yield measured(FIGURE, "floor: two bare-echo round trips (ipc)", us(median(samples["floor"])), "us", anchor,
+                   anchor_us, note="what any alloc+free pair one by one costs over IPC before the daemon does anything")
     if shareable:
         yield measured(FIGURE, "alloc+free 1 MiB (shareable=True)", us(median(samples["shareable"])), "us",
                        anchor, anchor_us, note="exportable cuMemAlloc memory through the daemon")
