@@ -79,6 +79,8 @@ class RequestObserver:
 
     def finished(self, op: str, outcome: str, started: float, request_id: int) -> None:
         """A request has been answered: count, time and log it (any thread: device lanes call it too)."""
+        if outcome == OK and self.metrics is None and not log.isEnabledFor(logging.DEBUG):
+            return  # nothing to count or log: the common case costs no clock read
         latency = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.observe(op, outcome, latency)

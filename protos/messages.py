@@ -8,6 +8,7 @@ Bulk bytes never go through msgpack.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import msgpack
@@ -26,8 +27,17 @@ class RequestHeader(NamedTuple):
     args: Any
 
 
+_packers = threading.local()
+
+
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+    """msgpack-encode ``obj`` with this thread's own Packer (``packb`` builds a new one per call, which
+    costs more than packing a reply header; a Packer must not be shared between threads)."""
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)  # type: ignore[no-any-return]
 
 
 def unpack(buf: bytes | memoryview) -> Any:
