@@ -26,7 +26,7 @@ class _Record:
 
     @classmethod
     def from_wire(cls: type[R], wire: dict[str, Any]) -> R:
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        names = _names(cls)  # type: ignore[arg-type]
         return cls(**{k: v for k, v in wire.items() if k in names})
 
 
