@@ -133,6 +133,10 @@ class _Arg:
     optional: bool
     has_default: bool
     meta: typing.Mapping[str, Any]
+    #: For int arguments, the accepted range (0 to -1, accepting nothing, for other types): the common
+    #: case, an int in range, is checked inline in :func:`decode_args`.
+    lo: int = 0
+    hi: int = -1
 
 
 @functools.cache
@@ -142,7 +146,10 @@ def _args_of(args_type: type) -> tuple[tuple[_Arg, ...], frozenset[str]]:
     args = []
     for f in dataclasses.fields(args_type):
         expected, optional = _unwrap_optional(hints[f.name])
-        args.append(_Arg(f.name, expected, optional, f.default is not dataclasses.MISSING, f.metadata))
+        lo, hi = 0, -1
+        if expected is int:
+            lo, hi = f.metadata.get("min", -(1 << 64)), f.metadata.get("max", 1 << 64)
+        args.append(_Arg(f.name, expected, optional, f.default is not dataclasses.MISSING, f.metadata, lo, hi))
     return tuple(args), frozenset(a.name for a in args)
 
 
@@ -187,7 +194,10 @@ def decode_args(spec: OpSpec, raw: Any) -> Any:
             elif not arg.has_default:
                 raise BadArgument(f"{spec.name} needs argument {arg.name!r}")
             continue
-        values[arg.name] = _check_scalar(arg.name, value, arg.type, arg.meta)
+        if type(value) is int and arg.lo <= value <= arg.hi:  # bool is not int here: it takes the long way
+            values[arg.name] = value
+        else:
+            values[arg.name] = _check_scalar(arg.name, value, arg.type, arg.meta)
     return _build(spec.args_type, values)
 
 
