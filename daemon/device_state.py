@@ -108,6 +108,8 @@ class DeviceState(SharingMixin, StreamsMixin):
         #: Stream-ordered pools and spare marker events, by context id.
         self.pools: dict[int, Pool] = {}
         self.spare_markers: dict[int, list[Event]] = {}
+        #: Page-locked buffers for small synchronous reads, by context id (``staged_read``).
+        self.read_staging: dict[int, memoryview] = {}
         #: Ids of contexts that have gone (ids are never reused): markers in them count as passed.
         self.ended_contexts: set[int] = set()
         self.primary_refs = 0

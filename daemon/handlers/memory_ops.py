@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from daemon.device_state import DeviceState, check_range
-from daemon.device_streams import Marker
+from daemon.device_streams import STAGED_READ_MAX, Marker
 from daemon.handlers.registry import device_handler
 from daemon.jobs import Job
 from daemon.replies import Forward, Pending, Reply
@@ -71,11 +71,13 @@ def read(state: DeviceState, job: Job) -> Reply | Pending:
     size = check_range(buffer.size, job.args.offset, job.args.size)
     if size > state.limits.max_payload:
         raise TooLarge(f"a read of {size} bytes exceeds the payload limit of {state.limits.max_payload}")
-    out = bytearray(size)
     if job.args.stream is not None:
         state.stream(session, job.args.stream)  # checked even when there is nothing to do
     if not size:
-        return Reply({"size": 0}, [out])
+        return Reply({"size": 0}, [b""])
+    if job.args.stream is None and size <= STAGED_READ_MAX:
+        return Reply({"size": size}, [state.staged_read(buffer.context, buffer.ptr + job.args.offset, size)])
+    out = bytearray(size)
     if job.args.stream is None:
         state.activate(buffer.context)
         state.driver.memcpy_dtoh(memoryview(out), buffer.ptr + job.args.offset, size)

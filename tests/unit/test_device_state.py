@@ -15,6 +15,7 @@ import pytest
 from daemon.backends.sim import SimDriver
 from daemon.device_state import DeviceLimits, DeviceState, check_range
 from daemon.device_status import device_status
+from daemon.device_streams import STAGED_READ_MAX
 from daemon.handlers import DEVICE_HANDLERS
 from daemon.jobs import Job
 from daemon.replies import Forward, Reply
@@ -322,3 +323,24 @@ def test_pool_memory_is_cached_after_free_and_trimmed_when_the_session_ends(
     assert again.ptr == buffer.ptr or driver.mem_get_info()[0] <= before
     state.close_session(ref)
     assert driver.mem_get_info()[0] == before
+
+
+def test_small_reads_share_a_staging_buffer_per_context_freed_with_it(driver: SimDriver) -> None:
+    limits = DeviceLimits(max_payload=4 * STAGED_READ_MAX)
+    state = DeviceState(driver, 0, driver.device_info(0), limits, ShareRegistry())
+    session = state.session(new_ref())
+    created = state.create(session, 0)
+    state.session(session.ref).stack.append(created)
+    pattern = bytes(range(256)) * (2 * STAGED_READ_MAX // 256)
+    handle = run(state, session.ref, "alloc", size=len(pattern)).result["buffer"]["handle"]
+    run(state, session.ref, "write", (pattern,), buffer=handle)
+    assert bytes(run(state, session.ref, "read", buffer=handle, offset=3, size=100).frames[0]) == pattern[3:103]
+    staging = state.read_staging[created.context_id]
+    assert bytes(run(state, session.ref, "read", buffer=handle, size=STAGED_READ_MAX).frames[0]) == \
+        pattern[:STAGED_READ_MAX]
+    assert state.read_staging[created.context_id] is staging  # made once, reused
+    assert bytes(run(state, session.ref, "read", buffer=handle).frames[0]) == pattern  # larger: not staged
+    state.destroy(session, created.handle)
+    assert created.context_id not in state.read_staging
+    with pytest.raises(CudaError):  # already freed with the context's objects
+        driver.mem_free_host(staging)
