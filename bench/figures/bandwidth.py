@@ -1,4 +1,4 @@
-"""Figure 4: write and read bandwidth through the daemon for 1 MiB and 64 MiB.
+"""Figure 4: write and read bandwidth through the daemon for 64 KiB, 1 MiB and 64 MiB.
 
 ``Buffer.write(bytes)`` and ``Buffer.read_into(bytearray)`` over ipc://, against
 (a) pageable ``cuMemcpyHtoD``/``cuMemcpyDtoH`` in this process (cuda only) and
@@ -23,7 +23,7 @@ _MiB = 1 << 20
 
 
 def _label(size: int) -> str:
-    return f"{size // _MiB} MiB"
+    return f"{size // _MiB} MiB" if size >= _MiB else f"{size >> 10} KiB"
 
 
 def run(bench: Bench) -> Iterator[Figure]:
