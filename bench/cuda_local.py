@@ -89,7 +89,7 @@ class LocalSim:
     name = "sim"
 
     def __init__(self, memory: int = 1 << 30) -> None:
-        from daemon.backends.sim import SimDriver
+        from cuctxd.daemon.backends.sim import SimDriver
 
         self.driver = SimDriver(device_count=1, memory_per_device=memory)
         self.driver.init()

@@ -1,4 +1,4 @@
-"""Starting and stopping the daemon under test: a real ``python -m daemon`` process.
+"""Starting and stopping the daemon under test: a real ``python -m cuctxd.daemon`` process.
 
 It listens on a private ipc:// socket and on ``tcp://127.0.0.1:PORT`` (plaintext,
 like the anchors: ``--insecure-tcp`` where the daemon has that flag). The CLI
@@ -94,14 +94,14 @@ def start_daemon(workdir: Path, backend: str, sim_devices: int, sim_memory: str,
 
 def _tcp_flags() -> list[str]:
     """``--insecure-tcp`` where the daemon requires it for plaintext tcp:// (the anchors are plaintext too)."""
-    help_text = subprocess.run([sys.executable, "-m", "daemon", "--help"], capture_output=True, text=True,
+    help_text = subprocess.run([sys.executable, "-m", "cuctxd.daemon", "--help"], capture_output=True, text=True,
                                env=repo_env(), cwd=REPO, timeout=60).stdout
     return ["--insecure-tcp"] if "--insecure-tcp" in help_text else []
 
 
 def _launch(ipc: str, tcp: str, log_path: Path, backend: str, sim_devices: int, sim_memory: str,
             ready_timeout: float) -> DaemonRun:
-    command = [sys.executable, "-m", "daemon", "--endpoint", ipc, "--endpoint", tcp, *_tcp_flags(),
+    command = [sys.executable, "-m", "cuctxd.daemon", "--endpoint", ipc, "--endpoint", tcp, *_tcp_flags(),
                "--backend", backend, "--sim-devices", str(sim_devices), "--sim-memory", sim_memory,
                "--log-level", "WARNING"]
     with open(log_path, "w") as log_file:

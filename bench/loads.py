@@ -33,7 +33,7 @@ def _buffers(client: Any, device: int, size: int) -> tuple[Any, Any]:
 
 def copy_chain(endpoint: str, device: int, size: int, stop: Any, ready: Any, conn: Connection) -> None:
     try:
-        from client import Client
+        from cuctxd.client import Client
 
         with Client(endpoint, name="bench-load") as client:
             src, dst = _buffers(client, device, size)
@@ -55,7 +55,7 @@ def copy_chain(endpoint: str, device: int, size: int, stop: Any, ready: Any, con
 def sync_chain(endpoint: str, device: int, size: int, copies_per_sync: int, stop: Any, ready: Any,
                phase: Any, conn: Connection) -> None:
     try:
-        from client import Client
+        from cuctxd.client import Client
 
         with Client(endpoint, name="bench-load") as client:
             src, dst = _buffers(client, device, size)

@@ -81,7 +81,7 @@ class Bench:
         return self._device_anchor.ipc
 
     def client(self, transport: str = "ipc") -> Any:
-        from client import Client
+        from cuctxd.client import Client
 
         return Client(self.endpoint(transport), timeout=60, name="bench")
 
@@ -135,7 +135,7 @@ class Bench:
 
 def alloc_supports_shareable() -> bool:
     """Whether ``Client.alloc`` takes ``shareable=`` (pool memory by default, cuMemAlloc when shareable)."""
-    from client import Client
+    from cuctxd.client import Client
 
     return "shareable" in inspect.signature(Client.alloc).parameters
 

@@ -18,7 +18,7 @@ class DaemonPing:
     """``Client.ping``: the daemon's front thread only."""
 
     def __init__(self, endpoint: str) -> None:
-        from client import Client
+        from cuctxd.client import Client
 
         self.client = Client(endpoint, name="bench-throughput")
         self.step = self.client.ping
@@ -33,7 +33,7 @@ class DaemonRead:
     """``Buffer.read_into`` of ``size`` bytes: front thread, device worker, driver, and back."""
 
     def __init__(self, endpoint: str, size: int, device: int = 0) -> None:
-        from client import Client
+        from cuctxd.client import Client
 
         self.client = Client(endpoint, name="bench-throughput")
         self.buffer = self.client.alloc(size, device=device)

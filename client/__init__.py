@@ -1,12 +1,12 @@
 """The cuctxd client library: ``from client import Client, CudaError`` (or ``AsyncClient`` for asyncio)."""
 
-from client.async_client import AsyncClient
-from client.client import Client
-from client.objects import AsyncBuffer, AsyncContext, Buffer, Context
-from client.pipeline import AsyncPipeline, Pipeline
-from client.sharing import AsyncOpenedShare, OpenedShare
-from client.streams import AsyncEvent, AsyncStream, Event, Stream
-from protos.errors import (
+from cuctxd.client.async_client import AsyncClient
+from cuctxd.client.client import Client
+from cuctxd.client.objects import AsyncBuffer, AsyncContext, Buffer, Context
+from cuctxd.client.pipeline import AsyncPipeline, Pipeline
+from cuctxd.client.sharing import AsyncOpenedShare, OpenedShare
+from cuctxd.client.streams import AsyncEvent, AsyncStream, Event, Stream
+from cuctxd.protos.errors import (
     BadArgument,
     BadOp,
     BadRequest,
@@ -26,7 +26,7 @@ from protos.errors import (
     UnknownSession,
     VersionMismatch,
 )
-from protos.records import DeviceInfo, ShareDescriptor
+from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 __all__ = [
     "AsyncBuffer", "AsyncClient", "AsyncContext", "AsyncEvent", "AsyncOpenedShare", "AsyncPipeline",

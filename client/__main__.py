@@ -1,7 +1,7 @@
-"""``python -m client`` is ``cuctx``."""
+"""``python -m cuctxd.client`` is ``cuctx``."""
 
 import sys
 
-from client.cli import main
+from cuctxd.client.cli import main
 
 sys.exit(main())

@@ -1,18 +1,18 @@
-"""The asyncio client: :class:`AsyncClient`, the :class:`~client.client.Client` API as coroutines.
+"""The asyncio client: :class:`AsyncClient`, the :class:`~cuctxd.client.client.Client` API as coroutines.
 
-Every method of :class:`~client.client.Client` is here under the same name and
+Every method of :class:`~cuctxd.client.client.Client` is here under the same name and
 arguments as a coroutine (``await client.alloc(n)``), and the objects it returns
-(:class:`~client.objects.AsyncBuffer`, :class:`~client.objects.AsyncContext`,
-:class:`~client.streams.AsyncStream`, :class:`~client.streams.AsyncEvent`,
-:class:`~client.sharing.AsyncOpenedShare`) have coroutine methods too. The
-requests are the sync client's own (:mod:`client.requests`); only the running
+(:class:`~cuctxd.client.objects.AsyncBuffer`, :class:`~cuctxd.client.objects.AsyncContext`,
+:class:`~cuctxd.client.streams.AsyncStream`, :class:`~cuctxd.client.streams.AsyncEvent`,
+:class:`~cuctxd.client.sharing.AsyncOpenedShare`) have coroutine methods too. The
+requests are the sync client's own (:mod:`cuctxd.client.requests`); only the running
 differs.
 
 Open it with ``async with AsyncClient(endpoint) as client:`` (or ``client =
 await AsyncClient(endpoint)`` and ``await client.close()``). Any number of tasks
 of one event loop may call it at once: they share its sockets (the main one and,
-as for the sync client, each device's own: :mod:`client.lanes`), and replies
-find their callers by request id (:mod:`client.async_transport`). With several
+as for the sync client, each device's own: :mod:`cuctxd.client.lanes`), and replies
+find their callers by request id (:mod:`cuctxd.client.async_transport`). With several
 sockets in use, requests still leave in the order they were started, each after
 what it must follow has been answered. A heartbeat task renews the lease while
 the loop runs.
@@ -25,31 +25,31 @@ import time
 from collections.abc import Generator
 from typing import Any, TypeVar
 
-from client import requests
-from client.async_transport import AsyncTransport
-from client.client import Client
-from client.lanes import FRONT, Lanes, Route, lane_endpoints
-from client.lease import AsyncHeartbeat
-from client.objects import AsyncBuffer, AsyncContext, docs_from
-from client.pipeline import AsyncPipeline, raise_first
-from client.requests import Batch, Plan, Request, Run, SessionState, Step
-from client.sharing import AsyncOpenedShare, open_share
-from client.streams import AsyncEvent, AsyncStream
-from client.transport import DEFAULT_TIMEOUT, CurveKeys, KeyPath, curve_keys
-from protos.endpoints import client_endpoint
-from protos.errors import ConnectionLost, CuctxError
-from protos.records import DeviceInfo, ShareDescriptor
+from cuctxd.client import requests
+from cuctxd.client.async_transport import AsyncTransport
+from cuctxd.client.client import Client
+from cuctxd.client.lanes import FRONT, Lanes, Route, lane_endpoints
+from cuctxd.client.lease import AsyncHeartbeat
+from cuctxd.client.objects import AsyncBuffer, AsyncContext, docs_from
+from cuctxd.client.pipeline import AsyncPipeline, raise_first
+from cuctxd.client.requests import Batch, Plan, Request, Run, SessionState, Step
+from cuctxd.client.sharing import AsyncOpenedShare, open_share
+from cuctxd.client.streams import AsyncEvent, AsyncStream
+from cuctxd.client.transport import DEFAULT_TIMEOUT, CurveKeys, KeyPath, curve_keys
+from cuctxd.protos.endpoints import client_endpoint
+from cuctxd.protos.errors import ConnectionLost, CuctxError
+from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 T = TypeVar("T")
 
 
 @docs_from(Client)
 class AsyncClient(SessionState):
-    """A session with a cuctxd daemon for asyncio code; arguments as for :class:`~client.client.Client`.
+    """A session with a cuctxd daemon for asyncio code; arguments as for :class:`~cuctxd.client.client.Client`.
 
     Nothing is sent until it is opened (``async with``, ``await AsyncClient(...)`` or
     :meth:`open`). It belongs to the event loop that opened it. Timeouts raise
-    :class:`~protos.errors.DaemonTimeout`; daemon errors are the same typed
+    :class:`~cuctxd.protos.errors.DaemonTimeout`; daemon errors are the same typed
     exceptions as the sync client's.
     """
 
@@ -71,7 +71,7 @@ class AsyncClient(SessionState):
 
     async def open(self) -> AsyncClient:
         """Say hello (the session starts) and start the heartbeat; does nothing once open.
-        Raises :class:`~protos.errors.DaemonTimeout` when no daemon answers within ``timeout``."""
+        Raises :class:`~cuctxd.protos.errors.DaemonTimeout` when no daemon answers within ``timeout``."""
         if self._transport is not None:
             return self
         transport = self._transport = AsyncTransport(self.endpoint, self.timeout, self.curve)

@@ -4,11 +4,11 @@ Any number of tasks may call at once. Each call registers a future under a
 fresh request id and sends; one reader task (started by the first call) receives
 every reply and resolves the future with that id, in whatever order replies
 come. Sends need no lock: ``zmq.asyncio`` sends each multipart message whole and
-in call order. At most :data:`~client.transport.MAX_IN_FLIGHT` calls wait for
+in call order. At most :data:`~cuctxd.client.transport.MAX_IN_FLIGHT` calls wait for
 replies at once; the rest queue, in order, for a free slot (within their
 timeout). A call that times out or is cancelled forgets its id, so its late reply
 is dropped and never lands in a later call's buffer. Matching replies to calls
-and reading their frames is shared with the sync :mod:`client.transport`.
+and reading their frames is shared with the sync :mod:`cuctxd.client.transport`.
 
 A transport belongs to the event loop that first used it, like the socket under it.
 """
@@ -25,8 +25,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from client.lanes import Reach
-from client.transport import (
+from cuctxd.client.lanes import Reach
+from cuctxd.client.transport import (
     DEFAULT_TIMEOUT,
     MAX_IN_FLIGHT,
     CurveKeys,
@@ -35,8 +35,8 @@ from client.transport import (
     no_reply,
     read_payload,
 )
-from protos.errors import ConnectionLost, CuctxError, error_from_wire
-from protos.messages import encode_request
+from cuctxd.protos.errors import ConnectionLost, CuctxError, error_from_wire
+from cuctxd.protos.messages import encode_request
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class _Waiting:
     op: str
     into: Any
     reply: asyncio.Future[Reply]
-    #: The devices the request touches (None: all), for ordering across lanes (:mod:`client.lanes`).
+    #: The devices the request touches (None: all), for ordering across lanes (:mod:`cuctxd.client.lanes`).
     reach: Reach = None
 
 
@@ -77,9 +77,9 @@ class AsyncTransport:
                    sent: Callable[[], None] | None = None) -> Reply:
         """Send one request and await its reply: ``(result, payload frames)``.
 
-        Raises the daemon's typed error, :class:`~protos.errors.DaemonTimeout` after
+        Raises the daemon's typed error, :class:`~cuctxd.protos.errors.DaemonTimeout` after
         ``timeout`` seconds (default: the transport's), or
-        :class:`~protos.errors.ConnectionLost` once the transport is closed or broken.
+        :class:`~cuctxd.protos.errors.ConnectionLost` once the transport is closed or broken.
         ``into``: a writable buffer that receives the reply's first payload frame directly.
         ``before`` is awaited (within the timeout) just before sending and ``sent`` called
         just after: the client keeps its order across lanes with them.
@@ -148,7 +148,7 @@ class AsyncTransport:
         self._waiting.clear()
 
     async def close(self) -> None:
-        """Stop the reader, end waiting calls with :class:`~protos.errors.ConnectionLost`, close the socket."""
+        """Stop the reader, end waiting calls with :class:`~cuctxd.protos.errors.ConnectionLost`, close the socket."""
         if self._socket.closed:
             return
         if self._reader is not None:

@@ -8,12 +8,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-from client.client import Client
-from client.doctor import FAIL, run_checks
-from client.format import devices_table, doctor_text, shared_table, status_text, watch_frame
-from client.transport import curve_keys
-from protos.endpoints import client_endpoint
-from protos.errors import CuctxError
+from cuctxd.client.client import Client
+from cuctxd.client.doctor import FAIL, run_checks
+from cuctxd.client.format import devices_table, doctor_text, shared_table, status_text, watch_frame
+from cuctxd.client.transport import curve_keys
+from cuctxd.protos.endpoints import client_endpoint
+from cuctxd.protos.errors import CuctxError
 
 
 def _positive(text: str) -> float:

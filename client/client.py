@@ -4,8 +4,8 @@ A new :class:`Client` is like a new CUDA host thread: no current context on any
 device until :meth:`Client.set_device`, :meth:`Client.create_context`, or a
 runtime-style call (``alloc``, ``synchronize``, ``mem_get_info`` ...) binds the
 device's primary context. Calls are thread-safe (serialised per socket).
-Each method builds its request (or plan) in :mod:`client.requests` and runs it
-here; :class:`~client.async_client.AsyncClient` awaits the very same ones.
+Each method builds its request (or plan) in :mod:`cuctxd.client.requests` and runs it
+here; :class:`~cuctxd.client.async_client.AsyncClient` awaits the very same ones.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import threading
 import time
 from typing import Any, TypeVar
 
-from client import requests
-from client.lanes import FRONT, Lanes, Route, lane_endpoints
-from client.lease import Heartbeat
-from client.objects import Buffer, Context
-from client.pipeline import Pipeline
-from client.requests import CHUNK_BYTES, Batch, Plan, Request, Run, SessionState, Step
-from client.sharing import OpenedShare, open_share
-from client.streams import Event, Stream
-from client.transport import DEFAULT_TIMEOUT, Call, CurveKeys, KeyPath, Transport, curve_keys
-from protos.endpoints import client_endpoint
-from protos.errors import CuctxError
-from protos.records import DeviceInfo, ShareDescriptor
+from cuctxd.client import requests
+from cuctxd.client.lanes import FRONT, Lanes, Route, lane_endpoints
+from cuctxd.client.lease import Heartbeat
+from cuctxd.client.objects import Buffer, Context
+from cuctxd.client.pipeline import Pipeline
+from cuctxd.client.requests import CHUNK_BYTES, Batch, Plan, Request, Run, SessionState, Step
+from cuctxd.client.sharing import OpenedShare, open_share
+from cuctxd.client.streams import Event, Stream
+from cuctxd.client.transport import DEFAULT_TIMEOUT, Call, CurveKeys, KeyPath, Transport, curve_keys
+from cuctxd.protos.endpoints import client_endpoint
+from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 __all__ = ["CHUNK_BYTES", "Client"]
 
@@ -37,7 +37,7 @@ class Client(SessionState):
 
     ``endpoint``: the argument, else ``$CUCTXD_ENDPOINT``, else the per-user
     default ipc:// socket. ``timeout``: seconds any call waits before raising
-    :class:`~protos.errors.DaemonTimeout`. Use as a context manager, or call
+    :class:`~cuctxd.protos.errors.DaemonTimeout`. Use as a context manager, or call
     :meth:`close`, so the daemon frees the session's contexts and memory. A
     background thread renews the session's lease; ``heartbeat=False`` turns it
     off (the session then ends ``lease_ttl`` seconds after its last call).
@@ -46,11 +46,11 @@ class Client(SessionState):
     key file (``server.key``), ``client_key`` this client's secret key file
     (``NAME.key_secret`` from ``cuctxd keygen``), whose public half must be in
     the daemon's ``allow_dir``. A daemon refusing the keys never answers, so a
-    key problem shows as :class:`~protos.errors.DaemonTimeout` saying so. A bad
+    key problem shows as :class:`~cuctxd.protos.errors.DaemonTimeout` saying so. A bad
     key file raises ValueError at once.
 
     Device ops go straight to each device's own endpoint when the daemon offers
-    them (:mod:`client.lanes`); ``device_endpoints=False`` sends everything
+    them (:mod:`cuctxd.client.lanes`); ``device_endpoints=False`` sends everything
     through the main endpoint.
     """
 
@@ -93,7 +93,7 @@ class Client(SessionState):
         return self._send(step).result(step.timeout)
 
     def _send(self, request: Request[T]) -> Call[T]:
-        """Send on the request's lane (:mod:`client.lanes`), once what it must follow has been answered."""
+        """Send on the request's lane (:mod:`cuctxd.client.lanes`), once what it must follow has been answered."""
         with self._route_lock:
             route = self._lanes.route(request.op, request.args)
             transport = self._transport if route.lane == FRONT else self._lane_transport(route.lane)
@@ -119,7 +119,7 @@ class Client(SessionState):
                     transport.wait(call)
 
     def pipeline(self) -> Pipeline:
-        """Send memory ops without waiting for each reply (see :mod:`client.pipeline`)."""
+        """Send memory ops without waiting for each reply (see :mod:`cuctxd.client.pipeline`)."""
         return Pipeline(self)
 
     def close(self) -> None:

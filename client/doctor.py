@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from client.client import Client
-from client.sharing import map_share
-from client.transport import Transport
-from protos.errors import CuctxError, VersionMismatch
-from protos.host import host_identity
-from protos.version import PROTOCOL_VERSION
+from cuctxd.client.client import Client
+from cuctxd.client.sharing import map_share
+from cuctxd.client.transport import Transport
+from cuctxd.protos.errors import CuctxError, VersionMismatch
+from cuctxd.protos.host import host_identity
+from cuctxd.protos.version import PROTOCOL_VERSION
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 _PATTERN = b"cuctx doctor\x00\xff"

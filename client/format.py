@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from protos.records import DeviceInfo
+from cuctxd.protos.records import DeviceInfo
 
 
 def human_bytes(n: int) -> str:

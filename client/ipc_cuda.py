@@ -10,8 +10,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from protos.errors import CudaError, NotShareable
-from protos.records import ShareDescriptor
+from cuctxd.protos.errors import CudaError, NotShareable
+from cuctxd.protos.records import ShareDescriptor
 
 
 def _check(result: tuple[Any, ...]) -> Any:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import mmap
 import os
 
-from protos.errors import NotFound, NotShareable
-from protos.records import ShareDescriptor
-from protos.sim_ipc import decode_handle
+from cuctxd.protos.errors import NotFound, NotShareable
+from cuctxd.protos.records import ShareDescriptor
+from cuctxd.protos.sim_ipc import decode_handle
 
 
 class SimMapping:

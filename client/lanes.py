@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from protos.schema import OPS
+from cuctxd.protos.schema import OPS
 
 #: The lane of the daemon's main endpoint.
 FRONT = -1

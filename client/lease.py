@@ -12,9 +12,9 @@ import asyncio
 import logging
 import threading
 
-from client.async_transport import AsyncTransport
-from client.transport import CurveKeys, Transport
-from protos.errors import CuctxError, SessionExpired, UnknownSession
+from cuctxd.client.async_transport import AsyncTransport
+from cuctxd.client.transport import CurveKeys, Transport
+from cuctxd.protos.errors import CuctxError, SessionExpired, UnknownSession
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 They are thin: each holds the session-scoped handle the daemon gave out and
 calls back into its client; the daemon holds the state. The fields live in one
 base per concept; :class:`Context`/:class:`Buffer` belong to a
-:class:`~client.client.Client` and their methods return results, while
+:class:`~cuctxd.client.client.Client` and their methods return results, while
 :class:`AsyncContext`/:class:`AsyncBuffer` belong to an
-:class:`~client.async_client.AsyncClient` and their methods are coroutines
+:class:`~cuctxd.client.async_client.AsyncClient` and their methods are coroutines
 (``await buf.write(data)``).
 """
 
@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
-from protos.records import BufferRecord, ContextRecord, ShareDescriptor
+from cuctxd.protos.records import BufferRecord, ContextRecord, ShareDescriptor
 
 if TYPE_CHECKING:
-    from client.async_client import AsyncClient
-    from client.client import Client
-    from client.streams import AsyncStream, Stream
+    from cuctxd.client.async_client import AsyncClient
+    from cuctxd.client.client import Client
+    from cuctxd.client.streams import AsyncStream, Stream
 
 ClassT = TypeVar("ClassT", bound=type)
 
@@ -77,7 +77,7 @@ class Context(ContextFields):
 
 @docs_from(Context)
 class AsyncContext(ContextFields):
-    """A :class:`Context` of an :class:`~client.async_client.AsyncClient`: its methods are coroutines."""
+    """A :class:`Context` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines."""
 
     client: AsyncClient
 
@@ -158,7 +158,7 @@ class Buffer(BufferFields):
 
 @docs_from(Buffer)
 class AsyncBuffer(BufferFields):
-    """A :class:`Buffer` of an :class:`~client.async_client.AsyncClient`: its methods are coroutines,
+    """A :class:`Buffer` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines,
     and ``async with`` frees it."""
 
     client: AsyncClient

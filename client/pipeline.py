@@ -1,16 +1,16 @@
 """Pipelining: send many requests without waiting for each reply.
 
 ``with client.pipeline() as p:`` gives an object whose methods mirror the
-client's memory ops but return :class:`~client.transport.Call` futures at once;
+client's memory ops but return :class:`~cuctxd.client.transport.Call` futures at once;
 leaving the block waits for every reply (raising the first error). Ops on one
 stream keep their order in the daemon, so a sequence of writes, copies and reads
 flows without a round trip each.
 
 ``async with async_client.pipeline() as p:`` is the same for an
-:class:`~client.async_client.AsyncClient`, its methods returning
+:class:`~cuctxd.client.async_client.AsyncClient`, its methods returning
 :class:`asyncio.Task` futures (each is also simply a concurrent call; the
 pipeline keeps them in order and collects them). Both flavours build their
-requests in :mod:`client.requests`.
+requests in :mod:`cuctxd.client.requests`.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ import contextlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from client import requests
-from client.objects import docs_from
-from client.requests import OnDevice, Request
-from client.transport import MAX_IN_FLIGHT, Call
-from protos.errors import CuctxError, DaemonTimeout
+from cuctxd.client import requests
+from cuctxd.client.objects import docs_from
+from cuctxd.client.requests import OnDevice, Request
+from cuctxd.client.transport import MAX_IN_FLIGHT, Call
+from cuctxd.protos.errors import CuctxError, DaemonTimeout
 
 if TYPE_CHECKING:
-    from client.async_client import AsyncClient
-    from client.client import Client
+    from cuctxd.client.async_client import AsyncClient
+    from cuctxd.client.client import Client
 
 __all__ = ["MAX_IN_FLIGHT", "AsyncPipeline", "Pipeline", "PipelineOps", "raise_first"]
 

@@ -5,9 +5,9 @@ This module is where the client knows the wire. A builder returns a
 :data:`Plan` when one call takes several requests (chunked transfers, a default
 device to look up): a generator that yields each :class:`Request` or
 :class:`Batch` and receives its result. Nothing here does I/O. :class:`~client.
-client.Client` runs requests through :class:`~client.transport.Transport` and
-:class:`~client.async_client.AsyncClient` awaits them through
-:class:`~client.async_transport.AsyncTransport`; both step plans with
+client.Client` runs requests through :class:`~cuctxd.client.transport.Transport` and
+:class:`~cuctxd.client.async_client.AsyncClient` awaits them through
+:class:`~cuctxd.client.async_transport.AsyncTransport`; both step plans with
 :class:`Run`, so each op's logic exists once.
 
 Builders that return client objects take the owning client and the class to
@@ -22,9 +22,9 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from protos.errors import TooLarge
-from protos.records import DeviceInfo, ShareDescriptor
-from protos.version import PROTOCOL_VERSION
+from cuctxd.protos.errors import TooLarge
+from cuctxd.protos.records import DeviceInfo, ShareDescriptor
+from cuctxd.protos.version import PROTOCOL_VERSION
 
 #: Writes and reads larger than two of these travel as pipelined chunks of this size.
 CHUNK_BYTES = 4 << 20
@@ -405,7 +405,7 @@ def destroy_event(event: OnDevice) -> Request[None]:
     return _request("destroy_event", _nothing, **_on(event, event=event.handle))
 
 
-# --- sharing between processes (opening and closing a mapping: client.sharing) --------------
+# --- sharing between processes (opening and closing a mapping: cuctxd.client.sharing) --------------
 
 
 def _share(result: dict[str, Any], frames: list[Any]) -> ShareDescriptor:

@@ -13,16 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from client import requests
-from client.objects import docs_from
-from client.requests import Plan
-from protos.errors import NotShareable
-from protos.host import host_identity
-from protos.records import ShareDescriptor
+from cuctxd.client import requests
+from cuctxd.client.objects import docs_from
+from cuctxd.client.requests import Plan
+from cuctxd.protos.errors import NotShareable
+from cuctxd.protos.host import host_identity
+from cuctxd.protos.records import ShareDescriptor
 
 if TYPE_CHECKING:
-    from client.async_client import AsyncClient
-    from client.client import Client
+    from cuctxd.client.async_client import AsyncClient
+    from cuctxd.client.client import Client
 
 ShareT = TypeVar("ShareT")
 
@@ -95,7 +95,7 @@ class OpenedShare(MappedShare):
 
 @docs_from(OpenedShare)
 class AsyncOpenedShare(MappedShare):
-    """An :class:`OpenedShare` of an :class:`~client.async_client.AsyncClient`: ``await share.close()``,
+    """An :class:`OpenedShare` of an :class:`~cuctxd.client.async_client.AsyncClient`: ``await share.close()``,
     or ``async with await client.open_shared(name) as share:``."""
 
     client: AsyncClient
@@ -114,11 +114,11 @@ def map_share(descriptor: ShareDescriptor) -> Any:
     """Map a share in this process with its backend's IPC mechanism."""
     check_same_host(descriptor)
     if descriptor.backend == "sim":
-        from client.ipc_sim import SimMapping
+        from cuctxd.client.ipc_sim import SimMapping
 
         return SimMapping(descriptor)
     if descriptor.backend == "cuda":
-        from client.ipc_cuda import CudaMapping
+        from cuctxd.client.ipc_cuda import CudaMapping
 
         return CudaMapping(descriptor)
     raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")

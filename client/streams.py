@@ -1,9 +1,9 @@
 """Client-side streams and events, named after CUDA's; handles are scoped to the session.
 
-:class:`Stream`/:class:`Event` belong to a :class:`~client.client.Client`;
+:class:`Stream`/:class:`Event` belong to a :class:`~cuctxd.client.client.Client`;
 :class:`AsyncStream`/:class:`AsyncEvent` to an
-:class:`~client.async_client.AsyncClient`, and their methods are coroutines.
-Both flavours send the same requests (:mod:`client.requests`).
+:class:`~cuctxd.client.async_client.AsyncClient`, and their methods are coroutines.
+Both flavours send the same requests (:mod:`cuctxd.client.requests`).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from client import requests
-from client.objects import docs_from
+from cuctxd.client import requests
+from cuctxd.client.objects import docs_from
 
 if TYPE_CHECKING:
-    from client.async_client import AsyncClient
-    from client.client import Client
+    from cuctxd.client.async_client import AsyncClient
+    from cuctxd.client.client import Client
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Event(HandleFields):
 
 @docs_from(Stream)
 class AsyncStream(HandleFields):
-    """A :class:`Stream` of an :class:`~client.async_client.AsyncClient`: its methods are coroutines."""
+    """A :class:`Stream` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines."""
 
     client: AsyncClient
 
@@ -92,7 +92,7 @@ class AsyncStream(HandleFields):
 
 @docs_from(Event)
 class AsyncEvent(HandleFields):
-    """An :class:`Event` of an :class:`~client.async_client.AsyncClient`: its methods are coroutines."""
+    """An :class:`Event` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines."""
 
     client: AsyncClient
 

@@ -6,7 +6,7 @@ order. A lock serialises socket use, since a ZeroMQ socket belongs to one thread
 at a time. Replies to calls that already timed out are discarded, so a timeout
 never makes a later call read someone else's answer. Matching a reply to its
 call and reading its frames (:func:`match_reply`, :func:`read_payload`) serve
-:mod:`client.async_transport` too.
+:mod:`cuctxd.client.async_transport` too.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, Generic, TypeVar
 import zmq
 import zmq.auth
 
-from client.lanes import Reach
-from protos.errors import ConnectionLost, CuctxError, DaemonTimeout, error_from_wire
-from protos.messages import ReplyHeader, encode_request, parse_reply
+from cuctxd.client.lanes import Reach
+from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonTimeout, error_from_wire
+from cuctxd.protos.messages import ReplyHeader, encode_request, parse_reply
 
 #: Seconds a call waits for its reply unless the client is told otherwise.
 DEFAULT_TIMEOUT = 30.0
@@ -162,7 +162,7 @@ class Call(Generic[T]):
         self.request_id = request_id
         self.op = op
         self.into = into
-        #: The devices the request touches (None: all), for ordering across lanes (:mod:`client.lanes`).
+        #: The devices the request touches (None: all), for ordering across lanes (:mod:`cuctxd.client.lanes`).
         self.reach = reach
         self._convert = convert
         self.done = False

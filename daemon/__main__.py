@@ -1,7 +1,7 @@
-"""``python -m daemon`` is ``cuctxd``."""
+"""``python -m cuctxd.daemon`` is ``cuctxd``."""
 
 import sys
 
-from daemon.cli import main
+from cuctxd.daemon.service.cli import main
 
 sys.exit(main())

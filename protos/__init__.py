@@ -3,7 +3,7 @@
 PROTOCOL.md in this package is the authoritative written spec.
 """
 
-from protos import ops as ops  # registers every op in protos.schema.OPS
-from protos import sharing_ops as sharing_ops
-from protos import stream_ops as stream_ops
-from protos.version import PROTOCOL_VERSION as PROTOCOL_VERSION
+from cuctxd.protos import ops as ops  # registers every op in protos.schema.OPS
+from cuctxd.protos import sharing_ops as sharing_ops
+from cuctxd.protos import stream_ops as stream_ops
+from cuctxd.protos.version import PROTOCOL_VERSION as PROTOCOL_VERSION

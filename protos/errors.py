@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any
 
-from protos.cuda_results import DRIVER_MESSAGES, CUresult
+from cuctxd.protos.cuda_results import DRIVER_MESSAGES, CUresult
 
 
 class ErrorCode(IntEnum):

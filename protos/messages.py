@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from protos.errors import BadOp, BadRequest, CuctxError, TooLarge, error_to_wire
-from protos.limits import MAX_HANDLE, MAX_HEADER_BYTES
-from protos.schema import OPS, OpSpec
+from cuctxd.protos.errors import BadOp, BadRequest, CuctxError, TooLarge, error_to_wire
+from cuctxd.protos.limits import MAX_HANDLE, MAX_HEADER_BYTES
+from cuctxd.protos.schema import OPS, OpSpec
 
 
 class RequestHeader(NamedTuple):

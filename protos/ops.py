@@ -1,6 +1,6 @@
 """Every op of protocol version 1: its name, arguments, where it runs, and what it returns.
 
-Each class is an op's argument shape (see :mod:`protos.schema`); its docstring
+Each class is an op's argument shape (see :mod:`cuctxd.protos.schema`); its docstring
 is the op's short spec and states the result map. ``target="front"`` ops are
 answered by the daemon's front thread; ``target="device"`` ops run on the
 worker thread of the device named by ``device`` (or the session's current
@@ -9,7 +9,7 @@ device when ``device`` is omitted). PROTOCOL.md is the long form of this file.
 
 from __future__ import annotations
 
-from protos.schema import count_field, handle_field, op, required_count
+from cuctxd.protos.schema import count_field, handle_field, op, required_count
 
 # --- session and daemon -----------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 An op is a frozen dataclass registered with :func:`op`; its fields are its wire
 arguments. :func:`decode_args` turns a decoded msgpack map into that dataclass
-or raises :class:`~protos.errors.BadArgument` naming the field, so nothing
+or raises :class:`~cuctxd.protos.errors.BadArgument` naming the field, so nothing
 loosely typed travels past the daemon's front door. An unknown argument is an
 error (a misspelt ``ofset`` must not silently become offset 0); unknown header
 fields are ignored.
@@ -17,8 +17,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from protos.errors import BadArgument
-from protos.limits import MAX_HANDLE
+from cuctxd.protos.errors import BadArgument
+from cuctxd.protos.limits import MAX_HANDLE
 
 Target = Literal["front", "device"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from protos.schema import count_field, handle_field, op
+from cuctxd.protos.schema import count_field, handle_field, op
 
 
 @op("heartbeat", target="front")

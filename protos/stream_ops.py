@@ -11,7 +11,7 @@ meanwhile. ``fill``, ``write``, ``read`` and ``copy`` take an optional
 
 from __future__ import annotations
 
-from protos.schema import count_field, handle_field, op
+from cuctxd.protos.schema import count_field, handle_field, op
 
 
 @op("create_stream", target="device")

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from client import Client
+from cuctxd.client import Client
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
 
 

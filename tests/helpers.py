@@ -62,7 +62,7 @@ def short_tempdir() -> Path:
 
 def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
                  endpoint: str | None = None) -> DaemonProcess:
-    """Start ``python -m daemon`` and return once it prints that it is listening.
+    """Start ``python -m cuctxd.daemon`` and return once it prints that it is listening.
 
     ``endpoint``: an ipc:// endpoint to reuse (a restart on the same socket); default a new one.
     """
@@ -73,7 +73,7 @@ def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
         socket_dir = Path(endpoint[len("ipc://"):]).parent
     env = client_env()
     process = subprocess.Popen(
-        [sys.executable, "-m", "daemon", "--endpoint", endpoint, "--backend", backend, *extra],
+        [sys.executable, "-m", "cuctxd.daemon", "--endpoint", endpoint, "--backend", backend, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
     )
     daemon = DaemonProcess(process, endpoint, socket_dir)

@@ -15,8 +15,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from protos.messages import pack
-from protos.version import PROTOCOL_VERSION
+from cuctxd.protos.messages import pack
+from cuctxd.protos.version import PROTOCOL_VERSION
 
 #: Seconds a raw peer waits for a reply it expects.
 REPLY_TIMEOUT = 10.0

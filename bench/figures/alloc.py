@@ -21,8 +21,8 @@ from bench.cuda_local import LocalCuda, LocalDriverUnavailable, LocalSim
 from bench.records import Figure, measured, skipped
 from bench.run import Bench, alloc_supports_shareable
 from bench.stats import interleaved, median, time_calls, us
-from client import Buffer
-from client import requests as wire
+from cuctxd.client import Buffer
+from cuctxd.client import requests as wire
 
 FIGURE = 3
 TITLE = "alloc+free 1 MiB"
@@ -46,7 +46,7 @@ def run(bench: Bench) -> Iterator[Figure]:
         note = None
     else:
         local = LocalSim()
-        anchor = "in-process sim driver mem_alloc+mem_free 1 MiB (daemon.backends.sim.SimDriver)"
+        anchor = "in-process sim driver mem_alloc+mem_free 1 MiB (cuctxd.daemon.backends.sim.SimDriver)"
         target = None
         note = "sim backend: the anchor is the sim driver, not the GPU; the target (< 1.0) is judged on cuda only"
     try:

@@ -21,7 +21,7 @@ WRITE_SIZE = 64
 
 
 def run(bench: Bench) -> Iterator[Figure]:
-    from client import Client
+    from cuctxd.client import Client
 
     count = bench.settings.pipeline_writes
     name = f"{count} x {WRITE_SIZE} B writes, pipelined (ipc)"

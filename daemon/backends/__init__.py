@@ -1,4 +1,4 @@
-"""The backends behind :class:`~daemon.backends.base.Driver`, and the choice between them.
+"""The backends behind :class:`~cuctxd.daemon.backends.base.Driver`, and the choice between them.
 
 ``cuda`` drives real GPUs; ``sim`` simulates devices in host memory with CUDA's
 semantics and error codes. :func:`select_backend` is the one place that decides,
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from daemon.backends.base import Driver
-from protos.errors import CudaError
+from cuctxd.daemon.backends.base import Driver
+from cuctxd.protos.errors import CudaError
 
 #: Values of the daemon's ``backend`` setting.
 BACKEND_NAMES = ("auto", "cuda", "sim")
@@ -48,7 +48,7 @@ def select_backend(name: str, *, sim_devices: int, sim_memory: int) -> tuple[Dri
 def _cuda() -> tuple[Driver, str]:
     """An initialised :class:`CudaDriver` that sees devices, or BackendUnavailable saying why not."""
     try:
-        from daemon.backends.cuda import CudaDriver
+        from cuctxd.daemon.backends.cuda import CudaDriver
     except ImportError as missing:
         raise BackendUnavailable(f"cuda-python is not importable: {missing}") from missing
     driver = CudaDriver()
@@ -68,7 +68,7 @@ def _cuda() -> tuple[Driver, str]:
 
 
 def _sim(devices: int, memory: int) -> Driver:
-    from daemon.backends.sim import SimDriver
+    from cuctxd.daemon.backends.sim import SimDriver
 
     driver = SimDriver(device_count=devices, memory_per_device=memory)
     driver.init()

@@ -5,7 +5,7 @@ The device workers program against :class:`Driver` only, so the ``cuda`` and
 sequences against both. Semantics are CUDA's: the context stack belongs to the
 calling host thread, ``ctx_create`` pushes, calls that need a context use the
 calling thread's current one, and every failure raises
-:class:`protos.errors.CudaError` with CUDA's ``CUresult`` name and value.
+:class:`cuctxd.protos.errors.CudaError` with CUDA's ``CUresult`` name and value.
 
 Thread ownership: a worker calls these methods only from its own thread and
 only for its own device; device queries may be called from any thread at start.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, NewType
 
-from protos.records import DeviceInfo
+from cuctxd.protos.records import DeviceInfo
 
 #: A backend's context object (``CUcontext`` for cuda); opaque to the daemon.
 Ctx = NewType("Ctx", object)

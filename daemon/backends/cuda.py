@@ -6,14 +6,14 @@ bindings load ``libcuda.so`` on the first call, so without a driver every method
 ``DynamicLibNotFoundError`` in cuda-bindings 13.4+); backend selection catches it.
 
 Every driver result goes through :func:`check_result`, which raises
-:class:`protos.errors.CudaError` with the driver's own ``CUresult`` value, name
+:class:`cuctxd.protos.errors.CudaError` with the driver's own ``CUresult`` value, name
 and message. Contexts are the bindings' ``CUcontext`` objects, which compare and
 hash by their native handle, so a worker can ask "is this one already current?"
 with ``==``; device pointers leave and enter this module as plain ints.
 
 Written for cuda-bindings 13.x (``cuCtxCreate`` takes a params argument); the
 12.x two-argument ``cuCtxCreate`` is tried when the three-argument form is refused.
-Thread ownership: as :mod:`daemon.backends.base` says; the one shared mutable
+Thread ownership: as :mod:`cuctxd.daemon.backends.base` says; the one shared mutable
 state here, the ordinal -> ``CUdevice`` cache, only ever gains equal entries.
 """
 
@@ -94,10 +94,10 @@ from cuda.bindings.driver import (
     cuuint64_t,
 )
 
-from daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver, Event, Pool, Stream
-from protos.cuda_results import CUresult
-from protos.errors import CudaError
-from protos.records import DeviceInfo
+from cuctxd.daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver, Event, Pool, Stream
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError
+from cuctxd.protos.records import DeviceInfo
 
 try:
     from cuda.bindings.utils import get_cuda_native_handle as _native_handle
@@ -139,7 +139,7 @@ def cuda_error(err: Any) -> CudaError:
     """The :class:`CudaError` for a failed ``CUresult``, named and explained by the driver.
 
     When the driver cannot say (no driver loaded, a code it does not know), the
-    name and message come from :mod:`protos.cuda_results`, or the bindings' enum name.
+    name and message come from :mod:`cuctxd.protos.cuda_results`, or the bindings' enum name.
     """
     code = int(err)
     text = _error_text.get(code)

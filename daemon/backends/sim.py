@@ -36,7 +36,7 @@ cuda-bindings 13.3):
   allocation: the path of the shared-memory file its bytes then live in. Memory
   from a stream-ordered pool is ``CUDA_ERROR_INVALID_VALUE``, as cuIpcGetMemHandle
   answers for it.
-* Streams, events and the legacy default stream are in :mod:`daemon.backends.sim_streams`
+* Streams, events and the legacy default stream are in :mod:`cuctxd.daemon.backends.sim_streams`
   (its docstring has their rules): work on a stream runs asynchronously, in
   order, on that stream's own thread; the synchronous memory calls are
   legacy-stream work, waiting for the blocking streams of the current context;
@@ -60,7 +60,7 @@ cuda-bindings 13.3):
   context; 0 bytes give an empty view (cuMemAllocHost gives NULL). Freeing a
   slice of it, other memory or it twice is ``CUDA_ERROR_INVALID_VALUE``.
 * Copies and fills from 64 KiB move the bytes with the GIL released
-  (:func:`daemon.backends.sim_memory.copy_bytes`), so a big copy on one thread
+  (:func:`cuctxd.daemon.backends.sim_memory.copy_bytes`), so a big copy on one thread
   never stalls the others.
 
 Thread safety: any thread may call any method. Three locks guard the tables
@@ -81,8 +81,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from daemon.backends.base import Ctx, Driver, Event, Pool, Stream
-from daemon.backends.sim_memory import (
+from cuctxd.daemon.backends.base import Ctx, Driver, Event, Pool, Stream
+from cuctxd.daemon.backends.sim_memory import (
     DEVICE_SPAN,
     Allocation,
     DeviceMemory,
@@ -91,11 +91,11 @@ from daemon.backends.sim_memory import (
     fill_bytes,
     host_view,
 )
-from daemon.backends.sim_streams import StreamScheduler, StreamSet, Work
-from protos.cuda_results import CUresult
-from protos.errors import CudaError
-from protos.records import DeviceInfo
-from protos.sim_ipc import encode_handle
+from cuctxd.daemon.backends.sim_streams import StreamScheduler, StreamSet, Work
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError
+from cuctxd.protos.records import DeviceInfo
+from cuctxd.protos.sim_ipc import encode_handle
 
 #: What ``cuCtxGetApiVersion`` reports on current drivers.
 API_VERSION = 3020
@@ -379,7 +379,7 @@ class SimDriver(Driver):
         """The same 64 bytes for any pointer into one live allocation: its shared-memory file.
 
         The first call moves the allocation's bytes into a file in ``/dev/shm``
-        (:mod:`protos.sim_ipc` encodes its path); freeing the allocation removes it.
+        (:mod:`cuctxd.protos.sim_ipc` encodes its path); freeing the allocation removes it.
         It runs as legacy-stream work, so no queued copy writes to the old bytes.
         Needs a live current context; a pointer outside every live allocation, or
         into pool memory, is ``CUDA_ERROR_INVALID_VALUE``, as on the real driver;

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from protos.cuda_results import CUresult
-from protos.errors import CudaError
-from protos.sim_ipc import shm_dir
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError
+from cuctxd.protos.sim_ipc import shm_dir
 
 _INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
 _OUT_OF_MEMORY = CUresult.CUDA_ERROR_OUT_OF_MEMORY

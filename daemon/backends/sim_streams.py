@@ -53,8 +53,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from protos.cuda_results import CUresult
-from protos.errors import CudaError
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError
 
 _log = logging.getLogger(__name__)
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from daemon.device_state import DeviceState
-from daemon.device_streams import Marker
-from daemon.handlers.registry import device_handler
-from daemon.jobs import Job
-from daemon.replies import Pending, Reply
-from protos import ops
-from protos.cuda_results import CUresult
-from protos.errors import CudaError
+from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.device.streams import Marker
+from cuctxd.daemon.handlers.registry import device_handler
+from cuctxd.daemon.handlers.replies import Pending, Reply
+from cuctxd.daemon.intake.jobs import Job
+from cuctxd.protos import ops
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError
 
 
 @device_handler(ops.SetDevice)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from daemon.device_state import DeviceState, check_range
-from daemon.device_streams import STAGED_READ_MAX, Marker
-from daemon.handlers.registry import device_handler
-from daemon.jobs import Job
-from daemon.replies import Forward, Pending, Reply
-from protos import ops
-from protos.errors import BadArgument, TooLarge
+from cuctxd.daemon.device.state import DeviceState, check_range
+from cuctxd.daemon.device.streams import STAGED_READ_MAX, Marker
+from cuctxd.daemon.handlers.registry import device_handler
+from cuctxd.daemon.handlers.replies import Forward, Pending, Reply
+from cuctxd.daemon.intake.jobs import Job
+from cuctxd.protos import ops
+from cuctxd.protos.errors import BadArgument, TooLarge
 
 
 @device_handler(ops.MemGetInfo)

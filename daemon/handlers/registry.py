@@ -3,7 +3,7 @@
 Front handlers run on the front thread: ``(front, session, args) -> Reply | FanOut``.
 Device handlers run on the op's device worker thread:
 ``(state, request) -> Reply | Forward``. A test checks that every op in
-:data:`protos.schema.OPS` has exactly one handler of the right kind.
+:data:`cuctxd.protos.schema.OPS` has exactly one handler of the right kind.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from protos.schema import OPS
+from cuctxd.protos.schema import OPS
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -6,18 +6,18 @@ import os
 import time
 from typing import Any
 
-from daemon import __version__
-from daemon.device_state import DeviceState
-from daemon.device_status import device_status
-from daemon.front_state import FrontState
-from daemon.handlers.registry import front_handler
-from daemon.peers import peer_or_pid
-from daemon.replies import FanOut, Reply
-from daemon.sessions import Session
-from protos import ops
-from protos.errors import LimitExceeded, VersionMismatch
-from protos.limits import MAX_HEADER_BYTES, MAX_PAYLOAD_FRAMES
-from protos.version import PROTOCOL_VERSION
+from cuctxd.daemon import __version__
+from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.device.status import device_status
+from cuctxd.daemon.front.state import FrontState
+from cuctxd.daemon.handlers.registry import front_handler
+from cuctxd.daemon.handlers.replies import FanOut, Reply
+from cuctxd.daemon.intake.peers import peer_or_pid
+from cuctxd.daemon.registry.sessions import Session
+from cuctxd.protos import ops
+from cuctxd.protos.errors import LimitExceeded, VersionMismatch
+from cuctxd.protos.limits import MAX_HEADER_BYTES, MAX_PAYLOAD_FRAMES
+from cuctxd.protos.version import PROTOCOL_VERSION
 
 
 @front_handler(ops.Hello)

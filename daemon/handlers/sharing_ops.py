@@ -1,16 +1,16 @@
 """Sharing ops: export/publish/open/close run on the share's device worker; names and
-leases are answered by the front from the daemon-wide :class:`~daemon.sharing.ShareRegistry`."""
+leases are answered by the front from the daemon-wide :class:`~cuctxd.daemon.registry.shares.ShareRegistry`."""
 
 from __future__ import annotations
 
-from daemon.device_state import DeviceState
-from daemon.front_state import FrontState
-from daemon.handlers.registry import device_handler, front_handler
-from daemon.jobs import Job
-from daemon.replies import DeviceTask, Reply
-from daemon.sessions import Session
-from protos import sharing_ops as ops
-from protos.errors import BadArgument
+from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.front.state import FrontState
+from cuctxd.daemon.handlers.registry import device_handler, front_handler
+from cuctxd.daemon.handlers.replies import DeviceTask, Reply
+from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.registry.sessions import Session
+from cuctxd.protos import sharing_ops as ops
+from cuctxd.protos.errors import BadArgument
 
 
 def _share_reply(descriptor_wire: dict[str, object]) -> Reply:

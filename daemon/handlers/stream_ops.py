@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from daemon.device_state import DeviceState
-from daemon.handlers.registry import device_handler
-from daemon.jobs import Job
-from daemon.replies import Pending, Reply
-from protos import stream_ops as ops
+from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.handlers.registry import device_handler
+from cuctxd.daemon.handlers.replies import Pending, Reply
+from cuctxd.daemon.intake.jobs import Job
+from cuctxd.protos import stream_ops as ops
 
 
 @device_handler(ops.CreateStream)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from daemon.backends.base import Driver
+from cuctxd.daemon.backends.base import Driver
 from tests.helpers import cuda_unavailable_reason
 
 #: Simulated devices, so that multi-device tests run on the sim too.
@@ -26,7 +26,7 @@ SIM_MEMORY = 256 << 20
 @cache
 def _cuda_driver() -> Driver:
     """One CudaDriver for the session: the real driver's state is process-wide anyway."""
-    from daemon.backends.cuda import CudaDriver
+    from cuctxd.daemon.backends.cuda import CudaDriver
 
     driver = CudaDriver()
     driver.init()
@@ -35,7 +35,7 @@ def _cuda_driver() -> Driver:
 
 def _make_driver(backend: str) -> Driver:
     if backend == "sim":
-        from daemon.backends.sim import SimDriver
+        from cuctxd.daemon.backends.sim import SimDriver
 
         sim = SimDriver(device_count=SIM_DEVICES, memory_per_device=SIM_MEMORY)
         sim.init()

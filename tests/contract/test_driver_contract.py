@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver
-from protos.cuda_results import DRIVER_MESSAGES
-from protos.errors import CudaError
+from cuctxd.daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver
+from cuctxd.protos.cuda_results import DRIVER_MESSAGES
+from cuctxd.protos.errors import CudaError
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -492,7 +492,7 @@ def test_devices_account_memory_separately(driver: Driver) -> None:
 
 @pytest.mark.gpu
 def test_error_table_matches_the_driver(cuda_bindings: Any) -> None:
-    """protos.cuda_results must name and explain codes as the real driver does."""
+    """cuctxd.protos.cuda_results must name and explain codes as the real driver does."""
     for result, message in DRIVER_MESSAGES.items():
         err, name = cuda_bindings.cuGetErrorName(cuda_bindings.CUresult(int(result)))
         assert err == cuda_bindings.CUresult.CUDA_SUCCESS

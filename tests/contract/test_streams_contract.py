@@ -22,8 +22,8 @@ from contextlib import ExitStack
 
 import pytest
 
-from daemon.backends.base import Driver, Event, Pool, Stream
-from protos.errors import CudaError
+from cuctxd.daemon.backends.base import Driver, Event, Pool, Stream
+from cuctxd.protos.errors import CudaError
 from tests.contract.test_driver_contract import in_thread, primary_current, raises_cuda
 
 MIB = 1 << 20

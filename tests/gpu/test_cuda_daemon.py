@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from client import Client, CudaError, UnknownHandle
+from cuctxd.client import Client, CudaError, UnknownHandle
 from tests.helpers import DaemonProcess, run_client, spawn_client, wait_for_line
 
 MIB = 1 << 20
@@ -66,7 +66,7 @@ def test_memory_streams_and_errors(cuda_daemon: DaemonProcess) -> None:
 
 ZERO_COPY_CONSUMER = """
 import cupy, torch
-from client import Client
+from cuctxd.client import Client
 with Client(ENDPOINT) as c, c.open_shared("gpu-weights") as shared:
     t = torch.as_tensor(shared, device="cuda")
     a = cupy.asarray(shared)
@@ -91,7 +91,7 @@ def test_sharing_zero_copy_with_cupy_and_torch(cuda_daemon: DaemonProcess) -> No
 
 
 PRODUCER = """
-from client import Client
+from cuctxd.client import Client
 with Client(ENDPOINT) as c:
     buf = c.alloc(4096, shareable=True)
     buf.write(b"produced" * 512)
@@ -101,7 +101,7 @@ with Client(ENDPOINT) as c:
 CONSUMER = """
 import ctypes
 from cuda.bindings import driver as cu
-from client import Client
+from cuctxd.client import Client
 with Client(ENDPOINT) as c, c.open_shared("handoff") as shared:
     host = bytearray(16)
     cu.cuCtxSetCurrent(cu.cuDevicePrimaryCtxRetain(cu.cuDeviceGet(0)[1])[1])
@@ -120,7 +120,7 @@ def test_published_buffer_outlives_its_producer_on_cuda(cuda_daemon: DaemonProce
 
 
 VICTIM = """
-from client import Client
+from cuctxd.client import Client
 import time
 c = Client(ENDPOINT)
 c.create_context(0)

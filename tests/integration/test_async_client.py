@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from client import (
+from cuctxd.client import (
     AsyncBuffer,
     AsyncClient,
     AsyncContext,
@@ -40,8 +40,8 @@ from client import (
     TooLarge,
     UnknownHandle,
 )
-from client.lease import AsyncHeartbeat
-from protos.version import PROTOCOL_VERSION
+from cuctxd.client.lease import AsyncHeartbeat
+from cuctxd.protos.version import PROTOCOL_VERSION
 from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
 
 T = TypeVar("T")

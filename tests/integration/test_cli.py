@@ -1,4 +1,4 @@
-"""The ``cuctx`` CLI (``python -m client``) and the daemon process's life cycle."""
+"""The ``cuctx`` CLI (``python -m cuctxd.client``) and the daemon process's life cycle."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from client import Client
-from daemon import __version__
+from cuctxd.client import Client
+from cuctxd.daemon import __version__
 from tests.helpers import REPO, DaemonProcess, remove_tempdir, short_tempdir, start_daemon
 from tests.helpers_raw import raw_peer
 
@@ -24,12 +24,12 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO))
 
 
 def cuctx(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cuctxd.client", *args], capture_output=True, text=True,
                           env=env or ENV, cwd=REPO, timeout=timeout)
 
 
 def cuctxd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "daemon", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", *args], capture_output=True, text=True,
                           env=ENV, cwd=REPO, timeout=timeout)
 
 
@@ -217,7 +217,7 @@ def test_a_stale_socket_file_is_replaced() -> None:
     stale = directory / "d.sock"
     stale.write_text("")
     process = subprocess.Popen(
-        [sys.executable, "-m", "daemon", "--backend", "sim", "--endpoint", f"ipc://{stale}"],
+        [sys.executable, "-m", "cuctxd.daemon", "--backend", "sim", "--endpoint", f"ipc://{stale}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO,
     )
     try:

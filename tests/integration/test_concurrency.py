@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from client import Client
+from cuctxd.client import Client
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
 from tests.helpers_raw import raw_peer
 

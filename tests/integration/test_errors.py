@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from client import (
+from cuctxd.client import (
     BadArgument,
     Buffer,
     Client,
@@ -28,9 +28,9 @@ from client import (
     UnknownSession,
     VersionMismatch,
 )
-from client.transport import Transport
-from protos.messages import pack
-from protos.version import PROTOCOL_VERSION
+from cuctxd.client.transport import Transport
+from cuctxd.protos.messages import pack
+from cuctxd.protos.version import PROTOCOL_VERSION
 from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
 from tests.helpers_raw import RawPeer, error_name, raw_peer
 

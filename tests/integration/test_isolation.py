@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from client import Buffer, Client, Context, CuctxError
+from cuctxd.client import Buffer, Client, Context, CuctxError
 from tests.helpers import DaemonProcess
 
 MiB = 1 << 20

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from client import Client, CudaError, SessionExpired
+from cuctxd.client import Client, CudaError, SessionExpired
 from tests.helpers import DaemonProcess, remove_tempdir, spawn_client, start_daemon, wait_for_line
 
 LEASE_TTL = 1.5
@@ -37,7 +37,7 @@ def sessions(observer: Client) -> set[int]:
 
 
 VICTIM = """
-from client import Client
+from cuctxd.client import Client
 import time
 c = Client(ENDPOINT)
 c.create_context(0)

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from client import Client, CudaError
-from daemon import __version__
-from protos.version import PROTOCOL_VERSION
+from cuctxd.client import Client, CudaError
+from cuctxd.daemon import __version__
+from cuctxd.protos.version import PROTOCOL_VERSION
 from tests.helpers import DaemonProcess
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from client import Client
+from cuctxd.client import Client
 from tests.helpers import DaemonProcess
 
 

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from client import AsyncClient, Client
-from protos.errors import DaemonTimeout, LimitExceeded
+from cuctxd.client import AsyncClient, Client
+from cuctxd.protos.errors import DaemonTimeout, LimitExceeded
 from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, short_tempdir, start_daemon
 
 KEYGEN_FAST = 2.0  # timeout for clients expected to be turned away
 
 
 def keygen(directory: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "daemon", "keygen", str(directory), *extra], capture_output=True,
-                          text=True, env=client_env(), cwd=REPO, timeout=30)
+    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", "keygen", str(directory), *extra],
+                          capture_output=True, text=True, env=client_env(), cwd=REPO, timeout=30)
 
 
 def tcp_endpoint(process: DaemonProcess, timeout: float = 10.0) -> str:
@@ -153,7 +153,7 @@ def test_a_client_not_allowed_in_gets_a_quick_timeout(keys: Keys, curve_daemon: 
 
 def test_cuctx_takes_the_key_flags(keys: Keys, curve_daemon: tuple[DaemonProcess, str]) -> None:
     _, endpoint = curve_daemon
-    done = subprocess.run([sys.executable, "-m", "client", "--endpoint", endpoint, "--timeout", "10",
+    done = subprocess.run([sys.executable, "-m", "cuctxd.client", "--endpoint", endpoint, "--timeout", "10",
                            "--server-key", str(keys.server_public), "--client-key", str(keys.client_secret("alice")),
                            "ping"], capture_output=True, text=True, env=client_env(), cwd=REPO, timeout=30)
     assert done.returncode == 0, done.stderr

@@ -15,7 +15,7 @@ CLEAR = "\x1b[H\x1b[2J"
 
 
 def cuctx(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cuctxd.client", *args], capture_output=True, text=True,
                           env=client_env(), cwd=REPO, timeout=timeout)
 
 
@@ -48,7 +48,7 @@ def test_watch_json_prints_one_status_per_line(daemon: DaemonProcess) -> None:
 
 
 def test_ctrl_c_ends_the_watch_with_0(daemon: DaemonProcess) -> None:
-    process = subprocess.Popen([sys.executable, "-m", "client", "--endpoint", daemon.endpoint, "status", "-w",
+    process = subprocess.Popen([sys.executable, "-m", "cuctxd.client", "--endpoint", daemon.endpoint, "status", "-w",
                                 "-n", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=client_env(), cwd=REPO)
     try:

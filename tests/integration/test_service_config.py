@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client
+from cuctxd.client import Client
 from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, short_tempdir, start_daemon
 
 MiB = 1 << 20
@@ -29,7 +29,7 @@ def wait_for_log(process: DaemonProcess, pattern: str, timeout: float = 10.0) ->
 
 
 def cuctxd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "daemon", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", *args], capture_output=True, text=True,
                           env=client_env(), cwd=REPO, timeout=timeout)
 
 

@@ -16,8 +16,8 @@ import msgpack
 import pytest
 import zmq
 
-from protos.messages import pack
-from protos.version import PROTOCOL_VERSION
+from cuctxd.protos.messages import pack
+from cuctxd.protos.version import PROTOCOL_VERSION
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
 
 MiB = 1 << 20

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from client import Client, UnknownHandle
+from cuctxd.client import Client, UnknownHandle
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
 
 
@@ -44,7 +44,7 @@ def wait_for_record(process: DaemonProcess, timeout: float = 10.0, **fields: Any
 def test_every_line_is_a_json_object_with_the_standard_fields(json_daemon: DaemonProcess) -> None:
     with Client(json_daemon.endpoint, timeout=10) as client:
         client.ping()
-    wait_for_record(json_daemon, logger="daemon.sessions")
+    wait_for_record(json_daemon, logger="cuctxd.daemon.sessions")
     lines = records(json_daemon)
     assert lines
     for line in lines:
@@ -55,10 +55,10 @@ def test_every_line_is_a_json_object_with_the_standard_fields(json_daemon: Daemo
 def test_session_open_and_close_are_info_lines_with_fields(json_daemon: DaemonProcess) -> None:
     with Client(json_daemon.endpoint, timeout=10, name="log-test") as client:
         session = client.session_id
-    opened = wait_for_record(json_daemon, session=session, logger="daemon.sessions", level="INFO",
+    opened = wait_for_record(json_daemon, session=session, logger="cuctxd.daemon.sessions", level="INFO",
                              message=f"session {session} opened by log-test (pid {os.getpid()})")
     assert opened["client"] == "log-test"
-    closed = wait_for_record(json_daemon, session=session, logger="daemon.sessions", level="INFO",
+    closed = wait_for_record(json_daemon, session=session, logger="cuctxd.daemon.sessions", level="INFO",
                              message=re.compile(rf"session {session} \(log-test, pid \d+\) closed after "))
     assert isinstance(closed["lived_s"], float)
 
@@ -83,7 +83,7 @@ def test_errors_warn_and_requests_are_debug_lines(json_daemon: DaemonProcess) ->
     failed = wait_for_record(json_daemon, level="WARNING", op="free", outcome="CUCTXD_ERROR_UNKNOWN_HANDLE")
     assert failed["latency_ms"] >= 0
     ok = wait_for_record(json_daemon, level="DEBUG", op="alloc", outcome="ok")
-    assert ok["logger"] == "daemon.requests"
+    assert ok["logger"] == "cuctxd.daemon.requests"
 
 
 def test_text_is_the_default() -> None:
@@ -99,6 +99,6 @@ def test_text_is_the_default() -> None:
         assert process.stop() == 0
         remove_tempdir(process.socket_dir)
     line = next(line for line in process.log().splitlines() if f"session {session} opened by text-test" in line)
-    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO daemon.sessions \[MainThread\] ", line), line
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO cuctxd.daemon.sessions \[MainThread\] ", line), line
     assert not process.log().lstrip().startswith("{")
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import Client, UnknownHandle
+from cuctxd.client import Client, UnknownHandle
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
 
 MiB = 1 << 20

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client
+from cuctxd.client import Client
 from tests.helpers import REPO, client_env, remove_tempdir, short_tempdir
 
 
@@ -78,7 +78,7 @@ def abstract_systemd() -> Iterator[FakeSystemd]:
 def start(workdir: Path, systemd: FakeSystemd, *extra: str, **env: str) -> tuple[subprocess.Popen[str], str]:
     endpoint = f"ipc://{workdir}/d.sock"
     process = subprocess.Popen(
-        [sys.executable, "-m", "daemon", "--backend", "sim", "--endpoint", endpoint, *extra],
+        [sys.executable, "-m", "cuctxd.daemon", "--backend", "sim", "--endpoint", endpoint, *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env=dict(client_env(), NOTIFY_SOCKET=systemd.address, **env),
     )
@@ -165,7 +165,7 @@ def test_stopping_is_sent_on_sigterm(workdir: Path, systemd: FakeSystemd) -> Non
 def test_without_notify_socket_nothing_is_sent(workdir: Path, systemd: FakeSystemd) -> None:
     endpoint = f"ipc://{workdir}/d.sock"
     env = {k: v for k, v in client_env().items() if k != "NOTIFY_SOCKET"}
-    process = subprocess.Popen([sys.executable, "-m", "daemon", "--backend", "sim", "--endpoint", endpoint],
+    process = subprocess.Popen([sys.executable, "-m", "cuctxd.daemon", "--backend", "sim", "--endpoint", endpoint],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         assert process.stdout is not None

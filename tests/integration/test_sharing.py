@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from client import Client, NameExists, NotFound, NotOwner, NotShareable, UnknownHandle
+from cuctxd.client import Client, NameExists, NotFound, NotOwner, NotShareable, UnknownHandle
 from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, run_client, start_daemon
 
 PATTERN = bytes(range(256)) * 16  # 4 KiB
@@ -34,7 +34,7 @@ def device_totals(c: Client) -> list[tuple[int, int, int]]:
 
 
 PRODUCER = """
-from client import Client
+from cuctxd.client import Client
 with Client(ENDPOINT) as c:
     buf = c.alloc(4096, device=1, shareable=True)
     buf.write(bytes(range(256)) * 16)
@@ -43,7 +43,7 @@ with Client(ENDPOINT) as c:
 """
 
 CONSUMER = """
-from client import Client
+from cuctxd.client import Client
 with Client(ENDPOINT) as c:
     with c.open_shared("weights") as shared:
         print(shared.device, shared.size, bytes(shared.host_view()).hex())
@@ -86,8 +86,8 @@ def test_writes_through_a_mapping_are_seen_by_the_owner(daemon: DaemonProcess) -
         buf = owner.alloc(1024, shareable=True)
         buf.fill(0)
         out = run_client(f"""
-from client import Client
-from protos.records import ShareDescriptor
+from cuctxd.client import Client
+from cuctxd.protos.records import ShareDescriptor
 import pickle
 desc = pickle.loads({pickle.dumps(buf.export())!r})
 with Client(ENDPOINT) as c, c.open_shared(desc) as shared:
@@ -161,7 +161,7 @@ def test_bogus_and_stale_descriptors_are_refused_clearly(daemon: DaemonProcess) 
 def test_cuctx_shared_lists_published_buffers(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
         c.publish(c.alloc(2048, shareable=True), "listed")
-        out = subprocess.run([sys.executable, "-m", "client", "--endpoint", daemon.endpoint, "shared"],
+        out = subprocess.run([sys.executable, "-m", "cuctxd.client", "--endpoint", daemon.endpoint, "shared"],
                              capture_output=True, text=True, env=client_env(), cwd=REPO, check=True).stdout
         assert "listed" in out and "2.0 KiB" in out
         c.unpublish("listed")

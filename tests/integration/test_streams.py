@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from client import Client, CudaError, NotShareable, OutOfRange, UnknownHandle
+from cuctxd.client import Client, CudaError, NotShareable, OutOfRange, UnknownHandle
 from tests.helpers import DaemonProcess
 
 

@@ -26,10 +26,10 @@ import msgpack
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from protos.cuda_results import CUresult
-from protos.errors import ErrorCode
-from protos.limits import MAX_HANDLE, MAX_HEADER_BYTES
-from protos.schema import OPS, OpSpec
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import ErrorCode
+from cuctxd.protos.limits import MAX_HANDLE, MAX_HEADER_BYTES
+from cuctxd.protos.schema import OPS, OpSpec
 
 #: Inputs sent to a daemon, by kind; printed at the end of the run (conftest).
 INPUTS: Counter[str] = Counter()
@@ -118,7 +118,7 @@ garbage_headers = st.one_of(
 payload_junk = st.one_of(st.binary(max_size=64), st.integers(0, 70_000).map(lambda n: bytes([n % 251]) * n))
 
 
-# --- the ops' arguments, read from protos.schema -------------------------------------------------
+# --- the ops' arguments, read from cuctxd.protos.schema -------------------------------------------------
 
 _ROLE_BY_NAME = {
     "buffer": "buffer", "src": "buffer", "dst": "buffer", "context": "context", "stream": "stream",

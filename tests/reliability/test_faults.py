@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
-from protos.sim_ipc import decode_handle
+from cuctxd.client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
+from cuctxd.protos.sim_ipc import decode_handle
 from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
 
 MiB = 1 << 20

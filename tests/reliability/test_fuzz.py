@@ -6,7 +6,7 @@ once, owns buffers with known bytes on both devices, a created context on its
 stack, a stream, an event and a published share; a *probe* session on the
 fuzzing connection never binds anything. The inputs: random bytes as header
 frames, multipart messages of 1..5 random frames (a DEALER cannot send 0),
-random msgpack values as headers, and requests built from ``protos.schema.OPS``
+random msgpack values as headers, and requests built from ``cuctxd.protos.schema.OPS``
 with mutated fields (strategies.py), one at a time and as pipelined bursts.
 For every input:
 
@@ -41,8 +41,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client import Buffer, Client, Event, Stream
-from protos.schema import OPS
+from cuctxd.client import Buffer, Client, Event, Stream
+from cuctxd.protos.schema import OPS
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
 from tests.helpers_raw import RawPeer
 from tests.reliability.strategies import (

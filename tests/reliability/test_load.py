@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from client import Buffer, Client, UnknownHandle
+from cuctxd.client import Buffer, Client, UnknownHandle
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
 from tests.reliability.strategies import INPUTS, scaled, soak_mode
 
@@ -236,7 +236,7 @@ def answered_by_daemon(daemon: DaemonProcess) -> Counter[str]:
         if not line.startswith("{"):
             continue
         record = json.loads(line)
-        if record.get("logger") == "daemon.requests" and "op" in record:
+        if record.get("logger") == "cuctxd.daemon.requests" and "op" in record:
             counts[record["op"]] += 1
     return counts
 

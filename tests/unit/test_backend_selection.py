@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from cuda.bindings import driver as cu
 
-from daemon.backends import BackendUnavailable, select_backend
-from daemon.backends import cuda as cuda_backend
-from daemon.backends.cuda import CudaDriver, check_result, format_uuid
-from protos.errors import CudaError
+from cuctxd.daemon.backends import BackendUnavailable, select_backend
+from cuctxd.daemon.backends import cuda as cuda_backend
+from cuctxd.daemon.backends.cuda import CudaDriver, check_result, format_uuid
+from cuctxd.protos.errors import CudaError
 
 SIM_DEVICES = 3
 SIM_MEMORY = 1 << 20

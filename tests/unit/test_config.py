@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import parse_config
-from daemon.config import ConfigError, DaemonConfig, check_config, format_size, parse_size
-from daemon.config_file import KEYS, load_file, render_toml
+from cuctxd.daemon.service.cli import parse_config
+from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config, format_size, parse_size
+from cuctxd.daemon.service.config_file import KEYS, load_file, render_toml
 
 MiB = 1 << 20
 

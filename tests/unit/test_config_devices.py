@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from daemon.backends.base import Driver
-from daemon.backends.sim import SimDriver
-from daemon.device_subset import DeviceSubset
-from protos.errors import CudaError
+from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.backends.sim import SimDriver
+from cuctxd.daemon.backends.subset import DeviceSubset
+from cuctxd.protos.errors import CudaError
 
 MiB = 1 << 20
 

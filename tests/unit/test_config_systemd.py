@@ -7,7 +7,7 @@ import shlex
 import tomllib
 from pathlib import Path
 
-from daemon.cli import parse_config
+from cuctxd.daemon.service.cli import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "daemon" / "systemd" / "cuctxd.service"
@@ -45,4 +45,4 @@ def test_exec_start_listens_in_the_runtime_directory_and_parses(tmp_path: Path) 
 
 def test_the_unit_ships_as_package_data() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "systemd/cuctxd.service" in project["tool"]["setuptools"]["package-data"]["daemon"]
+    assert "systemd/cuctxd.service" in project["tool"]["setuptools"]["package-data"]["cuctxd.daemon"]

@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from daemon.backends.sim import SimDriver
-from daemon.device_state import DeviceLimits, DeviceState, check_range
-from daemon.device_status import device_status
-from daemon.device_streams import STAGED_READ_MAX
-from daemon.handlers import DEVICE_HANDLERS
-from daemon.jobs import Job
-from daemon.replies import Forward, Reply
-from daemon.sessions import SessionRef
-from daemon.sharing import ShareRegistry
-from protos.errors import CudaError, OutOfRange, TooLarge, UnknownHandle
-from protos.schema import OPS, decode_args
+from cuctxd.daemon.backends.sim import SimDriver
+from cuctxd.daemon.device.state import DeviceLimits, DeviceState, check_range
+from cuctxd.daemon.device.status import device_status
+from cuctxd.daemon.device.streams import STAGED_READ_MAX
+from cuctxd.daemon.handlers import DEVICE_HANDLERS
+from cuctxd.daemon.handlers.replies import Forward, Reply
+from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.protos.errors import CudaError, OutOfRange, TooLarge, UnknownHandle
+from cuctxd.protos.schema import OPS, decode_args
 
 MEMORY = 1 << 20
 MAX_PAYLOAD = 4096

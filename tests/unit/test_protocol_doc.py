@@ -6,14 +6,14 @@ record field or a limit, or bumps the version, has to write it down:
 * a line ``Protocol version: N`` with N == ``PROTOCOL_VERSION``, and a
   ``### Version N`` entry under "Changes by version";
 * under the ``## 10. Ops`` section, one ``### `name``` heading per op in
-  ``protos.schema.OPS`` (no more, no fewer, in registration order);
+  ``cuctxd.protos.schema.OPS`` (no more, no fewer, in registration order);
 * in each op's section, a ``**Arguments**`` table whose first column lists
   exactly that op's fields as `` `name` ``, with "required" in the third column
   exactly for fields without a default and a non-None default written in it;
   an op without fields says ``**Arguments**: none.``;
 * a table row ``| `NAME` | code |`` for every ``ErrorCode`` and ``CUresult``;
-* a field table for every record in ``protos.records``;
-* a table row ``| `NAME` | value |`` for every constant in ``protos.limits``.
+* a field table for every record in ``cuctxd.protos.records``;
+* a table row ``| `NAME` | value |`` for every constant in ``cuctxd.protos.limits``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-import protos
-from protos import limits, records
-from protos.cuda_results import CUresult
-from protos.errors import ErrorCode
-from protos.schema import OPS, OpSpec
-from protos.version import PROTOCOL_VERSION
+from cuctxd import protos
+from cuctxd.protos import limits, records
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import ErrorCode
+from cuctxd.protos.schema import OPS, OpSpec
+from cuctxd.protos.version import PROTOCOL_VERSION
 
 DOC_PATH = Path(protos.__file__).resolve().parent / "PROTOCOL.md"
 OPS_SECTION = "## 10. Ops"
@@ -156,7 +156,7 @@ def test_every_op_has_a_heading_in_registration_order(doc: str) -> None:
     missing = [name for name in OPS if name not in documented]
     stale = [name for name in documented if name not in OPS]
     assert not missing, f"ops without a '### `name`' heading under {OPS_SECTION!r}: {missing}"
-    assert not stale, f"PROTOCOL.md documents ops that protos.schema.OPS lacks: {stale}"
+    assert not stale, f"PROTOCOL.md documents ops that cuctxd.protos.schema.OPS lacks: {stale}"
     assert documented == list(OPS), "ops are documented in a different order than they are registered"
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.handlers import DEVICE_HANDLERS, FRONT_HANDLERS
-from daemon.handlers.registry import device_handler, front_handler
-from protos import ops
-from protos.schema import OPS
+from cuctxd.daemon.handlers import DEVICE_HANDLERS, FRONT_HANDLERS
+from cuctxd.daemon.handlers.registry import device_handler, front_handler
+from cuctxd.protos import ops
+from cuctxd.protos.schema import OPS
 
 
 def test_protocol_has_ops() -> None:
@@ -44,7 +44,7 @@ def test_every_device_op_can_name_its_device() -> None:
 def test_a_second_handler_for_an_op_is_refused() -> None:
     with pytest.raises(ValueError, match="two handlers"):
         device_handler(ops.Alloc)(lambda state, job: None)
-    assert DEVICE_HANDLERS["alloc"].__module__ == "daemon.handlers.memory_ops"
+    assert DEVICE_HANDLERS["alloc"].__module__ == "cuctxd.daemon.handlers.memory_ops"
 
 
 def test_a_handler_in_the_wrong_table_is_refused() -> None:

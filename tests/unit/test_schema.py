@@ -7,9 +7,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from protos import errors
-from protos.cuda_results import CUresult
-from protos.errors import (
+from cuctxd.protos import errors
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import (
     BadArgument,
     BadOp,
     BadRequest,
@@ -20,8 +20,8 @@ from protos.errors import (
     error_from_wire,
     error_to_wire,
 )
-from protos.limits import MAX_HANDLE, MAX_HEADER_BYTES
-from protos.messages import (
+from cuctxd.protos.limits import MAX_HANDLE, MAX_HEADER_BYTES
+from cuctxd.protos.messages import (
     encode_error,
     encode_request,
     encode_result,
@@ -31,7 +31,7 @@ from protos.messages import (
     request_id_of,
     unpack,
 )
-from protos.schema import OPS, decode_args, encode_args
+from cuctxd.protos.schema import OPS, decode_args, encode_args
 
 # --- decode_args -----------------------------------------------------------------------
 

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import zmq
 
-from client.transport import CurveKeys, curve_keys, no_reply
-from daemon.backends.sim import SimDriver
-from daemon.device_state import DeviceLimits, DeviceState
-from daemon.endpoint import open_ipc_socket, prepare_ipc
-from daemon.keygen import write_key_pair
-from daemon.peers import peer_of, peer_or_pid
-from daemon.sessions import SessionRef, SessionRegistry
-from daemon.sharing import ShareRegistry
-from protos.errors import LimitExceeded
+from cuctxd.client.transport import CurveKeys, curve_keys, no_reply
+from cuctxd.daemon.backends.sim import SimDriver
+from cuctxd.daemon.device.state import DeviceLimits, DeviceState
+from cuctxd.daemon.intake.peers import peer_of, peer_or_pid
+from cuctxd.daemon.registry.sessions import SessionRef, SessionRegistry
+from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.service.endpoint import open_ipc_socket, prepare_ipc
+from cuctxd.daemon.service.keygen import write_key_pair
+from cuctxd.protos.errors import LimitExceeded
 
 
 def test_write_key_pair_and_load_it_back(tmp_path: Path) -> None:

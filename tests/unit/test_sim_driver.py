@@ -17,9 +17,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from daemon.backends.base import Ctx, Event, Pool, Stream
-from daemon.backends.sim import CU_CTX_MAP_HOST, SimDriver
-from daemon.backends.sim_memory import (
+from cuctxd.daemon.backends.base import Ctx, Event, Pool, Stream
+from cuctxd.daemon.backends.sim import CU_CTX_MAP_HOST, SimDriver
+from cuctxd.daemon.backends.sim_memory import (
     ALIGNMENT,
     GIL_FREE_SIZE,
     AddressSpace,
@@ -29,9 +29,9 @@ from daemon.backends.sim_memory import (
     copy_bytes,
     fill_bytes,
 )
-from protos.cuda_results import CUresult
-from protos.errors import CudaError
-from protos.sim_ipc import decode_handle, shm_dir
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError
+from cuctxd.protos.sim_ipc import decode_handle, shm_dir
 
 MIB = 1 << 20
 CAPACITY = 8 * MIB

@@ -32,7 +32,7 @@ class Session:
     opened_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
     current_device: int = 0
-    #: Who opened it, for ``max_sessions_per_peer`` (:mod:`daemon.peers`).
+    #: Who opened it, for ``max_sessions_per_peer`` (:mod:`cuctxd.daemon.intake.peers`).
     peer: str = ""
 
     def to_status(self) -> dict[str, object]:

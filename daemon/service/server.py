@@ -2,10 +2,10 @@
 
 Start: every worker opens its device, then the front's ROUTER binds (tcp://
 only with CURVE or ``insecure_tcp``), then each device's own ROUTER binds next
-to every endpoint and goes to its worker (:mod:`daemon.lane`; unless
+to every endpoint and goes to its worker (:mod:`cuctxd.daemon.device.lane`; unless
 ``device_endpoints`` is off), then the metrics endpoint (if configured) and the
 systemd liveness probe start; ``READY=1`` goes out once the front has answered
-the probe's first ping (:mod:`daemon.liveness`).
+the probe's first ping (:mod:`cuctxd.daemon.service.liveness`).
 
 Stop (:meth:`Daemon.stop`, SIGTERM/SIGINT): the front stops serving, then
 *drains*: it keeps forwarding worker replies and answers every new request,
@@ -22,9 +22,9 @@ authenticator thread admits only clients whose public key is in ``allow_dir``
 (:meth:`Daemon._secure_router`). The liveness probe's inproc:// connection is
 not subject to CURVE (libzmq runs no security handshake over inproc), which is
 safe since only this process can reach it. ``group`` opens the ipc:// socket to
-one group (:func:`daemon.endpoint.prepare_ipc`); ``max_sessions_per_peer`` is
+one group (:func:`cuctxd.daemon.service.endpoint.prepare_ipc`); ``max_sessions_per_peer`` is
 enforced by the front (hello), ``max_objects_per_session`` by each device's
-:class:`~daemon.device_state.DeviceState`.
+:class:`~cuctxd.daemon.device.state.DeviceState`.
 """
 
 from __future__ import annotations
@@ -43,22 +43,22 @@ import zmq
 import zmq.auth
 import zmq.auth.thread
 
-from daemon.backends.base import Driver
-from daemon.config import ConfigError, DaemonConfig, check_config
-from daemon.device_state import DeviceLimits, DeviceState
-from daemon.device_subset import DeviceSubset
-from daemon.endpoint import ipc_path, lane_endpoint, open_ipc_socket, prepare_ipc, remove_ipc
-from daemon.front import Front
-from daemon.front_state import FrontState
-from daemon.lane import DeviceLane
-from daemon.liveness import PROBE_ENDPOINT, FrontProbe
-from daemon.logs import flush_logs
-from daemon.metrics import DaemonMetrics
-from daemon.notify import Notifier
-from daemon.observe import ObservedSessions, RequestObserver
-from daemon.sharing import ShareRegistry
-from daemon.worker import DeviceWorker
-from protos.limits import MAX_HEADER_BYTES
+from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.backends.subset import DeviceSubset
+from cuctxd.daemon.device.lane import DeviceLane
+from cuctxd.daemon.device.state import DeviceLimits, DeviceState
+from cuctxd.daemon.device.worker import DeviceWorker
+from cuctxd.daemon.front.loop import Front
+from cuctxd.daemon.front.state import FrontState
+from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
+from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
+from cuctxd.daemon.service.endpoint import ipc_path, lane_endpoint, open_ipc_socket, prepare_ipc, remove_ipc
+from cuctxd.daemon.service.liveness import PROBE_ENDPOINT, FrontProbe
+from cuctxd.daemon.service.logs import flush_logs
+from cuctxd.daemon.service.metrics import DaemonMetrics
+from cuctxd.daemon.service.notify import Notifier
+from cuctxd.protos.limits import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ class Daemon:
         if not allowed:
             log.warning("allow_dir %s holds no client public keys: every client will be turned away",
                         self.config.allow_dir)
-        authenticator = zmq.auth.thread.ThreadAuthenticator(self._zmq, log=logging.getLogger("daemon.zap"))
+        authenticator = zmq.auth.thread.ThreadAuthenticator(self._zmq, log=logging.getLogger("cuctxd.daemon.zap"))
         authenticator.start()
         self._authenticator = authenticator
         authenticator.configure_curve(domain="*", location=self.config.allow_dir)

@@ -1,6 +1,6 @@
 """Taking requests off a ROUTER socket and putting replies on it, for the front and the device lanes.
 
-Both the front's ROUTER and each device's own ROUTER (:mod:`daemon.lane`) read
+Both the front's ROUTER and each device's own ROUTER (:mod:`cuctxd.daemon.device.lane`) read
 and write messages the same way: a message is ``[identity, header, *payload]``;
 replies never block (a client that does not read loses its reply, the daemon
 goes on). Flags are plain ints: pyzmq's enums cost a Python-level operation on
@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import zmq
 
-from daemon.peers import peer_of
+from cuctxd.daemon.intake.peers import peer_of
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def recv_request(router: zmq.Socket[Any], want_peer: bool) -> tuple[bytes, bytes
     None (logged) for a message of one frame, which has no header to answer.
     Frames are read as :class:`zmq.Frame` (their ``more`` flag is cheaper than
     ``getsockopt(RCVMORE)``); payload frames stay zero-copy all the way to the
-    driver call. ``peer`` (who sent it, :mod:`daemon.peers`) is read only when
+    driver call. ``peer`` (who sent it, :mod:`cuctxd.daemon.intake.peers`) is read only when
     ``want_peer``.
     """
     first = router.recv(NOBLOCK, copy=False)

@@ -4,7 +4,7 @@ Settings come from built-in defaults, then ``--config FILE`` (TOML, keys as
 the long flags in snake_case), then the flags given. Any bad setting exits 2
 with a message naming it; ``--print-config`` shows the result as TOML.
 ``cuctxd keygen DIR [--name NAME]`` writes a CURVE key pair instead
-(:mod:`daemon.keygen`).
+(:mod:`cuctxd.daemon.service.keygen`).
 """
 
 from __future__ import annotations
@@ -19,20 +19,27 @@ from typing import Any
 
 import zmq
 
-from daemon import __version__, keygen
-from daemon.backends import BackendUnavailable, select_backend
-from daemon.backends.sim import SimDriver
-from daemon.config import DEFAULT_DRAIN_TIMEOUT, DEFAULT_METRICS_HOST, ConfigError, DaemonConfig, check_config
-from daemon.config_file import KEYS, build_config, check_endpoint, load_file, render_toml
-from daemon.endpoint import EndpointInUse
-from daemon.logs import flush_logs, setup_logging
-from daemon.metrics import MetricsUnavailable
-from daemon.server import Daemon
-from daemon.worker import WorkerStartError
-from protos.cuda_results import CUresult
-from protos.endpoints import default_endpoint
+from cuctxd.daemon import __version__
+from cuctxd.daemon.backends import BackendUnavailable, select_backend
+from cuctxd.daemon.backends.sim import SimDriver
+from cuctxd.daemon.device.worker import WorkerStartError
+from cuctxd.daemon.service import keygen
+from cuctxd.daemon.service.config import (
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_METRICS_HOST,
+    ConfigError,
+    DaemonConfig,
+    check_config,
+)
+from cuctxd.daemon.service.config_file import KEYS, build_config, check_endpoint, load_file, render_toml
+from cuctxd.daemon.service.endpoint import EndpointInUse
+from cuctxd.daemon.service.logs import flush_logs, setup_logging
+from cuctxd.daemon.service.metrics import MetricsUnavailable
+from cuctxd.daemon.service.server import Daemon
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.endpoints import default_endpoint
 
-log = logging.getLogger("daemon")
+log = logging.getLogger("cuctxd.daemon")
 
 #: Exit status for a bad configuration or anything else that stops the daemon from starting.
 EXIT_CONFIG = 2

@@ -2,11 +2,11 @@
 
 Work reaches it two ways. Other threads queue tasks (jobs the front received,
 fan-outs, forwarded continuations) and ring an eventfd doorbell; clients send
-device ops straight to its own ROUTER (:mod:`daemon.lane`). One poller waits on
+device ops straight to its own ROUTER (:mod:`cuctxd.daemon.device.lane`). One poller waits on
 both. It runs one item at a time, so its :class:`DeviceState` needs no lock,
 and answers each job where it came from: over its inproc PUSH socket to the
 front, or on its lane. A slow op here delays only this device; a synchronize
-does not even delay this device: it becomes a :class:`~daemon.replies.Pending`
+does not even delay this device: it becomes a :class:`~cuctxd.daemon.handlers.replies.Pending`
 that the loop polls between requests.
 """
 
@@ -22,16 +22,16 @@ from typing import Any
 
 import zmq
 
-from daemon.backends.base import Driver
-from daemon.device_state import DeviceLimits, DeviceState
-from daemon.handlers import DEVICE_HANDLERS
-from daemon.jobs import Job
-from daemon.lane import DeviceLane
-from daemon.replies import FanOut, Forward, Gather, Pending, Reply
-from daemon.sharing import ShareRegistry
-from protos.cuda_results import STICKY_CODES, CUresult
-from protos.errors import CuctxError, CudaError, InternalError
-from protos.messages import encode_error, encode_result
+from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.device.lane import DeviceLane
+from cuctxd.daemon.device.state import DeviceLimits, DeviceState
+from cuctxd.daemon.handlers import DEVICE_HANDLERS
+from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Pending, Reply
+from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.protos.cuda_results import STICKY_CODES, CUresult
+from cuctxd.protos.errors import CuctxError, CudaError, InternalError
+from cuctxd.protos.messages import encode_error, encode_result
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The daemon's effective configuration, and parsing of human sizes like ``8GiB``.
 
 :class:`DaemonConfig` is built once at start (defaults, then the ``--config``
-TOML file, then command-line flags: see :mod:`daemon.config_file`) and only read
-afterwards. Every value is checked by the converters in :mod:`daemon.config_file`
+TOML file, then command-line flags: see :mod:`cuctxd.daemon.service.config_file`) and only read
+afterwards. Every value is checked by the converters in :mod:`cuctxd.daemon.service.config_file`
 before it gets here; :func:`check_config` adds the checks that span keys.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
+from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 
 _UNITS = {
     "": 1, "b": 1,
@@ -73,7 +73,7 @@ class DaemonConfig:
     devices 0..n-1 (None: every device). ``0`` for a size, count or port means
     "none"/"off". ``group`` .. ``max_objects_per_session`` are the security and
     limit settings: parsed and checked here, enforced by the daemon where the
-    module docstring of :mod:`daemon.server` says.
+    module docstring of :mod:`cuctxd.daemon.service.server` says.
     """
 
     endpoints: tuple[str, ...]
@@ -98,7 +98,7 @@ class DaemonConfig:
     max_objects_per_session: int = 0
     orphan_ttl: float = DEFAULT_ORPHAN_TTL
     sim_fault: str | None = None
-    #: Give each device its own ROUTER next to every endpoint (:mod:`daemon.lane`), told to clients in hello.
+    #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.device.lane`), told in hello.
     device_endpoints: bool = True
 
     @property

@@ -19,9 +19,9 @@ from typing import Any
 
 import zmq
 
-from daemon.notify import Notifier
-from protos.errors import CuctxError
-from protos.messages import encode_request, parse_reply
+from cuctxd.daemon.service.notify import Notifier
+from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.messages import encode_request, parse_reply
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from daemon.sessions import SessionRef
-from protos.schema import OpSpec
+from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.protos.schema import OpSpec
 
 
 class Job(NamedTuple):
@@ -15,7 +15,7 @@ class Job(NamedTuple):
     ``device`` is resolved on receipt (the op's ``device`` argument, else the
     session's current device). ``payload`` holds the request's raw frames.
     ``lane``: the device whose own ROUTER received the request and must send the
-    reply (:mod:`daemon.lane`); None when it came through the front.
+    reply (:mod:`cuctxd.daemon.device.lane`); None when it came through the front.
     ``received``: ``time.perf_counter()`` on arrival, for the request's latency.
     """
 

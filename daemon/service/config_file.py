@@ -18,8 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from daemon.config import ConfigError, DaemonConfig, format_size, parse_size
-from protos.cuda_results import CUresult
+from cuctxd.daemon.service.config import ConfigError, DaemonConfig, format_size, parse_size
+from cuctxd.protos.cuda_results import CUresult
 
 #: Most devices the sim backend can simulate (its own limit, repeated so checking needs no backend import).
 _MAX_SIM_DEVICES = 16

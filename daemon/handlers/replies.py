@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from daemon.device_state import DeviceState
+    from cuctxd.daemon.device.state import DeviceState
 
 
 @dataclass

@@ -14,10 +14,10 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from daemon.backends.base import Driver
-from protos.cuda_results import CUresult
-from protos.errors import CudaError
-from protos.records import DeviceInfo
+from cuctxd.daemon.backends.base import Driver
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError
+from cuctxd.protos.records import DeviceInfo
 
 
 class DeviceSubset:

@@ -1,6 +1,6 @@
 """Preparing and removing the daemon's ipc:// socket file and its private directory.
 
-The default endpoint itself is defined in :mod:`protos.endpoints`, shared with clients.
+The default endpoint itself is defined in :mod:`cuctxd.protos.endpoints`, shared with clients.
 """
 
 from __future__ import annotations

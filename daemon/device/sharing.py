@@ -1,8 +1,8 @@
 # mypy: disable-error-code="misc"
 """Sharing on one device: exporting buffers, holds by other sessions, deferred free.
 
-These are :class:`~daemon.device_state.DeviceState` methods (mixed in), run on
-the device's worker thread; the lifetime rule is in :mod:`daemon.sharing`.
+These are :class:`~cuctxd.daemon.device.state.DeviceState` methods (mixed in), run on
+the device's worker thread; the lifetime rule is in :mod:`cuctxd.daemon.registry.shares`.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
-from daemon.sharing import Share
-from protos.errors import NotFound, NotShareable
-from protos.host import host_identity
-from protos.records import ShareDescriptor
+from cuctxd.daemon.registry.shares import Share
+from cuctxd.protos.errors import NotFound, NotShareable
+from cuctxd.protos.host import host_identity
+from cuctxd.protos.records import ShareDescriptor
 
 if TYPE_CHECKING:
-    from daemon.device_state import DeviceState, SessionOnDevice
+    from cuctxd.daemon.device.state import DeviceState, SessionOnDevice
 
 
 class SharingMixin:

@@ -1,10 +1,10 @@
 """What the front thread reports about each request and session: log lines and (opt-in) metrics.
 
-:class:`RequestObserver` is called from two places in :mod:`daemon.front`: at
+:class:`RequestObserver` is called from two places in :mod:`cuctxd.daemon.front.loop`: at
 the end of ``Front._handle`` (every request; front ops and failures are
 finished there) and where worker replies are forwarded (device ops finish
 there, so their latency runs from the request's arrival to its reply leaving).
-Device lanes (:mod:`daemon.lane`) call :meth:`RequestObserver.finished` from
+Device lanes (:mod:`cuctxd.daemon.device.lane`) call :meth:`RequestObserver.finished` from
 their worker threads as each reply leaves; it only logs and updates thread-safe
 metrics. :class:`ObservedSessions` is the session registry that logs every
 session opened and closed and counts reaps, on the front thread.
@@ -17,16 +17,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from daemon.sessions import Session, SessionRegistry
-from protos.errors import CuctxError, ErrorCode
-from protos.messages import unpack
-from protos.schema import OPS
+from cuctxd.daemon.registry.sessions import Session, SessionRegistry
+from cuctxd.protos.errors import CuctxError, ErrorCode
+from cuctxd.protos.messages import unpack
+from cuctxd.protos.schema import OPS
 
 if TYPE_CHECKING:
-    from daemon.metrics import DaemonMetrics
+    from cuctxd.daemon.service.metrics import DaemonMetrics
 
-log = logging.getLogger("daemon.requests")
-session_log = logging.getLogger("daemon.sessions")
+log = logging.getLogger("cuctxd.daemon.requests")
+session_log = logging.getLogger("cuctxd.daemon.sessions")
 
 OK = "ok"
 #: Device requests awaiting their reply are remembered up to this many (a worker that died never answers).

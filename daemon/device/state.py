@@ -2,7 +2,7 @@
 
 Thread ownership: a :class:`DeviceState` belongs to exactly one device worker
 thread, which is the only caller of its methods and of the driver for that
-device (the :class:`~daemon.sharing.ShareRegistry` it updates is the one
+device (the :class:`~cuctxd.daemon.registry.shares.ShareRegistry` it updates is the one
 lock-protected exception). Each session gets a :class:`SessionOnDevice` holding
 its own context stack (empty at first, as for a new CUDA host thread), the
 contexts it may name, the buffers it allocated and the shares it holds open.
@@ -17,15 +17,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from daemon.backends.base import Ctx, Driver, Event, Pool
-from daemon.device_sharing import SharingMixin
-from daemon.device_streams import EventEntry, StreamEntry, StreamsMixin
-from daemon.sessions import SessionRef
-from daemon.sharing import Share, ShareRegistry
-from protos.cuda_results import CUresult
-from protos.errors import CudaError, LimitExceeded, OutOfRange, UnknownHandle
-from protos.limits import MAX_HANDLE, MAX_ISSUED_HANDLE
-from protos.records import BufferRecord, ContextRecord, DeviceInfo
+from cuctxd.daemon.backends.base import Ctx, Driver, Event, Pool
+from cuctxd.daemon.device.sharing import SharingMixin
+from cuctxd.daemon.device.streams import EventEntry, StreamEntry, StreamsMixin
+from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.daemon.registry.shares import Share, ShareRegistry
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError, LimitExceeded, OutOfRange, UnknownHandle
+from cuctxd.protos.limits import MAX_HANDLE, MAX_ISSUED_HANDLE
+from cuctxd.protos.records import BufferRecord, ContextRecord, DeviceInfo
 
 
 def new_handle() -> int:

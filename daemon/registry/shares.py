@@ -16,12 +16,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from daemon.sessions import SessionRef
-from protos.errors import NameExists, NotFound, NotOwner
-from protos.records import ShareDescriptor
+from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.protos.errors import NameExists, NotFound, NotOwner
+from cuctxd.protos.records import ShareDescriptor
 
 if TYPE_CHECKING:
-    from daemon.device_state import SessionContext
+    from cuctxd.daemon.device.state import SessionContext
 
 
 @dataclass

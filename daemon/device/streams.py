@@ -1,11 +1,11 @@
 # mypy: disable-error-code="misc"
 """Streams, events, sync markers and stream-ordered pools of one device.
 
-These are :class:`~daemon.device_state.DeviceState` methods (mixed in), run on
+These are :class:`~cuctxd.daemon.device.state.DeviceState` methods (mixed in), run on
 the device's worker thread. Synchronization never blocks the worker: it records
 *marker* events (on the legacy stream, which covers every blocking stream, and
 on each non-blocking stream of the context) and the worker polls them between
-requests (:class:`~daemon.replies.Pending`).
+requests (:class:`~cuctxd.daemon.handlers.replies.Pending`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from daemon.backends.base import Event, Pool, Stream
-from protos.cuda_results import CUresult
-from protos.errors import CudaError, UnknownHandle
+from cuctxd.daemon.backends.base import Event, Pool, Stream
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError, UnknownHandle
 
 if TYPE_CHECKING:
-    from daemon.device_state import DeviceState, SessionContext, SessionOnDevice
+    from cuctxd.daemon.device.state import DeviceState, SessionContext, SessionOnDevice
 
 #: Synchronous reads up to this size go through a pinned staging buffer (:meth:`StreamsMixin.staged_read`).
 STAGED_READ_MAX = 64 << 10
@@ -54,7 +54,7 @@ class StreamsMixin:
     # --- streams and events ---------------------------------------------------------------
 
     def create_stream(self: DeviceState, state: SessionOnDevice, non_blocking: bool) -> StreamEntry:
-        from daemon.device_state import new_handle
+        from cuctxd.daemon.device.state import new_handle
 
         self.check_object_limit(state, "stream")
         context = self.current_or_primary(state)
@@ -84,7 +84,7 @@ class StreamsMixin:
         del state.streams[handle]
 
     def create_event(self: DeviceState, state: SessionOnDevice, timing: bool) -> EventEntry:
-        from daemon.device_state import new_handle
+        from cuctxd.daemon.device.state import new_handle
 
         self.check_object_limit(state, "event")
         context = self.current_or_primary(state)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from daemon.device_state import DeviceState
+from cuctxd.daemon.device.state import DeviceState
 
 
 def device_status(state: DeviceState) -> dict[str, Any]:

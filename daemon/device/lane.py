@@ -3,7 +3,7 @@
 Through the front, a device op crosses two threads (front -> worker -> front),
 and each hand-off under the GIL costs tens of microseconds. A client that was
 told the device endpoints in ``hello`` sends device ops for device N to device
-N's endpoint instead; its worker thread receives, admits (:mod:`daemon.intake`,
+N's endpoint instead; its worker thread receives, admits (:mod:`cuctxd.daemon.intake.admission`,
 the same checks as the front), runs and answers each one itself. Front ops and
 requests for another device are refused here with ``CUCTXD_ERROR_BAD_REQUEST``
 rather than passed on, so a session's requests for one device always arrive
@@ -19,13 +19,13 @@ from typing import Any
 
 import zmq
 
-from daemon.front_state import FrontState
-from daemon.intake import admit, device_of
-from daemon.jobs import Job
-from daemon.observe import RequestObserver
-from daemon.router_io import BATCH, recv_request, send_parts
-from protos.errors import BadRequest, CuctxError, InternalError
-from protos.messages import encode_error, parse_request, request_id_of, unpack
+from cuctxd.daemon.front.state import FrontState
+from cuctxd.daemon.intake.admission import admit, device_of
+from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.intake.observe import RequestObserver
+from cuctxd.daemon.intake.router_io import BATCH, recv_request, send_parts
+from cuctxd.protos.errors import BadRequest, CuctxError, InternalError
+from cuctxd.protos.messages import encode_error, parse_request, request_id_of, unpack
 
 log = logging.getLogger(__name__)
 

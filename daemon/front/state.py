@@ -5,15 +5,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from daemon.config import DaemonConfig
-from daemon.sessions import SessionRegistry
-from daemon.sharing import ShareRegistry
-from protos.records import DeviceInfo
+from cuctxd.daemon.registry.sessions import SessionRegistry
+from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.service.config import DaemonConfig
+from cuctxd.protos.records import DeviceInfo
 
 
 @dataclass
 class FrontState:
-    """Owned by the front thread; device workers' lanes read it (:mod:`daemon.intake`)."""
+    """Owned by the front thread; device workers' lanes read it (:mod:`cuctxd.daemon.intake.admission`)."""
 
     config: DaemonConfig
     backend: str
@@ -28,5 +28,5 @@ class FrontState:
     started_at: float = field(default_factory=time.time)
     #: Set by the daemon when a shutdown starts: every new request is answered ShuttingDown.
     draining: bool = False
-    #: Who sent the request being handled, when its frames say (:mod:`daemon.peers`); set by the front.
+    #: Who sent the request being handled, when its frames say (:mod:`cuctxd.daemon.intake.peers`); set by the front.
     request_peer: str | None = None

@@ -14,12 +14,12 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from daemon.front_state import FrontState
-from daemon.sessions import Session
-from protos.cuda_results import CUresult
-from protos.errors import BadRequest, CudaError, SessionExpired, ShuttingDown, TooLarge, UnknownSession
-from protos.messages import RequestHeader
-from protos.schema import OpSpec, decode_args
+from cuctxd.daemon.front.state import FrontState
+from cuctxd.daemon.registry.sessions import Session
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import BadRequest, CudaError, SessionExpired, ShuttingDown, TooLarge, UnknownSession
+from cuctxd.protos.messages import RequestHeader
+from cuctxd.protos.schema import OpSpec, decode_args
 
 
 class Admitted(NamedTuple):

@@ -2,7 +2,7 @@
 
 Needs the ``metrics`` extra (``pip install 'cuctxd[metrics]'``, i.e.
 prometheus-client). Counters and the latency histogram are fed by the front
-thread through :class:`daemon.observe.RequestObserver`. Per-device numbers are
+thread through :class:`cuctxd.daemon.intake.observe.RequestObserver`. Per-device numbers are
 read at scrape time by asking each device worker, through its queue, for a
 snapshot of its :class:`DeviceState`: the HTTP thread never calls the driver
 nor reads worker-owned state itself. A worker busy for longer than
@@ -17,14 +17,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from daemon import __version__
-from protos.errors import CuctxError
-from protos.version import PROTOCOL_VERSION
+from cuctxd.daemon import __version__
+from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
-    from daemon.device_state import DeviceState
-    from daemon.front_state import FrontState
-    from daemon.worker import DeviceWorker
+    from cuctxd.daemon.device.state import DeviceState
+    from cuctxd.daemon.device.worker import DeviceWorker
+    from cuctxd.daemon.front.state import FrontState
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 Requests enter here (:meth:`Front.serve`), are decoded and checked against
 ``protos`` (:meth:`Front._handle`), and either answered on this thread (front
-ops) or queued to the device's worker as a :class:`~daemon.jobs.Job`. Workers
+ops) or queued to the device's worker as a :class:`~cuctxd.daemon.intake.jobs.Job`. Workers
 send their replies over inproc to the PULL socket polled here, and they leave
 through the ROUTER. (Device ops a client sends to a device's own endpoint never
-pass here: :mod:`daemon.lane`.) Garbage gets an error reply, or is dropped and logged when
+pass here: :mod:`cuctxd.daemon.device.lane`.) Garbage gets an error reply, or is dropped and logged when
 it cannot even be addressed; nothing a client sends can stop this loop.
 """
 
@@ -19,17 +19,17 @@ from typing import Any
 
 import zmq
 
-from daemon.device_state import DeviceState
-from daemon.front_state import FrontState
-from daemon.handlers import FRONT_HANDLERS
-from daemon.intake import Admitted, admit, device_of
-from daemon.jobs import Job
-from daemon.observe import RequestObserver
-from daemon.replies import FanOut, Gather, Reply
-from daemon.router_io import BATCH, readable, recv_request, send_parts, send_reply
-from daemon.worker import DeviceWorker
-from protos.errors import CuctxError, InternalError
-from protos.messages import encode_error, encode_result, parse_request, request_id_of, unpack
+from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.device.worker import DeviceWorker
+from cuctxd.daemon.front.state import FrontState
+from cuctxd.daemon.handlers import FRONT_HANDLERS
+from cuctxd.daemon.handlers.replies import FanOut, Gather, Reply
+from cuctxd.daemon.intake.admission import Admitted, admit, device_of
+from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.intake.observe import RequestObserver
+from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
+from cuctxd.protos.errors import CuctxError, InternalError
+from cuctxd.protos.messages import encode_error, encode_result, parse_request, request_id_of, unpack
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Daemon-wide records: sessions (owned by the front thread) and share names."""

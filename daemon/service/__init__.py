@@ -1,0 +1,1 @@
+"""The daemon as a service: assembly and life cycle, configuration, logs, metrics, systemd, security, CLI."""
