@@ -1,0 +1,38 @@
+"""What the wheel installs: one top-level package, ``cuctxd``, with every subpackage of the tree in it.
+
+pyproject.toml lists the packages explicitly (the repository's root is mapped to ``cuctxd``), so a new
+subpackage that is not listed would be missing from installs: this test fails first.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from tests.helpers import REPO
+
+SHIPPED = ("protos", "daemon", "client")
+
+
+def setuptools_table() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_the_root_is_the_cuctxd_package() -> None:
+    assert setuptools_table()["package-dir"] == {"cuctxd": "."}
+    assert (REPO / "__init__.py").is_file()
+
+
+def test_every_subpackage_of_the_tree_is_listed_and_nothing_else() -> None:
+    in_tree = {"cuctxd"} | {
+        "cuctxd." + ".".join(init.parent.relative_to(REPO).parts)
+        for top in SHIPPED for init in (REPO / top).rglob("__init__.py")
+    }
+    assert set(setuptools_table()["packages"]) == in_tree
+    assert not any(name.startswith(("cuctxd.bench", "cuctxd.tests", "bench", "tests")) for name in in_tree)
+
+
+def test_package_data_exists() -> None:
+    for package, files in setuptools_table()["package-data"].items():
+        folder = REPO.joinpath(*package.split(".")[1:])
+        for name in files:
+            assert (folder / name).is_file(), f"{package}: {name}"
