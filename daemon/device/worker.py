@@ -23,8 +23,9 @@ from typing import Any
 import zmq
 
 from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
-from cuctxd.daemon.device.state import DeviceLimits, DeviceState
+from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Pending, Reply
 from cuctxd.daemon.intake.jobs import Job
@@ -227,7 +228,7 @@ class DeviceWorker:
                 log.warning("device %d: closing session %d at shutdown: %s",
                             self.device, session.ref.public_id, exc)
         try:
-            self.state.drop_all_shares()
+            self.state.sharing.drop_all()
         except CuctxError as exc:
             log.warning("device %d: freeing shared buffers at shutdown: %s", self.device, exc)
         self._socket.close()

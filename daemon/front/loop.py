@@ -75,7 +75,7 @@ class Front:
                 self._reap(now, ttl)
                 orphan_ttl = self.state.config.orphan_ttl
                 for worker in self.workers:
-                    worker.run(partial(DeviceState.expire_orphans, now=now, ttl=orphan_ttl))
+                    worker.run(partial(_expire_orphans, now=now, ttl=orphan_ttl))
                 next_reap = now + reap_every
 
     def _reap(self, now: float, ttl: float) -> None:
@@ -158,3 +158,7 @@ class Front:
         gather = Gather(fan_out, len(self.workers))
         for worker in self.workers:
             worker.fan_out(identity, request_id, gather, fan_out)
+
+
+def _expire_orphans(state: DeviceState, now: float, ttl: float) -> None:
+    state.sharing.expire_orphans(now, ttl)

@@ -19,7 +19,8 @@ def _share_reply(descriptor_wire: dict[str, object]) -> Reply:
 
 @device_handler(ops.Export)
 def export(state: DeviceState, job: Job) -> Reply:
-    share = state.export(state.session(job.session), job.args.buffer)
+    session = state.session(job.session)
+    share = state.sharing.export(session, session.buffers[job.args.buffer])
     return _share_reply(share.descriptor.to_wire())
 
 
@@ -27,20 +28,21 @@ def export(state: DeviceState, job: Job) -> Reply:
 def publish(state: DeviceState, job: Job) -> Reply:
     if not job.args.name:
         raise BadArgument("publish needs a non-empty name")
-    share = state.export(state.session(job.session), job.args.buffer)
+    session = state.session(job.session)
+    share = state.sharing.export(session, session.buffers[job.args.buffer])
     state.registry.publish(job.args.name, share)
     return _share_reply({**share.descriptor.to_wire(), "name": job.args.name})
 
 
 @device_handler(ops.OpenShared)
 def open_shared(state: DeviceState, job: Job) -> Reply:
-    share = state.open_share(state.session(job.session), job.args.share_id)
+    share = state.sharing.open(state.session(job.session), job.args.share_id)
     return _share_reply(share.descriptor.to_wire())
 
 
 @device_handler(ops.CloseShared)
 def close_shared(state: DeviceState, job: Job) -> Reply:
-    state.close_share(state.session(job.session), job.args.share_id)
+    state.sharing.close(state.session(job.session), job.args.share_id)
     return Reply()
 
 
@@ -55,7 +57,7 @@ def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish) -
     share_id = front.shares.unpublish(args.name, session.ref.token)
     device = front.shares.device_of(share_id)
     name = args.name
-    return Reply(tasks=[DeviceTask(device, lambda state: state.forget_name(name, share_id))])
+    return Reply(tasks=[DeviceTask(device, lambda state: state.sharing.forget_name(name, share_id))])
 
 
 @front_handler(ops.Lookup)
