@@ -47,12 +47,12 @@ def close_shared(state: DeviceState, job: Job) -> Reply:
 
 
 @front_handler(ops.Heartbeat)
-def heartbeat(front: FrontState, session: Session | None, args: ops.Heartbeat) -> Reply:
+def heartbeat(front: FrontState, session: Session | None, args: ops.Heartbeat, peer: str | None) -> Reply:
     return Reply({"lease_ttl": front.config.lease_ttl})
 
 
 @front_handler(ops.Unpublish)
-def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish) -> Reply:
+def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Reply:
     assert session is not None
     share_id = front.shares.unpublish(args.name, session.ref.token)
     device = front.shares.device_of(share_id)
@@ -61,10 +61,10 @@ def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish) -
 
 
 @front_handler(ops.Lookup)
-def lookup(front: FrontState, session: Session | None, args: ops.Lookup) -> Reply:
+def lookup(front: FrontState, session: Session | None, args: ops.Lookup, peer: str | None) -> Reply:
     return _share_reply(front.shares.lookup(args.name).to_wire())
 
 
 @front_handler(ops.ListShared)
-def list_shared(front: FrontState, session: Session | None, args: ops.ListShared) -> Reply:
+def list_shared(front: FrontState, session: Session | None, args: ops.ListShared, peer: str | None) -> Reply:
     return Reply({"shared": front.shares.published()})
