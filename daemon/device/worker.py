@@ -6,8 +6,12 @@ device ops straight to its own ROUTER (:mod:`cuctxd.daemon.device.lane`). One po
 both. It runs one item at a time, so its :class:`DeviceState` needs no lock,
 and answers each job where it came from: over its inproc PUSH socket to the
 front, or on its lane. A slow op here delays only this device; a synchronize
-does not even delay this device: it becomes a :class:`~cuctxd.daemon.handlers.replies.Pending`
-that the loop polls between requests.
+op does not even delay this device: it becomes a :class:`~cuctxd.daemon.handlers.replies.Pending`
+that the loop polls between requests. Driver calls that do block the worker:
+synchronous copies (``write``/``read``/``copy`` without a stream, which return
+once the copy is done) and, in one case, ``cuCtxSynchronize``: an allocation
+that finds the device out of memory while stream-ordered pools hold some
+waits for pending frees before trying again (:meth:`~cuctxd.daemon.device.memory.Memory.alloc`).
 """
 
 from __future__ import annotations
