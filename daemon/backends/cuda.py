@@ -13,13 +13,17 @@ with ``==``; device pointers leave and enter this module as plain ints.
 
 Written for cuda-bindings 13.x (``cuCtxCreate`` takes a params argument); the
 12.x two-argument ``cuCtxCreate`` is tried when the three-argument form is refused.
-Thread ownership: as :mod:`cuctxd.daemon.backends.base` says; the one shared mutable
-state here, the ordinal -> ``CUdevice`` cache, only ever gains equal entries.
+Thread ownership: as :mod:`cuctxd.daemon.backends.base` says; the shared mutable
+state here, the ordinal -> ``CUdevice`` cache and the cache of pinned-array
+types by size, only ever gains equal entries. Pinned host memory is owned by
+whoever holds the view :meth:`CudaDriver.mem_alloc_host` returned (a device's
+worker, for its read staging): the driver keeps no table of it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from typing import Any
 
@@ -211,7 +215,6 @@ class CudaDriver(Driver):
 
     def __init__(self) -> None:
         self._devices: dict[int, Any] = {}
-        self._pinned: dict[int, Any] = {}  # address -> ctypes array of mem_alloc_host memory
 
     def init(self) -> None:
         check_result(cuInit(0))
@@ -420,21 +423,36 @@ class CudaDriver(Driver):
     # --- pinned host memory -------------------------------------------------------------------
 
     def mem_alloc_host(self, size: int) -> memoryview:
+        """Page-locked memory, as a view whose exporter (a :class:`_Pinned` array) marks it as such:
+        the caller that holds the view owns the memory, and nothing here keeps a record of it."""
         address = int(check_result(cuMemAllocHost(size)))
-        array = (ctypes.c_char * size).from_address(address)
-        view = memoryview(array).cast("B")
-        self._pinned[address] = array
-        return view
+        return memoryview(_pinned_array(size).from_address(address)).cast("B")
 
     def mem_free_host(self, view: memoryview) -> None:
         try:
-            address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
+            array: Any = view.obj
         except ValueError as released:  # freed (and released) before
             raise _invalid_value("memory already freed") from released
-        if self._pinned.pop(address, None) is None:
-            raise _invalid_value("not memory from mem_alloc_host")
+        if not _is_pinned(array) or view.nbytes != ctypes.sizeof(array):
+            raise _invalid_value("not memory from mem_alloc_host (or only part of it)")
+        address = ctypes.addressof(array)
         view.release()
         check_result(cuMemFreeHost(address))
+
+
+class _Pinned:
+    """Marks the ctypes arrays over page-locked memory that :meth:`CudaDriver.mem_alloc_host` made."""
+
+
+def _is_pinned(exporter: object) -> bool:
+    return isinstance(exporter, _Pinned)
+
+
+@functools.cache
+def _pinned_array(size: int) -> Any:
+    """The ctypes array type of ``size`` bytes marked :class:`_Pinned` (one type per size: the staging
+    buffers all have one size)."""
+    return type(f"_Pinned{size}", (ctypes.c_char * size, _Pinned), {})
 
 
 _LEGACY_STREAM = CUstream(0)

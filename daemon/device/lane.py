@@ -12,7 +12,6 @@ through one socket, in order. Owned by its worker thread, like the device.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,18 +19,17 @@ from typing import Any
 import zmq
 
 from cuctxd.daemon.front.state import FrontState
-from cuctxd.daemon.intake.admission import admit, device_of
+from cuctxd.daemon.intake.admission import admit, device_job, refusal
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.router_io import BATCH, recv_request, send_parts
-from cuctxd.protos.errors import BadRequest, CuctxError, InternalError
-from cuctxd.protos.messages import encode_error, parse_request, request_id_of, unpack
-
-log = logging.getLogger(__name__)
+from cuctxd.protos.errors import BadRequest
+from cuctxd.protos.messages import encode_error, parse_request, unpack
 
 
 class DeviceLane:
-    """Device ``device``'s ROUTER, with the front's state to admit requests against."""
+    """Device ``device``'s ROUTER, with the front's state to admit requests against (read, but for
+    what :class:`~cuctxd.daemon.registry.sessions.Session` lets a lane write)."""
 
     def __init__(self, device: int, router: zmq.Socket[Any], front: FrontState,
                  observer: RequestObserver | None) -> None:
@@ -39,6 +37,9 @@ class DeviceLane:
         self.router = router
         self.front = front
         self.observer = observer
+        #: This lane's slot in each session's ``seen`` (the front has slot 0).
+        self.receiver = 1 + device
+        self.where = f" on device {device}'s endpoint"
 
     def take_requests(self, run: Callable[[Job], None]) -> None:
         """The poller said a request is waiting: admit it, and those behind it up to a batch, handing
@@ -63,28 +64,14 @@ class DeviceLane:
         try:
             header = unpack(header_bytes)
             request = parse_request(header)
-            spec = request.spec
-            op_name = spec.name
-            if spec.target != "device":
+            op_name = request.spec.name
+            if request.spec.target != "device":
                 raise BadRequest(f"{op_name} is not a device op: send it to the daemon's main endpoint, "
                                  f"not to device {self.device}'s")
-            admitted = admit(self.front, request, payload)
-            assert admitted.session is not None
-            device = device_of(spec, admitted.session, admitted.args, len(self.front.devices))
-            if device != self.device:
-                raise BadRequest(f"{op_name} is for device {device} but came to device {self.device}'s endpoint: "
-                                 f"send it to device {device}'s endpoint or the main one")
-            return Job(identity, request.id, spec, admitted.args, admitted.session.ref, device, payload,
-                       lane=self.device, received=received)
-        except CuctxError as exc:
-            request_id = request_id_of(header)  # only failures need it from a header that may be garbage
-            log.debug("request %d (%s) on device %d's endpoint failed: %s", request_id, op_name, self.device, exc)
-            error = exc
-        except Exception:
-            request_id = request_id_of(header)
-            log.exception("internal error admitting request %d (%s) on device %d's endpoint",
-                          request_id, op_name, self.device)
-            error = InternalError(f"unexpected failure in {op_name}; see the daemon log")
+            admitted = admit(self.front, request, payload, self.receiver)
+            return device_job(admitted, identity, payload, len(self.front.devices), received, self.device)
+        except Exception as exc:
+            request_id, error = refusal(header, op_name, exc, self.where)
         self.reply(identity, request_id, op_name, encode_error(request_id, error), (), error.name, received)
         return None
 

@@ -22,7 +22,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
             "is_primary": context.is_primary,
             "flags": context.flags,
             "sessions": sorted(by_context.get(context.context_id, [])),
-            "orphaned": context.context_id in state.orphans,
+            "orphaned": context.context_id in state.contexts.orphans,
         }
         for context in state.live_contexts()
     ]
@@ -32,7 +32,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "name": state.info.name,
         "failed": None if state.failure is None else f"{state.failure.name}: {state.failure.message}",
         "worker": {"name": thread.name, "native_id": thread.native_id, "alive": thread.is_alive()},
-        "primary_context": {"active": bool(active), "flags": flags, "references": state.primary_refs},
+        "primary_context": {"active": bool(active), "flags": flags, "references": state.contexts.primary_refs},
         "contexts": contexts,
         "sessions": [
             {
@@ -54,6 +54,6 @@ def device_status(state: DeviceState) -> dict[str, Any]:
                 "owner_present": share.owner_present,
                 "holders": sorted(public.get(token, -1) for token in share.holders),
             }
-            for share in state.shares.values()
+            for share in state.sharing.shares.values()
         ],
     }

@@ -1,134 +1,120 @@
-# mypy: disable-error-code="misc"
-"""Streams, events, sync markers and stream-ordered pools of one device.
+"""Streams, events, sync markers, stream-ordered pools and read staging of one device.
 
-These are :class:`~cuctxd.daemon.device.state.DeviceState` methods (mixed in), run on
-the device's worker thread. Synchronization never blocks the worker: it records
-*marker* events (on the legacy stream, which covers every blocking stream, and
-on each non-blocking stream of the context) and the worker polls them between
-requests (:class:`~cuctxd.daemon.handlers.replies.Pending`).
+Owned by the device's worker thread, as part of its
+:class:`~cuctxd.daemon.device.state.DeviceState`. Synchronize ops never block the
+worker: they record *marker* events (on the legacy stream, which covers every
+blocking stream, and on each non-blocking stream of the context) and the worker
+polls them between requests (:class:`~cuctxd.daemon.handlers.replies.Pending`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
-from cuctxd.daemon.backends.base import Event, Pool, Stream
+from cuctxd.daemon.backends.base import Driver, Event, Pool, Stream
+from cuctxd.daemon.device.current import CurrentContext
+from cuctxd.daemon.device.entries import (
+    EventEntry,
+    Marker,
+    SessionContext,
+    SessionOnDevice,
+    StreamEntry,
+    new_handle,
+)
 from cuctxd.protos.cuda_results import CUresult
-from cuctxd.protos.errors import CudaError, UnknownHandle
+from cuctxd.protos.errors import CudaError
 
-if TYPE_CHECKING:
-    from cuctxd.daemon.device.state import DeviceState, SessionContext, SessionOnDevice
-
-#: Synchronous reads up to this size go through a pinned staging buffer (:meth:`StreamsMixin.staged_read`).
+#: Synchronous reads up to this size go through a pinned staging buffer (:meth:`Streams.staged_read`).
 STAGED_READ_MAX = 64 << 10
 
 
-@dataclass(eq=False)
-class StreamEntry:
-    """A session's stream, made in ``context``."""
+class Streams:
+    """The device's streams and events (per session), markers, pools and staging buffers (per context).
 
-    handle: int
-    stream: Stream
-    context: SessionContext
-    non_blocking: bool
+    ``sessions`` is the :class:`DeviceState`'s own table, read here to find every
+    non-blocking stream of a context.
+    """
 
-
-@dataclass(eq=False)
-class EventEntry:
-    """A session's event, made in ``context``."""
-
-    handle: int
-    event: Event
-    context: SessionContext
-    timing: bool
-
-
-#: A recorded marker: the context it lives in and the event to poll.
-Marker = tuple["SessionContext", Event]
-
-
-class StreamsMixin:
-    """Streams, events, markers and pools of a :class:`DeviceState`."""
+    def __init__(self, driver: Driver, device: int, current: CurrentContext,
+                 sessions: Mapping[str, SessionOnDevice]) -> None:
+        self.driver = driver
+        self.device = device
+        self.current = current
+        self.sessions = sessions
+        #: Stream-ordered pools and spare marker events, by context id.
+        self.pools: dict[int, Pool] = {}
+        self.spare_markers: dict[int, list[Event]] = {}
+        #: Page-locked buffers for small synchronous reads, by context id (:meth:`staged_read`).
+        self.read_staging: dict[int, memoryview] = {}
+        #: Ids of contexts that have gone (ids are never reused): markers in them count as passed.
+        self.ended_contexts: set[int] = set()
 
     # --- streams and events ---------------------------------------------------------------
 
-    def create_stream(self: DeviceState, state: SessionOnDevice, non_blocking: bool) -> StreamEntry:
-        from cuctxd.daemon.device.state import new_handle
-
-        self.check_object_limit(state, "stream")
-        context = self.current_or_primary(state)
-        self.activate(context)
+    def create_stream(self, state: SessionOnDevice, context: SessionContext, non_blocking: bool) -> StreamEntry:
+        """A new stream in ``context`` (``Contexts.for_new`` checked the object limit)."""
+        self.current.activate(context)
         entry = StreamEntry(new_handle(), self.driver.stream_create(non_blocking), context, non_blocking)
         state.streams[entry.handle] = entry
         return entry
 
-    def stream(self: DeviceState, state: SessionOnDevice, handle: int) -> StreamEntry:
-        entry = state.streams.get(handle)
-        if entry is None:
-            raise UnknownHandle(f"no stream {handle:#x} in this session on device {self.device}")
-        return entry
-
-    def stream_of(self: DeviceState, state: SessionOnDevice, handle: int | None) -> Stream | None:
+    def stream_of(self, state: SessionOnDevice, handle: int | None) -> Stream | None:
         """The driver stream a request names (None: the legacy default stream), made current."""
         if handle is None:
             return None
-        entry = self.stream(state, handle)
-        self.activate(entry.context)
+        entry = state.streams[handle]
+        self.current.activate(entry.context)
         return entry.stream
 
-    def destroy_stream(self: DeviceState, state: SessionOnDevice, handle: int) -> None:
-        entry = self.stream(state, handle)
-        self.activate(entry.context)
+    def destroy_stream(self, state: SessionOnDevice, handle: int) -> None:
+        entry = state.streams[handle]
+        self.current.activate(entry.context)
         self.driver.stream_destroy(entry.stream)
         del state.streams[handle]
 
-    def create_event(self: DeviceState, state: SessionOnDevice, timing: bool) -> EventEntry:
-        from cuctxd.daemon.device.state import new_handle
-
-        self.check_object_limit(state, "event")
-        context = self.current_or_primary(state)
-        self.activate(context)
+    def create_event(self, state: SessionOnDevice, context: SessionContext, timing: bool) -> EventEntry:
+        """A new event in ``context`` (``Contexts.for_new`` checked the object limit)."""
+        self.current.activate(context)
         entry = EventEntry(new_handle(), self.driver.event_create(timing), context, timing)
         state.events[entry.handle] = entry
         return entry
 
-    def event(self: DeviceState, state: SessionOnDevice, handle: int) -> EventEntry:
-        entry = state.events.get(handle)
-        if entry is None:
-            raise UnknownHandle(f"no event {handle:#x} in this session on device {self.device}")
-        return entry
-
-    def destroy_event(self: DeviceState, state: SessionOnDevice, handle: int) -> None:
-        entry = self.event(state, handle)
-        self.activate(entry.context)
+    def destroy_event(self, state: SessionOnDevice, handle: int) -> None:
+        entry = state.events[handle]
+        self.current.activate(entry.context)
         self.driver.event_destroy(entry.event)
         del state.events[handle]
 
-    def drop_streams(self: DeviceState, state: SessionOnDevice, context: SessionContext | None = None) -> None:
+    def drop(self, state: SessionOnDevice, context: SessionContext | None = None) -> None:
         """Destroy the session's streams and events (those of ``context`` only, if given)."""
         for handle, stream in list(state.streams.items()):
             if context is None or stream.context is context:
-                self.activate(stream.context)
+                self.current.activate(stream.context)
                 self.driver.stream_destroy(stream.stream)
                 del state.streams[handle]
         for handle, event in list(state.events.items()):
             if context is None or event.context is context:
-                self.activate(event.context)
+                self.current.activate(event.context)
                 self.driver.event_destroy(event.event)
                 del state.events[handle]
 
+    def elapsed_ms(self, start: EventEntry, end: EventEntry) -> float:
+        if not (start.timing and end.timing):
+            raise CudaError.of(CUresult.CUDA_ERROR_INVALID_HANDLE, "an event was created with timing=False")
+        self.current.activate(end.context)
+        return self.driver.event_elapsed_time(start.event, end.event)
+
     # --- markers: non-blocking synchronization --------------------------------------------
 
-    def marker_on(self: DeviceState, context: SessionContext, stream: Stream | None) -> Marker:
+    def marker_on(self, context: SessionContext, stream: Stream | None) -> Marker:
         """Record a spare marker event on ``stream`` (None: legacy stream) of ``context``."""
-        self.activate(context)
+        self.current.activate(context)
         spares = self.spare_markers.setdefault(context.context_id, [])
         event = spares.pop() if spares else self.driver.event_create(False)
         self.driver.event_record(event, stream)
         return context, event
 
-    def context_markers(self: DeviceState, contexts: list[SessionContext]) -> list[Marker]:
+    def context_markers(self, contexts: list[SessionContext]) -> list[Marker]:
         """Markers that complete when all work queued so far in ``contexts`` is done."""
         markers = []
         for context in contexts:
@@ -139,26 +125,26 @@ class StreamsMixin:
                         markers.append(self.marker_on(context, entry.stream))
         return markers
 
-    def markers_done(self: DeviceState, markers: list[Marker]) -> bool:
+    def markers_done(self, markers: list[Marker]) -> bool:
         """True once every marker has passed; a marker whose context has ended counts as
         passed (its work ended with it) and is never touched again."""
         for context, event in markers:
             if context.context_id in self.ended_contexts:
                 continue
-            self.activate(context)
+            self.current.activate(context)
             if not self.driver.event_query(event):
                 return False
         return True
 
-    def recycle_markers(self: DeviceState, markers: list[Marker]) -> None:
+    def recycle_markers(self, markers: list[Marker]) -> None:
         for context, event in markers:
             if context.context_id not in self.ended_contexts:  # an ended context took its events along
                 self.spare_markers.setdefault(context.context_id, []).append(event)
 
-    def forget_context_objects(self: DeviceState, context: SessionContext) -> None:
-        """Before a context goes away: drop its spare markers and destroy its pool."""
+    def forget_context(self, context: SessionContext) -> None:
+        """Before a context goes away: drop its spare markers, pool and staging buffer."""
         self.ended_contexts.add(context.context_id)
-        self.activate(context)
+        self.current.activate(context)
         for event in self.spare_markers.pop(context.context_id, []):
             self.driver.event_destroy(event)
         pool = self.pools.pop(context.context_id, None)
@@ -170,7 +156,7 @@ class StreamsMixin:
 
     # --- small synchronous reads --------------------------------------------------------------
 
-    def staged_read(self: DeviceState, context: SessionContext, ptr: int, size: int) -> bytes:
+    def staged_read(self, context: SessionContext, ptr: int, size: int) -> bytes:
         """``cuMemcpyDtoH`` of ``size`` (at most :data:`STAGED_READ_MAX`) bytes through the context's
         page-locked staging buffer, returned as bytes for the reply frame.
 
@@ -181,7 +167,7 @@ class StreamsMixin:
         first small read and freed before the context goes.
         """
         staging = self.read_staging.get(context.context_id)
-        self.activate(context)
+        self.current.activate(context)
         if staging is None:
             staging = self.read_staging[context.context_id] = self.driver.mem_alloc_host(STAGED_READ_MAX)
         self.driver.memcpy_dtoh(staging, ptr, size)
@@ -189,20 +175,18 @@ class StreamsMixin:
 
     # --- stream-ordered pools --------------------------------------------------------------
 
-    def pool_of(self: DeviceState, context: SessionContext) -> Pool:
+    def pool_of(self, context: SessionContext) -> Pool:
         pool = self.pools.get(context.context_id)
         if pool is None:
-            self.activate(context)
+            self.current.activate(context)
             pool = self.pools[context.context_id] = self.driver.mem_pool_create(self.device)
         return pool
 
-    def trim_pools(self: DeviceState) -> None:
+    def trim_pools(self) -> None:
         """Give cached pool memory back to the device (e.g. after a session ends or on OOM)."""
         for pool in self.pools.values():
             self.driver.mem_pool_trim(pool, 0)
 
-    def elapsed_ms(self: DeviceState, start: EventEntry, end: EventEntry) -> float:
-        if not (start.timing and end.timing):
-            raise CudaError.of(CUresult.CUDA_ERROR_INVALID_HANDLE, "an event was created with timing=False")
-        self.activate(end.context)
-        return self.driver.event_elapsed_time(start.event, end.event)
+    def pools_cached(self) -> int:
+        """Bytes the pools hold for reuse: free for the sessions, though the driver counts them used."""
+        return sum(self.driver.mem_pool_cached(pool) for pool in self.pools.values())

@@ -6,8 +6,12 @@ device ops straight to its own ROUTER (:mod:`cuctxd.daemon.device.lane`). One po
 both. It runs one item at a time, so its :class:`DeviceState` needs no lock,
 and answers each job where it came from: over its inproc PUSH socket to the
 front, or on its lane. A slow op here delays only this device; a synchronize
-does not even delay this device: it becomes a :class:`~cuctxd.daemon.handlers.replies.Pending`
-that the loop polls between requests.
+op does not even delay this device: it becomes a :class:`~cuctxd.daemon.handlers.replies.Pending`
+that the loop polls between requests. Driver calls that do block the worker:
+synchronous copies (``write``/``read``/``copy`` without a stream, which return
+once the copy is done) and, in one case, ``cuCtxSynchronize``: an allocation
+that finds the device out of memory while stream-ordered pools hold some
+waits for pending frees before trying again (:meth:`~cuctxd.daemon.device.memory.Memory.alloc`).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from typing import Any
 import zmq
 
 from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
-from cuctxd.daemon.device.state import DeviceLimits, DeviceState
+from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Pending, Reply
 from cuctxd.daemon.intake.jobs import Job
@@ -227,7 +232,7 @@ class DeviceWorker:
                 log.warning("device %d: closing session %d at shutdown: %s",
                             self.device, session.ref.public_id, exc)
         try:
-            self.state.drop_all_shares()
+            self.state.sharing.drop_all()
         except CuctxError as exc:
             log.warning("device %d: freeing shared buffers at shutdown: %s", self.device, exc)
         self._socket.close()

@@ -24,12 +24,10 @@ from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers import FRONT_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Gather, Reply
-from cuctxd.daemon.intake.admission import Admitted, admit, device_of
-from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, device_job, refusal
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
-from cuctxd.protos.errors import CuctxError, InternalError
-from cuctxd.protos.messages import encode_error, encode_result, parse_request, request_id_of, unpack
+from cuctxd.protos.messages import encode_error, encode_result, parse_request, unpack
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +73,7 @@ class Front:
                 self._reap(now, ttl)
                 orphan_ttl = self.state.config.orphan_ttl
                 for worker in self.workers:
-                    worker.run(partial(DeviceState.expire_orphans, now=now, ttl=orphan_ttl))
+                    worker.run(partial(_expire_orphans, now=now, ttl=orphan_ttl))
                 next_reap = now + reap_every
 
     def _reap(self, now: float, ttl: float) -> None:
@@ -90,10 +88,20 @@ class Front:
     def _forward_replies(self) -> None:
         replies = self.replies
         while readable(replies):
-            frames = replies.recv_multipart(copy=False)
-            if self.observer is not None:
-                self.observer.replied(frames)
-            send_reply(self.router, frames, copy=False)
+            self._forward_one()
+
+    def flush_replies(self, wait_ms: int) -> None:
+        """Forward worker replies until none has come for ``wait_ms``: at shutdown, what the workers
+        answered while stopping (synchronizes in flight, late continuations)."""
+        while self.replies.poll(wait_ms, zmq.POLLIN):
+            self._forward_one()
+
+    def _forward_one(self) -> None:
+        """Pass one worker reply ``[identity, header, *payload]`` on to its client (never blocks)."""
+        frames = self.replies.recv_multipart(copy=False)
+        if self.observer is not None:
+            self.observer.replied(frames)
+        send_reply(self.router, frames, copy=False)
 
     def _take_requests(self) -> None:
         """The poller said a request is waiting: take it, and those behind it, up to a batch."""
@@ -108,6 +116,10 @@ class Front:
 
     def _handle(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame],
                 peer: str | None = None) -> None:
+        """Admit a request and answer it (front op, or refusal) or queue it to its device's worker.
+
+        ``peer``: who sent it, when the frames say (:mod:`cuctxd.daemon.intake.peers`); hello counts it.
+        """
         header: Any = None
         op_name = "?"
         outcome = "ok"
@@ -116,39 +128,30 @@ class Front:
             header = unpack(header_bytes)
             request = parse_request(header)
             request_id, op_name = request.id, request.spec.name
-            self.state.request_peer = peer
-            self._dispatch(identity, admit(self.state, request, payload), payload, started)
-        except CuctxError as exc:
-            request_id = request_id_of(header)  # only failures need it from a header that may be garbage
-            outcome = exc.name
-            log.debug("request %d (%s) failed: %s", request_id, op_name, exc)
-            send_parts(self.router, identity, encode_error(request_id, exc))
-        except Exception:
-            request_id = request_id_of(header)
-            log.exception("internal error handling request %d (%s)", request_id, op_name)
-            error = InternalError(f"unexpected failure in {op_name}; see the daemon log")
+            admitted = admit(self.state, request, payload, FRONT_RECEIVER)
+            if request.spec.target == "front":
+                self._answer(identity, admitted, peer)
+            else:
+                job = device_job(admitted, identity, payload, len(self.workers), started)
+                self.workers[job.device].submit(job)
+        except Exception as exc:
+            request_id, error = refusal(header, op_name, exc)
             outcome = error.name
             send_parts(self.router, identity, encode_error(request_id, error))
         if self.observer is not None:
             self.observer.handled(identity, request_id, op_name, outcome, started)
 
-    def _dispatch(self, identity: bytes, admitted: Admitted, payload: Sequence[zmq.Frame], started: float) -> None:
-        request, session, args = admitted.request, admitted.session, admitted.args
-        spec = request.spec
-        if spec.target == "front":
-            outcome = FRONT_HANDLERS[spec.name](self.state, session, args)
-            if isinstance(outcome, FanOut):
-                self._fan_out(identity, request.id, outcome)
-            else:
-                assert isinstance(outcome, Reply)
-                send_parts(self.router, identity, encode_result(request.id, outcome.result), outcome.frames)
-                for task in outcome.tasks:
-                    self.workers[task.device].run(task.run)
+    def _answer(self, identity: bytes, admitted: Admitted, peer: str | None) -> None:
+        """Run a front op here and reply (a fan-out replies from the last worker to finish)."""
+        request = admitted.request
+        outcome = FRONT_HANDLERS[request.spec.name](self.state, admitted.session, admitted.args, peer)
+        if isinstance(outcome, FanOut):
+            self._fan_out(identity, request.id, outcome)
             return
-        assert session is not None
-        device = device_of(spec, session, args, len(self.workers))
-        job = Job(identity, request.id, spec, args, session.ref, device, payload, received=started)
-        self.workers[device].submit(job)
+        assert isinstance(outcome, Reply)
+        send_parts(self.router, identity, encode_result(request.id, outcome.result), outcome.frames)
+        for task in outcome.tasks:
+            self.workers[task.device].run(task.run)
 
     def _fan_out(self, identity: bytes, request_id: int, fan_out: FanOut) -> None:
         if not self.workers:
@@ -158,3 +161,7 @@ class Front:
         gather = Gather(fan_out, len(self.workers))
         for worker in self.workers:
             worker.fan_out(identity, request_id, gather, fan_out)
+
+
+def _expire_orphans(state: DeviceState, now: float, ttl: float) -> None:
+    state.sharing.expire_orphans(now, ttl)

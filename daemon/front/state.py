@@ -1,4 +1,4 @@
-"""What the front thread knows: sessions, the device list, the backend, limits."""
+"""What the front thread knows: sessions, the device list, the backend, its settings."""
 
 from __future__ import annotations
 
@@ -7,15 +7,33 @@ from dataclasses import dataclass, field
 
 from cuctxd.daemon.registry.sessions import SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
-from cuctxd.daemon.service.config import DaemonConfig
 from cuctxd.protos.records import DeviceInfo
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    """The settings the front and the lanes' admission apply, taken from the daemon's configuration."""
+
+    lease_ttl: float
+    orphan_ttl: float
+    max_payload: int
+    max_sessions_per_peer: int = 0
+    #: As configured (``status`` shows them); the endpoints bound are :attr:`FrontState.endpoints`.
+    endpoints: tuple[str, ...] = ()
+    #: The driver ordinal of each device served, by index.
+    device_ordinals: tuple[int, ...] = ()
 
 
 @dataclass
 class FrontState:
-    """Owned by the front thread; device workers' lanes read it (:mod:`cuctxd.daemon.intake.admission`)."""
+    """Owned by the front thread; device workers' lanes read it (:mod:`cuctxd.daemon.intake.admission`).
 
-    config: DaemonConfig
+    Everything here is written on the front thread only, but for what
+    :class:`~cuctxd.daemon.registry.sessions.Session` says a lane may write, and
+    ``draining``, set by the daemon (on the front thread too, between serve calls).
+    """
+
+    config: FrontConfig
     backend: str
     devices: list[DeviceInfo]
     shares: ShareRegistry
@@ -28,5 +46,3 @@ class FrontState:
     started_at: float = field(default_factory=time.time)
     #: Set by the daemon when a shutdown starts: every new request is answered ShuttingDown.
     draining: bool = False
-    #: Who sent the request being handled, when its frames say (:mod:`cuctxd.daemon.intake.peers`); set by the front.
-    request_peer: str | None = None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from cuctxd.daemon.device.state import DeviceState, check_range
-from cuctxd.daemon.device.streams import STAGED_READ_MAX, Marker
+from cuctxd.daemon.device.entries import check_range
+from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.device.streams import STAGED_READ_MAX
 from cuctxd.daemon.handlers.registry import device_handler
-from cuctxd.daemon.handlers.replies import Forward, Pending, Reply
+from cuctxd.daemon.handlers.replies import Forward, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.protos import ops
 from cuctxd.protos.errors import BadArgument, TooLarge
@@ -13,27 +14,32 @@ from cuctxd.protos.errors import BadArgument, TooLarge
 
 @device_handler(ops.MemGetInfo)
 def mem_get_info(state: DeviceState, job: Job) -> Reply:
-    return Reply(state.mem_get_info(state.session(job.session)))
+    session = state.session(job.session)
+    state.activate(state.contexts.current_or_primary(session))
+    return Reply(state.memory.info(session))
 
 
 @device_handler(ops.Alloc)
 def alloc(state: DeviceState, job: Job) -> Reply:
-    buffer = state.alloc(state.session(job.session), job.args.size, job.args.shareable)
-    return Reply({"buffer": state.buffer_record(buffer).to_wire()})
+    session = state.session(job.session)
+    context = state.contexts.for_new(session, "buffer")
+    buffer = state.memory.alloc(session, context, job.args.size, job.args.shareable)
+    return Reply({"buffer": state.memory.record(buffer).to_wire()})
 
 
 @device_handler(ops.Free)
 def free(state: DeviceState, job: Job) -> Reply:
-    state.free(state.session(job.session), job.args.buffer)
+    session = state.session(job.session)
+    state.memory.free(session, session.buffers[job.args.buffer], unpublish=True)
     return Reply()
 
 
 @device_handler(ops.Fill)
 def fill(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
-    buffer = state.buffer(session, job.args.buffer)
+    buffer = session.buffers[job.args.buffer]
     size = check_range(buffer.size, job.args.offset, job.args.size)
-    stream = state.stream_of(session, job.args.stream)  # checked even when there is nothing to do
+    stream = state.streams.stream_of(session, job.args.stream)  # checked even when there is nothing to do
     if size:
         if stream is None:
             state.activate(buffer.context)
@@ -46,67 +52,61 @@ def fill(state: DeviceState, job: Job) -> Reply:
 @device_handler(ops.Write)
 def write(state: DeviceState, job: Job) -> Reply | Pending:
     session = state.session(job.session)
-    buffer = state.buffer(session, job.args.buffer)
+    buffer = session.buffers[job.args.buffer]
     data = memoryview(job.payload[0])
     size = check_range(buffer.size, job.args.offset, data.nbytes)
     if job.args.stream is not None:
-        state.stream(session, job.args.stream)  # checked even when there is nothing to do
+        session.streams[job.args.stream]  # checked even when there is nothing to do
     if not size:
         return Reply({"size": 0})
     if job.args.stream is None:
         state.activate(buffer.context)
         state.driver.memcpy_htod(buffer.ptr + job.args.offset, data, size)
         return Reply({"size": size})
-    stream_entry = state.stream(session, job.args.stream)
+    stream_entry = session.streams[job.args.stream]
     state.activate(stream_entry.context)
     state.driver.memcpy_htod_async(buffer.ptr + job.args.offset, data, size, stream_entry.stream)
     # The payload frame must outlive the copy: the reply (and the job holding it) waits for it.
-    return _after(state, state.marker_on(stream_entry.context, stream_entry.stream), Reply({"size": size}))
+    marker = state.streams.marker_on(stream_entry.context, stream_entry.stream)
+    return after_markers(state.streams, [marker], Reply({"size": size}))
 
 
 @device_handler(ops.Read)
 def read(state: DeviceState, job: Job) -> Reply | Pending:
     session = state.session(job.session)
-    buffer = state.buffer(session, job.args.buffer)
+    buffer = session.buffers[job.args.buffer]
     size = check_range(buffer.size, job.args.offset, job.args.size)
     if size > state.limits.max_payload:
         raise TooLarge(f"a read of {size} bytes exceeds the payload limit of {state.limits.max_payload}")
     if job.args.stream is not None:
-        state.stream(session, job.args.stream)  # checked even when there is nothing to do
+        session.streams[job.args.stream]  # checked even when there is nothing to do
     if not size:
         return Reply({"size": 0}, [b""])
     if job.args.stream is None and size <= STAGED_READ_MAX:
-        return Reply({"size": size}, [state.staged_read(buffer.context, buffer.ptr + job.args.offset, size)])
+        return Reply({"size": size}, [state.streams.staged_read(buffer.context, buffer.ptr + job.args.offset, size)])
     out = bytearray(size)
     if job.args.stream is None:
         state.activate(buffer.context)
         state.driver.memcpy_dtoh(memoryview(out), buffer.ptr + job.args.offset, size)
         return Reply({"size": size}, [out])
-    stream_entry = state.stream(session, job.args.stream)
+    stream_entry = session.streams[job.args.stream]
     state.activate(stream_entry.context)
     state.driver.memcpy_dtoh_async(memoryview(out), buffer.ptr + job.args.offset, size, stream_entry.stream)
-    return _after(state, state.marker_on(stream_entry.context, stream_entry.stream), Reply({"size": size}, [out]))
-
-
-def _after(state: DeviceState, marker: Marker, reply: Reply) -> Pending:
-    def then() -> Reply:
-        state.recycle_markers([marker])
-        return reply
-
-    return Pending(lambda: state.markers_done([marker]), then)
+    marker = state.streams.marker_on(stream_entry.context, stream_entry.stream)
+    return after_markers(state.streams, [marker], Reply({"size": size}, [out]))
 
 
 @device_handler(ops.Copy)
 def copy(state: DeviceState, job: Job) -> Reply | Forward:
     args: ops.Copy = job.args
     session = state.session(job.session)
-    src = state.buffer(session, args.src)
+    src = session.buffers[args.src]
     size = check_range(src.size, args.src_offset, args.size)
     dst_device = job.device if args.dst_device is None else args.dst_device
     if dst_device == job.device:
-        dst = state.buffer(session, args.dst)
+        dst = session.buffers[args.dst]
         check_range(dst.size, args.dst_offset, size)
-        stream = state.stream_of(session, args.stream)  # checked even when there is nothing to do
+        stream = state.streams.stream_of(session, args.stream)  # checked even when there is nothing to do
         if size:
             if stream is None:
                 state.activate(src.context)
@@ -126,7 +126,7 @@ def copy(state: DeviceState, job: Job) -> Reply | Forward:
         state.driver.memcpy_dtoh(memoryview(staged), src.ptr + args.src_offset, size)
 
     def finish_on_destination(dst_state: DeviceState) -> Reply:
-        dst = dst_state.buffer(dst_state.session(job.session), args.dst)
+        dst = dst_state.session(job.session).buffers[args.dst]
         check_range(dst.size, args.dst_offset, size)
         if size:
             dst_state.activate(dst.context)

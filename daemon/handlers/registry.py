@@ -1,8 +1,9 @@
 """Op name -> handler, registered explicitly with a decorator per op.
 
-Front handlers run on the front thread: ``(front, session, args) -> Reply | FanOut``.
+Front handlers run on the front thread: ``(front, session, args, peer) -> Reply | FanOut``
+(``peer``: who sent the request, when its frames say; :mod:`cuctxd.daemon.intake.peers`).
 Device handlers run on the op's device worker thread:
-``(state, request) -> Reply | Forward``. A test checks that every op in
+``(state, job) -> Reply | Pending | Forward``. A test checks that every op in
 :data:`cuctxd.protos.schema.OPS` has exactly one handler of the right kind.
 """
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.device.entries import Marker
+from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.device.streams import Streams
 
 
 @dataclass
@@ -45,6 +46,16 @@ class Pending:
 
     done: Callable[[], bool]
     then: Callable[[], Reply]
+
+
+def after_markers(streams: Streams, markers: list[Marker], reply: Reply) -> Pending:
+    """Answer ``reply`` once every marker has passed (the markers go back to the spares then)."""
+
+    def then() -> Reply:
+        streams.recycle_markers(markers)
+        return reply
+
+    return Pending(lambda: streams.markers_done(markers), then)
 
 
 @dataclass

@@ -21,12 +21,12 @@ from cuctxd.protos.version import PROTOCOL_VERSION
 
 
 @front_handler(ops.Hello)
-def hello(front: FrontState, session: Session | None, args: ops.Hello) -> Reply:
+def hello(front: FrontState, session: Session | None, args: ops.Hello, peer: str | None) -> Reply:
     if args.protocol != PROTOCOL_VERSION:
         raise VersionMismatch(
             f"client speaks protocol {args.protocol}, this daemon speaks {PROTOCOL_VERSION}"
         )
-    peer = peer_or_pid(front.request_peer, args.pid)
+    peer = peer_or_pid(peer, args.pid)
     limit = front.config.max_sessions_per_peer
     if limit and front.sessions.count_peer(peer) >= limit:
         raise LimitExceeded(f"max_sessions_per_peer: {peer} already holds {limit} open session(s); "
@@ -51,7 +51,7 @@ def hello(front: FrontState, session: Session | None, args: ops.Hello) -> Reply:
 
 
 @front_handler(ops.Goodbye)
-def goodbye(front: FrontState, session: Session | None, args: ops.Goodbye) -> FanOut:
+def goodbye(front: FrontState, session: Session | None, args: ops.Goodbye, peer: str | None) -> FanOut:
     assert session is not None
     front.sessions.close(session.ref.token)
     ref = session.ref
@@ -63,28 +63,28 @@ def goodbye(front: FrontState, session: Session | None, args: ops.Goodbye) -> Fa
 
 
 @front_handler(ops.Ping)
-def ping(front: FrontState, session: Session | None, args: ops.Ping) -> Reply:
+def ping(front: FrontState, session: Session | None, args: ops.Ping, peer: str | None) -> Reply:
     return Reply()
 
 
 @front_handler(ops.DeviceCount)
-def device_count(front: FrontState, session: Session | None, args: ops.DeviceCount) -> Reply:
+def device_count(front: FrontState, session: Session | None, args: ops.DeviceCount, peer: str | None) -> Reply:
     return Reply({"count": len(front.devices)})
 
 
 @front_handler(ops.Devices)
-def devices(front: FrontState, session: Session | None, args: ops.Devices) -> Reply:
+def devices(front: FrontState, session: Session | None, args: ops.Devices, peer: str | None) -> Reply:
     return Reply({"devices": [d.to_wire() for d in front.devices]})
 
 
 @front_handler(ops.GetDevice)
-def get_device(front: FrontState, session: Session | None, args: ops.GetDevice) -> Reply:
+def get_device(front: FrontState, session: Session | None, args: ops.GetDevice, peer: str | None) -> Reply:
     assert session is not None
     return Reply({"device": session.current_device})
 
 
 @front_handler(ops.Status)
-def status(front: FrontState, session: Session | None, args: ops.Status) -> FanOut:
+def status(front: FrontState, session: Session | None, args: ops.Status, peer: str | None) -> FanOut:
     daemon_part: dict[str, Any] = {
         "daemon_version": __version__,
         "protocol": PROTOCOL_VERSION,
@@ -93,7 +93,7 @@ def status(front: FrontState, session: Session | None, args: ops.Status) -> FanO
         "uptime_s": time.time() - front.started_at,
         "endpoints": list(front.config.endpoints),
         "sessions": [s.to_status() for s in front.sessions.all()],
-        "device_ordinals": list(front.config.devices or range(len(front.devices))),
+        "device_ordinals": list(front.config.device_ordinals),
     }
 
     def finish(parts: list[Any]) -> Reply:

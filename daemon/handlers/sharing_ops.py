@@ -19,7 +19,8 @@ def _share_reply(descriptor_wire: dict[str, object]) -> Reply:
 
 @device_handler(ops.Export)
 def export(state: DeviceState, job: Job) -> Reply:
-    share = state.export(state.session(job.session), job.args.buffer)
+    session = state.session(job.session)
+    share = state.sharing.export(session, session.buffers[job.args.buffer])
     return _share_reply(share.descriptor.to_wire())
 
 
@@ -27,42 +28,43 @@ def export(state: DeviceState, job: Job) -> Reply:
 def publish(state: DeviceState, job: Job) -> Reply:
     if not job.args.name:
         raise BadArgument("publish needs a non-empty name")
-    share = state.export(state.session(job.session), job.args.buffer)
+    session = state.session(job.session)
+    share = state.sharing.export(session, session.buffers[job.args.buffer])
     state.registry.publish(job.args.name, share)
     return _share_reply({**share.descriptor.to_wire(), "name": job.args.name})
 
 
 @device_handler(ops.OpenShared)
 def open_shared(state: DeviceState, job: Job) -> Reply:
-    share = state.open_share(state.session(job.session), job.args.share_id)
+    share = state.sharing.open(state.session(job.session), job.args.share_id)
     return _share_reply(share.descriptor.to_wire())
 
 
 @device_handler(ops.CloseShared)
 def close_shared(state: DeviceState, job: Job) -> Reply:
-    state.close_share(state.session(job.session), job.args.share_id)
+    state.sharing.close(state.session(job.session), job.args.share_id)
     return Reply()
 
 
 @front_handler(ops.Heartbeat)
-def heartbeat(front: FrontState, session: Session | None, args: ops.Heartbeat) -> Reply:
+def heartbeat(front: FrontState, session: Session | None, args: ops.Heartbeat, peer: str | None) -> Reply:
     return Reply({"lease_ttl": front.config.lease_ttl})
 
 
 @front_handler(ops.Unpublish)
-def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish) -> Reply:
+def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Reply:
     assert session is not None
     share_id = front.shares.unpublish(args.name, session.ref.token)
     device = front.shares.device_of(share_id)
     name = args.name
-    return Reply(tasks=[DeviceTask(device, lambda state: state.forget_name(name, share_id))])
+    return Reply(tasks=[DeviceTask(device, lambda state: state.sharing.forget_name(name, share_id))])
 
 
 @front_handler(ops.Lookup)
-def lookup(front: FrontState, session: Session | None, args: ops.Lookup) -> Reply:
+def lookup(front: FrontState, session: Session | None, args: ops.Lookup, peer: str | None) -> Reply:
     return _share_reply(front.shares.lookup(args.name).to_wire())
 
 
 @front_handler(ops.ListShared)
-def list_shared(front: FrontState, session: Session | None, args: ops.ListShared) -> Reply:
+def list_shared(front: FrontState, session: Session | None, args: ops.ListShared, peer: str | None) -> Reply:
     return Reply({"shared": front.shares.published()})

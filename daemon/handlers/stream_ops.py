@@ -4,59 +4,55 @@ from __future__ import annotations
 
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers.registry import device_handler
-from cuctxd.daemon.handlers.replies import Pending, Reply
+from cuctxd.daemon.handlers.replies import Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.protos import stream_ops as ops
 
 
 @device_handler(ops.CreateStream)
 def create_stream(state: DeviceState, job: Job) -> Reply:
-    entry = state.create_stream(state.session(job.session), job.args.non_blocking)
+    session = state.session(job.session)
+    entry = state.streams.create_stream(session, state.contexts.for_new(session, "stream"), job.args.non_blocking)
     return Reply({"stream": entry.handle, "context": entry.context.handle})
 
 
 @device_handler(ops.DestroyStream)
 def destroy_stream(state: DeviceState, job: Job) -> Reply:
-    state.destroy_stream(state.session(job.session), job.args.stream)
+    state.streams.destroy_stream(state.session(job.session), job.args.stream)
     return Reply()
 
 
 @device_handler(ops.StreamQuery)
 def stream_query(state: DeviceState, job: Job) -> Reply:
-    stream = state.stream_of(state.session(job.session), job.args.stream)
+    stream = state.streams.stream_of(state.session(job.session), job.args.stream)
     assert stream is not None
     return Reply({"done": state.driver.stream_query(stream)})
 
 
 @device_handler(ops.StreamSynchronize)
 def stream_synchronize(state: DeviceState, job: Job) -> Pending:
-    entry = state.stream(state.session(job.session), job.args.stream)
-    marker = state.marker_on(entry.context, entry.stream)
-
-    def then() -> Reply:
-        state.recycle_markers([marker])
-        return Reply()
-
-    return Pending(lambda: state.markers_done([marker]), then)
+    entry = state.session(job.session).streams[job.args.stream]
+    return after_markers(state.streams, [state.streams.marker_on(entry.context, entry.stream)], Reply())
 
 
 @device_handler(ops.CreateEvent)
 def create_event(state: DeviceState, job: Job) -> Reply:
-    entry = state.create_event(state.session(job.session), job.args.timing)
+    session = state.session(job.session)
+    entry = state.streams.create_event(session, state.contexts.for_new(session, "event"), job.args.timing)
     return Reply({"event": entry.handle, "context": entry.context.handle})
 
 
 @device_handler(ops.DestroyEvent)
 def destroy_event(state: DeviceState, job: Job) -> Reply:
-    state.destroy_event(state.session(job.session), job.args.event)
+    state.streams.destroy_event(state.session(job.session), job.args.event)
     return Reply()
 
 
 @device_handler(ops.RecordEvent)
 def record_event(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
-    event = state.event(session, job.args.event)
-    stream = state.stream_of(session, job.args.stream)
+    event = session.events[job.args.event]
+    stream = state.streams.stream_of(session, job.args.stream)
     if stream is None:
         state.activate(event.context)
     state.driver.event_record(event.event, stream)
@@ -65,14 +61,14 @@ def record_event(state: DeviceState, job: Job) -> Reply:
 
 @device_handler(ops.EventQuery)
 def event_query(state: DeviceState, job: Job) -> Reply:
-    event = state.event(state.session(job.session), job.args.event)
+    event = state.session(job.session).events[job.args.event]
     state.activate(event.context)
     return Reply({"done": state.driver.event_query(event.event)})
 
 
 @device_handler(ops.EventSynchronize)
 def event_synchronize(state: DeviceState, job: Job) -> Pending:
-    event = state.event(state.session(job.session), job.args.event)
+    event = state.session(job.session).events[job.args.event]
 
     def done() -> bool:
         state.activate(event.context)
@@ -84,15 +80,15 @@ def event_synchronize(state: DeviceState, job: Job) -> Pending:
 @device_handler(ops.EventElapsedTime)
 def event_elapsed_time(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
-    start, end = state.event(session, job.args.start), state.event(session, job.args.end)
-    return Reply({"ms": state.elapsed_ms(start, end)})
+    start, end = session.events[job.args.start], session.events[job.args.end]
+    return Reply({"ms": state.streams.elapsed_ms(start, end)})
 
 
 @device_handler(ops.StreamWaitEvent)
 def stream_wait_event(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
-    event = state.event(session, job.args.event)
-    stream = state.stream_of(session, job.args.stream)
+    event = session.events[job.args.event]
+    stream = state.streams.stream_of(session, job.args.stream)
     assert stream is not None
     state.driver.stream_wait_event(stream, event.event)
     return Reply()

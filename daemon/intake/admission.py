@@ -3,23 +3,40 @@
 Requests arrive on the front's ROUTER (every op) and on each device worker's own
 ROUTER (device ops only, see ``protos/PROTOCOL.md``, "Device endpoints"). Both
 run the same checks, in the order the spec gives: header, op and arguments,
-session, payload, device. The session registry is the front's; a worker only
-reads it (dict lookups are atomic under the GIL) and stamps ``last_seen`` and,
-for ``set_device``, ``current_device``, as the front does.
+session, payload, device; and both answer a refused request the same way
+(:func:`refusal`). The session registry is the front's; a lane reads it and
+writes only what :class:`~cuctxd.daemon.registry.sessions.Session` allows it
+(its own ``seen`` slot, and ``current_device`` for a ``set_device`` it runs).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from cuctxd.daemon.front.state import FrontState
+from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.protos.cuda_results import CUresult
-from cuctxd.protos.errors import BadRequest, CudaError, SessionExpired, ShuttingDown, TooLarge, UnknownSession
-from cuctxd.protos.messages import RequestHeader
+from cuctxd.protos.errors import (
+    BadRequest,
+    CuctxError,
+    CudaError,
+    InternalError,
+    SessionExpired,
+    ShuttingDown,
+    TooLarge,
+    UnknownSession,
+)
+from cuctxd.protos.messages import RequestHeader, request_id_of
 from cuctxd.protos.schema import OpSpec, decode_args
+
+log = logging.getLogger(__name__)
+
+#: The front's receiver slot in :attr:`Session.seen`; device N's lane has ``1 + N``.
+FRONT_RECEIVER = 0
 
 
 class Admitted(NamedTuple):
@@ -30,22 +47,31 @@ class Admitted(NamedTuple):
     args: Any
 
 
-def admit(state: FrontState, request: RequestHeader, payload: Sequence[Any]) -> Admitted:
-    """Check a parsed request against the daemon's state; raises the error to reply with."""
+def admit(state: FrontState, request: RequestHeader, payload: Sequence[Any], receiver: int) -> Admitted:
+    """Check a parsed request against the daemon's state; raises the error to reply with.
+
+    ``receiver``: the slot of :attr:`Session.seen` the calling thread owns.
+    """
     if state.draining:
         raise ShuttingDown("cuctxd is shutting down and takes no new requests; retry once it is back")
     spec = request.spec
-    session = _session_of(state, request)
+    session = _session_of(state, request, receiver)
     _check_payload(state, spec, payload)
     return Admitted(request, session, decode_args(spec, request.args))
 
 
-def device_of(spec: OpSpec, session: Session, args: Any, device_count: int) -> int:
-    """The device a device op runs on: its ``device`` argument, else the session's current device.
+def device_job(admitted: Admitted, identity: bytes, payload: Sequence[Any], device_count: int,
+               received: float, lane: int | None = None) -> Job:
+    """The job for an admitted device op, on the device it runs on: its ``device`` argument, else the
+    session's current device.
 
     Raises ``CUDA_ERROR_INVALID_DEVICE`` when it, or ``dst_device``, is not below
-    ``device_count``. A ``set_device`` makes its device current here, on receipt.
+    ``device_count``, and, on device ``lane``'s endpoint, ``CUCTXD_ERROR_BAD_REQUEST``
+    when it is another device. A ``set_device`` makes its device current here, on receipt.
     """
+    request, session, args = admitted
+    assert session is not None
+    spec = request.spec
     device: int = session.current_device if args.device is None else args.device
     for named in (device, getattr(args, "dst_device", None)):
         if named is not None and named >= device_count:
@@ -53,12 +79,27 @@ def device_of(spec: OpSpec, session: Session, args: Any, device_count: int) -> i
                 CUresult.CUDA_ERROR_INVALID_DEVICE,
                 f"device {named}; this daemon serves {device_count} device(s)",
             )
+    if lane is not None and device != lane:
+        raise BadRequest(f"{spec.name} is for device {device} but came to device {lane}'s endpoint: "
+                         f"send it to device {device}'s endpoint or the main one")
     if spec.name == "set_device":  # cudaSetDevice changes the session's current device
         session.current_device = device
-    return device
+    return Job(identity, request.id, spec, args, session.ref, device, payload, lane, received)
 
 
-def _session_of(state: FrontState, request: RequestHeader) -> Session | None:
+def refusal(header: Any, op_name: str, exc: Exception, where: str = "") -> tuple[int, CuctxError]:
+    """The request id and error to answer a request that failed with ``exc`` (``where``: " on device
+    N's endpoint", for the log). A :class:`CuctxError` is answered as it is (logged at DEBUG); anything
+    else is a bug, logged with its traceback and answered as an internal error."""
+    request_id = request_id_of(header)  # only failures need it from a header that may be garbage
+    if isinstance(exc, CuctxError):
+        log.debug("request %d (%s)%s failed: %s", request_id, op_name, where, exc)
+        return request_id, exc
+    log.exception("internal error handling request %d (%s)%s", request_id, op_name, where)
+    return request_id, InternalError(f"unexpected failure in {op_name}; see the daemon log")
+
+
+def _session_of(state: FrontState, request: RequestHeader, receiver: int) -> Session | None:
     if not request.spec.needs_session:
         return None
     if request.session is None:
@@ -71,7 +112,7 @@ def _session_of(state: FrontState, request: RequestHeader) -> Session | None:
                 "or heartbeat) and the daemon freed its contexts and memory; open a new session"
             )
         raise UnknownSession("unknown or closed session; open a new one with hello")
-    session.last_seen = time.monotonic()
+    session.seen[receiver] = time.monotonic()
     return session
 
 

@@ -15,18 +15,34 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cuctxd.daemon.registry.sessions import Session, SessionRegistry
 from cuctxd.protos.errors import CuctxError, ErrorCode
 from cuctxd.protos.messages import unpack
 from cuctxd.protos.schema import OPS
 
-if TYPE_CHECKING:
-    from cuctxd.daemon.service.metrics import DaemonMetrics
-
 log = logging.getLogger("cuctxd.daemon.requests")
 session_log = logging.getLogger("cuctxd.daemon.sessions")
+
+
+
+class Counter(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class MetricsSink(Protocol):
+    """Where observations go (the service's Prometheus metrics); safe to call from any thread."""
+
+    @property
+    def sessions_opened(self) -> Counter: ...
+    @property
+    def sessions_closed(self) -> Counter: ...
+    @property
+    def sessions_reaped(self) -> Counter: ...
+
+    def observe(self, op: str, outcome: str, seconds: float) -> None: ...
+
 
 OK = "ok"
 #: Device requests awaiting their reply are remembered up to this many (a worker that died never answers).
@@ -38,7 +54,7 @@ _QUIET = {ErrorCode.CUCTXD_ERROR_SHUTTING_DOWN.name, ErrorCode.CUCTXD_ERROR_INTE
 class RequestObserver:
     """Counts and times requests, logs one line per failure (and per request at DEBUG)."""
 
-    def __init__(self, metrics: DaemonMetrics | None = None) -> None:
+    def __init__(self, metrics: MetricsSink | None = None) -> None:
         self.metrics = metrics
         self._pending: dict[tuple[bytes, int], tuple[str, float]] = {}
 
@@ -102,8 +118,8 @@ class ObservedSessions(SessionRegistry):
     Reaps are logged where they happen (``Front._reap``); here they are only counted.
     """
 
-    def __init__(self, metrics: DaemonMetrics | None = None) -> None:
-        super().__init__()
+    def __init__(self, metrics: MetricsSink | None = None, receivers: int = 1) -> None:
+        super().__init__(receivers)
         self.metrics = metrics
 
     def open(self, client: str, pid: int, peer: str = "") -> Session:

@@ -1,8 +1,11 @@
 """Client sessions as the front thread sees them: tokens, public ids, current device.
 
-A session is cuctxd's stand-in for a CUDA host thread. This registry is owned
-by the front thread; device workers only ever see the immutable
-:class:`SessionRef` carried in each job and keep their own per-device state.
+A session is cuctxd's stand-in for a CUDA host thread. This registry and its
+:class:`Session` objects are owned by the front thread, which alone opens,
+closes and reaps them. Device workers get the immutable :class:`SessionRef` in
+each job and keep their own per-device state (``DeviceState``); a worker's lane
+admits requests against this registry, reading it (single dict lookups, atomic
+under the GIL) and writing only what :class:`Session` says it may.
 """
 
 from __future__ import annotations
@@ -26,11 +29,21 @@ class SessionRef:
 
 @dataclass
 class Session:
-    """Front-owned state of one session."""
+    """State of one session, owned by the front thread except where said.
+
+    ``seen``: ``time.monotonic()`` of the session's last request per receiver —
+    slot 0 the front, slot 1 + N device N's lane — each slot written only by the
+    thread that owns that receiver; the front's reaper reads the latest.
+    ``current_device``: written only while admitting this session's
+    ``set_device``, on the thread that received it (the front, or the lane of the
+    device it names); a client keeps its requests that reach one device in order
+    across endpoints (``protos/PROTOCOL.md``, "Device endpoints"), so the next
+    request that reads it is always admitted after the write.
+    """
 
     ref: SessionRef
     opened_at: float = field(default_factory=time.time)
-    last_seen: float = field(default_factory=time.monotonic)
+    seen: list[float] = field(default_factory=lambda: [time.monotonic()])
     current_device: int = 0
     #: Who opened it, for ``max_sessions_per_peer`` (:mod:`cuctxd.daemon.intake.peers`).
     peer: str = ""
@@ -52,14 +65,17 @@ _EXPIRED_MEMORY = 4096
 class SessionRegistry:
     """Token -> session, and recently reaped tokens; only the front thread calls it."""
 
-    def __init__(self) -> None:
+    def __init__(self, receivers: int = 1) -> None:
+        """``receivers``: how many threads admit requests (the front and one lane per device), each
+        stamping its own slot of :attr:`Session.seen`."""
+        self.receivers = receivers
         self._sessions: dict[str, Session] = {}
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._public_ids = itertools.count(1)
 
     def open(self, client: str, pid: int, peer: str = "") -> Session:
         ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid)
-        session = Session(ref, peer=peer)
+        session = Session(ref, peer=peer, seen=[time.monotonic()] * self.receivers)
         self._sessions[ref.token] = session
         return session
 
@@ -71,7 +87,7 @@ class SessionRegistry:
 
     def expire(self, now: float, ttl: float) -> list[Session]:
         """Remove and return the sessions not heard from for ``ttl`` seconds."""
-        stale = [s for s in self._sessions.values() if now - s.last_seen > ttl]
+        stale = [s for s in self._sessions.values() if now - max(s.seen) > ttl]
         for session in stale:
             del self._sessions[session.ref.token]
             self._expired[session.ref.token] = None

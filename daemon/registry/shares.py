@@ -1,4 +1,7 @@
-"""Shared buffers: their lifetime record (per device) and the daemon-wide name index.
+"""The daemon-wide index of shared buffers and their published names.
+
+Each share's own record (:class:`cuctxd.daemon.device.entries.Share`) lives on its device's
+worker thread; this index lets the front look names up and list shares without asking a worker.
 
 Lifetime rule (PROTOCOL.md, "Sharing"): a share is kept alive by its owner
 (until the owner frees the buffer or its session ends), by every open hold,
@@ -13,40 +16,33 @@ daemon's ``orphan_ttl``, so abandoned names cannot pile up outside every quota.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import MutableSet
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.protos.errors import NameExists, NotFound, NotOwner
 from cuctxd.protos.records import ShareDescriptor
 
-if TYPE_CHECKING:
-    from cuctxd.daemon.device.state import SessionContext
 
+class ShareRecord(Protocol):
+    """What the index reads of a device's share record (:class:`cuctxd.daemon.device.entries.Share`).
 
-@dataclass
-class Share:
-    """One shared buffer. Owned by its device's worker thread, like the buffer itself."""
-
-    descriptor: ShareDescriptor
-    ptr: int
-    context: SessionContext
-    owner: SessionRef
-    owner_present: bool = True
-    holders: dict[str, int] = field(default_factory=dict)
-    names: set[str] = field(default_factory=set)
-    opened_since_orphaned: bool = False
-    #: ``time.monotonic()`` when the owner let go (None while the owner holds it).
-    orphaned_at: float | None = None
+    The record belongs to its device's worker thread; only that thread passes it here.
+    """
 
     @property
-    def share_id(self) -> str:
-        return self.descriptor.share_id
-
-    def keeps_alive(self) -> bool:
-        if self.owner_present or self.holders:
-            return True
-        return bool(self.names) and not self.opened_since_orphaned
+    def share_id(self) -> str: ...
+    @property
+    def descriptor(self) -> ShareDescriptor: ...
+    @property
+    def owner(self) -> SessionRef: ...
+    @property
+    def owner_present(self) -> bool: ...
+    @property
+    def holders(self) -> dict[str, int]: ...
+    @property
+    def names(self) -> MutableSet[str]: ...
 
 
 @dataclass
@@ -71,11 +67,11 @@ class ShareRegistry:
         self._shares: dict[str, _Listing] = {}
         self._names: dict[str, str] = {}
 
-    def add(self, share: Share) -> None:
+    def add(self, share: ShareRecord) -> None:
         with self._lock:
             self._shares[share.share_id] = _Listing(share.descriptor, share.owner.public_id, share.owner.token)
 
-    def publish(self, name: str, share: Share) -> None:
+    def publish(self, name: str, share: ShareRecord) -> None:
         with self._lock:
             if name in self._names:
                 raise NameExists(f"the name {name!r} is already published")
@@ -93,20 +89,20 @@ class ShareRegistry:
             del self._names[name]
             return share_id
 
-    def drop_names(self, share: Share) -> None:
+    def drop_names(self, share: ShareRecord) -> None:
         with self._lock:
             for name in share.names:
                 self._names.pop(name, None)
         share.names.clear()
 
-    def update(self, share: Share) -> None:
+    def update(self, share: ShareRecord) -> None:
         with self._lock:
             listing = self._shares.get(share.share_id)
             if listing is not None:
                 listing.holders = sum(share.holders.values())
                 listing.owner_present = share.owner_present
 
-    def remove(self, share: Share) -> None:
+    def remove(self, share: ShareRecord) -> None:
         with self._lock:
             self._shares.pop(share.share_id, None)
             for name in share.names:

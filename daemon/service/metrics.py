@@ -116,7 +116,7 @@ def device_snapshot(state: DeviceState) -> dict[str, Any]:
         "sessions": len(state.sessions),
         "allocations": sum(len(s.buffers) for s in state.sessions.values()),
         "allocated_bytes": sum(s.bytes_allocated for s in state.sessions.values()),
-        "shares": len(state.shares),
+        "shares": len(state.sharing.shares),
         "memory_total": state.info.total_memory,
     }
     if contexts:

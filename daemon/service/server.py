@@ -45,11 +45,12 @@ import zmq.auth.thread
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.backends.subset import DeviceSubset
+from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
-from cuctxd.daemon.device.state import DeviceLimits, DeviceState
+from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
-from cuctxd.daemon.front.state import FrontState
+from cuctxd.daemon.front.state import FrontConfig, FrontState
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
@@ -68,8 +69,6 @@ _REPLY_ENDPOINT = "inproc://cuctxd-replies"
 STOP_GRACE = 5.0
 #: Exit status after a second signal, or when workers had to be abandoned.
 EXIT_FORCED = 1
-#: Settings parsed and stored now but not enforced by this build (none left; kept for future keys).
-_NOT_ENFORCED_YET: tuple[str, ...] = ()
 
 
 class Daemon:
@@ -130,8 +129,8 @@ class Daemon:
         except BaseException:
             replies.close()
             raise
-        sessions = ObservedSessions(self.metrics)
-        state = FrontState(self.config, self.driver.name, devices, shares, sessions=sessions,
+        sessions = ObservedSessions(self.metrics, receivers=1 + count)
+        state = FrontState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
                            endpoints=list(self.bound))
         self._front = Front(state, self._workers, router, replies)
         self._front.observer = RequestObserver(self.metrics)
@@ -144,14 +143,17 @@ class Daemon:
                 raise OSError(exc.errno, f"metrics on {self.config.metrics_host}:{self.config.metrics_port}: "
                                          f"{exc.strerror or exc}") from exc
             log.info("metrics on %s", self.metrics_url)
-        for name in _NOT_ENFORCED_YET:
-            if getattr(self.config, name):
-                log.warning("%s is set but not enforced by this build yet", name)
         mapping = "" if self.config.devices is None else f" (driver ordinals {list(self.ordinals)})"
         log.info("serving %d %s device(s)%s on %s", count, self.driver.name, mapping, ", ".join(self.bound))
         if self.notifier.enabled:
             self._probe = FrontProbe(self._zmq, self.notifier, self._status_line)
             self._probe.start()
+
+    def _front_config(self) -> FrontConfig:
+        config = self.config
+        return FrontConfig(lease_ttl=config.lease_ttl, orphan_ttl=config.orphan_ttl, max_payload=config.max_payload,
+                           max_sessions_per_peer=config.max_sessions_per_peer, endpoints=tuple(config.endpoints),
+                           device_ordinals=self.ordinals)
 
     def _bind_router(self) -> zmq.Socket[Any]:
         router = self._new_router()
@@ -379,7 +381,7 @@ class Daemon:
         grace = max(1.0, min(STOP_GRACE, self.config.drain_timeout))
         stuck = self._stop_workers(self._workers, grace)
         if self._front is not None:
-            self._flush_replies(self._front)
+            self._front.flush_replies(20)
             self._front.router.close()
             self._front.replies.close()
         if self._authenticator is not None:
@@ -416,18 +418,6 @@ class Daemon:
         for worker in workers:
             worker.close()
         return [w.device for w in started if w.thread.is_alive()]
-
-    @staticmethod
-    def _flush_replies(front: Front) -> None:
-        """Forward what the workers answered while stopping (synchronizes in flight, late continuations)."""
-        while front.replies.poll(20, zmq.POLLIN):
-            frames = front.replies.recv_multipart(copy=False)
-            if front.observer is not None:
-                front.observer.replied(frames)
-            try:
-                front.router.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError as exc:  # the client is gone or not reading: nothing left to do for it
-                log.debug("dropped a reply at shutdown: %s", exc)
 
 
 def _setter(event: threading.Event) -> Callable[[DeviceState], None]:

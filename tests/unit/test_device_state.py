@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from cuctxd.daemon.backends.sim import SimDriver
-from cuctxd.daemon.device.state import DeviceLimits, DeviceState, check_range
+from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionOnDevice, check_range
+from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.status import device_status
 from cuctxd.daemon.device.streams import STAGED_READ_MAX
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
@@ -57,13 +58,18 @@ def run(state: DeviceState, ref: SessionRef, op: str, payload: tuple[Any, ...] =
     return outcome
 
 
+def alloc(state: DeviceState, session: SessionOnDevice, size: int, *, shareable: bool) -> Buffer:
+    """As the alloc handler does: in the session's current context (or the primary)."""
+    return state.memory.alloc(session, state.contexts.for_new(session, "buffer"), size, shareable)
+
+
 # --- the context stack -------------------------------------------------------------------
 
 
 def test_a_new_session_has_an_empty_stack(state: DeviceState, driver: SimDriver) -> None:
     session = state.session(new_ref())
     assert session.stack == []
-    assert state.current(session) is None
+    assert state.contexts.top(session) is None
     assert session.primary is None
     assert driver.primary_ctx_state(0) == (0, False)
     assert run(state, session.ref, "current_context").result == {"context": None}
@@ -72,41 +78,41 @@ def test_a_new_session_has_an_empty_stack(state: DeviceState, driver: SimDriver)
 
 def test_current_or_primary_binds_the_primary_lazily_once(state: DeviceState, driver: SimDriver) -> None:
     session = state.session(new_ref())
-    primary = state.current_or_primary(session)
+    primary = state.contexts.current_or_primary(session)
     assert primary.is_primary
     assert session.stack == [primary]
     assert session.primary is primary
     assert driver.primary_ctx_state(0)[1] is True
-    assert state.current_or_primary(session) is primary
+    assert state.contexts.current_or_primary(session) is primary
     assert session.stack == [primary]
     assert device_status(state)["primary_context"]["references"] == 1
 
 
 def test_set_device_replaces_the_top_of_the_stack(state: DeviceState) -> None:
     session = state.session(new_ref())
-    first = state.create(session, 0)
-    second = state.create(session, 0)
-    primary = state.set_device(session)
+    first = state.contexts.create(session, 0)
+    second = state.contexts.create(session, 0)
+    primary = state.contexts.set_device(session)
     assert primary.is_primary
     assert session.stack == [first, primary]
     assert second.handle in session.contexts  # replaced, not destroyed
-    assert state.set_device(session) is primary
+    assert state.contexts.set_device(session) is primary
     assert session.stack == [first, primary]
 
 
 def test_set_device_on_an_empty_stack_pushes_the_primary(state: DeviceState) -> None:
     session = state.session(new_ref())
-    primary = state.set_device(session)
+    primary = state.contexts.set_device(session)
     assert session.stack == [primary]
 
 
 def test_create_pushes_a_new_current_context(state: DeviceState, driver: SimDriver) -> None:
     session = state.session(new_ref())
-    primary = state.set_device(session)
-    created = state.create(session, 0)
+    primary = state.contexts.set_device(session)
+    created = state.contexts.create(session, 0)
     assert not created.is_primary
     assert session.stack == [primary, created]
-    assert state.current(session) is created
+    assert state.contexts.top(session) is created
     assert created.context_id != primary.context_id
     assert created.handle != primary.handle
     assert driver.ctx_get_current() is created.ctx
@@ -114,7 +120,7 @@ def test_create_pushes_a_new_current_context(state: DeviceState, driver: SimDriv
 
 def test_push_and_pop_through_the_handlers(state: DeviceState) -> None:
     session = state.session(new_ref())
-    created = state.create(session, 0)
+    created = state.contexts.create(session, 0)
     pushed = run(state, session.ref, "push_context", context=created.handle).result["context"]
     assert pushed["handle"] == created.handle
     assert [c.handle for c in session.stack] == [created.handle, created.handle]
@@ -127,16 +133,16 @@ def test_push_and_pop_through_the_handlers(state: DeviceState) -> None:
 
 def test_destroy_frees_its_buffers_and_leaves_the_stack(state: DeviceState, driver: SimDriver) -> None:
     session = state.session(new_ref())
-    primary = state.set_device(session)
-    kept = state.alloc(session, 4096, shareable=False)
-    created = state.create(session, 0)
+    primary = state.contexts.set_device(session)
+    kept = alloc(state, session, 4096, shareable=False)
+    created = state.contexts.create(session, 0)
     state.session(session.ref).stack.append(created)  # on the stack twice
-    doomed = [state.alloc(session, 4096, shareable=False), state.alloc(session, 8192, shareable=False)]
+    doomed = [alloc(state, session, 4096, shareable=False), alloc(state, session, 8192, shareable=False)]
     assert device_status(state)["sessions"][0]["allocations"] == 3
     assert session.bytes_allocated == 4096 + 4096 + 8192
     state.activate(primary)
     free_before = driver.mem_get_info()[0]
-    state.destroy(session, created.handle)
+    state.destroy_context(session, created.handle)
     assert session.stack == [primary]
     assert created.handle not in session.contexts
     assert set(session.buffers) == {kept.handle}
@@ -145,18 +151,18 @@ def test_destroy_frees_its_buffers_and_leaves_the_stack(state: DeviceState, driv
     assert driver.mem_get_info()[0] == free_before + 4096 + 8192
     for buffer in doomed:
         with pytest.raises(UnknownHandle):
-            state.buffer(session, buffer.handle)
+            session.buffers[buffer.handle]
     with pytest.raises(UnknownHandle):
-        state.destroy(session, created.handle)
+        state.destroy_context(session, created.handle)
     with pytest.raises(UnknownHandle):
         run(state, session.ref, "context_info", context=created.handle)
 
 
 def test_destroying_the_primary_is_invalid_context(state: DeviceState, driver: SimDriver) -> None:
     session = state.session(new_ref())
-    primary = state.set_device(session)
+    primary = state.contexts.set_device(session)
     with pytest.raises(CudaError) as info:
-        state.destroy(session, primary.handle)
+        state.destroy_context(session, primary.handle)
     assert info.value.name == "CUDA_ERROR_INVALID_CONTEXT"
     assert session.stack == [primary]
     assert driver.primary_ctx_state(0)[1] is True
@@ -164,7 +170,7 @@ def test_destroying_the_primary_is_invalid_context(state: DeviceState, driver: S
 
 def test_context_info_reports_the_driver_view(state: DeviceState) -> None:
     session = state.session(new_ref())
-    created = state.create(session, 0x01)
+    created = state.contexts.create(session, 0x01)
     info = run(state, session.ref, "context_info", context=created.handle).result["context"]
     assert info["flags"] == 0x01
     assert info["device"] == 0
@@ -178,9 +184,9 @@ def test_context_info_reports_the_driver_view(state: DeviceState) -> None:
 def test_close_session_frees_everything_and_releases_the_primary(state: DeviceState, driver: SimDriver) -> None:
     ref = new_ref()
     session = state.session(ref)
-    state.alloc(session, 100_000, shareable=False)  # in the primary
-    state.create(session, 0)
-    state.alloc(session, 200_000, shareable=False)  # in the created context
+    alloc(state, session, 100_000, shareable=False)  # in the primary
+    state.contexts.create(session, 0)
+    alloc(state, session, 200_000, shareable=False)  # in the created context
     assert driver.primary_ctx_state(0)[1] is True
     state.close_session(ref)
     assert ref.token not in state.sessions
@@ -193,7 +199,7 @@ def test_close_session_frees_everything_and_releases_the_primary(state: DeviceSt
     assert state.live_contexts() == []
     # Nothing is left allocated on the device: a new session sees all of it free.
     other = state.session(new_ref())
-    state.activate(state.current_or_primary(other))
+    state.activate(state.contexts.current_or_primary(other))
     assert driver.mem_get_info() == (MEMORY, MEMORY)
 
 
@@ -201,8 +207,8 @@ def test_close_session_keeps_the_primary_active_while_another_session_holds_it(
     state: DeviceState, driver: SimDriver
 ) -> None:
     a, b = new_ref(), new_ref()
-    state.alloc(state.session(a), 4096, shareable=False)
-    b_buffer = state.alloc(state.session(b), 4096, shareable=False)
+    alloc(state, state.session(a), 4096, shareable=False)
+    b_buffer = alloc(state, state.session(b), 4096, shareable=False)
     run(state, b, "write", (b"kept by b",), buffer=b_buffer.handle)
     assert device_status(state)["primary_context"]["references"] == 2
     state.close_session(a)
@@ -215,13 +221,13 @@ def test_close_session_keeps_the_primary_active_while_another_session_holds_it(
 
 def test_the_primary_can_be_bound_again_after_the_last_release(state: DeviceState, driver: SimDriver) -> None:
     first = new_ref()
-    old_id = state.set_device(state.session(first)).context_id
+    old_id = state.contexts.set_device(state.session(first)).context_id
     state.close_session(first)
     second = state.session(new_ref())
-    primary = state.set_device(second)
+    primary = state.contexts.set_device(second)
     assert driver.primary_ctx_state(0)[1] is True
     assert primary.context_id != old_id
-    buffer = state.alloc(second, 16, shareable=False)
+    buffer = alloc(state, second, 16, shareable=False)
     run(state, second.ref, "fill", buffer=buffer.handle, value=7)
     assert run(state, second.ref, "read", buffer=buffer.handle).frames[0] == b"\x07" * 16
 
@@ -236,24 +242,24 @@ def test_closing_an_unknown_session_is_a_no_op(state: DeviceState) -> None:
 
 def test_free_returns_memory_and_invalidates_the_handle(state: DeviceState, driver: SimDriver) -> None:
     session = state.session(new_ref())
-    state.activate(state.current_or_primary(session))
+    state.activate(state.contexts.current_or_primary(session))
     before = driver.mem_get_info()[0]
-    buffer = state.alloc(session, 65536, shareable=True)
+    buffer = alloc(state, session, 65536, shareable=True)
     assert driver.mem_get_info()[0] == before - 65536
-    state.free(session, buffer.handle)
+    state.memory.free(session, session.buffers[buffer.handle], unpublish=True)
     assert driver.mem_get_info()[0] == before
     with pytest.raises(UnknownHandle):
-        state.free(session, buffer.handle)
+        state.memory.free(session, session.buffers[buffer.handle], unpublish=True)
 
 
 def test_handles_are_scoped_to_their_session(state: DeviceState) -> None:
     a, b = state.session(new_ref()), state.session(new_ref())
-    buffer = state.alloc(a, 64, shareable=False)
-    context = state.create(a, 0)
+    buffer = alloc(state, a, 64, shareable=False)
+    context = state.contexts.create(a, 0)
     with pytest.raises(UnknownHandle):
-        state.buffer(b, buffer.handle)
+        b.buffers[buffer.handle]
     with pytest.raises(UnknownHandle):
-        state.destroy(b, context.handle)
+        state.destroy_context(b, context.handle)
     assert b.stack == []
 
 
@@ -312,14 +318,14 @@ def test_pool_memory_is_cached_after_free_and_trimmed_when_the_session_ends(
 ) -> None:
     ref = new_ref()
     session = state.session(ref)
-    state.activate(state.current_or_primary(session))
+    state.activate(state.contexts.current_or_primary(session))
     other = state.session(new_ref())  # keeps the primary (and its pool) alive
-    state.bind_primary(other)
+    state.contexts.bind_primary(other)
     before = driver.mem_get_info()[0]
-    buffer = state.alloc(session, 65536, shareable=False)
-    state.free(session, buffer.handle)
+    buffer = alloc(state, session, 65536, shareable=False)
+    state.memory.free(session, session.buffers[buffer.handle], unpublish=True)
     assert driver.mem_get_info()[0] <= before  # cached by the pool, as CUDA's pools do
-    again = state.alloc(session, 65536, shareable=False)
+    again = alloc(state, session, 65536, shareable=False)
     assert again.ptr == buffer.ptr or driver.mem_get_info()[0] <= before
     state.close_session(ref)
     assert driver.mem_get_info()[0] == before
@@ -329,18 +335,18 @@ def test_small_reads_share_a_staging_buffer_per_context_freed_with_it(driver: Si
     limits = DeviceLimits(max_payload=4 * STAGED_READ_MAX)
     state = DeviceState(driver, 0, driver.device_info(0), limits, ShareRegistry())
     session = state.session(new_ref())
-    created = state.create(session, 0)
+    created = state.contexts.create(session, 0)
     state.session(session.ref).stack.append(created)
     pattern = bytes(range(256)) * (2 * STAGED_READ_MAX // 256)
     handle = run(state, session.ref, "alloc", size=len(pattern)).result["buffer"]["handle"]
     run(state, session.ref, "write", (pattern,), buffer=handle)
     assert bytes(run(state, session.ref, "read", buffer=handle, offset=3, size=100).frames[0]) == pattern[3:103]
-    staging = state.read_staging[created.context_id]
+    staging = state.streams.read_staging[created.context_id]
     assert bytes(run(state, session.ref, "read", buffer=handle, size=STAGED_READ_MAX).frames[0]) == \
         pattern[:STAGED_READ_MAX]
-    assert state.read_staging[created.context_id] is staging  # made once, reused
+    assert state.streams.read_staging[created.context_id] is staging  # made once, reused
     assert bytes(run(state, session.ref, "read", buffer=handle).frames[0]) == pattern  # larger: not staged
-    state.destroy(session, created.handle)
-    assert created.context_id not in state.read_staging
+    state.destroy_context(session, created.handle)
+    assert created.context_id not in state.streams.read_staging
     with pytest.raises(CudaError):  # already freed with the context's objects
         driver.mem_free_host(staging)

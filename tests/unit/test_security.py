@@ -13,7 +13,8 @@ import zmq
 
 from cuctxd.client.transport import CurveKeys, curve_keys, no_reply
 from cuctxd.daemon.backends.sim import SimDriver
-from cuctxd.daemon.device.state import DeviceLimits, DeviceState
+from cuctxd.daemon.device.entries import DeviceLimits
+from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.intake.peers import peer_of, peer_or_pid
 from cuctxd.daemon.registry.sessions import SessionRef, SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
@@ -80,13 +81,13 @@ def test_object_limit_counts_every_kind_and_spares_the_primary() -> None:
     state = DeviceState(driver, 0, driver.device_info(0), DeviceLimits(4096, max_objects_per_session=2),
                         ShareRegistry())
     session = state.session(SessionRef("t", 1, "unit", 1))
-    state.set_device(session)  # the primary is not counted
-    state.alloc(session, 64, False)
-    state.create_stream(session, False)
+    state.contexts.set_device(session)  # the primary is not counted
+    state.memory.alloc(session, state.contexts.for_new(session, "buffer"), 64, False)
+    state.streams.create_stream(session, state.contexts.for_new(session, "stream"), False)
     with pytest.raises(LimitExceeded, match="max_objects_per_session"):
-        state.create_event(session, True)
+        state.streams.create_event(session, state.contexts.for_new(session, "event"), True)
     with pytest.raises(LimitExceeded, match="context"):
-        state.create(session, 0)
+        state.contexts.create(session, 0)
     state.close_session(session.ref)
 
 

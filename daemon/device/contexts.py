@@ -1,0 +1,131 @@
+"""Contexts of one device: each session's stack, the shared primary's references, orphans.
+
+Owned by the device's worker thread, as part of its
+:class:`~cuctxd.daemon.device.state.DeviceState`. Each session gets its own
+context stack (empty at first, as for a new CUDA host thread); the primary
+context is retained once per session that binds it and once per share made in
+it, and released as each goes. A created context whose session is gone but
+whose shares live on is an *orphan*, destroyed with its last share.
+"""
+
+from __future__ import annotations
+
+from cuctxd.daemon.backends.base import Ctx, Driver
+from cuctxd.daemon.device.current import CurrentContext
+from cuctxd.daemon.device.entries import SessionContext, SessionOnDevice, new_handle
+from cuctxd.daemon.device.streams import Streams
+from cuctxd.protos.records import ContextRecord
+
+
+class Contexts:
+    """Binding, creating, naming and ending the device's contexts."""
+
+    def __init__(self, driver: Driver, device: int, current: CurrentContext, streams: Streams,
+                 object_limit: int) -> None:
+        self.driver = driver
+        self.device = device
+        self.current = current
+        self.streams = streams
+        self.object_limit = object_limit
+        #: References this daemon holds on the primary context (sessions bound + shares made in it).
+        self.primary_refs = 0
+        #: Created contexts whose session is gone but whose shares are still alive, by context id.
+        self.orphans: dict[int, SessionContext] = {}
+
+    @staticmethod
+    def top(state: SessionOnDevice) -> SessionContext | None:
+        """The session's current context (top of its stack), if any."""
+        return state.stack[-1] if state.stack else None
+
+    def current_or_primary(self, state: SessionOnDevice) -> SessionContext:
+        """The session's current context, binding the primary lazily as the CUDA runtime does."""
+        if state.stack:
+            return state.stack[-1]
+        primary = self.bind_primary(state)
+        state.stack.append(primary)
+        return primary
+
+    def for_new(self, state: SessionOnDevice, what: str) -> SessionContext:
+        """The context a new buffer, stream or event (``what``) goes in: the session's current one
+        (or the primary), once :meth:`SessionOnDevice.check_room` allowed one more object."""
+        state.check_room(self.object_limit, what)
+        return self.current_or_primary(state)
+
+    def bind_primary(self, state: SessionOnDevice) -> SessionContext:
+        """Retain the primary context for this session (once) and name it."""
+        if state.primary is None:
+            ctx = self.retain_primary()
+            state.primary = self._describe(ctx, is_primary=True)
+            state.contexts[state.primary.handle] = state.primary
+        return state.primary
+
+    def set_device(self, state: SessionOnDevice) -> SessionContext:
+        """``cudaSetDevice``: the primary replaces the top of the stack (pushed if empty)."""
+        primary = self.bind_primary(state)
+        if state.stack:
+            state.stack[-1] = primary
+        else:
+            state.stack.append(primary)
+        return primary
+
+    def create(self, state: SessionOnDevice, flags: int) -> SessionContext:
+        """``cuCtxCreate``: a new context, pushed on the session's stack."""
+        state.check_room(self.object_limit, "context")
+        self.current.clear()
+        ctx = self.driver.ctx_create(flags, self.device)
+        self.current.adopt(ctx)
+        context = self._describe(ctx, is_primary=False)
+        state.contexts[context.handle] = context
+        state.stack.append(context)
+        return context
+
+    def record(self, context: SessionContext) -> ContextRecord:
+        return ContextRecord(
+            handle=context.handle,
+            device=self.device,
+            is_primary=context.is_primary,
+            api_version=context.api_version,
+            flags=context.flags,
+            context_id=context.context_id,
+        )
+
+    def _describe(self, ctx: Ctx, *, is_primary: bool) -> SessionContext:
+        self.current.make_current(ctx)
+        return SessionContext(
+            handle=new_handle(),
+            ctx=ctx,
+            is_primary=is_primary,
+            flags=self.driver.ctx_get_flags(),
+            api_version=self.driver.ctx_get_api_version(ctx),
+            context_id=self.driver.ctx_get_id(ctx),
+        )
+
+    def detach(self, state: SessionOnDevice, context: SessionContext) -> None:
+        """Take a created context, emptied of buffers, streams and events, from the session;
+        destroy it unless shares still live in it (then it waits as an orphan)."""
+        state.contexts.pop(context.handle, None)
+        state.stack[:] = [c for c in state.stack if c is not context]
+        if context.shares:
+            self.orphans[context.context_id] = context
+            return
+        self.end(context)
+
+    def end(self, context: SessionContext) -> None:
+        """Destroy a created context once nothing lives in it any more."""
+        self.streams.forget_context(context)
+        self.current.forget(context.ctx)
+        self.driver.ctx_destroy(context.ctx)
+
+    def retain_primary(self) -> Ctx:
+        """One more reference on the primary context (a session binding it, or a share made in it)."""
+        ctx = self.driver.primary_ctx_retain(self.device)
+        self.primary_refs += 1
+        return ctx
+
+    def release_primary(self, primary: SessionContext) -> None:
+        """Drop one reference; with the last, the primary's markers, pool and staging go first."""
+        if self.primary_refs == 1:
+            self.streams.forget_context(primary)
+            self.current.forget(primary.ctx)
+        self.driver.primary_ctx_release(self.device)
+        self.primary_refs -= 1

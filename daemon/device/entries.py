@@ -1,0 +1,176 @@
+"""Plain records of what one device holds: contexts, buffers, streams, events, shares.
+
+The leaf of :mod:`cuctxd.daemon.device`: data and lookups only, no driver calls. Every
+record here belongs to one device worker thread, like the
+:class:`~cuctxd.daemon.device.state.DeviceState` that holds it; handles are
+session-scoped, so a session can only ever name its own records.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from cuctxd.daemon.backends.base import Ctx, Event, Stream
+from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.protos.errors import LimitExceeded, OutOfRange, UnknownHandle
+from cuctxd.protos.limits import MAX_HANDLE, MAX_ISSUED_HANDLE
+from cuctxd.protos.records import ShareDescriptor
+
+T = TypeVar("T")
+
+
+def new_handle() -> int:
+    """An unguessable, session-scoped handle in [1, 2**53): exact in every msgpack decoder."""
+    return secrets.randbelow(MAX_ISSUED_HANDLE) + 1
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """Per-device limits from the daemon's configuration (0 means none)."""
+
+    max_payload: int
+    session_quota: int = 0
+    device_reserve: int = 0
+    #: Most contexts created + buffers + streams + events + shares held one session may have here.
+    max_objects_per_session: int = 0
+
+
+class HandleTable(dict[int, T], Generic[T]):
+    """Handle -> record; ``table[handle]`` raises :class:`UnknownHandle` for a handle the session
+    does not hold (``get``/``pop``/``in`` behave as for any dict). Indexing stays a C-level dict
+    lookup: only a miss reaches Python."""
+
+    def __init__(self, kind: str, device: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.device = device
+
+    def __missing__(self, handle: int) -> T:
+        raise UnknownHandle(f"no {self.kind} {handle:#x} in this session on device {self.device}")
+
+
+@dataclass(eq=False)
+class SessionContext:
+    """A context as one session names it; several sessions share the primary's ``ctx``."""
+
+    handle: int
+    ctx: Ctx
+    is_primary: bool
+    flags: int
+    api_version: int
+    context_id: int
+    buffers: set[int] = field(default_factory=set)
+    shares: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Share:
+    """One shared buffer (lifetime rule: :mod:`cuctxd.daemon.registry.shares`). Owned by its device's
+    worker thread, like the buffer itself; :class:`~cuctxd.daemon.registry.shares.ShareRegistry` indexes it."""
+
+    descriptor: ShareDescriptor
+    ptr: int
+    context: SessionContext
+    owner: SessionRef
+    owner_present: bool = True
+    holders: dict[str, int] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)
+    opened_since_orphaned: bool = False
+    #: ``time.monotonic()`` when the owner let go (None while the owner holds it).
+    orphaned_at: float | None = None
+
+    @property
+    def share_id(self) -> str:
+        return self.descriptor.share_id
+
+    def keeps_alive(self) -> bool:
+        if self.owner_present or self.holders:
+            return True
+        return bool(self.names) and not self.opened_since_orphaned
+
+
+@dataclass(eq=False)
+class Buffer:
+    """A device allocation of one session, made in ``context``."""
+
+    handle: int
+    ptr: int
+    size: int
+    context: SessionContext
+    shareable: bool
+    share: Share | None = None
+
+
+@dataclass(eq=False)
+class StreamEntry:
+    """A session's stream, made in ``context``."""
+
+    handle: int
+    stream: Stream
+    context: SessionContext
+    non_blocking: bool
+
+
+@dataclass(eq=False)
+class EventEntry:
+    """A session's event, made in ``context``."""
+
+    handle: int
+    event: Event
+    context: SessionContext
+    timing: bool
+
+
+#: A recorded marker: the context it lives in and the event to poll.
+Marker = tuple[SessionContext, Event]
+
+
+@dataclass
+class SessionOnDevice:
+    """A session's view of one device: its context stack, contexts, buffers, streams, events, holds."""
+
+    ref: SessionRef
+    device: int
+    stack: list[SessionContext] = field(default_factory=list)
+    contexts: HandleTable[SessionContext] = field(init=False)
+    buffers: HandleTable[Buffer] = field(init=False)
+    streams: HandleTable[StreamEntry] = field(init=False)
+    events: HandleTable[EventEntry] = field(init=False)
+    #: Share id -> how many times this session holds it open.
+    holds: dict[str, int] = field(default_factory=dict)
+    primary: SessionContext | None = None
+    bytes_allocated: int = 0
+
+    def __post_init__(self) -> None:
+        self.contexts = HandleTable("context", self.device)
+        self.buffers = HandleTable("buffer", self.device)
+        self.streams = HandleTable("stream", self.device)
+        self.events = HandleTable("event", self.device)
+
+    def object_count(self) -> int:
+        """What ``max_objects_per_session`` counts: created contexts (not the shared primary),
+        buffers, streams, events and distinct shares held open."""
+        created = len(self.contexts) - (1 if self.primary is not None else 0)
+        return created + len(self.buffers) + len(self.streams) + len(self.events) + len(self.holds)
+
+    def check_room(self, limit: int, what: str) -> None:
+        """Raise :class:`LimitExceeded` if the session may not have one more object (``what``); 0: no limit."""
+        if limit and self.object_count() >= limit:
+            raise LimitExceeded(
+                f"max_objects_per_session: the session already holds {self.object_count()} of {limit} "
+                f"objects (contexts, buffers, streams, events, shares held) on device {self.device}; "
+                f"free some before making another {what}"
+            )
+
+
+def check_range(size_of_buffer: int, offset: int, size: int | None) -> int:
+    """Validate ``[offset, offset+size)`` inside a buffer; return the resolved size."""
+    if offset > size_of_buffer:
+        raise OutOfRange(f"offset {offset} is past the end of a {size_of_buffer}-byte buffer")
+    if size is None:
+        size = size_of_buffer - offset
+    if size > MAX_HANDLE or offset + size > size_of_buffer:
+        raise OutOfRange(f"range [{offset}, {offset + size}) is outside a {size_of_buffer}-byte buffer")
+    return size

@@ -1,0 +1,117 @@
+"""Device memory of one device: allocations per session, quotas, the device reserve.
+
+Owned by the device's worker thread, as part of its
+:class:`~cuctxd.daemon.device.state.DeviceState`. Private buffers come from
+their context's stream-ordered pool; shareable ones from ``cuMemAlloc``, since
+pool memory cannot be exported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.device.current import CurrentContext
+from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionContext, SessionOnDevice, new_handle
+from cuctxd.daemon.device.sharing import Sharing
+from cuctxd.daemon.device.streams import Streams
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError
+from cuctxd.protos.records import BufferRecord
+
+
+class Memory:
+    """Allocating and freeing the sessions' buffers on this device."""
+
+    def __init__(self, driver: Driver, device: int, limits: DeviceLimits, current: CurrentContext,
+                 streams: Streams, sharing: Sharing) -> None:
+        self.driver = driver
+        self.device = device
+        self.limits = limits
+        self.current = current
+        self.streams = streams
+        self.sharing = sharing
+
+    def alloc(self, state: SessionOnDevice, context: SessionContext, size: int, shareable: bool) -> Buffer:
+        """A buffer of ``size`` bytes in ``context`` (``Contexts.for_new`` checked the
+        object limit and picked it).
+
+        Blocks the worker in one case: when the device is out of memory while
+        stream-ordered pools hold some, ``cuCtxSynchronize`` lets pending
+        stream-ordered frees land, the pools are trimmed and the allocation is
+        tried once more.
+        """
+        self.current.activate(context)
+        self._check_quota(state, size)
+        try:
+            ptr = self._allocate(context, size, shareable)
+        except CudaError as exc:
+            if exc.code != CUresult.CUDA_ERROR_OUT_OF_MEMORY or not self.streams.pools:
+                raise
+            self.driver.ctx_synchronize()
+            self.streams.trim_pools()
+            self.current.activate(context)
+            ptr = self._allocate(context, size, shareable)
+        buffer = Buffer(new_handle(), ptr, size, context, shareable)
+        state.buffers[buffer.handle] = buffer
+        state.bytes_allocated += size
+        context.buffers.add(buffer.handle)
+        return buffer
+
+    def _allocate(self, context: SessionContext, size: int, shareable: bool) -> int:
+        if shareable:
+            return self.driver.mem_alloc(size)
+        return self.driver.mem_alloc_from_pool(size, self.streams.pool_of(context), None)
+
+    def _check_quota(self, state: SessionOnDevice, size: int) -> None:
+        quota, reserve = self.limits.session_quota, self.limits.device_reserve
+        if quota and state.bytes_allocated + size > quota:
+            raise CudaError.of(
+                CUresult.CUDA_ERROR_OUT_OF_MEMORY,
+                f"session quota of {quota} bytes on device {self.device}: "
+                f"{state.bytes_allocated} in use, {size} more asked",
+            )
+        if reserve:
+            free, _ = self.driver.mem_get_info()
+            if free - size < reserve:
+                raise CudaError.of(
+                    CUresult.CUDA_ERROR_OUT_OF_MEMORY,
+                    f"device reserve of {reserve} bytes on device {self.device}: {free} free, {size} asked",
+                )
+
+    def info(self, state: SessionOnDevice) -> dict[str, Any]:
+        """``cuMemGetInfo`` as this session sees it (its current context active): free is capped by its
+        quota and the reserve."""
+        device_free, total = self.driver.mem_get_info()
+        device_free += self.streams.pools_cached()
+        free, limited_by = max(0, device_free - self.limits.device_reserve), "device"
+        quota = self.limits.session_quota
+        if quota and quota - state.bytes_allocated < free:
+            free, limited_by = max(0, quota - state.bytes_allocated), "quota"
+        return {
+            "free": free,
+            "total": total,
+            "device_free": device_free,
+            "quota": quota or None,
+            "reserve": self.limits.device_reserve,
+            "limited_by": limited_by,
+        }
+
+    def free(self, state: SessionOnDevice, buffer: Buffer, *, unpublish: bool) -> None:
+        """The owner lets go of a buffer: free it, or leave it to its share's other holders
+        (its published names go too when ``unpublish``)."""
+        if buffer.share is None:
+            self.current.activate(buffer.context)
+            if buffer.shareable:
+                self.driver.mem_free(buffer.ptr)
+            else:
+                self.driver.mem_free_async(buffer.ptr, None)
+        else:
+            self.sharing.owner_left(buffer.share, unpublish=unpublish)
+        del state.buffers[buffer.handle]
+        state.bytes_allocated -= buffer.size
+        buffer.context.buffers.discard(buffer.handle)
+
+    def record(self, buffer: Buffer) -> BufferRecord:
+        return BufferRecord(handle=buffer.handle, device=self.device, size=buffer.size,
+                            context=buffer.context.handle, shareable=buffer.shareable)
