@@ -19,19 +19,11 @@ import pytest
 
 from cuctxd.daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver
 from cuctxd.protos.cuda_results import DRIVER_MESSAGES
-from cuctxd.protos.errors import CudaError
+from tests.helpers import raises_cuda
 
 T = TypeVar("T")
 MIB = 1 << 20
 PATTERN = bytes(range(256))
-
-
-@contextmanager
-def raises_cuda(name: str) -> Iterator[pytest.ExceptionInfo[CudaError]]:
-    """Expect a :class:`CudaError` named ``name`` (e.g. ``CUDA_ERROR_INVALID_VALUE``)."""
-    with pytest.raises(CudaError) as info:
-        yield info
-    assert info.value.name == name, f"expected {name}, got {info.value}"
 
 
 class HostThread:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from cuctxd.client import Client, CudaError, SessionExpired
-from tests.helpers import DaemonProcess, remove_tempdir, spawn_client, start_daemon, wait_for_line
+from tests.helpers import DaemonProcess, remove_tempdir, spawn_client, start_daemon, wait_for_line, wait_until
 
 LEASE_TTL = 1.5
 QUOTA = 1 << 20
@@ -21,15 +21,6 @@ def daemon() -> Iterator[DaemonProcess]:
     yield process
     assert process.stop() == 0, process.log()
     remove_tempdir(process.socket_dir)
-
-
-def wait_until(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())
 
 
 def sessions(observer: Client) -> set[int]:

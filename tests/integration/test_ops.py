@@ -10,7 +10,7 @@ import pytest
 from cuctxd.client import Client, CudaError
 from cuctxd.daemon import __version__
 from cuctxd.protos.version import PROTOCOL_VERSION
-from tests.helpers import DaemonProcess
+from tests.helpers import DaemonProcess, pattern
 
 
 @pytest.fixture
@@ -21,10 +21,6 @@ def client(routed_client: Client) -> Client:
 
 MiB = 1 << 20
 DEVICE_MEMORY = 64 * MiB
-
-
-def pattern(size: int, seed: int = 0) -> bytes:
-    return bytes((i * 7 + seed) % 251 for i in range(size))
 
 
 def device_status(client: Client, device: int) -> dict[str, Any]:

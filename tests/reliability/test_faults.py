@@ -22,7 +22,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -30,7 +30,7 @@ import pytest
 
 from cuctxd.client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
 from cuctxd.protos.sim_ipc import decode_handle
-from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon, wait_until
 
 MiB = 1 << 20
 LEASE_TTL = 1.5
@@ -53,15 +53,6 @@ def lease_daemon() -> Iterator[DaemonProcess]:
     remove_tempdir(process.socket_dir)
     assert code == 0, f"cuctxd exited with {code}:\n{process.log()[-5000:]}"
     assert "Traceback" not in process.log()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 # --- a client killed mid-transfer ----------------------------------------------------------------------

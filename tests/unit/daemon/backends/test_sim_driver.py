@@ -32,16 +32,10 @@ from cuctxd.daemon.backends.sim_memory import (
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.sim_ipc import decode_handle, shm_dir
+from tests.helpers import raises_cuda
 
 MIB = 1 << 20
 CAPACITY = 8 * MIB
-
-
-@contextmanager
-def raises_cuda(name: str) -> Iterator[pytest.ExceptionInfo[CudaError]]:
-    with pytest.raises(CudaError) as info:
-        yield info
-    assert info.value.name == name, f"expected {name}, got {info.value}"
 
 
 @pytest.fixture
