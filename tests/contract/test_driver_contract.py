@@ -276,6 +276,35 @@ def test_context_stacks_are_per_thread(driver: Driver) -> None:
     assert driver.ctx_get_current() is None
 
 
+def test_concurrent_threads_keep_their_own_stack_and_data(driver: Driver) -> None:
+    """Four host threads at once, each with a created context (spread over the devices) and its
+    own buffer, written and read back while the others do the same."""
+    start = threading.Barrier(4)
+
+    def worker(index: int) -> None:
+        ctx = driver.ctx_create(0, index % driver.device_count())
+        try:
+            start.wait(30)
+            with allocation(driver, 4096) as ptr:
+                out = bytearray(4096)
+                for round_ in range(200):
+                    payload = bytes([index, round_ % 256]) * 2048
+                    driver.memcpy_htod(ptr, memoryview(payload), 4096)
+                    assert driver.ctx_get_current() == ctx
+                    driver.memcpy_dtoh(memoryview(out), ptr, 4096)
+                    assert out == payload
+        except BaseException:
+            start.abort()
+            raise
+        finally:
+            driver.ctx_destroy(ctx)
+        assert driver.ctx_get_current() is None
+
+    threads = [HostThread(lambda index=index: worker(index)) for index in range(4)]
+    for thread in threads:
+        thread.join()
+
+
 def test_destroyed_context_current_on_another_thread(driver: Driver) -> None:
     ctx = in_thread(lambda: driver.ctx_create(0, 0))
     pushed = threading.Event()
@@ -359,6 +388,16 @@ def test_host_side_takes_any_buffer(driver: Driver) -> None:
             driver.memcpy_dtoh(memoryview(bytes(64)), ptr, 64)
         with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
             driver.memcpy_dtoh(memoryview(bytearray(8)), ptr, 64)
+
+
+def test_large_memset_fills_every_byte(driver: Driver) -> None:
+    size = 5 * MIB + 3
+    with primary_current(driver), allocation(driver, size + 1) as ptr:
+        driver.memset_d8(ptr + size, 0x11, 1)
+        driver.memset_d8(ptr, 0x5A, size)
+        out = bytearray(size + 1)
+        driver.memcpy_dtoh(memoryview(out), ptr, size + 1)
+        assert out == b"\x5a" * size + b"\x11", "every byte of the range set, none past it"
 
 
 def test_access_past_the_end_is_invalid_value(driver: Driver) -> None:
