@@ -19,10 +19,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
+from cuctxd.daemon.backends.base import Ctx, Driver
 from cuctxd.protos.errors import CudaError
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 READY_LINE = "listening on"
@@ -207,6 +211,55 @@ def wait_for_line(process: subprocess.Popen[str], expected: str, timeout: float 
         process.kill()
         raise AssertionError(f"no {expected!r} from client process; it printed {''.join(seen)!r}")
     return seen[-1]
+
+
+class HostThread:
+    """A new host thread (so an empty context stack) running ``body``; ``join`` re-raises."""
+
+    def __init__(self, body: Callable[[], T]) -> None:
+        self._outcome: dict[str, object] = {}
+        self._thread = threading.Thread(target=self._run, args=(body,), name="contract-body")
+        self._thread.start()
+
+    def _run(self, body: Callable[[], object]) -> None:
+        try:
+            self._outcome["value"] = body()
+        except BaseException as failure:
+            self._outcome["error"] = failure
+
+    def join(self, timeout: float = 30.0) -> object:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"the thread body did not finish within {timeout} s"
+        if "error" in self._outcome:
+            raise self._outcome["error"]  # type: ignore[misc]
+        return self._outcome["value"]
+
+
+def in_thread(body: Callable[[], T]) -> T:
+    """Run ``body`` on a new host thread and return its result or re-raise its failure."""
+    return HostThread(body).join()  # type: ignore[return-value]
+
+
+@contextmanager
+def primary_current(driver: Driver, ordinal: int = 0) -> Iterator[Ctx]:
+    """Retain the device's primary context and keep it current for the block."""
+    ctx = driver.primary_ctx_retain(ordinal)
+    driver.ctx_push(ctx)
+    try:
+        yield ctx
+    finally:
+        assert driver.ctx_pop() == ctx
+        driver.primary_ctx_release(ordinal)
+
+
+@contextmanager
+def allocation(driver: Driver, size: int) -> Iterator[int]:
+    """``mem_alloc`` in the current context, freed when the block ends."""
+    ptr = driver.mem_alloc(size)
+    try:
+        yield ptr
+    finally:
+        driver.mem_free(ptr)
 
 
 @contextmanager

@@ -11,67 +11,16 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from cuctxd.daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver
+from cuctxd.daemon.backends.base import IPC_HANDLE_SIZE, Driver
 from cuctxd.protos.cuda_results import DRIVER_MESSAGES
-from tests.helpers import raises_cuda
+from tests.helpers import HostThread, allocation, in_thread, primary_current, raises_cuda
 
-T = TypeVar("T")
 MIB = 1 << 20
 PATTERN = bytes(range(256))
-
-
-class HostThread:
-    """A new host thread (so an empty context stack) running ``body``; ``join`` re-raises."""
-
-    def __init__(self, body: Callable[[], T]) -> None:
-        self._outcome: dict[str, object] = {}
-        self._thread = threading.Thread(target=self._run, args=(body,), name="contract-body")
-        self._thread.start()
-
-    def _run(self, body: Callable[[], object]) -> None:
-        try:
-            self._outcome["value"] = body()
-        except BaseException as failure:
-            self._outcome["error"] = failure
-
-    def join(self, timeout: float = 30.0) -> object:
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), f"the thread body did not finish within {timeout} s"
-        if "error" in self._outcome:
-            raise self._outcome["error"]  # type: ignore[misc]
-        return self._outcome["value"]
-
-
-def in_thread(body: Callable[[], T]) -> T:
-    """Run ``body`` on a new host thread and return its result or re-raise its failure."""
-    return HostThread(body).join()  # type: ignore[return-value]
-
-
-@contextmanager
-def primary_current(driver: Driver, ordinal: int = 0) -> Iterator[Ctx]:
-    """Retain the device's primary context and keep it current for the block."""
-    ctx = driver.primary_ctx_retain(ordinal)
-    driver.ctx_push(ctx)
-    try:
-        yield ctx
-    finally:
-        assert driver.ctx_pop() == ctx
-        driver.primary_ctx_release(ordinal)
-
-
-@contextmanager
-def allocation(driver: Driver, size: int) -> Iterator[int]:
-    ptr = driver.mem_alloc(size)
-    try:
-        yield ptr
-    finally:
-        driver.mem_free(ptr)
 
 
 def require_inactive_primary(driver: Driver, ordinal: int = 0) -> None:

@@ -24,8 +24,7 @@ import pytest
 
 from cuctxd.daemon.backends.base import Driver, Event, Pool, Stream
 from cuctxd.protos.errors import CudaError
-from tests.contract.test_driver_contract import in_thread, primary_current
-from tests.helpers import raises_cuda
+from tests.helpers import in_thread, primary_current, raises_cuda
 
 MIB = 1 << 20
 #: The most bytes one busy-making copy moves; less on small (simulated) devices.
