@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import pytest
 
+from cuctxd.client import Client
 from cuctxd.daemon.backends.base import Ctx, Driver
 from cuctxd.protos.errors import CudaError
 
@@ -133,6 +134,11 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def session_ids(observer: Client) -> set[int]:
+    """The sessions the daemon has open, as its status shows them to ``observer``."""
+    return {s["session"] for s in observer.status()["sessions"]}
 
 
 def wait_for_log(process: DaemonProcess, pattern: str, timeout: float = 10.0) -> re.Match[str]:

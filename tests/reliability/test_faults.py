@@ -30,7 +30,7 @@ import pytest
 
 from cuctxd.client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
 from cuctxd.protos.sim_ipc import decode_handle
-from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon, wait_until
+from tests.helpers import DaemonProcess, remove_tempdir, session_ids, short_tempdir, start_daemon, wait_until
 
 MiB = 1 << 20
 LEASE_TTL = 1.5
@@ -79,10 +79,6 @@ def transfer_forever(endpoint: str, mode: str, ticks: Connection) -> None:
                         pipe.write(big, pattern[offset:offset + 256 * 1024], offset, stream=stream)
                     pipe.copy(big, other, 3 * MiB)
             ticks.send(0)
-
-
-def session_ids(observer: Client) -> set[int]:
-    return {s["session"] for s in observer.status()["sessions"]}
 
 
 def device_free(observer: Client) -> list[int]:
