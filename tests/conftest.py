@@ -21,6 +21,17 @@ def daemon() -> Iterator[DaemonProcess]:
 
 
 @pytest.fixture
+def stop_after() -> Iterator[list[DaemonProcess]]:
+    """Daemons a test starts itself: append each; all are stopped afterwards and must exit 0."""
+    started: list[DaemonProcess] = []
+    yield started
+    for process in started:
+        code = process.stop()
+        remove_tempdir(process.socket_dir)
+        assert code == 0, process.log()
+
+
+@pytest.fixture
 def client(daemon: DaemonProcess) -> Iterator[Client]:
     """A fresh session: like a new host thread, it starts with no context."""
     with Client(daemon.endpoint, timeout=10) as session:

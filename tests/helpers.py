@@ -1,17 +1,33 @@
-"""Helpers for tests: a real cuctxd process on a private ipc:// socket."""
+"""Helpers shared by the test levels: a real cuctxd process, the CLIs as subprocesses, waiting
+for a condition or a log line, and what CUDA errors and the driver look like from a test.
+
+Fixtures live in ``conftest.py``; raw wire-protocol peers in ``tests.helpers_raw``.
+"""
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from cuctxd.client import Client
+from cuctxd.daemon.backends.base import Ctx, Driver
+from cuctxd.protos.errors import CudaError
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 READY_LINE = "listening on"
@@ -110,6 +126,57 @@ def remove_tempdir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; its last answer, as a bool."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def session_ids(observer: Client) -> set[int]:
+    """The sessions the daemon has open, as its status shows them to ``observer``."""
+    return {s["session"] for s in observer.status()["sessions"]}
+
+
+def wait_for_log(process: DaemonProcess, pattern: str, timeout: float = 10.0) -> re.Match[str]:
+    """The first match of ``pattern`` in the daemon's stderr, waiting for it to be read."""
+    deadline = time.monotonic() + timeout
+    while (match := re.search(pattern, process.log())) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {pattern!r} in the daemon's log:\n{process.log()}")
+        time.sleep(0.02)
+    return match
+
+
+def tcp_endpoint(process: DaemonProcess, timeout: float = 10.0) -> str:
+    """The port a daemon started with ``--endpoint tcp://127.0.0.1:*`` was given, as its log says.
+
+    Binding to ``*`` (the kernel picks the port) leaves no window in which another process can take
+    the port, as picking a free port first and binding it afterwards would.
+    """
+    return wait_for_log(process, r"tcp://127\.0\.0\.1:\d+", timeout).group(0)
+
+
+def cuctx(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run the ``cuctx`` CLI (``python -m cuctxd.client``) to completion, output captured."""
+    return subprocess.run([sys.executable, "-m", "cuctxd.client", *args], capture_output=True, text=True,
+                          env=env or client_env(), cwd=REPO, timeout=timeout)
+
+
+def cuctxd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run the ``cuctxd`` CLI (``python -m cuctxd.daemon``) to completion, output captured."""
+    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", *args], capture_output=True, text=True,
+                          env=client_env(), cwd=REPO, timeout=timeout)
+
+
+def pattern(size: int, seed: int = 0) -> bytes:
+    """``size`` bytes that differ from a shifted copy of themselves (``seed`` shifts them)."""
+    return bytes((i * 7 + seed) % 251 for i in range(size))
+
+
 def client_env() -> dict[str, str]:
     """This environment with the repository first on PYTHONPATH (keeping what was there)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
@@ -150,6 +217,75 @@ def wait_for_line(process: subprocess.Popen[str], expected: str, timeout: float 
         process.kill()
         raise AssertionError(f"no {expected!r} from client process; it printed {''.join(seen)!r}")
     return seen[-1]
+
+
+class HostThread:
+    """A new host thread (so an empty context stack) running ``body``; ``join`` re-raises."""
+
+    def __init__(self, body: Callable[[], T]) -> None:
+        self._outcome: dict[str, object] = {}
+        self._thread = threading.Thread(target=self._run, args=(body,), name="contract-body")
+        self._thread.start()
+
+    def _run(self, body: Callable[[], object]) -> None:
+        try:
+            self._outcome["value"] = body()
+        except BaseException as failure:
+            self._outcome["error"] = failure
+
+    def join(self, timeout: float = 30.0) -> object:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"the thread body did not finish within {timeout} s"
+        if "error" in self._outcome:
+            raise self._outcome["error"]  # type: ignore[misc]
+        return self._outcome["value"]
+
+
+def in_thread(body: Callable[[], T]) -> T:
+    """Run ``body`` on a new host thread and return its result or re-raise its failure."""
+    return HostThread(body).join()  # type: ignore[return-value]
+
+
+@contextmanager
+def primary_current(driver: Driver, ordinal: int = 0) -> Iterator[Ctx]:
+    """Retain the device's primary context and keep it current for the block."""
+    ctx = driver.primary_ctx_retain(ordinal)
+    driver.ctx_push(ctx)
+    try:
+        yield ctx
+    finally:
+        assert driver.ctx_pop() == ctx
+        driver.primary_ctx_release(ordinal)
+
+
+@contextmanager
+def allocation(driver: Driver, size: int) -> Iterator[int]:
+    """``mem_alloc`` in the current context, freed when the block ends."""
+    ptr = driver.mem_alloc(size)
+    try:
+        yield ptr
+    finally:
+        driver.mem_free(ptr)
+
+
+@contextmanager
+def raises_cuda(name: str) -> Iterator[pytest.ExceptionInfo[CudaError]]:
+    """Expect a :class:`CudaError` named ``name`` (e.g. ``CUDA_ERROR_INVALID_VALUE``)."""
+    with pytest.raises(CudaError) as info:
+        yield info
+    assert info.value.name == name, f"expected {name}, got {info.value}"
+
+
+@functools.cache
+def cuda_driver_loads() -> bool:
+    """Whether ``libcuda.so`` loads here (with or without a device)."""
+    try:
+        from cuda.bindings import driver as cu
+
+        cu.cuDriverGetVersion()
+    except (ImportError, RuntimeError):  # RuntimeError: cuda.pathfinder's DynamicLibNotFoundError
+        return False
+    return True
 
 
 @functools.cache

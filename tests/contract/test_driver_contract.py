@@ -11,75 +11,16 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from cuctxd.daemon.backends.base import IPC_HANDLE_SIZE, Ctx, Driver
+from cuctxd.daemon.backends.base import IPC_HANDLE_SIZE, Driver
 from cuctxd.protos.cuda_results import DRIVER_MESSAGES
-from cuctxd.protos.errors import CudaError
+from tests.helpers import HostThread, allocation, in_thread, primary_current, raises_cuda
 
-T = TypeVar("T")
 MIB = 1 << 20
 PATTERN = bytes(range(256))
-
-
-@contextmanager
-def raises_cuda(name: str) -> Iterator[pytest.ExceptionInfo[CudaError]]:
-    """Expect a :class:`CudaError` named ``name`` (e.g. ``CUDA_ERROR_INVALID_VALUE``)."""
-    with pytest.raises(CudaError) as info:
-        yield info
-    assert info.value.name == name, f"expected {name}, got {info.value}"
-
-
-class HostThread:
-    """A new host thread (so an empty context stack) running ``body``; ``join`` re-raises."""
-
-    def __init__(self, body: Callable[[], T]) -> None:
-        self._outcome: dict[str, object] = {}
-        self._thread = threading.Thread(target=self._run, args=(body,), name="contract-body")
-        self._thread.start()
-
-    def _run(self, body: Callable[[], object]) -> None:
-        try:
-            self._outcome["value"] = body()
-        except BaseException as failure:
-            self._outcome["error"] = failure
-
-    def join(self, timeout: float = 30.0) -> object:
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), f"the thread body did not finish within {timeout} s"
-        if "error" in self._outcome:
-            raise self._outcome["error"]  # type: ignore[misc]
-        return self._outcome["value"]
-
-
-def in_thread(body: Callable[[], T]) -> T:
-    """Run ``body`` on a new host thread and return its result or re-raise its failure."""
-    return HostThread(body).join()  # type: ignore[return-value]
-
-
-@contextmanager
-def primary_current(driver: Driver, ordinal: int = 0) -> Iterator[Ctx]:
-    """Retain the device's primary context and keep it current for the block."""
-    ctx = driver.primary_ctx_retain(ordinal)
-    driver.ctx_push(ctx)
-    try:
-        yield ctx
-    finally:
-        assert driver.ctx_pop() == ctx
-        driver.primary_ctx_release(ordinal)
-
-
-@contextmanager
-def allocation(driver: Driver, size: int) -> Iterator[int]:
-    ptr = driver.mem_alloc(size)
-    try:
-        yield ptr
-    finally:
-        driver.mem_free(ptr)
 
 
 def require_inactive_primary(driver: Driver, ordinal: int = 0) -> None:
@@ -284,6 +225,35 @@ def test_context_stacks_are_per_thread(driver: Driver) -> None:
     assert driver.ctx_get_current() is None
 
 
+def test_concurrent_threads_keep_their_own_stack_and_data(driver: Driver) -> None:
+    """Four host threads at once, each with a created context (spread over the devices) and its
+    own buffer, written and read back while the others do the same."""
+    start = threading.Barrier(4)
+
+    def worker(index: int) -> None:
+        ctx = driver.ctx_create(0, index % driver.device_count())
+        try:
+            start.wait(30)
+            with allocation(driver, 4096) as ptr:
+                out = bytearray(4096)
+                for round_ in range(200):
+                    payload = bytes([index, round_ % 256]) * 2048
+                    driver.memcpy_htod(ptr, memoryview(payload), 4096)
+                    assert driver.ctx_get_current() == ctx
+                    driver.memcpy_dtoh(memoryview(out), ptr, 4096)
+                    assert out == payload
+        except BaseException:
+            start.abort()
+            raise
+        finally:
+            driver.ctx_destroy(ctx)
+        assert driver.ctx_get_current() is None
+
+    threads = [HostThread(lambda index=index: worker(index)) for index in range(4)]
+    for thread in threads:
+        thread.join()
+
+
 def test_destroyed_context_current_on_another_thread(driver: Driver) -> None:
     ctx = in_thread(lambda: driver.ctx_create(0, 0))
     pushed = threading.Event()
@@ -367,6 +337,16 @@ def test_host_side_takes_any_buffer(driver: Driver) -> None:
             driver.memcpy_dtoh(memoryview(bytes(64)), ptr, 64)
         with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
             driver.memcpy_dtoh(memoryview(bytearray(8)), ptr, 64)
+
+
+def test_large_memset_fills_every_byte(driver: Driver) -> None:
+    size = 5 * MIB + 3
+    with primary_current(driver), allocation(driver, size + 1) as ptr:
+        driver.memset_d8(ptr + size, 0x11, 1)
+        driver.memset_d8(ptr, 0x5A, size)
+        out = bytearray(size + 1)
+        driver.memcpy_dtoh(memoryview(out), ptr, size + 1)
+        assert out == b"\x5a" * size + b"\x11", "every byte of the range set, none past it"
 
 
 def test_access_past_the_end_is_invalid_value(driver: Driver) -> None:

@@ -12,7 +12,7 @@ that a missing dependency would show. Where only the outcome of a race is known
 
 Using a stream or event after it was destroyed is undefined on the real driver
 (handles are reused, and it can crash the process): that the sim refuses it is
-pinned in ``tests/unit/test_sim_driver.py``.
+pinned in ``tests/unit/daemon/backends/test_sim_driver.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 
 from cuctxd.daemon.backends.base import Driver, Event, Pool, Stream
 from cuctxd.protos.errors import CudaError
-from tests.contract.test_driver_contract import in_thread, primary_current, raises_cuda
+from tests.helpers import in_thread, primary_current, raises_cuda
 
 MIB = 1 << 20
 #: The most bytes one busy-making copy moves; less on small (simulated) devices.
@@ -230,6 +230,25 @@ def test_destroyed_stream_finishes_its_work(bench: Bench) -> None:
     driver.stream_destroy(stream)  # returns at once
     driver.ctx_synchronize()
     assert bench.read(target, 4096) == b"\x42" * 4096
+
+
+def test_ctx_synchronize_waits_for_every_stream(bench: Bench) -> None:
+    """Blocking, non-blocking and the legacy stream: a synchronous read waits for none of the
+    non-blocking one's work, so only a ``ctx_synchronize`` that waited shows its bytes."""
+    driver = bench.driver
+    blocking, exempt = bench.stream(), bench.stream(non_blocking=True)
+    target = bench.alloc(3 * 4096)
+    driver.memset_d8(target, 0, 3 * 4096)
+    legacy_done = bench.event(timing=False)
+    for index, stream in enumerate((blocking, exempt, None)):
+        bench.keep_busy(stream)
+        driver.memset_d8_async(target + index * 4096, 0x61 + index, 4096, stream)
+    driver.event_record(legacy_done, None)
+    driver.ctx_synchronize()
+    assert driver.stream_query(blocking) is True
+    assert driver.stream_query(exempt) is True
+    assert driver.event_query(legacy_done) is True
+    assert bench.read(target, 3 * 4096) == b"".join(bytes([0x61 + i]) * 4096 for i in range(3))
 
 
 def test_async_calls_check_their_arguments(bench: Bench) -> None:

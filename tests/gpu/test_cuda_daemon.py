@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from cuctxd.client import Client, CudaError, UnknownHandle
-from tests.helpers import DaemonProcess, run_client, spawn_client, wait_for_line
+from tests.helpers import DaemonProcess, run_client, spawn_client, wait_for_line, wait_until
 
 MIB = 1 << 20
 
@@ -137,8 +135,5 @@ def test_sigkilled_client_memory_comes_back(cuda_daemon: DaemonProcess) -> None:
             wait_for_line(victim, "ready", timeout=120)
             assert observer.memory_info(0)["device_free"] < before - 256 * MIB
             victim.kill()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and len(observer.status()["sessions"]) > 1:
-            time.sleep(0.1)
-        assert len(observer.status()["sessions"]) == 1
+        assert wait_until(lambda: len(observer.status()["sessions"]) == 1, 15, 0.1), observer.status()["sessions"]
         assert observer.memory_info(0)["device_free"] >= before - 64 * MIB

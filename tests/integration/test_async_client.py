@@ -42,15 +42,11 @@ from cuctxd.client import (
 )
 from cuctxd.client.lease import AsyncHeartbeat
 from cuctxd.protos.version import PROTOCOL_VERSION
-from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import DaemonProcess, pattern, remove_tempdir, short_tempdir, start_daemon
 
 T = TypeVar("T")
 MiB = 1 << 20
 LEASE_TTL = 1.0
-
-
-def pattern(size: int, seed: int = 0) -> bytes:
-    return bytes((i * 7 + seed) % 251 for i in range(size))
 
 
 def run(daemon: DaemonProcess, body: Callable[[AsyncClient], Awaitable[T]], **options: Any) -> T:

@@ -16,21 +16,20 @@ import pytest
 
 from cuctxd.client import Client
 from cuctxd.daemon import __version__
-from tests.helpers import REPO, DaemonProcess, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import (
+    REPO,
+    DaemonProcess,
+    cuctx,
+    cuctxd,
+    cuda_driver_loads,
+    remove_tempdir,
+    short_tempdir,
+    start_daemon,
+)
 from tests.helpers_raw import raw_peer
 
 MiB = 1 << 20
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
-
-
-def cuctx(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cuctxd.client", *args], capture_output=True, text=True,
-                          env=env or ENV, cwd=REPO, timeout=timeout)
-
-
-def cuctxd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", *args], capture_output=True, text=True,
-                          env=ENV, cwd=REPO, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -232,17 +231,7 @@ def test_a_stale_socket_file_is_replaced() -> None:
     assert process.returncode == 0, err
 
 
-def _cuda_driver_loads() -> bool:
-    try:
-        from cuda.bindings import driver as cu
-
-        cu.cuDriverGetVersion()
-    except (ImportError, RuntimeError):
-        return False
-    return True
-
-
-@pytest.mark.skipif(_cuda_driver_loads(), reason="a CUDA driver is installed here")
+@pytest.mark.skipif(cuda_driver_loads(), reason="a CUDA driver is installed here")
 def test_backend_cuda_without_a_gpu_exits_non_zero_with_a_clear_message() -> None:
     directory = short_tempdir()
     try:

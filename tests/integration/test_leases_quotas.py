@@ -8,7 +8,15 @@ from collections.abc import Iterator
 import pytest
 
 from cuctxd.client import Client, CudaError, SessionExpired
-from tests.helpers import DaemonProcess, remove_tempdir, spawn_client, start_daemon, wait_for_line
+from tests.helpers import (
+    DaemonProcess,
+    remove_tempdir,
+    session_ids,
+    spawn_client,
+    start_daemon,
+    wait_for_line,
+    wait_until,
+)
 
 LEASE_TTL = 1.5
 QUOTA = 1 << 20
@@ -21,19 +29,6 @@ def daemon() -> Iterator[DaemonProcess]:
     yield process
     assert process.stop() == 0, process.log()
     remove_tempdir(process.socket_dir)
-
-
-def wait_until(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())
-
-
-def sessions(observer: Client) -> set[int]:
-    return {s["session"] for s in observer.status()["sessions"]}
 
 
 VICTIM = """
@@ -55,10 +50,10 @@ def test_sigkilled_client_is_reaped_within_the_lease(daemon: DaemonProcess) -> N
         baseline = [observer.mem_get_info(d)[0] for d in (0, 1)]
         with spawn_client(VICTIM, daemon.endpoint) as victim:
             session_id = int(wait_for_line(victim, "ready").split()[1])
-            assert session_id in sessions(observer)
+            assert session_id in session_ids(observer)
             killed_at = time.monotonic()
             victim.kill()
-        assert wait_until(lambda: sessions(observer) == {observer.session_id}, LEASE_TTL + 3.0)
+        assert wait_until(lambda: session_ids(observer) == {observer.session_id}, LEASE_TTL + 3.0)
         reaped_after = time.monotonic() - killed_at
         assert reaped_after < LEASE_TTL + 3.0
         status = observer.status()

@@ -10,7 +10,7 @@ import pytest
 from cuctxd.client import Client, CudaError
 from cuctxd.daemon import __version__
 from cuctxd.protos.version import PROTOCOL_VERSION
-from tests.helpers import DaemonProcess
+from tests.helpers import DaemonProcess, pattern
 
 
 @pytest.fixture
@@ -21,10 +21,6 @@ def client(routed_client: Client) -> Client:
 
 MiB = 1 << 20
 DEVICE_MEMORY = 64 * MiB
-
-
-def pattern(size: int, seed: int = 0) -> bytes:
-    return bytes((i * 7 + seed) % 251 for i in range(size))
 
 
 def device_status(client: Client, device: int) -> dict[str, Any]:
@@ -158,12 +154,17 @@ def test_synchronize_binds_the_primary_lazily(client: Client) -> None:
     assert current is not None and current.is_primary
 
 
-def test_device_synchronize(daemon: DaemonProcess, client: Client) -> None:
+def test_device_synchronize_waits_for_other_sessions_streams(daemon: DaemonProcess, client: Client) -> None:
     client.create_context(device=0)
     with Client(daemon.endpoint, timeout=10) as other:
-        other.set_device(0)
-        other.device_synchronize(device=0)
-    client.device_synchronize(device=0)
+        other.create_context(device=0)
+        buffer = other.alloc(32 << 20, device=0)
+        stream = other.create_stream(0, non_blocking=True)  # a read on the legacy stream will not wait for it
+        for value in range(1, 9):
+            buffer.fill(value, stream=stream)  # about 8 x 32 MiB of queued work
+        client.device_synchronize(device=0)
+        assert stream.query() is True, "device_synchronize returned with another session's stream busy"
+        assert buffer.read(16, offset=(32 << 20) - 16) == b"\x08" * 16
     client.device_synchronize(device=1)  # nothing alive there: still fine
 
 

@@ -18,7 +18,15 @@ import pytest
 
 from cuctxd.client import AsyncClient, Client
 from cuctxd.protos.errors import DaemonTimeout, LimitExceeded
-from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import (
+    REPO,
+    DaemonProcess,
+    client_env,
+    remove_tempdir,
+    short_tempdir,
+    start_daemon,
+    tcp_endpoint,
+)
 
 KEYGEN_FAST = 2.0  # timeout for clients expected to be turned away
 
@@ -26,15 +34,6 @@ KEYGEN_FAST = 2.0  # timeout for clients expected to be turned away
 def keygen(directory: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cuctxd.daemon", "keygen", str(directory), *extra],
                           capture_output=True, text=True, env=client_env(), cwd=REPO, timeout=30)
-
-
-def tcp_endpoint(process: DaemonProcess, timeout: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout
-    while (match := re.search(r"tcp://127\.0\.0\.1:\d+", process.log())) is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no tcp endpoint in the daemon's log:\n{process.log()}")
-        time.sleep(0.02)
-    return match.group(0)
 
 
 @dataclass
@@ -79,16 +78,6 @@ def curve_daemon(keys: Keys) -> Iterator[tuple[DaemonProcess, str]]:
     code = process.stop()
     remove_tempdir(process.socket_dir)
     assert code == 0, process.log()
-
-
-@pytest.fixture
-def stop_after() -> Iterator[list[DaemonProcess]]:
-    started: list[DaemonProcess] = []
-    yield started
-    for process in started:
-        code = process.stop()
-        remove_tempdir(process.socket_dir)
-        assert code == 0, process.log()
 
 
 def test_keygen_writes_a_private_secret_and_prints_the_public_key(tmp_path: Path) -> None:

@@ -9,14 +9,9 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, short_tempdir
+from tests.helpers import REPO, DaemonProcess, client_env, cuctx, remove_tempdir, short_tempdir
 
 CLEAR = "\x1b[H\x1b[2J"
-
-
-def cuctx(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cuctxd.client", *args], capture_output=True, text=True,
-                          env=client_env(), cwd=REPO, timeout=timeout)
 
 
 # --- status --watch ----------------------------------------------------------------------------

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,24 +10,16 @@ from pathlib import Path
 import pytest
 
 from cuctxd.client import Client
-from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import (
+    DaemonProcess,
+    cuctxd,
+    remove_tempdir,
+    short_tempdir,
+    start_daemon,
+    wait_for_log,
+)
 
 MiB = 1 << 20
-
-
-def wait_for_log(process: DaemonProcess, pattern: str, timeout: float = 10.0) -> re.Match[str]:
-    """The first match of ``pattern`` in the daemon's stderr, waiting for it to be read."""
-    deadline = time.monotonic() + timeout
-    while (match := re.search(pattern, process.log())) is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {pattern!r} in the daemon's log:\n{process.log()}")
-        time.sleep(0.02)
-    return match
-
-
-def cuctxd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", *args], capture_output=True, text=True,
-                          env=client_env(), cwd=REPO, timeout=timeout)
 
 
 @pytest.fixture
@@ -38,16 +27,6 @@ def workdir() -> Iterator[Path]:
     directory = short_tempdir()
     yield directory
     remove_tempdir(directory)
-
-
-@pytest.fixture
-def stop_after() -> Iterator[list[DaemonProcess]]:
-    started: list[DaemonProcess] = []
-    yield started
-    for process in started:
-        code = process.stop()
-        remove_tempdir(process.socket_dir)
-        assert code == 0, process.log()
 
 
 def test_the_daemon_serves_what_its_file_says(workdir: Path, stop_after: list[DaemonProcess]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cuctxd.client import Client, UnknownHandle
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_for_log
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +91,7 @@ def test_text_is_the_default() -> None:
     try:
         with Client(process.endpoint, timeout=10, name="text-test") as client:
             session = client.session_id
-        deadline = time.monotonic() + 10
-        while f"session {session} (text-test" not in process.log():
-            assert time.monotonic() < deadline, process.log()
-            time.sleep(0.02)
+        wait_for_log(process, re.escape(f"session {session} (text-test"))
     finally:
         assert process.stop() == 0
         remove_tempdir(process.socket_dir)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -12,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cuctxd.client import Client, UnknownHandle
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
 
 MiB = 1 << 20
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -118,9 +117,7 @@ def test_reaped_sessions_are_counted(metrics_daemon: tuple[DaemonProcess, str]) 
     before = value(scrape(url), "cuctxd_sessions_reaped_total")
     client = Client(process.endpoint, timeout=10, heartbeat=False)
     try:
-        deadline = time.monotonic() + 10
-        while value(scrape(url), "cuctxd_sessions_reaped_total") < before + 1:
-            assert time.monotonic() < deadline, "the session was never reaped"
-            time.sleep(0.1)
+        reaped = wait_until(lambda: value(scrape(url), "cuctxd_sessions_reaped_total") >= before + 1, 10, 0.1)
+        assert reaped, "the session was never reaped"
     finally:
         client.close()

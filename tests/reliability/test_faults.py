@@ -22,7 +22,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -30,7 +30,7 @@ import pytest
 
 from cuctxd.client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
 from cuctxd.protos.sim_ipc import decode_handle
-from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import DaemonProcess, remove_tempdir, session_ids, short_tempdir, start_daemon, wait_until
 
 MiB = 1 << 20
 LEASE_TTL = 1.5
@@ -53,15 +53,6 @@ def lease_daemon() -> Iterator[DaemonProcess]:
     remove_tempdir(process.socket_dir)
     assert code == 0, f"cuctxd exited with {code}:\n{process.log()[-5000:]}"
     assert "Traceback" not in process.log()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 # --- a client killed mid-transfer ----------------------------------------------------------------------
@@ -88,10 +79,6 @@ def transfer_forever(endpoint: str, mode: str, ticks: Connection) -> None:
                         pipe.write(big, pattern[offset:offset + 256 * 1024], offset, stream=stream)
                     pipe.copy(big, other, 3 * MiB)
             ticks.send(0)
-
-
-def session_ids(observer: Client) -> set[int]:
-    return {s["session"] for s in observer.status()["sessions"]}
 
 
 def device_free(observer: Client) -> list[int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import random
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any
 import pytest
 
 from cuctxd.client import Buffer, Client, UnknownHandle
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
 from tests.reliability.strategies import INPUTS, scaled, soak_mode
 
 PROCESSES = 6
@@ -239,15 +238,6 @@ def answered_by_daemon(daemon: DaemonProcess) -> Counter[str]:
         if record.get("logger") == "cuctxd.daemon.requests" and "op" in record:
             counts[record["op"]] += 1
     return counts
-
-
-def wait_until(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())
 
 
 def test_many_processes_of_mixed_ops_lose_nothing_and_leave_nothing(load_daemon: DaemonProcess) -> None:

@@ -8,8 +8,8 @@ import tomllib
 from pathlib import Path
 
 from cuctxd.daemon.service.cli import parse_config
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "daemon" / "systemd" / "cuctxd.service"
 
 

@@ -2,7 +2,8 @@
 
 Behaviour shared with the real driver is in ``tests/contract``; this file covers
 what the contract cannot pin on a GPU (capacity accounting to the byte, address
-layout, refusing what the driver leaves undefined) and concurrent use.
+layout, refusing what the driver leaves undefined, work held at a chosen point
+with ``launch_host_func``) and the sim's own executor threads.
 """
 
 from __future__ import annotations
@@ -32,16 +33,10 @@ from cuctxd.daemon.backends.sim_memory import (
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.sim_ipc import decode_handle, shm_dir
+from tests.helpers import raises_cuda
 
 MIB = 1 << 20
 CAPACITY = 8 * MIB
-
-
-@contextmanager
-def raises_cuda(name: str) -> Iterator[pytest.ExceptionInfo[CudaError]]:
-    with pytest.raises(CudaError) as info:
-        yield info
-    assert info.value.name == name, f"expected {name}, got {info.value}"
 
 
 @pytest.fixture
@@ -263,15 +258,6 @@ def test_host_buffers_are_checked(sim: SimDriver) -> None:
         sim.mem_free(ptr)
 
 
-def test_large_memset_fills_every_byte(sim: SimDriver) -> None:
-    with created(sim):
-        size = 5 * MIB + 3
-        ptr = sim.mem_alloc(size)
-        sim.memset_d8(ptr, 0x5A, size)
-        assert read(sim, ptr, size) == b"\x5a" * size
-        sim.mem_free(ptr)
-
-
 def test_ipc_handle_names_a_shared_memory_file_with_the_bytes(sim: SimDriver) -> None:
     with created(sim, 1):
         ptr = sim.mem_alloc(1000)
@@ -346,40 +332,6 @@ def test_context_ids_count_from_one_and_none_means_current(sim: SimDriver) -> No
         assert [sim.ctx_get_id(primary), sim.ctx_get_id(ctx)] == [1, 2]
         assert sim.ctx_get_id(None) == 2  # type: ignore[arg-type]
     sim.primary_ctx_release(1)
-
-
-# --- threads -------------------------------------------------------------------------------
-
-
-def test_concurrent_workers_keep_their_own_stack_and_data(sim: SimDriver) -> None:
-    failures: list[BaseException] = []
-    start = threading.Barrier(4)
-
-    def worker(index: int) -> None:
-        try:
-            ctx = sim.ctx_create(0, index % 2)
-            start.wait(10)
-            ptr = sim.mem_alloc(4096)
-            for round_ in range(200):
-                payload = bytes([index, round_ % 256]) * 2048
-                sim.memcpy_htod(ptr, memoryview(payload), 4096)
-                assert sim.ctx_get_current() == ctx
-                assert read(sim, ptr, 4096) == payload
-            sim.mem_free(ptr)
-            sim.ctx_destroy(ctx)
-            assert sim.ctx_get_current() is None
-        except BaseException as failure:
-            failures.append(failure)
-            start.abort()
-
-    threads = [threading.Thread(target=worker, args=(index,)) for index in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not failures, failures
-    with created(sim):
-        assert sim.mem_get_info()[0] == CAPACITY
 
 
 # --- streams and events: what the contract cannot pin on a GPU -------------------------------
@@ -510,32 +462,6 @@ def test_legacy_async_work_and_blocking_streams_order_both_ways(big: SimDriver) 
     big.event_destroy(event)
     big.stream_destroy(stream)
     big.mem_free(ptr)
-
-
-def test_ctx_synchronize_waits_for_every_stream(big: SimDriver) -> None:
-    streams = [big.stream_create(), big.stream_create(non_blocking=True)]
-    holds = [Hold(big, stream) for stream in [*streams, None]]
-    ctx = big.ctx_get_current()
-    released: list[int] = []
-    seen_at_return: list[int] = []
-
-    def wait_for_all() -> None:
-        big.ctx_push(ctx)  # type: ignore[arg-type]
-        big.ctx_synchronize()
-        seen_at_return.append(len(released))
-        big.ctx_pop()
-
-    waiter = threading.Thread(target=wait_for_all)
-    waiter.start()
-    for hold in holds:
-        time.sleep(0.02)  # time for a wrong ctx_synchronize to return early
-        released.append(1)
-        hold.release()
-    waiter.join(10)
-    assert seen_at_return == [len(holds)], "returned before every stream was done"
-    for stream in streams:
-        assert big.stream_query(stream) is True
-        big.stream_destroy(stream)
 
 
 def test_executor_threads_start_with_work_and_end_after_destroy(big: SimDriver) -> None:

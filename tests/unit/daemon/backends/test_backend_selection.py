@@ -17,20 +17,13 @@ from cuctxd.daemon.backends import BackendUnavailable, select_backend
 from cuctxd.daemon.backends import cuda as cuda_backend
 from cuctxd.daemon.backends.cuda import CudaDriver, check_result, format_uuid
 from cuctxd.protos.errors import CudaError
+from tests.helpers import cuda_driver_loads
 
 SIM_DEVICES = 3
 SIM_MEMORY = 1 << 20
 
 
-def _driver_loads() -> bool:
-    try:
-        cu.cuDriverGetVersion()
-    except RuntimeError:
-        return False
-    return True
-
-
-HAVE_DRIVER = _driver_loads()
+HAVE_DRIVER = cuda_driver_loads()
 needs_no_driver = pytest.mark.skipif(HAVE_DRIVER, reason="the CUDA driver is installed here")
 needs_driver = pytest.mark.skipif(not HAVE_DRIVER, reason="no CUDA driver (libcuda.so) here")
 

@@ -29,11 +29,6 @@ def test_every_handler_serves_an_op() -> None:
     assert set(FRONT_HANDLERS) | set(DEVICE_HANDLERS) == set(OPS)
 
 
-def test_handler_targets_match_the_spec() -> None:
-    assert all(OPS[name].target == "front" for name in FRONT_HANDLERS)
-    assert all(OPS[name].target == "device" for name in DEVICE_HANDLERS)
-
-
 def test_every_device_op_can_name_its_device() -> None:
     """The front routes a device op by its ``device`` argument (else the session's device)."""
     for name, spec in OPS.items():
