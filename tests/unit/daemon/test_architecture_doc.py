@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-DAEMON = Path(__file__).resolve().parents[2] / "daemon"
+from tests.helpers import REPO
+
+DAEMON = REPO / "daemon"
 DOC = DAEMON / "ARCHITECTURE.md"
 #: A path relative to daemon/ in backticks: `front/`, `device/worker.py`, `__main__.py`.
 NAMED = re.compile(r"`((?:[a-z_]+/)*(?:[a-z_]+\.py|[a-z_]+/))`")
