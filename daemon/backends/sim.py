@@ -75,6 +75,7 @@ context's queued work before its memory goes.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -90,12 +91,15 @@ from cuctxd.daemon.backends.sim_memory import (
     copy_bytes,
     fill_bytes,
     host_view,
+    sweep_stale_exports,
 )
 from cuctxd.daemon.backends.sim_streams import StreamScheduler, StreamSet, Work
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.records import DeviceInfo
 from cuctxd.protos.sim_ipc import encode_handle
+
+log = logging.getLogger(__name__)
 
 #: What ``cuCtxGetApiVersion`` reports on current drivers.
 API_VERSION = 3020
@@ -168,7 +172,8 @@ class SimDriver(Driver):
     """A faithful in-process CUDA driver; see the module docstring for its rules.
 
     ``device_count`` (0 to 16; 0 makes :meth:`init` raise ``CUDA_ERROR_NO_DEVICE``)
-    devices of ``memory_per_device`` bytes each.
+    devices of ``memory_per_device`` bytes each. Constructing one removes the
+    export files that sim daemons which no longer run left behind (SIGKILL).
     """
 
     name = "sim"
@@ -179,6 +184,10 @@ class SimDriver(Driver):
         if not 0 < memory_per_device <= DEVICE_SPAN // 4:
             limit = DEVICE_SPAN // 4
             raise ValueError(f"memory_per_device must be 1..{limit} bytes, got {memory_per_device}")
+        stale = sweep_stale_exports()
+        if stale:
+            log.warning("removed %d shared-memory export file(s) of sim daemons that no longer run (e.g. %s)",
+                        len(stale), stale[0])
         self._devices = [_Device(ordinal, memory_per_device) for ordinal in range(device_count)]
         self._memory = DeviceMemory(memory_per_device, device_count)
         self._streams = StreamScheduler()

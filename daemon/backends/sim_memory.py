@@ -47,6 +47,41 @@ GIL_FREE_SIZE = 64 << 10
 MAPPED_SIZE = 1 << 20
 
 
+#: Export files are named ``cuctxd-sim-<pid of the daemon>-<random>``, so a later daemon can tell whose they are.
+EXPORT_PREFIX = "cuctxd-sim-"
+
+
+def sweep_stale_exports(directory: Path | None = None) -> list[Path]:
+    """Remove this user's export files whose daemon no longer runs (a SIGKILL leaves them); the files removed.
+
+    Files of a live process, of another user, or not named as :meth:`Storage.export` names them are left alone.
+    """
+    directory = directory or shm_dir()
+    removed = []
+    for path in directory.glob(f"{EXPORT_PREFIX}*-*"):
+        pid_text = path.name[len(EXPORT_PREFIX):].partition("-")[0]
+        if not pid_text.isdigit() or _process_runs(int(pid_text)):
+            continue
+        try:
+            if path.lstat().st_uid != os.geteuid():
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def align_up(value: int, alignment: int = ALIGNMENT) -> int:
     return (value + alignment - 1) & ~(alignment - 1)
 
@@ -73,7 +108,7 @@ class Storage:
         """
         if self.path is None:
             size = len(self.view)
-            fd, name = tempfile.mkstemp(prefix="cuctxd-sim-", dir=shm_dir())
+            fd, name = tempfile.mkstemp(prefix=f"{EXPORT_PREFIX}{os.getpid()}-", dir=shm_dir())
             try:
                 os.ftruncate(fd, size)
                 shared = mmap.mmap(fd, size)

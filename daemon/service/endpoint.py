@@ -6,11 +6,15 @@ The default endpoint itself is defined in :mod:`cuctxd.protos.endpoints`, shared
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
+import logging
 import os
 import socket
 import stat
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def ipc_path(endpoint: str) -> Path | None:
@@ -40,42 +44,87 @@ def group_id(group: str) -> int:
 
 
 def prepare_ipc(path: Path, group: str | None = None) -> None:
-    """Make the socket's directory ours and private, and clear a stale socket file.
+    """Make sure the socket's directory is safe to bind in, and clear a stale socket file.
 
-    Private is 0700; with ``group`` it is 0770 and owned by that group, so its
-    members can reach the socket (:func:`open_ipc_socket` does the file). Raises
-    :class:`EndpointInUse` if a live daemon holds the socket, PermissionError if
-    the directory belongs to someone else or cannot be given to ``group`` (this
-    user must be a member of it).
+    The directory is never reached through a symbolic link and must belong to
+    this user. A directory this call creates is private (0700), or 0770 owned by
+    ``group`` so its members can reach the socket (:func:`open_ipc_socket` sets
+    the file's own mode); one that already exists keeps its mode and group: the
+    daemon never changes a directory it did not make (a warning says when group
+    members could not enter it). A socket file left by a daemon that ended
+    without cleaning up (SIGKILL, a crash) is removed, and the log says so.
+
+    Raises :class:`EndpointInUse` if a live daemon holds the socket, and
+    PermissionError if the directory is a symbolic link or someone else's, if it
+    cannot be given to ``group`` (this user must be a member of it), or if
+    something that is not a socket sits at ``path``.
     """
     directory = path.parent
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = directory.stat()
-    if info.st_uid != os.getuid():
-        raise PermissionError(f"{directory} belongs to uid {info.st_uid}, not to this user")
-    if group is not None:
-        gid = group_id(group)
-        if info.st_gid != gid:
-            try:
-                os.chown(directory, -1, gid)
-            except PermissionError:
-                raise PermissionError(f"cannot give {directory} to group {group!r}: this user is not a member "
-                                      "of it") from None
-        directory.chmod(0o770)
-    elif stat.S_IMODE(info.st_mode) & 0o077 and directory.name.startswith("cuctxd"):
-        directory.chmod(0o700)
-    if path.exists():
-        if _socket_is_live(path):
-            raise EndpointInUse(f"a daemon already listens on ipc://{path}")
-        path.unlink()
+    directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700)
+        created = True
+    except FileExistsError:
+        created = False
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise PermissionError(f"{directory} is not a plain directory (a symbolic link?): refusing to bind "
+                                  "a socket there") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise PermissionError(f"{directory} belongs to uid {info.st_uid}, not to this user")
+        if created:
+            _make_private(fd, directory, group)
+        elif group is not None and not info.st_mode & stat.S_IXGRP:
+            log.warning("group %s cannot enter %s (mode %04o); it was not made by this daemon, so its mode stays: "
+                        "chmod g+x it, or let the daemon create a new directory", group, directory,
+                        stat.S_IMODE(info.st_mode))
+    finally:
+        os.close(fd)
+    _clear_stale_socket(path)
+
+
+def _make_private(fd: int, directory: Path, group: str | None) -> None:
+    """Set the mode (and group) of a directory this daemon just created, through its open descriptor."""
+    if group is None:
+        os.fchmod(fd, 0o700)
+        return
+    try:
+        os.fchown(fd, -1, group_id(group))
+    except PermissionError:
+        raise PermissionError(f"cannot give {directory} to group {group!r}: this user is not a member of it") from None
+    os.fchmod(fd, 0o770)
+
+
+def _clear_stale_socket(path: Path) -> None:
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise PermissionError(f"{path} exists and is not a socket: refusing to replace it")
+    if _socket_is_live(path):
+        raise EndpointInUse(f"a daemon already listens on ipc://{path}")
+    path.unlink()
+    log.warning("removed the stale socket %s, left by a daemon that did not clean up (killed or crashed)", path)
 
 
 def open_ipc_socket(path: Path, group: str | None = None) -> None:
-    """Set the mode of a freshly bound socket file: 0600, or 0660 owned by ``group``."""
+    """Set the mode of a freshly bound socket file: 0600, or 0660 owned by ``group``.
+
+    The file is checked to be a socket first (never a link planted meanwhile),
+    and its owner is changed without following links.
+    """
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise PermissionError(f"{path} is no longer the socket this daemon bound")
     if group is None:
         path.chmod(0o600)
         return
-    os.chown(path, -1, group_id(group))
+    os.chown(path, -1, group_id(group), follow_symlinks=False)
     path.chmod(0o660)
 
 

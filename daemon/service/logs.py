@@ -21,6 +21,28 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
+#: Characters a text log line must not carry as they are: line breaks (which would start a forged line) and
+#: terminal controls (ANSI escapes that rewrite what an operator sees). Client-supplied strings (client names,
+#: share names, error messages) reach log messages, so every message is escaped (a newline as backslash-n).
+_UNSAFE = {code: f"\\x{code:02x}" for code in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
+_UNSAFE.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with line breaks and control characters written as escapes: one log line stays one line."""
+    return text.translate(_UNSAFE)
+
+
+class TextFormatter(logging.Formatter):
+    """:data:`TEXT_FORMAT` lines whose message is escaped (:func:`escape_controls`); tracebacks stay as they are."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return TEXT_FORMAT % {**vars(record), "message": escape_controls(record.message)}
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record; values JSON cannot hold are written as their ``str()``."""
 
@@ -47,7 +69,7 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(level: str, log_format: str, stream: TextIO | None = None) -> None:
     """Replace the root logger's handlers with one writing ``log_format`` at ``level`` to ``stream``."""
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

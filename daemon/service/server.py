@@ -59,6 +59,7 @@ from cuctxd.daemon.service.liveness import PROBE_ENDPOINT, FrontProbe
 from cuctxd.daemon.service.logs import flush_logs
 from cuctxd.daemon.service.metrics import DaemonMetrics
 from cuctxd.daemon.service.notify import Notifier
+from cuctxd.daemon.service.rlimits import raise_open_file_limit
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,9 @@ class Daemon:
     # --- start ----------------------------------------------------------------------------
 
     def start(self) -> None:
+        old, new = raise_open_file_limit()
+        if new != old:
+            log.info("open-file limit raised from %d to %d", old, new)
         replies = self._zmq.socket(zmq.PULL)
         replies.bind(_REPLY_ENDPOINT)
         count = self.driver.device_count()

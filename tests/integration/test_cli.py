@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -214,7 +215,8 @@ def test_a_second_daemon_on_a_live_socket_refuses_to_start(daemon: DaemonProcess
 def test_a_stale_socket_file_is_replaced() -> None:
     directory = short_tempdir()
     stale = directory / "d.sock"
-    stale.write_text("")
+    with socket.socket(socket.AF_UNIX) as dead:  # bound, never listening: what a killed daemon leaves
+        dead.bind(str(stale))
     process = subprocess.Popen(
         [sys.executable, "-m", "cuctxd.daemon", "--backend", "sim", "--endpoint", f"ipc://{stale}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO,
@@ -229,6 +231,7 @@ def test_a_stale_socket_file_is_replaced() -> None:
         _, err = process.communicate(timeout=20)
         remove_tempdir(directory)
     assert process.returncode == 0, err
+    assert "removed the stale socket" in err
 
 
 @pytest.mark.skipif(cuda_driver_loads(), reason="a CUDA driver is installed here")

@@ -151,7 +151,9 @@ def test_cuctx_takes_the_key_flags(keys: Keys, curve_daemon: tuple[DaemonProcess
 
 def test_group_opens_the_ipc_socket_to_that_group(stop_after: list[DaemonProcess]) -> None:
     group = grp.getgrgid(os.getgid()).gr_name
-    process = start_daemon("--group", group)
+    parent = short_tempdir()
+    process = start_daemon("--group", group, endpoint=f"ipc://{parent}/made-by-the-daemon/d.sock")
+    process.socket_dir = parent  # removed whole after the stop
     stop_after.append(process)
     directory, socket_file = process.socket_path.parent.stat(), process.socket_path.stat()
     assert stat.S_IMODE(directory.st_mode) == 0o770 and directory.st_gid == os.getgid()

@@ -1,0 +1,107 @@
+"""A hostile local user against the daemon's files and log: planted links, foreign directories, stale
+files of a killed daemon, control characters in client-supplied names. Each runs a real daemon process."""
+
+from __future__ import annotations
+
+import grp
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuctxd import Client
+from cuctxd.protos.sim_ipc import decode_handle
+from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, short_tempdir, start_daemon
+
+
+def cuctxd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", "--backend", "sim", *args], capture_output=True,
+                          text=True, env=client_env(), cwd=REPO, timeout=30)
+
+
+@pytest.fixture
+def workdir() -> Path:
+    path = short_tempdir()
+    yield path
+    remove_tempdir(path)
+
+
+def test_a_symlinked_socket_directory_is_refused_and_its_target_untouched(workdir: Path) -> None:
+    target = workdir / "target"
+    target.mkdir(mode=0o755)
+    target.chmod(0o755)
+    (workdir / "planted").symlink_to(target)
+    done = cuctxd("--endpoint", f"ipc://{workdir}/planted/d.sock")
+    assert done.returncode != 0
+    assert "not a plain directory" in done.stderr and "Traceback" not in done.stderr
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+    assert list(target.iterdir()) == []
+
+
+def test_an_existing_directory_keeps_its_mode_and_group(workdir: Path) -> None:
+    workdir.chmod(0o751)
+    group = grp.getgrgid(os.getgid()).gr_name
+    process = start_daemon("--group", group, endpoint=f"ipc://{workdir}/d.sock")
+    try:
+        with Client(process.endpoint, timeout=10) as client:
+            assert client.ping() > 0
+        assert stat.S_IMODE(workdir.stat().st_mode) == 0o751
+        assert stat.S_IMODE(process.socket_path.stat().st_mode) == 0o660
+    finally:
+        assert process.stop() == 0, process.log()
+
+
+def test_something_else_at_the_socket_path_is_not_replaced(workdir: Path) -> None:
+    squatter = workdir / "d.sock"
+    squatter.write_text("not a socket")
+    done = cuctxd("--endpoint", f"ipc://{squatter}")
+    assert done.returncode != 0 and "is not a socket" in done.stderr
+    assert squatter.read_text() == "not a socket"
+
+
+def test_stale_files_of_a_killed_daemon_are_cleaned_up_at_start(workdir: Path) -> None:
+    endpoint = f"ipc://{workdir}/d.sock"
+    killed = start_daemon(endpoint=endpoint)
+    with Client(endpoint, timeout=10, heartbeat=False) as client:
+        buf = client.alloc(4096, device=0, shareable=True)
+        export = decode_handle(buf.export().ipc_handle)
+        assert export.exists()
+        killed.process.send_signal(signal.SIGKILL)
+        killed.process.wait()
+    killed.close_pipes()
+    assert killed.socket_path.exists() and export.exists()
+    restarted = start_daemon(endpoint=endpoint)
+    try:
+        log = restarted.log()
+        assert "removed the stale socket" in log and str(killed.socket_path) in log
+        assert "export file(s) of sim daemons that no longer run" in log
+        assert not export.exists()
+        with Client(endpoint, timeout=10) as client:
+            assert client.ping() > 0
+    finally:
+        assert restarted.stop() == 0, restarted.log()
+
+
+def test_control_characters_in_a_client_name_cannot_forge_log_lines(daemon_text_log: DaemonProcess) -> None:
+    forged = "2026-01-01 00:00:00,000 INFO cuctxd.daemon.sessions [MainThread] session 0 closed by root"
+    with Client(daemon_text_log.endpoint, timeout=10, name=f"evil\n{forged}\x1b[2J\r") as client:
+        assert client.ping() > 0
+    with Client(daemon_text_log.endpoint, timeout=10, name="bystander") as bystander:
+        assert bystander.ping() > 0
+    lines = daemon_text_log.log().splitlines()
+    assert not any(line.startswith("2026-01-01") for line in lines)
+    assert not any("\x1b" in line or "\r" in line for line in lines)
+    assert any("evil\\n2026-01-01" in line and "\\x1b[2J\\r" in line for line in lines)
+
+
+@pytest.fixture
+def daemon_text_log() -> DaemonProcess:
+    process = start_daemon("--log-level", "INFO", "--log-format", "text")
+    yield process
+    code = process.stop()
+    remove_tempdir(process.socket_dir)
+    assert code == 0, process.log()
