@@ -27,6 +27,7 @@ from cuctxd.daemon.service import keygen
 from cuctxd.daemon.service.config import (
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_METRICS_HOST,
+    SIZE_HELP,
     ConfigError,
     DaemonConfig,
     check_config,
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cuctxd",
         description="CUDA context daemon: serves the machine's GPUs to client processes over ZeroMQ. "
                     "'cuctxd keygen DIR [--name NAME]' writes a CURVE key pair.",
+        epilog=SIZE_HELP + ".",
         argument_default=argparse.SUPPRESS,
     )
     add = parser.add_argument
