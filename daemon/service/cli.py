@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--print-config", action="store_true", default=False,
         help="print the effective configuration as TOML and exit")
     add("--endpoint", action="append", dest="endpoints", metavar="URL", type=_endpoint_type,
-        help=f"where to listen (ipc:// or tcp://; repeatable; default {default_endpoint()})")
+        help=f"where to listen: ipc://PATH or tcp://HOST:PORT (PORT * takes any free port); repeatable "
+             f"(default {default_endpoint()})")
     add("--backend", type=_flag_type("backend"), metavar="auto|cuda|sim",
         help="driver backend; auto (default) uses cuda when a driver and a device are present")
     add("--sim-devices", type=_flag_type("sim_devices"), metavar="N", help="devices of the sim backend (default 2)")
