@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,14 @@ def verdict(figure: Figure) -> str:
     return "PASS" if figure.passed else "FAIL"
 
 
+#: Widest the wrapped columns (figure, anchor) print; the JSON keeps their full text.
+WRAP = {1: 34, 4: 30}
+
+
 def table(figures: Sequence[Figure], meta: dict[str, Any]) -> str:
+    """The run as a table for a terminal: long figure and anchor names wrap onto more lines."""
     header = ("#", "figure", "value", "unit", "anchor", "anchor value", "ratio", "target", "result")
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     footnotes: list[str] = []
     for figure in figures:
         result = verdict(figure)
@@ -44,13 +50,14 @@ def table(figures: Sequence[Figure], meta: dict[str, Any]) -> str:
                      number(figure.anchor_value), "-" if figure.ratio is None else f"{figure.ratio:.2f}",
                      figure.target or "-", result))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for column, most in WRAP.items():
+        widths[column] = min(widths[column], max(most, len(header[column])))
     numeric = {2, 5, 6}
     lines = [f"cuctxd bench: backend {meta.get('backend')}, {meta.get('devices')} device(s), "
              f"{'quick' if meta.get('quick') else 'full'} run, {meta.get('duration_s', 0):.0f} s "
              f"on {meta.get('host')} ({meta.get('cpus')} CPUs)"]
     for n, row in enumerate(rows):
-        cells = [cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(row)]
-        lines.append("  ".join(cells).rstrip())
+        lines.extend(_row_lines(row, widths, numeric))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     passed = sum(1 for f in figures if f.passed is True)
@@ -59,6 +66,18 @@ def table(figures: Sequence[Figure], meta: dict[str, Any]) -> str:
                  f"errors: {sum(f.error for f in figures)}")
     lines.extend(footnotes)
     return "\n".join(lines)
+
+
+def _row_lines(row: Sequence[str], widths: Sequence[int], numeric: set[int]) -> list[str]:
+    """One table row as lines: a cell wider than its column wraps onto the next lines, in that column."""
+    wrapped = [textwrap.wrap(cell, width) or [""] if i in WRAP else [cell]
+               for i, (cell, width) in enumerate(zip(row, widths, strict=True))]
+    lines = []
+    for k in range(max(len(cell) for cell in wrapped)):
+        parts = [cell[k] if k < len(cell) else "" for cell in wrapped]
+        cells = [p.rjust(widths[i]) if i in numeric else p.ljust(widths[i]) for i, p in enumerate(parts)]
+        lines.append("  ".join(cells).rstrip())
+    return lines
 
 
 def write_json(path: Path, figures: Sequence[Figure], meta: dict[str, Any]) -> None:

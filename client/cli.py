@@ -1,19 +1,40 @@
-"""``cuctx``: talk to a running cuctxd from the shell."""
+"""``cuctx``: talk to a running cuctxd from the shell.
+
+The global options (``--endpoint``, ``--timeout``, ``--json``, the CURVE keys)
+are accepted before or after the command: ``cuctx devices --json`` and
+``cuctx --json devices`` mean the same; where both are given, the later wins.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 
 from cuctxd.client.client import Client
 from cuctxd.client.doctor import FAIL, run_checks
-from cuctxd.client.format import devices_table, doctor_text, shared_table, status_text, watch_frame
-from cuctxd.client.transport import curve_keys
-from cuctxd.protos.endpoints import client_endpoint
+from cuctxd.client.format import (
+    devices_table,
+    doctor_text,
+    human_duration,
+    shared_table,
+    status_text,
+    watch_frame,
+)
+from cuctxd.client.transport import CurveKeys, curve_keys
+from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
 from cuctxd.protos.errors import CuctxError
+
+#: Exit status for a usage error (what argparse uses too).
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad option value found after parsing (an endpoint, a key file): one line, exit 2."""
 
 
 def _positive(text: str) -> float:
@@ -30,50 +51,97 @@ def _count(text: str) -> int:
     return value
 
 
+def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The options every command takes; on a command's parser (``defaults=False``) an option left out
+    keeps what was given before the command, or the main parser's default."""
+
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    group = parser.add_argument_group("global options (before or after the command)")
+    group.add_argument("--endpoint", default=default(None),
+                       help=f"daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: ${ENDPOINT_ENV}, "
+                            "else the per-user socket)")
+    group.add_argument("--timeout", type=_positive, default=default(10.0),
+                       help="seconds to wait for the daemon (default 10)")
+    group.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
+    group.add_argument("--server-key", metavar="PATH", default=default(None),
+                       help="CURVE: the daemon's public key file (server.key); needed for a daemon with server_key")
+    group.add_argument("--client-key", metavar="PATH", default=default(None),
+                       help="CURVE: this client's secret key file (NAME.key_secret; its NAME.key must be in the "
+                            "daemon's allow_dir)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cuctx", description="Query a running cuctxd daemon.")
-    parser.add_argument("--endpoint", help="daemon endpoint (default: $CUCTXD_ENDPOINT, else the per-user socket)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--server-key", metavar="PATH",
-                        help="CURVE: the daemon's public key file (server.key); needed for a daemon with server_key")
-    parser.add_argument("--client-key", metavar="PATH",
-                        help="CURVE: this client's secret key file (NAME.key_secret; its NAME.key must be in the "
-                             "daemon's allow_dir)")
-    commands = parser.add_subparsers(dest="command", required=True)
-    ping = commands.add_parser("ping", help="round-trip time to the daemon")
-    ping.add_argument("-c", "--count", type=int, default=1, help="number of pings")
-    commands.add_parser("devices", help="the devices the daemon serves")
-    status = commands.add_parser("status", help="sessions, contexts and memory per device")
+    parser = argparse.ArgumentParser(prog="cuctx", description="Query a running cuctxd daemon.",
+                                     epilog="'cuctx help COMMAND' shows the options of one command.")
+    parser.add_argument("--version", action="version", version=f"cuctx {_version()}")
+    _add_global_options(parser, defaults=True)
+    globals_ = argparse.ArgumentParser(add_help=False)
+    _add_global_options(globals_, defaults=False)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, description=help, parents=[globals_])
+
+    ping = command("ping", "round-trip time to the daemon")
+    ping.add_argument("-c", "--count", type=_count, default=1, help="number of pings")
+    command("devices", "the devices the daemon serves")
+    status = command("status", "sessions, contexts and memory per device")
     status.add_argument("-w", "--watch", action="store_true", help="refresh like top until Ctrl-C")
     status.add_argument("-n", "--interval", type=_positive, default=2.0, metavar="S",
                         help="seconds between refreshes with --watch (default 2)")
     status.add_argument("--count", type=_count, metavar="N", help="with --watch: stop after N refreshes")
-    commands.add_parser("shared", help="published buffers and who holds them")
-    commands.add_parser("doctor", help="check that this process can use the daemon (exit 1 on any FAIL)")
+    command("shared", "published buffers and who holds them")
+    command("doctor", "check that this process can use the daemon (exit 1 on any FAIL)")
+    help_ = commands.add_parser("help", help="this help, or the help of one command",
+                                description="this help, or the help of one command")
+    help_.add_argument("topic", nargs="?", metavar="COMMAND", help="the command to explain")
+    parser.set_defaults(command_parsers=commands.choices)
     return parser
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("cuctxd")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "doctor":
-        return doctor(args)
-    if args.command == "status" and args.watch:
-        return watch_status(args)
     try:
+        return run(argv)
+    except BrokenPipeError:  # the reader went away (``cuctx status -w | head``): no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit fails no more
+        return 1
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """:func:`main` without the broken-pipe handling: parse, then run one command; the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "help":
+        return show_help(parser, args.topic)
+    try:
+        endpoint = _endpoint(args.endpoint)
         curve = curve_keys(args.server_key, args.client_key)
-    except ValueError as exc:
+    except (UsageError, ValueError) as exc:
         print(f"cuctx: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    if args.command == "doctor":
+        return doctor(args, endpoint, curve)
+    if args.command == "status" and args.watch:
+        return watch_status(args, endpoint, curve)
     try:
-        with Client(args.endpoint, timeout=args.timeout, name="cuctx", server_key=curve) as client:
+        with Client(endpoint, timeout=args.timeout, name="cuctx", server_key=curve) as client:
             if args.command == "ping":
-                times = [client.ping() for _ in range(max(1, args.count))]
+                times = [client.ping() for _ in range(args.count)]
                 if args.json:
                     print(json.dumps({"endpoint": client.endpoint, "rtt_s": times}))
                 else:
                     for t in times:
-                        print(f"pong from {client.endpoint}: {t * 1e6:.0f} us "
+                        print(f"pong from {client.endpoint}: {human_duration(t)} "
                               f"(cuctxd {client.daemon_version}, backend {client.backend})")
             elif args.command == "devices":
                 devices = client.devices()
@@ -83,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(devices_table(devices))
             elif args.command == "status":
                 status = client.status()
-                print(json.dumps(status) if args.json else status_text(status))
+                print(json.dumps(status) if args.json else status_text(status, own_session=client.session_id))
             elif args.command == "shared":
                 shared = client.list_shared()
                 print(json.dumps(shared) if args.json else shared_table(shared))
@@ -93,17 +161,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def watch_status(args: argparse.Namespace) -> int:
+def show_help(parser: argparse.ArgumentParser, topic: str | None) -> int:
+    """``cuctx help [COMMAND]``: the general help, or one command's; exit 2 for a command that does not exist."""
+    if topic is None:
+        parser.print_help()
+        return 0
+    commands: dict[str, argparse.ArgumentParser] = parser.get_default("command_parsers")
+    if topic not in commands:
+        print(f"cuctx: no command {topic!r} (commands: {', '.join(commands)})", file=sys.stderr)
+        return EXIT_USAGE
+    commands[topic].print_help()
+    return 0
+
+
+def _endpoint(explicit: str | None) -> str:
+    """The endpoint to use, checked; :class:`UsageError` naming where a bad one came from."""
+    endpoint = client_endpoint(explicit)
+    try:
+        return check_endpoint(endpoint)
+    except BadEndpoint as exc:
+        source = "--endpoint" if explicit else f"${ENDPOINT_ENV}"
+        raise UsageError(f"{source}: {exc}") from None
+
+
+def watch_status(args: argparse.Namespace, endpoint: str, curve: CurveKeys | None) -> int:
     """Redraw ``status`` every ``--interval`` s; survives a daemon restart (reconnects). Ctrl-C exits 0.
 
-    Exits 1 only when ``--count`` ran out and the last refresh failed.
+    On a terminal each refresh clears the screen first; into a pipe or a file,
+    frames follow one another as plain text. Exits 1 only when ``--count`` ran
+    out and the last refresh failed.
     """
-    endpoint = client_endpoint(args.endpoint)
-    try:
-        curve = curve_keys(args.server_key, args.client_key)
-    except ValueError as exc:
-        print(f"cuctx: {exc}", file=sys.stderr)
-        return 2
+    clear = sys.stdout.isatty()
     client: Client | None = None
     failed = False
     shown = 0
@@ -113,7 +201,7 @@ def watch_status(args: argparse.Namespace) -> int:
                 if client is None:
                     client = Client(endpoint, timeout=args.timeout, name="cuctx", server_key=curve)
                 status = client.status()
-                body = json.dumps(status) if args.json else status_text(status)
+                body = json.dumps(status) if args.json else status_text(status, own_session=client.session_id)
                 failed = False
             except CuctxError as exc:
                 body, failed = f"cuctx: {exc}", True
@@ -123,7 +211,7 @@ def watch_status(args: argparse.Namespace) -> int:
             if args.json:
                 print(body, flush=True)
             else:
-                sys.stdout.write(watch_frame(body, endpoint, args.interval, time.strftime("%H:%M:%S")))
+                sys.stdout.write(watch_frame(body, endpoint, args.interval, time.strftime("%H:%M:%S"), clear=clear))
                 sys.stdout.flush()
             shown += 1
             if args.count is not None and shown >= args.count:
@@ -137,8 +225,8 @@ def watch_status(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def doctor(args: argparse.Namespace) -> int:
-    checks = run_checks(client_endpoint(args.endpoint), args.timeout)
+def doctor(args: argparse.Namespace, endpoint: str, curve: CurveKeys | None) -> int:
+    checks = run_checks(endpoint, args.timeout, curve)
     if args.json:
         print(json.dumps([c.to_wire() for c in checks]))
     else:

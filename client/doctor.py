@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from cuctxd.client.client import Client
+from cuctxd.client.format import human_duration
 from cuctxd.client.sharing import map_share
-from cuctxd.client.transport import Transport
+from cuctxd.client.transport import CurveKeys, Transport
 from cuctxd.protos.errors import CuctxError, VersionMismatch
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.version import PROTOCOL_VERSION
@@ -41,21 +42,22 @@ class Check:
         return {"check": self.name, "status": self.status, "detail": self.detail}
 
 
-def run_checks(endpoint: str, timeout: float) -> list[Check]:
-    return list(_checks(endpoint, timeout))
+def run_checks(endpoint: str, timeout: float, curve: CurveKeys | None = None) -> list[Check]:
+    """Every check against ``endpoint``; ``curve``: the keys for a daemon with server_key, as ``ping`` uses."""
+    return list(_checks(endpoint, timeout, curve))
 
 
-def _checks(endpoint: str, timeout: float) -> Iterator[Check]:
+def _checks(endpoint: str, timeout: float, curve: CurveKeys | None) -> Iterator[Check]:
     yield from _driver_checks()
     yield _socket_check(endpoint)
-    reachable = _reachable_check(endpoint, timeout)
+    reachable = _reachable_check(endpoint, timeout, curve)
     yield reachable
     if reachable.status == FAIL:
         for name in ("protocol", "ipc"):
             yield Check(name, WARN, "not checked: the daemon is not reachable")
         return
     try:
-        client = Client(endpoint, timeout=timeout, name="cuctx-doctor", heartbeat=False)
+        client = Client(endpoint, timeout=timeout, name="cuctx-doctor", heartbeat=False, server_key=curve)
     except VersionMismatch as exc:
         yield Check("protocol", FAIL, f"{exc.message} (this client speaks protocol {PROTOCOL_VERSION})")
         yield Check("ipc", WARN, "not checked: no session with the daemon")
@@ -137,8 +139,8 @@ def _socket_check(endpoint: str) -> Check:
     return Check("socket", status, "; ".join([detail, *notes]))
 
 
-def _reachable_check(endpoint: str, timeout: float) -> Check:
-    transport = Transport(endpoint, timeout)
+def _reachable_check(endpoint: str, timeout: float, curve: CurveKeys | None) -> Check:
+    transport = Transport(endpoint, timeout, curve)
     try:
         start = time.perf_counter()
         transport.call("ping", {}, None)
@@ -147,7 +149,7 @@ def _reachable_check(endpoint: str, timeout: float) -> Check:
         return Check("daemon", FAIL, f"no answer from {endpoint}: {exc}")
     finally:
         transport.close()
-    return Check("daemon", PASS, f"{endpoint} answers ping in {rtt * 1e6:.0f} us")
+    return Check("daemon", PASS, f"{endpoint} answers ping in {human_duration(rtt)}")
 
 
 def _ipc_check(client: Client) -> Check:

@@ -6,15 +6,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from cuctxd.protos.records import DeviceInfo
+from cuctxd.protos.sizes import human_size
 
 
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+def human_duration(seconds: float) -> str:
+    """``0.0939`` -> ``"93.9 ms"``: µs below a millisecond, ms below a second, else s."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -28,14 +29,15 @@ def devices_table(devices: Sequence[DeviceInfo]) -> str:
     return table(
         ["DEV", "NAME", "CC", "MEMORY", "SMS", "PCI BUS ID", "UUID"],
         [
-            [d.index, d.name, "{}.{}".format(*d.compute_capability), human_bytes(d.total_memory),
+            [d.index, d.name, "{}.{}".format(*d.compute_capability), human_size(d.total_memory),
              d.multiprocessor_count, d.pci_bus_id, d.uuid]
             for d in devices
         ],
     )
 
 
-def status_text(status: dict[str, Any]) -> str:
+def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
+    """``cuctx status``; ``own_session``: the session of the cuctx asking, marked ``(this cuctx)``."""
     lines = [
         f"cuctxd {status['daemon_version']} (protocol {status['protocol']}), backend {status['backend']}, "
         f"pid {status['pid']}, up {status['uptime_s']:.0f} s",
@@ -47,7 +49,8 @@ def status_text(status: dict[str, Any]) -> str:
     if status["sessions"]:
         lines.append(table(
             ["SESSION", "CLIENT", "PID", "DEVICE"],
-            [[s["session"], s["client"], s["pid"], s["current_device"]] for s in status["sessions"]],
+            [[s["session"], f"{s['client']} (this cuctx)" if s["session"] == own_session else s["client"], s["pid"],
+              s["current_device"]] for s in status["sessions"]],
         ))
     for dev in status["devices"]:
         if "error" in dev:
@@ -71,13 +74,13 @@ def status_text(status: dict[str, Any]) -> str:
         if dev["sessions"]:
             lines.append(table(
                 ["SESSION", "CONTEXTS", "STACK", "ALLOCATIONS", "BYTES", "HOLDS"],
-                [[s["session"], s["contexts"], s["stack_depth"], s["allocations"], human_bytes(s["bytes"]),
+                [[s["session"], s["contexts"], s["stack_depth"], s["allocations"], human_size(s["bytes"]),
                   s["holds"]] for s in dev["sessions"]],
             ))
         if dev["shares"]:
             lines.append(table(
                 ["SHARE", "SIZE", "NAMES", "OWNER", "HOLDERS"],
-                [[sh["share_id"][:12], human_bytes(sh["size"]), ",".join(sh["names"]) or "-",
+                [[sh["share_id"][:12], human_size(sh["size"]), ",".join(sh["names"]) or "-",
                   sh["owner"] if sh["owner_present"] else f"{sh['owner']} (gone)",
                   ",".join(map(str, sh["holders"])) or "-"] for sh in dev["shares"]],
             ))
@@ -97,7 +100,7 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
         return "no published buffers"
     return table(
         ["NAME", "DEVICE", "SIZE", "OWNER", "HOLDERS", "SHARE"],
-        [[s["name"], s["device"], human_bytes(s["size"]),
+        [[s["name"], s["device"], human_size(s["size"]),
           s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", s["holders"], s["share_id"]]
          for s in shared],
     )
@@ -107,9 +110,11 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
-def watch_frame(body: str, endpoint: str, interval: float, when: str) -> str:
-    """One refresh of ``cuctx status --watch``: clear, a header line, the body."""
-    return f"{CLEAR_SCREEN}every {interval:g} s: {endpoint}  {when}  (Ctrl-C to quit)\n\n{body}\n"
+def watch_frame(body: str, endpoint: str, interval: float, when: str, *, clear: bool) -> str:
+    """One refresh of ``cuctx status --watch``: a header line and the body. ``clear`` (on a terminal):
+    clear the screen first; else (a pipe or a file) frames follow one another, a blank line apart."""
+    frame = f"every {interval:g} s: {endpoint}  {when}  (Ctrl-C to quit)\n\n{body}\n"
+    return CLEAR_SCREEN + frame if clear else frame + "\n"
 
 
 def doctor_text(checks: Sequence[Any]) -> str:

@@ -27,3 +27,59 @@ def default_endpoint() -> str:
 def client_endpoint(explicit: str | None = None) -> str:
     """What a client connects to: the argument, else ``$CUCTXD_ENDPOINT``, else the default."""
     return explicit or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+
+
+#: Longest ipc:// path the kernel takes (``sun_path`` is 108 bytes with its NUL).
+MAX_IPC_PATH = 107
+
+
+class BadEndpoint(ValueError):
+    """An endpoint string ZeroMQ would refuse (or misread); the message says what to write instead."""
+
+
+def check_endpoint(url: object, *, bind: bool = False) -> str:
+    """``url`` if it is an ``ipc://PATH`` or ``tcp://HOST:PORT`` endpoint, else :class:`BadEndpoint`.
+
+    The one validator for both sides: the daemon checks what it will bind
+    (``bind=True``: ``*`` may stand for any host or any port), a client what it
+    will connect to, so neither hands ZeroMQ a string it fails on with a bare
+    ``Invalid argument``.
+    """
+    if not isinstance(url, str) or not url:
+        raise BadEndpoint(f"must be a non-empty ipc:// or tcp:// URL, got {url!r}")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise BadEndpoint(f"{url!r} is not an ipc:// or tcp:// URL{_hint(url)}")
+    if scheme == "ipc":
+        if not rest:
+            raise BadEndpoint(f"{url!r} names no socket path (e.g. ipc:///run/cuctxd/cuctxd.sock)")
+        if len(rest.encode()) > MAX_IPC_PATH:
+            raise BadEndpoint(f"{url!r}: the socket path is {len(rest.encode())} bytes, more than the "
+                              f"{MAX_IPC_PATH} a Unix socket allows")
+        return url
+    if scheme == "tcp":
+        _check_tcp(url, rest, bind)
+        return url
+    raise BadEndpoint(f"{url!r} is not an ipc:// or tcp:// URL (cuctxd speaks ZeroMQ, not {scheme}://)")
+
+
+def _hint(text: str) -> str:
+    if text.startswith(("/", ".", "~")):
+        return f"; for a socket file write ipc://{text}"
+    host, colon, port = text.rpartition(":")
+    if colon and host and port.isdigit():
+        return f"; for a TCP port write tcp://{text}"
+    return ""
+
+
+def _check_tcp(url: str, rest: str, bind: bool) -> None:
+    host, colon, port = rest.rpartition(":")
+    example = "tcp://127.0.0.1:5555" + (" or tcp://127.0.0.1:* for any free port" if bind else "")
+    if not colon or not host or (host.startswith("[") and not host.endswith("]")):
+        raise BadEndpoint(f"{url!r} needs a host and a port, e.g. {example}")
+    if bind and port == "*":
+        return
+    if not bind and host == "*":
+        raise BadEndpoint(f"{url!r}: * is for a daemon to listen on; connect to a host name or address")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise BadEndpoint(f"{url!r}: the port must be 1..65535{' or *' if bind else ''}, got {port!r}")

@@ -11,6 +11,7 @@ import os
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.protos.errors import CudaError
+from cuctxd.protos.sizes import human_size
 
 #: Values of the daemon's ``backend`` setting.
 BACKEND_NAMES = ("auto", "cuda", "sim")
@@ -76,4 +77,4 @@ def _sim(devices: int, memory: int) -> Driver:
 
 
 def _sim_shape(devices: int, memory: int) -> str:
-    return f"{devices} simulated device(s) of {memory} bytes"
+    return f"{devices} simulated device(s) of {human_size(memory)}"

@@ -27,6 +27,7 @@ from cuctxd.daemon.service import keygen
 from cuctxd.daemon.service.config import (
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_METRICS_HOST,
+    SIZE_HELP,
     ConfigError,
     DaemonConfig,
     check_config,
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cuctxd",
         description="CUDA context daemon: serves the machine's GPUs to client processes over ZeroMQ. "
                     "'cuctxd keygen DIR [--name NAME]' writes a CURVE key pair.",
+        epilog=SIZE_HELP + ".",
         argument_default=argparse.SUPPRESS,
     )
     add = parser.add_argument
@@ -80,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--print-config", action="store_true", default=False,
         help="print the effective configuration as TOML and exit")
     add("--endpoint", action="append", dest="endpoints", metavar="URL", type=_endpoint_type,
-        help=f"where to listen (ipc:// or tcp://; repeatable; default {default_endpoint()})")
+        help=f"where to listen: ipc://PATH or tcp://HOST:PORT (PORT * takes any free port); repeatable "
+             f"(default {default_endpoint()})")
     add("--backend", type=_flag_type("backend"), metavar="auto|cuda|sim",
         help="driver backend; auto (default) uses cuda when a driver and a device are present")
     add("--sim-devices", type=_flag_type("sim_devices"), metavar="N", help="devices of the sim backend (default 2)")

@@ -13,11 +13,20 @@ from dataclasses import dataclass
 
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 
+#: Size suffixes, as docker and systemd read them: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024;
+#: only an explicit KB/MB/GB/TB is decimal. Case does not matter.
 _UNITS = {
     "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tib": 1 << 40,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
 }
+#: What ``--help`` says a SIZE is.
+SIZE_HELP = ("SIZE is bytes, or a number with K, M, G, T (also KiB, MiB, GiB, TiB: powers of 1024, "
+             "512M = 512MiB) or KB, MB, GB, TB (powers of 1000)")
+#: The units :func:`format_size` may write; binary first, so it wins a tie.
+_RENDER_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10),
+                 ("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000))
 #: Seconds a published buffer whose owner left waits for a consumer before it is freed.
 DEFAULT_ORPHAN_TTL = 600.0
 
@@ -32,7 +41,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """``"512MiB"`` -> 536870912; plain integers are bytes. Raises ValueError on garbage."""
+    """``"512MiB"`` and ``"512M"`` -> 536870912, ``"1GB"`` -> 10**9; plain integers are bytes. ValueError on garbage."""
     if isinstance(text, bool):
         raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64MiB, 8GiB)")
     if isinstance(text, int):
@@ -48,11 +57,17 @@ def parse_size(text: str | int) -> int:
 
 
 def format_size(n: int) -> str | int:
-    """The inverse of :func:`parse_size` where it is exact: ``1 << 30`` -> ``"1GiB"``; else ``n``."""
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor and n % factor == 0:
-            return f"{n // factor}{unit}"
-    return n
+    """The inverse of :func:`parse_size`, exact and short: ``512M`` -> ``"512MiB"``, ``2GB`` -> ``"2GB"``.
+
+    Of the units that divide ``n``, the one leaving the fewest digits (binary on a tie); ``n`` itself
+    when none does.
+    """
+    best: str | int = n
+    digits = len(str(n)) + 1
+    for unit, factor in _RENDER_UNITS:
+        if n >= factor and n % factor == 0 and len(str(n // factor)) < digits:
+            best, digits = f"{n // factor}{unit}", len(str(n // factor))
+    return best
 
 
 class ConfigError(ValueError):

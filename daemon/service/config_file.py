@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, format_size, parse_size
+from cuctxd.protos import endpoints
 from cuctxd.protos.cuda_results import CUresult
 
 #: Most devices the sim backend can simulate (its own limit, repeated so checking needs no backend import).
@@ -96,10 +97,8 @@ def _string(value: Any) -> str:
 
 
 def check_endpoint(value: Any) -> str:
-    url = _string(value)
-    if not url.startswith(("ipc://", "tcp://")) or len(url) <= len("ipc://"):
-        raise ValueError(f"{url!r} is not an ipc:// or tcp:// URL")
-    return url
+    """An endpoint the daemon can bind (the rules shared with clients: :mod:`cuctxd.protos.endpoints`)."""
+    return endpoints.check_endpoint(value, bind=True)
 
 
 def _endpoints(value: Any) -> tuple[str, ...]:
@@ -168,7 +167,7 @@ def _size_render(value: int) -> str | int:
 KEYS: dict[str, Key] = {key.name: key for key in (
     Key("endpoints", _endpoints, render=list),
     Key("backend", _choice("auto", "cuda", "sim")),
-    Key("sim_devices", _integer(0, _MAX_SIM_DEVICES), _int_text),
+    Key("sim_devices", _integer(1, _MAX_SIM_DEVICES), _int_text),
     Key("sim_memory", _size(1), render=_size_render),
     Key("devices", _ordinals, _ordinals_text, render=list),
     Key("max_payload", _size(1), render=_size_render),

@@ -7,20 +7,13 @@ import grp
 import os
 import signal
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cuctxd import Client
 from cuctxd.protos.sim_ipc import decode_handle
-from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, short_tempdir, start_daemon
-
-
-def cuctxd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", "--backend", "sim", *args], capture_output=True,
-                          text=True, env=client_env(), cwd=REPO, timeout=30)
+from tests.helpers import DaemonProcess, cuctxd, remove_tempdir, short_tempdir, start_daemon
 
 
 @pytest.fixture
@@ -35,7 +28,7 @@ def test_a_symlinked_socket_directory_is_refused_and_its_target_untouched(workdi
     target.mkdir(mode=0o755)
     target.chmod(0o755)
     (workdir / "planted").symlink_to(target)
-    done = cuctxd("--endpoint", f"ipc://{workdir}/planted/d.sock")
+    done = cuctxd("--backend", "sim", "--endpoint", f"ipc://{workdir}/planted/d.sock")
     assert done.returncode != 0
     assert "not a plain directory" in done.stderr and "Traceback" not in done.stderr
     assert stat.S_IMODE(target.stat().st_mode) == 0o755
@@ -58,7 +51,7 @@ def test_an_existing_directory_keeps_its_mode_and_group(workdir: Path) -> None:
 def test_something_else_at_the_socket_path_is_not_replaced(workdir: Path) -> None:
     squatter = workdir / "d.sock"
     squatter.write_text("not a socket")
-    done = cuctxd("--endpoint", f"ipc://{squatter}")
+    done = cuctxd("--backend", "sim", "--endpoint", f"ipc://{squatter}")
     assert done.returncode != 0 and "is not a socket" in done.stderr
     assert squatter.read_text() == "not a socket"
 

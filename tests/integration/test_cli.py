@@ -6,6 +6,7 @@ import ctypes
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -50,7 +51,7 @@ def test_ping(daemon: DaemonProcess) -> None:
     assert done.returncode == 0, done.stderr
     (line,) = done.stdout.splitlines()
     assert line.startswith(f"pong from {daemon.endpoint}: ")
-    assert line.endswith(f"us (cuctxd {__version__}, backend sim)")
+    assert re.search(rf": \d+(\.\d)? (µs|ms|s) \(cuctxd {re.escape(__version__)}, backend sim\)$", line), line
 
 
 def test_ping_count(daemon: DaemonProcess) -> None:
@@ -84,7 +85,7 @@ def test_devices(daemon: DaemonProcess) -> None:
         assert row.split()[0] == str(index)
         assert "cuctxd simulated GPU" in row
         assert "9.0" in row
-        assert "64.0 MiB" in row
+        assert "64 MiB" in row
         assert "GPU-" in row
 
 
@@ -106,11 +107,14 @@ def test_status(daemon: DaemonProcess, holder: Client) -> None:
     assert f"listening on {daemon.endpoint}" in text
     assert "sessions: 2" in text  # the holder and cuctx itself
     assert "holder" in text
+    (own,) = [line for line in text.splitlines() if "(this cuctx)" in line]
+    assert own.split()[1:4] == ["cuctx", "(this", "cuctx)"]
+    assert "(this cuctx)" not in next(line for line in text.splitlines() if "holder" in line)
     assert "device 0 cuctxd simulated GPU: worker cuctxd-device-0" in text
     assert "device 1 cuctxd simulated GPU: worker cuctxd-device-1" in text
     assert "primary context active, 1 reference(s)" in text
     assert "primary context inactive" in text  # device 0: nobody touched it
-    assert "3.0 MiB" in text
+    assert "3 MiB" in text
 
 
 def test_status_json(daemon: DaemonProcess, holder: Client) -> None:
@@ -152,6 +156,85 @@ def test_cuctx_usage_error() -> None:
     done = cuctx("frobnicate")
     assert done.returncode == 2
     assert "invalid choice" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["devices", "status", "shared", "doctor", "ping"])
+def test_json_after_the_command(daemon: DaemonProcess, command: str) -> None:
+    done = cuctx(command, "--json", "--endpoint", daemon.endpoint)
+    assert done.returncode == 0, done.stderr
+    json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("options", [("--timeout", "1"), ("--timeout", "1", "--json")])
+def test_endpoint_and_timeout_after_the_command(daemon: DaemonProcess, options: tuple[str, ...]) -> None:
+    done = cuctx("ping", "--endpoint", daemon.endpoint, *options)
+    assert done.returncode == 0, done.stderr
+    assert daemon.endpoint in done.stdout
+
+
+def test_an_option_after_the_command_overrides_the_one_before(daemon: DaemonProcess) -> None:
+    done = cuctx("--endpoint", "ipc:///nonexistent/x.sock", "--timeout", "0.2", "ping", "--endpoint",
+                 daemon.endpoint, "--timeout", "10")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"pong from {daemon.endpoint}")
+
+
+def test_version() -> None:
+    done = cuctx("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"cuctx {__version__}"
+
+
+def test_help_without_a_command_is_the_general_help() -> None:
+    done = cuctx("help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: cuctx ")
+    for command in ("ping", "devices", "status", "shared", "doctor"):
+        assert command in done.stdout
+
+
+def test_help_of_one_command() -> None:
+    done = cuctx("help", "status")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: cuctx status ")
+    assert "--watch" in done.stdout and "--endpoint" in done.stdout
+
+
+def test_help_of_an_unknown_command_is_one_line_and_exit_2() -> None:
+    done = cuctx("help", "frobnicate")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("cuctx: no command 'frobnicate'") and "status" in line
+
+
+@pytest.mark.parametrize(("endpoint", "says"), [
+    ("/tmp/x.sock", "ipc:///tmp/x.sock"),
+    ("localhost:5555", "tcp://localhost:5555"),
+    ("tcp://127.0.0.1", "needs a host and a port"),
+    ("http://127.0.0.1:8080/", "not an ipc:// or tcp:// URL"),
+    ("tcp://127.0.0.1:http", "port"),
+])
+def test_a_malformed_endpoint_is_one_line_and_exit_2(endpoint: str, says: str) -> None:
+    done = cuctx("--endpoint", endpoint, "ping")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("cuctx: --endpoint: ") and says in line
+
+
+@pytest.mark.parametrize("command", [("doctor",), ("status", "--watch", "--count", "1")])
+def test_a_malformed_endpoint_stops_every_command(command: tuple[str, ...]) -> None:
+    done = cuctx(*command, "--endpoint", "localhost:5555")
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_a_malformed_endpoint_in_the_environment_is_named() -> None:
+    done = cuctx("ping", env=dict(ENV, CUCTXD_ENDPOINT="localhost:5555"))
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("cuctx: $CUCTXD_ENDPOINT: ") and "tcp://localhost:5555" in line
 
 
 # --- the daemon process ----------------------------------------------------------------------

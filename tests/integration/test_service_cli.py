@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import re
+import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
-from tests.helpers import REPO, DaemonProcess, client_env, cuctx, remove_tempdir, short_tempdir
+import pytest
+
+from tests.helpers import REPO, DaemonProcess, client_env, cuctx, remove_tempdir, short_tempdir, start_daemon
 
 CLEAR = "\x1b[H\x1b[2J"
+#: Starts cuctx with SIGINT handled as in an interactive shell, even when this test run ignores it (a
+#: background job, ``nohup``): an ignored SIGINT is inherited, and Python then installs no handler.
+INTERACTIVE_CUCTX = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "sys.argv[0] = 'cuctx'; runpy.run_module('cuctxd.client', run_name='__main__')")
 
 
 # --- status --watch ----------------------------------------------------------------------------
@@ -22,7 +33,8 @@ def test_watch_redraws_count_times_then_exits_0(daemon: DaemonProcess) -> None:
     done = cuctx("--endpoint", daemon.endpoint, "status", "--watch", "--interval", "0.2", "--count", "3")
     took = time.monotonic() - started
     assert done.returncode == 0, done.stderr
-    frames = done.stdout.split(CLEAR)
+    assert CLEAR not in done.stdout and "\x1b" not in done.stdout  # a pipe gets plain frames
+    frames = re.split(r"^(?=every )", done.stdout, flags=re.MULTILINE)
     assert frames[0] == ""
     assert len(frames) == 4
     for frame in frames[1:]:
@@ -31,6 +43,43 @@ def test_watch_redraws_count_times_then_exits_0(daemon: DaemonProcess) -> None:
         assert f"pid {daemon.process.pid}" in frame
         assert "device 1 cuctxd simulated GPU" in frame
     assert took >= 0.4  # two intervals between three frames
+
+
+def test_watch_on_a_terminal_clears_the_screen_before_each_frame(daemon: DaemonProcess) -> None:
+    controller, terminal = pty.openpty()
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "cuctxd.client", "--endpoint", daemon.endpoint, "status",
+                                    "--watch", "-n", "0.05", "--count", "2"], stdout=terminal,
+                                   stderr=subprocess.PIPE, env=client_env(), cwd=REPO)
+        os.close(terminal)
+        terminal = -1
+        out = _read_until_closed(controller, timeout=30)
+        _, err = process.communicate(timeout=20)
+    finally:
+        os.close(controller)
+        if terminal >= 0:
+            os.close(terminal)
+    assert process.returncode == 0, err
+    assert out.count(CLEAR) == 2
+    assert out.startswith(CLEAR + "every 0.05 s: ")
+
+
+def _read_until_closed(fd: int, timeout: float) -> str:
+    """What a pty's other side wrote, until it closed (EIO on Linux) or ``timeout``."""
+    chunks = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
 
 
 def test_watch_json_prints_one_status_per_line(daemon: DaemonProcess) -> None:
@@ -43,12 +92,12 @@ def test_watch_json_prints_one_status_per_line(daemon: DaemonProcess) -> None:
 
 
 def test_ctrl_c_ends_the_watch_with_0(daemon: DaemonProcess) -> None:
-    process = subprocess.Popen([sys.executable, "-m", "cuctxd.client", "--endpoint", daemon.endpoint, "status", "-w",
-                                "-n", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    process = subprocess.Popen([sys.executable, "-c", INTERACTIVE_CUCTX, "--endpoint", daemon.endpoint, "status",
+                                "-w", "-n", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=client_env(), cwd=REPO)
     try:
         assert process.stdout is not None
-        assert process.stdout.read(len(CLEAR)) == CLEAR  # it is drawing
+        assert process.stdout.readline().startswith("every 0.1 s: ")  # it is drawing
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=20)
     finally:
@@ -67,7 +116,7 @@ def test_watch_keeps_trying_when_there_is_no_daemon() -> None:
     finally:
         remove_tempdir(directory)
     assert done.returncode == 1
-    assert done.stdout.count(CLEAR) == 2
+    assert done.stdout.count("every 0.05 s: ") == 2
     assert done.stdout.count("CUCTXD_TIMEOUT") == 2
 
 
@@ -82,6 +131,7 @@ def test_doctor_passes_against_a_sim_daemon(daemon: DaemonProcess) -> None:
     assert set(lines) == {"driver", "devices", "socket", "daemon", "protocol", "ipc"}
     assert lines["socket"].startswith("PASS") and "directory 0700" in lines["socket"]
     assert lines["daemon"].startswith("PASS")
+    assert re.search(r"answers ping in \d+(\.\d)? (µs|ms|s)$", lines["daemon"]), lines["daemon"]
     assert lines["protocol"].startswith("PASS") and "backend sim" in lines["protocol"]
     assert lines["ipc"].startswith("PASS") and "sim backend, same host" in lines["ipc"]
     assert not any(line.startswith("FAIL") for line in lines.values())
@@ -120,3 +170,53 @@ def test_doctor_warns_about_a_socket_directory_others_can_enter(daemon: DaemonPr
     assert done.returncode == 0, done.stdout
     (line,) = [line for line in done.stdout.splitlines() if line.startswith(("PASS  socket", "WARN  socket"))]
     assert line.startswith("WARN") and "other users can enter it" in line
+
+
+# --- doctor against a CURVE daemon ---------------------------------------------------------------------
+
+
+def _keygen(directory: Path, *extra: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "cuctxd.daemon", "keygen", str(directory), *extra],
+                          capture_output=True, text=True, env=client_env(), cwd=REPO, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def curve_daemon() -> Iterator[tuple[str, Path, Path]]:
+    """A daemon on tcp:// with CURVE; yields its endpoint, its public key and an allowed client's secret key."""
+    root = short_tempdir()
+    _keygen(root / "server")
+    _keygen(root / "clients", "--name", "alice")
+    (root / "allowed").mkdir()
+    (root / "allowed" / "alice.key").write_bytes((root / "clients" / "alice.key").read_bytes())
+    secret = root / "server" / "server.key_secret"
+    process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--server-key", str(secret),
+                           "--allow-dir", str(root / "allowed"), "--sim-devices", "1", "--sim-memory", "16MiB")
+    try:
+        deadline = time.monotonic() + 10
+        while (match := re.search(r"tcp://127\.0\.0\.1:\d+", process.log())) is None:
+            assert time.monotonic() < deadline, process.log()
+            time.sleep(0.02)
+        yield match.group(0), root / "server" / "server.key", root / "clients" / "alice.key_secret"
+    finally:
+        process.stop()
+        remove_tempdir(process.socket_dir)
+        remove_tempdir(root)
+
+
+def test_doctor_uses_the_curve_keys_that_ping_uses(curve_daemon: tuple[str, Path, Path]) -> None:
+    endpoint, server_key, client_key = curve_daemon
+    keys = ("--server-key", str(server_key), "--client-key", str(client_key))
+    assert cuctx("ping", "--endpoint", endpoint, *keys).returncode == 0
+    done = cuctx("doctor", "--endpoint", endpoint, *keys, "--json")
+    checks = {c["check"]: c for c in json.loads(done.stdout)}
+    assert checks["daemon"]["status"] == "PASS", checks["daemon"]
+    assert checks["protocol"]["status"] == "PASS", checks["protocol"]
+    assert done.returncode == 0, done.stdout
+
+
+def test_doctor_without_the_keys_says_the_curve_daemon_does_not_answer(curve_daemon: tuple[str, Path, Path]) -> None:
+    endpoint, _, _ = curve_daemon
+    done = cuctx("doctor", "--endpoint", endpoint, "--timeout", "0.5")
+    assert done.returncode == 1
+    assert "FAIL  daemon: no answer" in done.stdout

@@ -142,3 +142,50 @@ def test_a_server_key_is_never_served_in_plaintext(workdir: Path) -> None:
     assert done.returncode == 2
     assert "'server_key'" in done.stderr and "cannot load a CURVE key pair" in done.stderr
     assert "listening" not in done.stdout
+
+
+# --- first contact: sizes, device counts and endpoints as people write them ------------------------
+
+
+def test_zero_sim_devices_is_refused_before_start(workdir: Path) -> None:
+    done = cuctxd("--backend", "sim", "--sim-devices", "0", "--endpoint", f"ipc://{workdir}/d.sock")
+    assert done.returncode == 2
+    assert "--sim-devices" in done.stderr and "1..16" in done.stderr
+    assert "Traceback" not in done.stderr
+    config = workdir / "zero.toml"
+    config.write_text("sim_devices = 0\n")
+    done = cuctxd("--backend", "sim", "--config", str(config), "--endpoint", f"ipc://{workdir}/d.sock")
+    assert done.returncode == 2
+    assert "configuration key 'sim_devices'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sizes_are_binary_and_print_as_given(stop_after: list[DaemonProcess]) -> None:
+    done = cuctxd("--sim-memory", "512M", "--print-config")
+    assert done.returncode == 0, done.stderr
+    assert tomllib.loads(done.stdout)["sim_memory"] == "512MiB"
+    process = start_daemon("--sim-memory", "48M", "--sim-devices", "1")
+    stop_after.append(process)
+    with Client(process.endpoint, timeout=10) as client:
+        assert client.devices()[0].total_memory == 48 * MiB
+    wait_for_log(process, r"1 simulated device\(s\) of 48 MiB")
+    assert "bytes" not in wait_for_log(process, r"backend sim: .*").group(0)
+
+
+def test_help_says_what_a_size_suffix_means() -> None:
+    done = cuctxd("--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "powers of 1024" in text and "powers of 1000" in text
+
+
+@pytest.mark.parametrize(("endpoint", "says"), [
+    ("tcp://127.0.0.1", "needs a host and a port"),
+    ("localhost:5555", "tcp://localhost:5555"),
+    ("/tmp/x.sock", "ipc:///tmp/x.sock"),
+    ("tcp://127.0.0.1:99999", "1..65535"),
+])
+def test_a_malformed_endpoint_is_refused_in_one_line(endpoint: str, says: str) -> None:
+    done = cuctxd("--backend", "sim", "--endpoint", endpoint)
+    assert done.returncode == 2
+    assert says in done.stderr and "--endpoint" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,4 +1,5 @@
-"""What the wheel installs: one top-level package, ``cuctxd``, with every subpackage of the tree in it.
+"""What the wheel installs and says about itself: one top-level package, ``cuctxd``, with every subpackage of
+the tree in it; the license text, who makes it, where it lives.
 
 pyproject.toml lists the packages explicitly (the repository's root is mapped to ``cuctxd``), so a new
 subpackage that is not listed would be missing from installs: this test fails first.
@@ -36,3 +37,20 @@ def test_package_data_exists() -> None:
         folder = REPO.joinpath(*package.split(".")[1:])
         for name in files:
             assert (folder / name).is_file(), f"{package}: {name}"
+
+
+def test_the_license_file_is_the_apache_2_0_text_pyproject_declares() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == {"text": "Apache-2.0"}
+    text = (REPO / "LICENSE").read_text()
+    assert text.split()[:5] == ["Apache", "License", "Version", "2.0,", "January"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "9. Accepting Warranty or Additional Liability." in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_authors_and_urls() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["authors"] == [{"name": "cuctxd developers"}]
+    assert set(project["urls"]) >= {"Homepage", "Repository", "Issues"}
+    assert all(url.startswith("https://github.com/cuctxd/cuctxd") for url in project["urls"].values())

@@ -91,7 +91,7 @@ def test_defaults_without_a_file() -> None:
     ("frobnicate = 1", "frobnicate", "unknown key"),
     ("sim_devices = '2'", "sim_devices", "must be an integer"),
     ("sim_devices = true", "sim_devices", "must be an integer"),
-    ("sim_devices = 99", "sim_devices", "0..16"),
+    ("sim_devices = 99", "sim_devices", "1..16"),
     ("sim_memory = 'lots'", "sim_memory", "not a size"),
     ("sim_memory = 1.5", "sim_memory", "not a size"),
     ("max_payload = 0", "max_payload", "at least 1"),
@@ -105,6 +105,9 @@ def test_defaults_without_a_file() -> None:
     ("endpoints = 'ipc:///tmp/x'", "endpoints", "array"),
     ("endpoints = []", "endpoints", "non-empty"),
     ("endpoints = ['http://x']", "endpoints", "not an ipc:// or tcp://"),
+    ("endpoints = ['tcp://127.0.0.1']", "endpoints", "needs a host and a port"),
+    ("endpoints = ['localhost:5555']", "endpoints", "tcp://localhost:5555"),
+    ("sim_devices = 0", "sim_devices", "1..16"),
     ("devices = [0, 0]", "devices", "twice"),
     ("devices = [-1]", "devices", ">= 0"),
     ("metrics_port = 70000", "metrics_port", "0..65535"),
@@ -160,11 +163,11 @@ def test_tcp_needs_a_server_key_or_insecure_tcp() -> None:
 
 
 def test_print_config_reads_back_to_the_same_configuration(tmp_path: Path) -> None:
-    config = config_from(tmp_path, 'sim_memory = "96MiB"\ndevices = [1]\nlease_ttl = 0.25\nmax_payload = 1000\n'
+    config = config_from(tmp_path, 'sim_memory = "96MiB"\ndevices = [1]\nlease_ttl = 0.25\nmax_payload = 1001\n'
                          'endpoints = ["ipc:///tmp/x/q\\"uote.sock"]\n', "--log-format", "json")
     text = render_toml(config)
     assert 'sim_memory = "96MiB"' in text
-    assert "max_payload = 1000" in text
+    assert "max_payload = 1001" in text
     assert "# server_key is not set" in text
     assert set(tomllib.loads(text)) == set(KEYS) - {"group", "server_key", "allow_dir", "sim_fault"}
     again = config_from(tmp_path, text)
@@ -177,8 +180,26 @@ def test_print_config_flag() -> None:
     assert "sim_devices = 4" in render_toml(config)
 
 
-@pytest.mark.parametrize(("size", "text"), [(0, 0), (1000, 1000), (1 << 30, "1GiB"), (3 << 20, "3MiB"),
-                                            ((1 << 30) + 1, (1 << 30) + 1), (1536 << 20, "1536MiB")])
+@pytest.mark.parametrize(("size", "text"), [(0, 0), (999, 999), (1000, "1KB"), (1 << 30, "1GiB"), (3 << 20, "3MiB"),
+                                            ((1 << 30) + 1, (1 << 30) + 1), (1536 << 20, "1536MiB"),
+                                            (2 * 10**9, "2GB"), (1000 << 10, "1000KiB")])
 def test_sizes_render_and_parse_back(size: int, text: str | int) -> None:
     assert format_size(size) == text
     assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("512M", 512 * MiB), ("512m", 512 * MiB), ("512MiB", 512 * MiB), ("1G", 1 << 30), ("2T", 2 << 40),
+    ("4K", 4096), ("4kib", 4096), ("1.5G", 1536 * MiB),
+    ("1KB", 1000), ("512MB", 512 * 10**6), ("1GB", 10**9), ("1TB", 10**12), ("64", 64), ("64B", 64),
+])
+def test_single_letter_suffixes_are_binary_and_kb_mb_gb_decimal(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+def test_a_size_prints_back_as_it_was_given() -> None:
+    config, _ = parse_config(["--sim-memory", "512M", "--session-quota", "2GB", "--device-reserve", "4K"])
+    text = render_toml(config)
+    assert 'sim_memory = "512MiB"' in text
+    assert 'session_quota = "2GB"' in text
+    assert 'device_reserve = "4KiB"' in text

@@ -1,0 +1,43 @@
+"""The endpoint rules client and daemon share (:mod:`cuctxd.protos.endpoints`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cuctxd.protos.endpoints import MAX_IPC_PATH, BadEndpoint, check_endpoint
+
+
+@pytest.mark.parametrize("url", ["ipc:///tmp/x/d.sock", "ipc://@abstract", "tcp://127.0.0.1:5555",
+                                 "tcp://localhost:1", "tcp://[::1]:65535", "tcp://eth0:5555"])
+def test_good_endpoints_pass_both_ways(url: str) -> None:
+    assert check_endpoint(url) == url
+    assert check_endpoint(url, bind=True) == url
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:*", "tcp://*:5555", "tcp://*:*"])
+def test_wildcards_are_for_binding(url: str) -> None:
+    assert check_endpoint(url, bind=True) == url
+    with pytest.raises(BadEndpoint):
+        check_endpoint(url)
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("/tmp/x.sock", "write ipc:///tmp/x.sock"),
+    ("localhost:5555", "write tcp://localhost:5555"),
+    ("tcp://127.0.0.1", "needs a host and a port"),
+    ("tcp://:5555", "needs a host and a port"),
+    ("tcp://[::1", "needs a host and a port"),
+    ("tcp://127.0.0.1:0", "1..65535"),
+    ("tcp://127.0.0.1:65536", "1..65535"),
+    ("tcp://127.0.0.1:http", "1..65535"),
+    ("http://127.0.0.1:8080/", "not http://"),
+    ("ipc://", "names no socket path"),
+    ("ipc:///" + "x" * MAX_IPC_PATH, f"more than the {MAX_IPC_PATH}"),
+    ("", "non-empty"),
+])
+def test_bad_endpoints_say_what_to_write(url: str, says: str) -> None:
+    for bind in (False, True):
+        with pytest.raises(BadEndpoint) as error:
+            check_endpoint(url, bind=bind)
+        assert says in str(error.value)
+    assert isinstance(error.value, ValueError)  # the config checks catch ValueError
