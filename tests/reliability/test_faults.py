@@ -23,7 +23,6 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ import pytest
 from cuctxd.client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
 from cuctxd.protos.sim_ipc import decode_handle
 from tests.helpers import DaemonProcess, remove_tempdir, session_ids, short_tempdir, start_daemon, wait_until
+from tests.reliability.victims import transfer_forever
 
 MiB = 1 << 20
 LEASE_TTL = 1.5
@@ -58,27 +58,6 @@ def lease_daemon() -> Iterator[DaemonProcess]:
 # --- a client killed mid-transfer ----------------------------------------------------------------------
 
 
-def transfer_forever(endpoint: str, mode: str, ticks: Connection) -> None:
-    """Run in a spawned process until killed: large transfers back to back, a tick after each."""
-    pattern = bytes(range(256)) * (12 * MiB // 256)
-    with Client(endpoint, timeout=30, name=f"victim-{mode}") as client:
-        big = client.alloc(len(pattern), device=0)
-        other = client.alloc(3 * MiB, device=1, shareable=True)
-        client.create_context(device=1)
-        stream = client.create_stream(device=0)
-        big.write(pattern)
-        ticks.send(client.session_id)
-        while True:
-            if mode == "writes":
-                big.write(pattern)  # 12 MiB: pipelined 4 MiB chunks
-            elif mode == "reads":
-                assert big.read() == pattern
-            else:  # many requests in flight at once, on a stream and across devices
-                with client.pipeline() as pipe:
-                    for offset in range(0, len(pattern), 256 * 1024):
-                        pipe.write(big, pattern[offset:offset + 256 * 1024], offset, stream=stream)
-                    pipe.copy(big, other, 3 * MiB)
-            ticks.send(0)
 
 
 def device_free(observer: Client) -> list[int]:

@@ -17,25 +17,17 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import random
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
-from cuctxd.client import Buffer, Client, UnknownHandle
+from cuctxd.client import Client
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
+from tests.reliability.load_session import CALL_TIMEOUT, DEVICES, load_process
 from tests.reliability.strategies import INPUTS, scaled, soak_mode
 
 PROCESSES = 6
-DEVICES = 3
-KiB = 1 << 10
-#: Largest buffer a load process allocates; with at most :data:`MAX_LIVE` live, memory stays small.
-MAX_BUFFER = 256 * KiB
-MAX_LIVE = 8
-CALL_TIMEOUT = 30.0
 
 pytestmark = pytest.mark.timeout(0 if soak_mode() else 120)
 
@@ -50,179 +42,6 @@ def load_daemon() -> Iterator[DaemonProcess]:
     remove_tempdir(process.socket_dir)
     assert code == 0, f"cuctxd exited with {code}:\n{process.log()[-5000:]}"
     assert "Traceback" not in process.log()
-
-
-# --- one load process (module level, so that spawn can import it) -----------------------------------
-
-
-@dataclass
-class Mirrored:
-    """A buffer and what its bytes must be."""
-
-    buffer: Buffer
-    data: bytearray
-
-
-class LoadSession:
-    """The work of one process: a seeded mix of ops, each checked against a host mirror."""
-
-    def __init__(self, client: Client, seed: int) -> None:
-        self.client = client
-        self.seed = seed
-        self.rng = random.Random(seed)
-        self.live: list[Mirrored] = []
-        self.requests: Counter[str] = Counter()
-
-    def pattern(self, size: int) -> bytes:
-        """Bytes no other process writes: this process's seed, then random bytes."""
-        head = bytes([0xC0 | self.seed]) * min(size, 4)
-        return head + self.rng.randbytes(size - len(head))
-
-    def span(self, size: int) -> tuple[int, int]:
-        offset = self.rng.randrange(size)
-        return offset, self.rng.randint(0, size - offset)
-
-    def device(self) -> int:
-        return self.rng.randrange(DEVICES)
-
-    def pick(self) -> Mirrored:
-        return self.rng.choice(self.live)
-
-    # the ops ---------------------------------------------------------------------------------------
-
-    def alloc(self) -> None:
-        if len(self.live) >= MAX_LIVE:
-            self.free()
-        size = self.rng.randint(1, MAX_BUFFER)
-        buffer = self.client.alloc(size, device=self.device(), shareable=self.rng.random() < 0.2)
-        value = self.rng.randrange(256)
-        buffer.fill(value)
-        self.requests.update(["alloc", "fill"])
-        self.live.append(Mirrored(buffer, bytearray([value]) * size))
-
-    def write(self) -> None:
-        target = self.pick()
-        offset, size = self.span(target.buffer.size)
-        data = self.pattern(size)
-        assert target.buffer.write(data, offset) == size
-        target.data[offset:offset + size] = data
-        self.requests["write"] += 1
-
-    def read(self) -> None:
-        target = self.pick()
-        offset, size = self.span(target.buffer.size)
-        assert target.buffer.read(size, offset) == target.data[offset:offset + size], "read returned wrong bytes"
-        self.requests["read"] += 1
-
-    def fill(self) -> None:
-        target = self.pick()
-        offset, size = self.span(target.buffer.size)
-        value = self.rng.randrange(256)
-        target.buffer.fill(value, offset, size)
-        target.data[offset:offset + size] = bytes([value]) * size
-        self.requests["fill"] += 1
-
-    def copy(self) -> None:
-        src, dst = self.pick(), self.pick()
-        if src is dst:
-            return self.read()
-        size = self.rng.randint(0, min(src.buffer.size, dst.buffer.size))
-        src_offset = self.rng.randint(0, src.buffer.size - size)
-        dst_offset = self.rng.randint(0, dst.buffer.size - size)
-        assert src.buffer.copy_to(dst.buffer, size, src_offset, dst_offset) == size
-        dst.data[dst_offset:dst_offset + size] = src.data[src_offset:src_offset + size]
-        self.requests["copy"] += 1
-        return None
-
-    def free(self) -> None:
-        target = self.live.pop(self.rng.randrange(len(self.live)))
-        assert target.buffer.read() == target.data, "a buffer's bytes changed before its free"
-        target.buffer.free()
-        self.requests.update(["read", "free"])
-
-    def context(self) -> None:
-        device = self.device()
-        before = [c.handle for c in self.client.context_stack(device)]
-        created = self.client.create_context(device=device)
-        buffer = self.client.alloc(4 * KiB, device=device)
-        assert buffer.context == created.handle
-        data = self.pattern(4 * KiB)
-        buffer.write(data)
-        assert buffer.read() == data
-        assert [c.handle for c in self.client.context_stack(device)] == [*before, created.handle]
-        created.destroy()
-        try:
-            buffer.read(1)
-        except UnknownHandle:
-            pass
-        else:
-            raise AssertionError("a buffer outlived the context it was allocated in")
-        assert [c.handle for c in self.client.context_stack(device)] == before
-        self.requests.update(["context_stack", "create_context", "alloc", "write", "read", "context_stack",
-                              "destroy_context", "read", "context_stack"])
-
-    def stream(self) -> None:
-        target = self.pick()
-        device = target.buffer.device
-        stream = self.client.create_stream(device)
-        event = self.client.create_event(device)
-        offset, size = self.span(target.buffer.size)
-        data = self.pattern(size)
-        target.buffer.write(data, offset, stream=stream)
-        value = self.rng.randrange(256)
-        target.buffer.fill(value, offset, size // 2, stream=stream)
-        target.data[offset:offset + size] = bytes([value]) * (size // 2) + data[size // 2:]
-        event.record(stream)
-        assert target.buffer.read(size, offset, stream=stream) == target.data[offset:offset + size]
-        event.synchronize()
-        stream.synchronize()
-        event.destroy()
-        stream.destroy()
-        self.requests.update(["create_stream", "create_event", "write", "fill", "record_event", "read",
-                              "event_synchronize", "stream_synchronize", "destroy_event", "destroy_stream"])
-
-    def pipeline(self) -> None:
-        target = self.pick()
-        chunks = self.rng.randint(2, 16)
-        step = max(1, target.buffer.size // chunks)
-        reads = []
-        with self.client.pipeline() as pipe:
-            for offset in range(0, target.buffer.size, step):
-                data = self.pattern(min(step, target.buffer.size - offset))
-                pipe.write(target.buffer, data, offset)
-                target.data[offset:offset + len(data)] = data
-                reads.append((offset, len(data), pipe.read(target.buffer, len(data), offset)))
-                self.requests.update(["write", "read"])
-        for offset, size, call in reads:
-            assert call.result() == target.data[offset:offset + size], "a pipelined read got another's reply"
-
-    def mem_get_info(self) -> None:
-        free, total = self.client.mem_get_info(self.device())
-        assert 0 <= free <= total == 64 << 20
-        self.requests["mem_get_info"] += 1
-
-    MIX = (("alloc", 3), ("write", 5), ("read", 5), ("fill", 3), ("copy", 4), ("free", 2), ("context", 1),
-           ("stream", 1), ("pipeline", 1), ("mem_get_info", 1))
-
-    def run(self, ops: int) -> None:
-        names, weights = zip(*self.MIX, strict=True)
-        for _ in range(ops):
-            name = self.rng.choices(names, weights)[0]
-            if not self.live and name not in ("alloc", "context", "mem_get_info"):
-                name = "alloc"
-            getattr(self, name)()
-        while self.live:
-            self.free()
-
-
-def load_process(endpoint: str, seed: int, ops: int) -> dict[str, Any]:
-    """Run in a spawned process: one session's share of the load; returns what it sent."""
-    with Client(endpoint, timeout=CALL_TIMEOUT, name=f"load-{seed}", heartbeat=False) as client:
-        session = LoadSession(client, seed)
-        session.run(ops)
-        session_id = client.session_id
-    session.requests.update(["hello", "goodbye"])
-    return {"seed": seed, "session": session_id, "requests": dict(session.requests)}
 
 
 # --- the test ---------------------------------------------------------------------------------------
