@@ -12,7 +12,7 @@ from cuctxd.protos import stream_ops as ops
 @device_handler(ops.CreateStream)
 def create_stream(state: DeviceState, job: Job) -> Reply:
     entry = state.create_stream(state.session(job.session), job.args.non_blocking)
-    return Reply({"stream": entry.handle, "context": entry.context.handle})
+    return Reply({"stream": entry.handle, "context": entry.context.handle, "device": state.device})
 
 
 @device_handler(ops.DestroyStream)
@@ -43,7 +43,7 @@ def stream_synchronize(state: DeviceState, job: Job) -> Pending:
 @device_handler(ops.CreateEvent)
 def create_event(state: DeviceState, job: Job) -> Reply:
     entry = state.create_event(state.session(job.session), job.args.timing)
-    return Reply({"event": entry.handle, "context": entry.context.handle})
+    return Reply({"event": entry.handle, "context": entry.context.handle, "device": state.device})
 
 
 @device_handler(ops.DestroyEvent)
