@@ -24,7 +24,7 @@ from cuctxd.client import requests
 from cuctxd.client.objects import docs_from
 from cuctxd.client.requests import OnDevice, Request
 from cuctxd.client.transport import MAX_IN_FLIGHT, Call
-from cuctxd.protos.errors import CuctxError, DaemonTimeout
+from cuctxd.protos.errors import CuctxError, DaemonTimeout, NoDaemon
 
 __all__ = ["MAX_IN_FLIGHT", "AsyncPipeline", "Pipeline", "PipelineOps", "raise_first"]
 
@@ -82,12 +82,12 @@ class Pipeline(PipelineOps[Call[Any]]):
     def wait(self) -> None:
         """Wait for every reply; raise the first error (after all replies are in).
 
-        Once one reply times out the daemon is taken as gone: the calls still open are
+        Once one reply times out (or the daemon is found gone) the daemon is taken as gone: the calls still open are
         abandoned at once, so a batch fails within about one timeout, not one per call.
         """
         first_error: BaseException | None = None
         for call in self._calls:
-            if isinstance(first_error, DaemonTimeout):
+            if isinstance(first_error, (DaemonTimeout, NoDaemon)):
                 call.transport.abandon(call)
                 continue
             try:
