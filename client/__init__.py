@@ -16,23 +16,26 @@ from cuctxd.protos.errors import (
     DaemonError,
     DaemonTimeout,
     NameExists,
+    NoDaemon,
     NotFound,
     NotOwner,
     NotShareable,
     OutOfRange,
     SessionExpired,
+    SessionLost,
     TooLarge,
     UnknownHandle,
     UnknownSession,
     VersionMismatch,
+    WrongBackend,
 )
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 __all__ = [
     "AsyncBuffer", "AsyncClient", "AsyncContext", "AsyncEvent", "AsyncOpenedShare", "AsyncPipeline",
     "AsyncStream", "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost", "Context",
-    "CuctxError", "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "Event", "NameExists", "NotFound",
-    "NotOwner", "NotShareable", "OpenedShare", "OutOfRange", "Pipeline", "SessionExpired", "ShareDescriptor",
-    "Stream", "TooLarge",
-    "UnknownHandle", "UnknownSession", "VersionMismatch",
+    "CuctxError", "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "Event", "NameExists", "NoDaemon",
+    "NotFound", "NotOwner", "NotShareable", "OpenedShare", "OutOfRange", "Pipeline", "SessionExpired",
+    "SessionLost", "ShareDescriptor", "Stream", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch",
+    "WrongBackend",
 ]

@@ -27,17 +27,18 @@ from typing import Any, TypeVar
 
 from cuctxd.client import requests
 from cuctxd.client.async_transport import AsyncTransport
-from cuctxd.client.client import Client
-from cuctxd.client.lanes import FRONT, Lanes, Route, lane_endpoints
+from cuctxd.client.client import HELLO_TIMEOUT, Client
+from cuctxd.client.core import Router, SessionState
+from cuctxd.client.lanes import FRONT, Route
 from cuctxd.client.lease import AsyncHeartbeat
 from cuctxd.client.objects import AsyncBuffer, AsyncContext, docs_from
 from cuctxd.client.pipeline import AsyncPipeline, raise_first
-from cuctxd.client.requests import Batch, Plan, Request, Run, SessionState, Step
+from cuctxd.client.requests import Batch, Plan, Request, Run, Step
 from cuctxd.client.sharing import AsyncOpenedShare, open_share
 from cuctxd.client.streams import AsyncEvent, AsyncStream
-from cuctxd.client.transport import DEFAULT_TIMEOUT, CurveKeys, KeyPath, curve_keys
+from cuctxd.client.transport import DEFAULT_TIMEOUT, CurveKeys, KeyPath, curve_keys, listening, no_daemon
 from cuctxd.protos.endpoints import client_endpoint
-from cuctxd.protos.errors import ConnectionLost, CuctxError
+from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 T = TypeVar("T")
@@ -50,43 +51,34 @@ class AsyncClient(SessionState):
     Nothing is sent until it is opened (``async with``, ``await AsyncClient(...)`` or
     :meth:`open`). It belongs to the event loop that opened it. Timeouts raise
     :class:`~cuctxd.protos.errors.DaemonTimeout`; daemon errors are the same typed
-    exceptions as the sync client's.
+    exceptions as the sync client's, and a lost session the same
+    :class:`~cuctxd.protos.errors.SessionLost` (``await client.reconnect()``).
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                 name: str | None = None, heartbeat: bool = True, server_key: KeyPath | CurveKeys | None = None,
-                 client_key: KeyPath | None = None, device_endpoints: bool = True) -> None:
+                 hello_timeout: float = HELLO_TIMEOUT, name: str | None = None, heartbeat: bool = True,
+                 server_key: KeyPath | CurveKeys | None = None, client_key: KeyPath | None = None,
+                 device_endpoints: bool = True, reconnect: bool = False) -> None:
         self.endpoint = client_endpoint(endpoint)
         self.curve = curve_keys(server_key, client_key)
         self.timeout = timeout
+        self.hello_timeout = hello_timeout
         self._name = name
         self._beats = heartbeat
         self._use_lanes = device_endpoints
-        self._transport: AsyncTransport | None = None
+        self._reconnect = reconnect
+        self._router: Router[AsyncTransport] | None = None
         self._heartbeat: AsyncHeartbeat | None = None
-        self._lanes = Lanes([])
-        self._lane_transports: dict[int, AsyncTransport] = {}
         #: Set once the request started last has been sent: with several lanes, requests leave in order.
         self._last_sent: asyncio.Future[None] | None = None
 
     async def open(self) -> AsyncClient:
         """Say hello (the session starts) and start the heartbeat; does nothing once open.
-        Raises :class:`~cuctxd.protos.errors.DaemonTimeout` when no daemon answers within ``timeout``."""
-        if self._transport is not None:
-            return self
-        transport = self._transport = AsyncTransport(self.endpoint, self.timeout, self.curve)
-        try:
-            hello = await self._run(requests.hello(self._name))
-        except BaseException:
-            self._transport = None  # not open: a later open() may try again
-            await transport.close()
-            raise
-        token = self._adopt(hello)
-        if self._use_lanes:
-            self._lanes = Lanes(lane_endpoints(self.endpoint, hello.get("endpoints", ()),
-                                               hello.get("device_endpoints", ())))
-        if self._beats:
-            self._heartbeat = AsyncHeartbeat(self.endpoint, token, self.lease_ttl, self.curve)
+        Raises :class:`~cuctxd.protos.errors.NoDaemon` at once when nothing listens at an ipc://
+        endpoint, :class:`~cuctxd.protos.errors.DaemonTimeout` when no daemon answers within
+        ``hello_timeout`` (or ``timeout`` if shorter)."""
+        if self._router is None:
+            await self._connect()
         return self
 
     def __await__(self) -> Generator[Any, None, AsyncClient]:
@@ -94,12 +86,39 @@ class AsyncClient(SessionState):
 
     # --- plumbing -------------------------------------------------------------------
 
-    async def _run(self, operation: Request[T] | Plan[T]) -> T:
-        """Run one request, or every step of a plan, awaiting each."""
-        run = Run(operation)
-        while run.step is not None:
-            run.resume(await self._execute(run.step))
-        return run.value
+    async def _connect(self) -> None:
+        """Say hello on a fresh socket: a new session."""
+        if not listening(self.endpoint):
+            raise no_daemon(self.endpoint, "hello")
+        main = AsyncTransport(self.endpoint, self.timeout, self.curve)
+        hello = requests.hello(self._name, min(self.timeout, self.hello_timeout))
+        try:
+            answer = hello.convert(*await main.call(hello.op, hello.args, None, timeout=hello.timeout))
+        except BaseException:
+            await main.close()  # not open: a later open() may try again
+            raise
+        self._router = Router(main, self._adopt(answer, self._use_lanes), self._open_lane)
+        if self._beats:
+            self._heartbeat = AsyncHeartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
+
+    def _open_lane(self, endpoint: str) -> AsyncTransport:
+        return AsyncTransport(endpoint, self.timeout, self.curve, daemon=self.endpoint)
+
+    async def run(self, operation: Request[T] | Plan[T]) -> T:
+        """Run one request, or every step of a plan, awaiting each (see ``Client.run``)."""
+        if self._token is None:
+            if self._router is None:
+                raise ConnectionLost("the client is not open: use `async with AsyncClient(...)`",
+                                     getattr(operation, "op", None))
+            if self._check_session(getattr(operation, "op", None)):
+                await self.reconnect()
+        try:
+            run = Run(operation)
+            while run.step is not None:
+                run.resume(await self._execute(run.step))
+            return run.value
+        except (UnknownSession, NoDaemon) as exc:
+            raise self._lose(exc) from exc
 
     async def _execute(self, step: Step) -> Any:
         if isinstance(step, Batch):
@@ -107,14 +126,14 @@ class AsyncClient(SessionState):
                                             return_exceptions=True)
             raise_first(outcomes)
             return outcomes
-        if self._transport is None:
-            raise ConnectionLost("the client is not open: use `async with AsyncClient(...)`", step.op)
-        route = self._lanes.route(step.op, step.args)
-        if route.lane == FRONT and not self._lane_transports:  # one socket: it keeps the order itself
-            result, frames = await self._transport.call(step.op, step.args, self._token, step.payload,
-                                                        into=step.into, timeout=step.timeout)
+        router = self._router
+        if router is None:
+            raise ConnectionLost("the client is closed", step.op)
+        route, transport = router.pick(step.op, step.args)
+        if route.lane == FRONT and not router.lane_transports:  # one socket: it keeps the order itself
+            result, frames = await transport.call(step.op, step.args, self._token, step.payload,
+                                                  into=step.into, timeout=step.timeout)
             return step.convert(result, frames)
-        transport = self._transport if route.lane == FRONT else self._lane_transport(route.lane)
         previous, mine = self._last_sent, asyncio.get_running_loop().create_future()
         self._last_sent = mine
 
@@ -122,7 +141,7 @@ class AsyncClient(SessionState):
             """After the request started before this one has left, and what this one must follow is answered."""
             if previous is not None and not previous.done():
                 await asyncio.wait([previous])
-            await self._after_conflicts(route)
+            await self._after_conflicts(router, route)
 
         def sent() -> None:
             if not mine.done():
@@ -135,41 +154,38 @@ class AsyncClient(SessionState):
             sent()  # also when it never left (timed out, cancelled): the next request must not wait forever
         return step.convert(result, frames)
 
-    def _lane_transport(self, device: int) -> AsyncTransport:
-        transport = self._lane_transports.get(device)
-        if transport is None:
-            transport = AsyncTransport(self._lanes.endpoints[device], self.timeout, self.curve)
-            self._lane_transports[device] = transport
-        return transport
-
-    async def _after_conflicts(self, route: Route) -> None:
-        assert self._transport is not None
-        for lane, transport in ((FRONT, self._transport), *self._lane_transports.items()):
-            calls = transport.in_flight()
-            if calls and Lanes.conflicts(route, lane, (call.reach for call in calls)):
-                await asyncio.wait([call.reply for call in calls])
+    @staticmethod
+    async def _after_conflicts(router: Router[AsyncTransport], route: Route) -> None:
+        for busy in router.conflicts(route):
+            await asyncio.wait([call.reply for call in busy.in_flight()])
 
     def pipeline(self) -> AsyncPipeline:
         """Start memory ops without awaiting each (``async with client.pipeline() as p:``)."""
-        return AsyncPipeline(self)
+        return AsyncPipeline(self.run)
 
-    async def close(self) -> None:
+    async def reconnect(self) -> None:
+        await self._end_session()
+        await self._connect()
+
+    async def _end_session(self) -> None:
         if self._heartbeat is not None:
             await self._heartbeat.stop()
             self._heartbeat = None
-        if self._transport is None:
+        if self._router is None:
             return
         try:
             if self._token is not None:  # a daemon that is gone must not hold the caller for long
-                await self._run(requests.goodbye(timeout=min(self.timeout, 2.0)))
+                await self._execute(requests.goodbye(timeout=min(self.timeout, 2.0)))
         except CuctxError:
             pass  # the daemon is gone or already forgot us: nothing left to free
         finally:
             self._token = None
-            await self._transport.close()
-            for transport in self._lane_transports.values():
+            for transport in self._router.transports():
                 await transport.close()
-            self._lane_transports.clear()
+
+    async def close(self) -> None:
+        await self._end_session()
+        self._lost = None  # closed, not lost: later calls say so
 
     async def __aenter__(self) -> AsyncClient:
         return await self.open()
@@ -181,116 +197,116 @@ class AsyncClient(SessionState):
 
     async def ping(self) -> float:
         start = time.perf_counter()
-        await self._run(requests.ping())
+        await self.run(requests.ping())
         return time.perf_counter() - start
 
     async def device_count(self) -> int:
-        return await self._run(requests.device_count())
+        return await self.run(requests.device_count())
 
     async def devices(self) -> list[DeviceInfo]:
-        return await self._run(requests.devices())
+        return await self.run(requests.devices())
 
     async def status(self) -> dict[str, Any]:
-        return await self._run(requests.status())
+        return await self.run(requests.status())
 
     async def get_device(self) -> int:
-        return await self._run(requests.get_device())
+        return await self.run(requests.get_device())
 
     async def set_device(self, device: int) -> AsyncContext:
-        return await self._run(requests.set_device(self, AsyncContext, device))
+        return await self.run(requests.set_device(self, AsyncContext, device))
 
     # --- contexts -------------------------------------------------------------------
 
     async def current_context(self, device: int | None = None) -> AsyncContext | None:
-        return await self._run(requests.current_context(self, AsyncContext, device))
+        return await self.run(requests.current_context(self, AsyncContext, device))
 
     async def context_stack(self, device: int | None = None) -> list[AsyncContext]:
-        return await self._run(requests.context_stack(self, AsyncContext, device))
+        return await self.run(requests.context_stack(self, AsyncContext, device))
 
     async def create_context(self, device: int | None = None, flags: int = 0) -> AsyncContext:
-        return await self._run(requests.create_context(self, AsyncContext, device, flags))
+        return await self.run(requests.create_context(self, AsyncContext, device, flags))
 
     async def push_context(self, context: AsyncContext) -> None:
-        await self._run(requests.push_context(context))
+        await self.run(requests.push_context(context))
 
     async def pop_context(self, device: int | None = None) -> AsyncContext:
-        return await self._run(requests.pop_context(self, AsyncContext, device))
+        return await self.run(requests.pop_context(self, AsyncContext, device))
 
     async def destroy_context(self, context: AsyncContext) -> None:
-        await self._run(requests.destroy_context(context))
+        await self.run(requests.destroy_context(context))
 
     async def context_info(self, context: AsyncContext) -> AsyncContext:
-        return await self._run(requests.context_info(self, AsyncContext, context))
+        return await self.run(requests.context_info(self, AsyncContext, context))
 
     async def synchronize(self, device: int | None = None) -> None:
-        await self._run(requests.synchronize(device))
+        await self.run(requests.synchronize(device))
 
     async def device_synchronize(self, device: int | None = None) -> None:
-        await self._run(requests.device_synchronize(device))
+        await self.run(requests.device_synchronize(device))
 
     # --- memory ---------------------------------------------------------------------
 
     async def mem_get_info(self, device: int | None = None) -> tuple[int, int]:
-        return await self._run(requests.mem_get_info(device))
+        return await self.run(requests.mem_get_info(device))
 
     async def memory_info(self, device: int | None = None) -> dict[str, Any]:
-        return await self._run(requests.memory_info(device))
+        return await self.run(requests.memory_info(device))
 
     async def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> AsyncBuffer:
-        return await self._run(requests.alloc(self, AsyncBuffer, size, device, shareable))
+        return await self.run(requests.alloc(self, AsyncBuffer, size, device, shareable))
 
     async def free(self, buffer: AsyncBuffer) -> None:
-        await self._run(requests.free(buffer))
+        await self.run(requests.free(buffer))
 
     async def fill(self, buffer: AsyncBuffer, value: int = 0, offset: int = 0, size: int | None = None, *,
                    stream: AsyncStream | None = None) -> None:
-        await self._run(requests.fill(buffer, value, offset, size, stream))
+        await self.run(requests.fill(buffer, value, offset, size, stream))
 
     async def write(self, buffer: AsyncBuffer, data: Any, offset: int = 0, *,
                     stream: AsyncStream | None = None) -> int:
-        return await self._run(requests.write(buffer, data, offset, stream, self.limits["max_payload_bytes"]))
+        return await self.run(requests.write(buffer, data, offset, stream, self.limits["max_payload_bytes"]))
 
     async def read(self, buffer: AsyncBuffer, size: int | None = None, offset: int = 0, *,
                    stream: AsyncStream | None = None) -> bytes:
-        return await self._run(requests.read(buffer, size, offset, stream))
+        return await self.run(requests.read(buffer, size, offset, stream))
 
     async def read_into(self, buffer: AsyncBuffer, out: Any, offset: int = 0, *,
                         stream: AsyncStream | None = None) -> int:
-        return await self._run(requests.read_into(buffer, out, offset, stream))
+        return await self.run(requests.read_into(buffer, out, offset, stream))
 
     async def copy(self, src: AsyncBuffer, dst: AsyncBuffer, size: int | None = None, src_offset: int = 0,
                    dst_offset: int = 0, *, stream: AsyncStream | None = None) -> int:
-        return await self._run(requests.copy(src, dst, size, src_offset, dst_offset, stream))
+        return await self.run(requests.copy(src, dst, size, src_offset, dst_offset, stream))
 
     # --- streams and events -----------------------------------------------------------------
 
     async def create_stream(self, device: int | None = None, *, non_blocking: bool = False) -> AsyncStream:
-        return await self._run(requests.create_stream(self, AsyncStream, device, non_blocking))
+        return await self.run(requests.create_stream(self, AsyncStream, device, non_blocking))
 
     async def create_event(self, device: int | None = None, *, timing: bool = True) -> AsyncEvent:
-        return await self._run(requests.create_event(self, AsyncEvent, device, timing))
+        return await self.run(requests.create_event(self, AsyncEvent, device, timing))
 
     # --- sharing between processes --------------------------------------------------------
 
     async def export(self, buffer: AsyncBuffer) -> ShareDescriptor:
-        return await self._run(requests.export(buffer))
+        return await self.run(requests.export(buffer))
 
     async def publish(self, buffer: AsyncBuffer, name: str) -> ShareDescriptor:
-        return await self._run(requests.publish(buffer, name))
+        return await self.run(requests.publish(buffer, name))
 
     async def unpublish(self, name: str) -> None:
-        await self._run(requests.unpublish(name))
+        await self.run(requests.unpublish(name))
 
     async def lookup(self, name: str) -> ShareDescriptor:
-        return await self._run(requests.lookup(name))
+        return await self.run(requests.lookup(name))
 
     async def list_shared(self) -> list[dict[str, Any]]:
-        return await self._run(requests.list_shared())
+        return await self.run(requests.list_shared())
 
     async def open_shared(self, share: str | ShareDescriptor) -> AsyncOpenedShare:
         """Hold a share (by name or descriptor) and map it in this process (mapping is local,
         synchronous work); ``await share.close()`` or ``async with`` drops the hold."""
-        return await self._run(open_share(self, AsyncOpenedShare, share))
+        return await self.run(open_share(self, AsyncOpenedShare, share))
 
     async def close_shared(self, descriptor: ShareDescriptor) -> None:
-        await self._run(requests.close_shared(descriptor))
+        await self.run(requests.close_shared(descriptor))

@@ -29,9 +29,12 @@ from cuctxd.client.lanes import Reach
 from cuctxd.client.transport import (
     DEFAULT_TIMEOUT,
     MAX_IN_FLIGHT,
+    PROBE_EVERY,
     CurveKeys,
     connect_dealer,
+    listening,
     match_reply,
+    no_daemon,
     no_reply,
     read_payload,
 )
@@ -58,10 +61,17 @@ class _Waiting:
 class AsyncTransport:
     """A connection to one daemon endpoint, for coroutines of one event loop."""
 
-    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None) -> None:
+    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None, *,
+                 daemon: str | None = None) -> None:
+        """``daemon``: the endpoint the user gave, as for :class:`~cuctxd.client.transport.Transport`: errors
+        name it, and while calls wait an ipc:// daemon is checked every
+        :data:`~cuctxd.client.transport.PROBE_EVERY` s (they fail with ``NoDaemon`` once it is gone)."""
         self.endpoint = endpoint
         self.timeout = timeout
         self.curve = curve
+        self.daemon = daemon or endpoint
+        self._probes = self.daemon.startswith("ipc://")
+        self._watch: asyncio.TimerHandle | None = None
         self._socket = connect_dealer(zmq.asyncio.Context.instance(), endpoint, curve)
         # A plain view of the same socket, for the rest of a message whose first frame has come.
         self._frames: zmq.Socket[Any] = zmq.Socket.shadow(self._socket.underlying)
@@ -91,12 +101,28 @@ class AsyncTransport:
                     await before()
                 return await self._exchange(op, args, session, payload, into, reach, sent)
         except TimeoutError:
-            raise no_reply(self.endpoint, limit, op, self.curve) from None
+            raise no_reply(self.daemon, limit, op, self.curve) from None
+
+    @property
+    def busy(self) -> bool:
+        """Some call is waiting for its reply."""
+        return bool(self._waiting)
 
     def in_flight(self) -> list[_Waiting]:
         """The calls sent and not answered yet."""
         return list(self._waiting.values())
 
+    def _watch_daemon(self) -> None:
+        """While calls wait, check every :data:`PROBE_EVERY` s that the daemon still listens; fail them when not."""
+        self._watch = None
+        if not self._waiting:
+            return
+        if listening(self.daemon):
+            self._watch = asyncio.get_running_loop().call_later(PROBE_EVERY, self._watch_daemon)
+            return
+        for waiting in self._waiting.values():
+            if not waiting.reply.done():
+                waiting.reply.set_exception(no_daemon(self.daemon, waiting.op))
     async def _exchange(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any],
                         into: Any, reach: Reach, sent: Callable[[], None] | None) -> Reply:
         if self._failure is not None:
@@ -104,6 +130,8 @@ class AsyncTransport:
         self._start_reader()
         waiting = _Waiting(next(self._ids), op, into, asyncio.get_running_loop().create_future(), reach)
         self._waiting[waiting.request_id] = waiting
+        if self._probes and self._watch is None:
+            self._watch = asyncio.get_running_loop().call_later(PROBE_EVERY, self._watch_daemon)
         try:
             header = encode_request(waiting.request_id, op, session, args)
             await self._socket.send_multipart([header, *payload], copy=False)
@@ -111,7 +139,7 @@ class AsyncTransport:
                 sent()
             return await waiting.reply
         except zmq.ZMQError as exc:
-            raise ConnectionLost(f"sending to {self.endpoint} failed: {exc}", op) from exc
+            raise ConnectionLost(f"sending to {self.daemon} failed: {exc}", op) from exc
         finally:
             self._waiting.pop(waiting.request_id, None)
 
@@ -151,6 +179,9 @@ class AsyncTransport:
         """Stop the reader, end waiting calls with :class:`~cuctxd.protos.errors.ConnectionLost`, close the socket."""
         if self._socket.closed:
             return
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.wait([self._reader])

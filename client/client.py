@@ -15,32 +15,53 @@ import time
 from typing import Any, TypeVar
 
 from cuctxd.client import requests
-from cuctxd.client.lanes import FRONT, Lanes, Route, lane_endpoints
+from cuctxd.client.core import Router, SessionState
 from cuctxd.client.lease import Heartbeat
 from cuctxd.client.objects import Buffer, Context
 from cuctxd.client.pipeline import Pipeline
-from cuctxd.client.requests import CHUNK_BYTES, Batch, Plan, Request, Run, SessionState, Step
+from cuctxd.client.requests import CHUNK_BYTES, Batch, Plan, Request, Run, Step
 from cuctxd.client.sharing import OpenedShare, open_share
 from cuctxd.client.streams import Event, Stream
-from cuctxd.client.transport import DEFAULT_TIMEOUT, Call, CurveKeys, KeyPath, Transport, curve_keys
+from cuctxd.client.transport import (
+    DEFAULT_TIMEOUT,
+    Call,
+    CurveKeys,
+    KeyPath,
+    Transport,
+    curve_keys,
+    listening,
+    no_daemon,
+)
 from cuctxd.protos.endpoints import client_endpoint
-from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.errors import CuctxError, NoDaemon, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
-__all__ = ["CHUNK_BYTES", "Client"]
+__all__ = ["CHUNK_BYTES", "HELLO_TIMEOUT", "Client"]
 
 T = TypeVar("T")
+
+#: Seconds the handshake (``hello``) waits at most, whatever the per-call ``timeout``: a daemon that
+#: is there answers it at once, so a long wait only hides a wrong endpoint or key.
+HELLO_TIMEOUT = 5.0
 
 
 class Client(SessionState):
     """A session with a cuctxd daemon.
 
     ``endpoint``: the argument, else ``$CUCTXD_ENDPOINT``, else the per-user
-    default ipc:// socket. ``timeout``: seconds any call waits before raising
-    :class:`~cuctxd.protos.errors.DaemonTimeout`. Use as a context manager, or call
-    :meth:`close`, so the daemon frees the session's contexts and memory. A
-    background thread renews the session's lease; ``heartbeat=False`` turns it
-    off (the session then ends ``lease_ttl`` seconds after its last call).
+    default ipc:// socket. When nothing listens at an ipc:// endpoint the client
+    raises :class:`~cuctxd.protos.errors.NoDaemon` at once, also while a call waits
+    (checked every second). ``timeout``: seconds any call waits before raising
+    :class:`~cuctxd.protos.errors.DaemonTimeout`; the handshake waits at most
+    ``hello_timeout``. Use as a context manager, or call :meth:`close`, so the
+    daemon frees the session's contexts and memory. A background thread renews the
+    session's lease; ``heartbeat=False`` turns it off (the session then ends
+    ``lease_ttl`` seconds after its last call).
+
+    When the daemon stops, or restarts and no longer knows the session, calls raise
+    :class:`~cuctxd.protos.errors.SessionLost` (the session's objects are gone) until
+    :meth:`reconnect` starts a new session; with ``reconnect=True`` the next call
+    after that error does so by itself.
 
     CURVE (a daemon with ``server_key``): ``server_key`` is the daemon's public
     key file (``server.key``), ``client_key`` this client's secret key file
@@ -55,35 +76,56 @@ class Client(SessionState):
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                 name: str | None = None, heartbeat: bool = True, server_key: KeyPath | CurveKeys | None = None,
-                 client_key: KeyPath | None = None, device_endpoints: bool = True) -> None:
+                 hello_timeout: float = HELLO_TIMEOUT, name: str | None = None, heartbeat: bool = True,
+                 server_key: KeyPath | CurveKeys | None = None, client_key: KeyPath | None = None,
+                 device_endpoints: bool = True, reconnect: bool = False) -> None:
         self.endpoint = client_endpoint(endpoint)
         self.curve = curve_keys(server_key, client_key)
-        self._transport = Transport(self.endpoint, timeout, self.curve)
-        self._lanes = Lanes([])
-        self._lane_transports: dict[int, Transport] = {}
+        self.timeout = timeout
+        self.hello_timeout = hello_timeout
+        self._name = name
+        self._beats = heartbeat
+        self._use_lanes = device_endpoints
+        self._reconnect = reconnect
         self._route_lock = threading.RLock()
-        try:
-            hello = self._run(requests.hello(name))
-        except BaseException:
-            self._transport.close()
-            raise
-        token = self._adopt(hello)
-        if device_endpoints:
-            self._lanes = Lanes(lane_endpoints(self.endpoint, hello.get("endpoints", ()),
-                                               hello.get("device_endpoints", ())))
-        self._heartbeat = Heartbeat(self.endpoint, token, self.lease_ttl, self.curve) if heartbeat else None
+        self._heartbeat: Heartbeat | None = None
+        self._connect()
 
     # --- plumbing -------------------------------------------------------------------
 
-    def _run(self, operation: Request[T] | Plan[T]) -> T:
-        """Run one request, or every step of a plan, on this thread."""
-        if isinstance(operation, Request):  # the common case, without a plan's generator
-            return self._send(operation).result(operation.timeout)
-        run = Run(operation)
-        while run.step is not None:
-            run.resume(self._execute(run.step))
-        return run.value
+    def _connect(self) -> None:
+        """Say hello on a fresh socket: a new session."""
+        if not listening(self.endpoint):
+            raise no_daemon(self.endpoint, "hello")
+        main = Transport(self.endpoint, self.timeout, self.curve)
+        hello = requests.hello(self._name, min(self.timeout, self.hello_timeout))
+        try:
+            answer = main.send(hello.op, hello.args, None, convert=hello.convert).result(hello.timeout)
+        except BaseException:
+            main.close()
+            raise
+        self._router = Router(main, self._adopt(answer, self._use_lanes), self._open_lane)
+        if self._beats:
+            self._heartbeat = Heartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
+
+    def _open_lane(self, endpoint: str) -> Transport:
+        return Transport(endpoint, self.timeout, self.curve, daemon=self.endpoint)
+
+    def run(self, operation: Request[T] | Plan[T]) -> T:
+        """Run one request, or every step of a plan, built by :mod:`cuctxd.client.requests`, on this thread;
+        every method and client object comes here. A session found gone raises
+        :class:`~cuctxd.protos.errors.SessionLost`."""
+        if self._token is None and self._check_session(getattr(operation, "op", None)):
+            self.reconnect()
+        try:
+            if isinstance(operation, Request):  # the common case, without a plan's generator
+                return self._send(operation).result(operation.timeout)
+            run = Run(operation)
+            while run.step is not None:
+                run.resume(self._execute(run.step))
+            return run.value
+        except (UnknownSession, NoDaemon) as exc:
+            raise self._lose(exc) from exc
 
     def _execute(self, step: Step) -> Any:
         if isinstance(step, Batch):
@@ -95,48 +137,48 @@ class Client(SessionState):
     def _send(self, request: Request[T]) -> Call[T]:
         """Send on the request's lane (:mod:`cuctxd.client.lanes`), once what it must follow has been answered."""
         with self._route_lock:
-            route = self._lanes.route(request.op, request.args)
-            transport = self._transport if route.lane == FRONT else self._lane_transport(route.lane)
-            if self._lane_transports:
-                self._wait_for_conflicts(route)
+            router = self._router
+            route, transport = router.pick(request.op, request.args)
+            if router.lane_transports:
+                for busy in router.conflicts(route):
+                    for call in busy.in_flight():
+                        busy.wait(call)
             return transport.send(request.op, request.args, self._token, request.payload, into=request.into,
                                   convert=request.convert, reach=route.reach)
 
-    def _lane_transport(self, device: int) -> Transport:
-        transport = self._lane_transports.get(device)
-        if transport is None:
-            transport = Transport(self._lanes.endpoints[device], self._transport.timeout, self.curve)
-            self._lane_transports[device] = transport
-        return transport
-
-    def _wait_for_conflicts(self, route: Route) -> None:
-        for lane, transport in ((FRONT, self._transport), *self._lane_transports.items()):
-            if lane == route.lane or not transport.busy:
-                continue
-            calls = transport.in_flight()
-            if Lanes.conflicts(route, lane, (call.reach for call in calls)):
-                for call in calls:
-                    transport.wait(call)
-
     def pipeline(self) -> Pipeline:
         """Send memory ops without waiting for each reply (see :mod:`cuctxd.client.pipeline`)."""
-        return Pipeline(self)
+        return Pipeline(self._send)
 
-    def close(self) -> None:
-        """End the session (the daemon frees its contexts and memory) and the connection."""
+    def reconnect(self) -> None:
+        """Start a new session on this client, on fresh sockets: after
+        :class:`~cuctxd.protos.errors.SessionLost`, or to drop all the session holds. Objects of the
+        old session must not be used again (their handles mean nothing, or something else, in the new
+        one). Raises :class:`~cuctxd.protos.errors.NoDaemon` or ``DaemonTimeout`` while no daemon answers."""
+        with self._route_lock:
+            self._end_session()
+            self._connect()
+
+    def _end_session(self) -> None:
+        """Say goodbye if the session is alive, and close the sockets."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
         try:
             if self._token is not None:  # a daemon that is gone must not hold the caller for long
-                self._run(requests.goodbye(timeout=min(self._transport.timeout, 2.0)))
+                goodbye = requests.goodbye(timeout=min(self.timeout, 2.0))
+                self._send(goodbye).result(goodbye.timeout)
         except CuctxError:
             pass  # the daemon is gone or already forgot us: nothing left to free
         finally:
             self._token = None
-            self._transport.close()
-            for transport in self._lane_transports.values():
+            for transport in self._router.transports():
                 transport.close()
+
+    def close(self) -> None:
+        """End the session (the daemon frees its contexts and memory) and the connection."""
+        self._end_session()
+        self._lost = None  # closed, not lost: later calls say so
 
     def __enter__(self) -> Client:
         return self
@@ -149,72 +191,72 @@ class Client(SessionState):
     def ping(self) -> float:
         """Round-trip time in seconds."""
         start = time.perf_counter()
-        self._run(requests.ping())
+        self.run(requests.ping())
         return time.perf_counter() - start
 
     def device_count(self) -> int:
         """``cudaGetDeviceCount``: creates no context."""
-        return self._run(requests.device_count())
+        return self.run(requests.device_count())
 
     def devices(self) -> list[DeviceInfo]:
-        return self._run(requests.devices())
+        return self.run(requests.devices())
 
     def status(self) -> dict[str, Any]:
-        return self._run(requests.status())
+        return self.run(requests.status())
 
     def get_device(self) -> int:
         """``cudaGetDevice``: the session's current device."""
-        return self._run(requests.get_device())
+        return self.run(requests.get_device())
 
     def set_device(self, device: int) -> Context:
         """``cudaSetDevice``: binds the device's primary context as current; returns it."""
-        return self._run(requests.set_device(self, Context, device))
+        return self.run(requests.set_device(self, Context, device))
 
     # --- contexts -------------------------------------------------------------------
 
     def current_context(self, device: int | None = None) -> Context | None:
         """``cuCtxGetCurrent``; None while the session's stack on ``device`` is empty."""
-        return self._run(requests.current_context(self, Context, device))
+        return self.run(requests.current_context(self, Context, device))
 
     def context_stack(self, device: int | None = None) -> list[Context]:
         """The session's context stack on ``device``, bottom first."""
-        return self._run(requests.context_stack(self, Context, device))
+        return self.run(requests.context_stack(self, Context, device))
 
     def create_context(self, device: int | None = None, flags: int = 0) -> Context:
         """``cuCtxCreate``: a new context, pushed and current on ``device``."""
-        return self._run(requests.create_context(self, Context, device, flags))
+        return self.run(requests.create_context(self, Context, device, flags))
 
     def push_context(self, context: Context) -> None:
-        self._run(requests.push_context(context))
+        self.run(requests.push_context(context))
 
     def pop_context(self, device: int | None = None) -> Context:
         """``cuCtxPopCurrent``: returns the popped context."""
-        return self._run(requests.pop_context(self, Context, device))
+        return self.run(requests.pop_context(self, Context, device))
 
     def destroy_context(self, context: Context) -> None:
-        self._run(requests.destroy_context(context))
+        self.run(requests.destroy_context(context))
 
     def context_info(self, context: Context) -> Context:
-        return self._run(requests.context_info(self, Context, context))
+        return self.run(requests.context_info(self, Context, context))
 
     def synchronize(self, device: int | None = None) -> None:
         """``cuCtxSynchronize`` on the current context (binds the primary if there is none)."""
-        self._run(requests.synchronize(device))
+        self.run(requests.synchronize(device))
 
     def device_synchronize(self, device: int | None = None) -> None:
         """Wait for every context alive on ``device``, this session's and others'."""
-        self._run(requests.device_synchronize(device))
+        self.run(requests.device_synchronize(device))
 
     # --- memory ---------------------------------------------------------------------
 
     def mem_get_info(self, device: int | None = None) -> tuple[int, int]:
         """``cuMemGetInfo``: (free, total) bytes."""
-        return self._run(requests.mem_get_info(device))
+        return self.run(requests.mem_get_info(device))
 
     def memory_info(self, device: int | None = None) -> dict[str, Any]:
         """The whole ``mem_get_info`` answer: ``free`` and ``total`` as this session sees them,
         plus ``device_free``, ``quota``, ``reserve`` and ``limited_by`` ("quota" or "device")."""
-        return self._run(requests.memory_info(device))
+        return self.run(requests.memory_info(device))
 
     def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> Buffer:
         """Device memory in the current context of ``device`` (default: the current device).
@@ -222,65 +264,65 @@ class Client(SessionState):
         By default it comes from the context's stream-ordered pool (fast); pass
         ``shareable=True`` for ``cuMemAlloc`` memory, which other processes can open.
         """
-        return self._run(requests.alloc(self, Buffer, size, device, shareable))
+        return self.run(requests.alloc(self, Buffer, size, device, shareable))
 
     def free(self, buffer: Buffer) -> None:
-        self._run(requests.free(buffer))
+        self.run(requests.free(buffer))
 
     def fill(self, buffer: Buffer, value: int = 0, offset: int = 0, size: int | None = None, *,
              stream: Stream | None = None) -> None:
-        self._run(requests.fill(buffer, value, offset, size, stream))
+        self.run(requests.fill(buffer, value, offset, size, stream))
 
     def write(self, buffer: Buffer, data: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
         """Host to device. Large writes go as pipelined chunks, so the transfer of one chunk
         overlaps the device copy of the one before."""
-        return self._run(requests.write(buffer, data, offset, stream, self.limits["max_payload_bytes"]))
+        return self.run(requests.write(buffer, data, offset, stream, self.limits["max_payload_bytes"]))
 
     def read(self, buffer: Buffer, size: int | None = None, offset: int = 0, *,
              stream: Stream | None = None) -> bytes:
-        return self._run(requests.read(buffer, size, offset, stream))
+        return self.run(requests.read(buffer, size, offset, stream))
 
     def read_into(self, buffer: Buffer, out: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
         """Device to host straight into ``out`` (``recv_into``), in pipelined chunks when large."""
-        return self._run(requests.read_into(buffer, out, offset, stream))
+        return self.run(requests.read_into(buffer, out, offset, stream))
 
     def copy(self, src: Buffer, dst: Buffer, size: int | None = None, src_offset: int = 0,
              dst_offset: int = 0, *, stream: Stream | None = None) -> int:
-        return self._run(requests.copy(src, dst, size, src_offset, dst_offset, stream))
+        return self.run(requests.copy(src, dst, size, src_offset, dst_offset, stream))
 
     # --- streams and events -----------------------------------------------------------------
 
     def create_stream(self, device: int | None = None, *, non_blocking: bool = False) -> Stream:
         """``cuStreamCreate`` in the current context of ``device`` (binds the primary lazily)."""
-        return self._run(requests.create_stream(self, Stream, device, non_blocking))
+        return self.run(requests.create_stream(self, Stream, device, non_blocking))
 
     def create_event(self, device: int | None = None, *, timing: bool = True) -> Event:
-        return self._run(requests.create_event(self, Event, device, timing))
+        return self.run(requests.create_event(self, Event, device, timing))
 
     # --- sharing between processes --------------------------------------------------------
 
     def export(self, buffer: Buffer) -> ShareDescriptor:
         """Make ``buffer`` shareable; the descriptor is plain data another process can open."""
-        return self._run(requests.export(buffer))
+        return self.run(requests.export(buffer))
 
     def publish(self, buffer: Buffer, name: str) -> ShareDescriptor:
         """Export ``buffer`` and publish it under ``name`` for every session to look up."""
-        return self._run(requests.publish(buffer, name))
+        return self.run(requests.publish(buffer, name))
 
     def unpublish(self, name: str) -> None:
-        self._run(requests.unpublish(name))
+        self.run(requests.unpublish(name))
 
     def lookup(self, name: str) -> ShareDescriptor:
-        return self._run(requests.lookup(name))
+        return self.run(requests.lookup(name))
 
     def list_shared(self) -> list[dict[str, Any]]:
         """Published names with their device, size, owner and number of holders."""
-        return self._run(requests.list_shared())
+        return self.run(requests.list_shared())
 
     def open_shared(self, share: str | ShareDescriptor) -> OpenedShare:
         """Hold a share (by name or descriptor) and map it in this process; close it when done."""
-        return self._run(open_share(self, OpenedShare, share))
+        return self.run(open_share(self, OpenedShare, share))
 
     def close_shared(self, descriptor: ShareDescriptor) -> None:
         """Drop this session's hold (``OpenedShare.close`` calls this after unmapping)."""
-        self._run(requests.close_shared(descriptor))
+        self.run(requests.close_shared(descriptor))

@@ -1,28 +1,30 @@
 """Client-side objects named after CUDA's: :class:`Context` and :class:`Buffer`, and their async twins.
 
-They are thin: each holds the session-scoped handle the daemon gave out and
-calls back into its client; the daemon holds the state. The fields live in one
-base per concept; :class:`Context`/:class:`Buffer` belong to a
+They are thin: each holds the record the daemon gave out
+(:mod:`cuctxd.protos.records`) and the client that runs its requests; the daemon
+holds the state. ``handle`` and ``device`` (and a buffer's ``size``) are copied
+from the record into slots, since every request reads them; the rest is read
+from the record. :class:`Context`/:class:`Buffer` belong to a
 :class:`~cuctxd.client.client.Client` and their methods return results, while
 :class:`AsyncContext`/:class:`AsyncBuffer` belong to an
 :class:`~cuctxd.client.async_client.AsyncClient` and their methods are coroutines
-(``await buf.write(data)``).
+(``await buf.write(data)``). Both are typed against :mod:`cuctxd.client.core`'s
+session protocols, not the client classes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import Any, Self, TypeVar
 
+from cuctxd.client import requests
+from cuctxd.client.core import AsyncSession, Session
 from cuctxd.protos.records import BufferRecord, ContextRecord, ShareDescriptor
 
-if TYPE_CHECKING:
-    from cuctxd.client.async_client import AsyncClient
-    from cuctxd.client.client import Client
-    from cuctxd.client.streams import AsyncStream, Stream
-
 ClassT = TypeVar("ClassT", bound=type)
+
+#: Record fields that hold a session-scoped handle: shown in hex, as the daemon's error messages show them.
+HANDLE_FIELDS = frozenset({"handle", "context"})
 
 
 def docs_from(twin: type) -> Callable[[ClassT], ClassT]:
@@ -38,116 +40,182 @@ def docs_from(twin: type) -> Callable[[ClassT], ClassT]:
     return borrow
 
 
-@dataclass(frozen=True)
-class ContextFields:
-    """What :class:`Context` and :class:`AsyncContext` hold: the record ``create_context`` and friends return."""
+def describe(kind: str, fields: dict[str, Any]) -> str:
+    """``Kind(handle=0x1f, device=0, ...)``: handles in hex, like the daemon's messages."""
+    shown = ", ".join(f"{name}={value:#x}" if name in HANDLE_FIELDS else f"{name}={value!r}"
+                      for name, value in fields.items())
+    return f"{kind}({shown})"
 
-    client: Any = field(repr=False, compare=False)
+
+class SessionObject:
+    """A session-scoped handle on one device, with the client that made it.
+
+    Two are equal when they are the same kind, of the same client, with the same record.
+    """
+
+    __slots__ = ("client", "device", "handle")
+
+    client: Any
     handle: int
     device: int
-    is_primary: bool
-    api_version: int
-    flags: int
-    context_id: int
+
+    def _fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is type(self) and isinstance(other, SessionObject) and other.client is self.client
+                and other._fields() == self._fields())
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.handle, self.device))
+
+    def __repr__(self) -> str:
+        return describe(type(self).__name__, self._fields())
+
+
+class ContextFields(SessionObject):
+    """What :class:`Context` and :class:`AsyncContext` hold: the record ``create_context`` and friends return."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, client: Any, record: ContextRecord) -> None:
+        self.client = client
+        self.record = record
+        self.handle = record.handle
+        self.device = record.device
 
     @classmethod
     def from_wire(cls, client: Any, wire: dict[str, Any]) -> Self:
-        record = ContextRecord.from_wire(wire)
-        return cls(client, record.handle, record.device, record.is_primary, record.api_version,
-                   record.flags, record.context_id)
+        return cls(client, ContextRecord.from_wire(wire))
+
+    def _fields(self) -> dict[str, Any]:
+        return self.record.to_wire()
+
+    @property
+    def is_primary(self) -> bool:
+        return self.record.is_primary
+
+    @property
+    def api_version(self) -> int:
+        return self.record.api_version
+
+    @property
+    def flags(self) -> int:
+        return self.record.flags
+
+    @property
+    def context_id(self) -> int:
+        return self.record.context_id
 
 
 class Context(ContextFields):
     """A CUDA context as this session names it (``handle`` means nothing to other sessions)."""
 
-    client: Client
+    __slots__ = ()
+    client: Session
 
     def push(self) -> None:
         """``cuCtxPushCurrent``: make this the session's current context on its device."""
-        self.client.push_context(self)
+        self.client.run(requests.push_context(self))
 
     def destroy(self) -> None:
         """``cuCtxDestroy``: frees every buffer allocated in it."""
-        self.client.destroy_context(self)
+        self.client.run(requests.destroy_context(self))
 
     def info(self) -> Context:
         """Fresh ``api_version``/``flags``/``device`` as the driver reports them now."""
-        return self.client.context_info(self)
+        return self.client.run(requests.context_info(self.client, Context, self))
 
 
 @docs_from(Context)
 class AsyncContext(ContextFields):
     """A :class:`Context` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines."""
 
-    client: AsyncClient
+    __slots__ = ()
+    client: AsyncSession
 
     async def push(self) -> None:
-        await self.client.push_context(self)
+        await self.client.run(requests.push_context(self))
 
     async def destroy(self) -> None:
-        await self.client.destroy_context(self)
+        await self.client.run(requests.destroy_context(self))
 
     async def info(self) -> AsyncContext:
-        return await self.client.context_info(self)
+        return await self.client.run(requests.context_info(self.client, AsyncContext, self))
 
 
-@dataclass
-class BufferFields:
-    """What :class:`Buffer` and :class:`AsyncBuffer` hold: the record ``alloc`` returns, and whether it was freed."""
+class BufferFields(SessionObject):
+    """What :class:`Buffer` and :class:`AsyncBuffer` hold: the record ``alloc`` returns, and whether it was freed.
 
-    client: Any = field(repr=False)
-    handle: int
-    device: int
-    size: int
-    context: int
-    shareable: bool = False
-    freed: bool = False
+    ``freed`` turns True once a ``free`` of it is answered, by either route
+    (``buf.free()`` or ``client.free(buf)``); freeing it again then sends nothing.
+    """
+
+    __slots__ = ("freed", "record", "size")
+
+    def __init__(self, client: Any, record: BufferRecord) -> None:
+        self.client = client
+        self.record = record
+        self.handle = record.handle
+        self.device = record.device
+        self.size = record.size
+        self.freed = False
 
     @classmethod
     def from_wire(cls, client: Any, wire: dict[str, Any]) -> Self:
-        record = BufferRecord.from_wire(wire)
-        return cls(client, record.handle, record.device, record.size, record.context, record.shareable)
+        return cls(client, BufferRecord.from_wire(wire))
+
+    def _fields(self) -> dict[str, Any]:
+        return {**self.record.to_wire(), "freed": self.freed}
+
+    @property
+    def context(self) -> int:
+        """The handle of the context it was allocated in."""
+        return self.record.context
+
+    @property
+    def shareable(self) -> bool:
+        return self.record.shareable
 
 
 class Buffer(BufferFields):
     """Device memory owned by this session; freed by :meth:`free` or when the session ends."""
 
-    client: Client
+    __slots__ = ()
+    client: Session
 
-    def write(self, data: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
+    def write(self, data: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
         """Copy host bytes (any buffer-protocol object) to ``self[offset:]``; returns bytes written."""
-        return self.client.write(self, data, offset, stream=stream)
+        return self.client.run(requests.write(self, data, offset, stream, self.client.limits["max_payload_bytes"]))
 
-    def read(self, size: int | None = None, offset: int = 0, *, stream: Stream | None = None) -> bytes:
+    def read(self, size: int | None = None, offset: int = 0, *, stream: requests.OnDevice | None = None) -> bytes:
         """Copy ``size`` bytes (default: to the end) from ``self[offset:]`` to the host."""
-        return self.client.read(self, size, offset, stream=stream)
+        return self.client.run(requests.read(self, size, offset, stream))
 
-    def read_into(self, out: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
+    def read_into(self, out: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
         """Read ``len(out)`` bytes straight into a writable host buffer; returns bytes read."""
-        return self.client.read_into(self, out, offset, stream=stream)
+        return self.client.run(requests.read_into(self, out, offset, stream))
 
     def fill(self, value: int = 0, offset: int = 0, size: int | None = None, *,
-             stream: Stream | None = None) -> None:
+             stream: requests.OnDevice | None = None) -> None:
         """``cuMemsetD8`` over ``[offset, offset+size)`` (async on ``stream`` if given)."""
-        self.client.fill(self, value, offset, size, stream=stream)
+        self.client.run(requests.fill(self, value, offset, size, stream))
 
     def copy_to(self, dst: Buffer, size: int | None = None, src_offset: int = 0, dst_offset: int = 0, *,
-                stream: Stream | None = None) -> int:
+                stream: requests.OnDevice | None = None) -> int:
         """Device-to-device copy into ``dst`` (any device); returns bytes copied."""
-        return self.client.copy(self, dst, size, src_offset, dst_offset, stream=stream)
+        return self.client.run(requests.copy(self, dst, size, src_offset, dst_offset, stream))
 
     def export(self) -> ShareDescriptor:
         """Make this buffer shareable with other processes (see ``Client.open_shared``)."""
-        return self.client.export(self)
+        return self.client.run(requests.export(self))
 
     def publish(self, name: str) -> ShareDescriptor:
-        return self.client.publish(self, name)
+        return self.client.run(requests.publish(self, name))
 
     def free(self) -> None:
-        """Free it once; later calls send nothing."""
-        if not self.freed:
-            self.client.free(self)
-            self.freed = True
+        """Free it once; later calls (also ``client.free(buf)``) send nothing."""
+        self.client.run(requests.free(self))
 
     def __enter__(self) -> Buffer:
         return self
@@ -161,35 +229,36 @@ class AsyncBuffer(BufferFields):
     """A :class:`Buffer` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines,
     and ``async with`` frees it."""
 
-    client: AsyncClient
+    __slots__ = ()
+    client: AsyncSession
 
-    async def write(self, data: Any, offset: int = 0, *, stream: AsyncStream | None = None) -> int:
-        return await self.client.write(self, data, offset, stream=stream)
+    async def write(self, data: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
+        return await self.client.run(requests.write(self, data, offset, stream,
+                                                    self.client.limits["max_payload_bytes"]))
 
-    async def read(self, size: int | None = None, offset: int = 0, *, stream: AsyncStream | None = None) -> bytes:
-        return await self.client.read(self, size, offset, stream=stream)
+    async def read(self, size: int | None = None, offset: int = 0, *,
+                   stream: requests.OnDevice | None = None) -> bytes:
+        return await self.client.run(requests.read(self, size, offset, stream))
 
-    async def read_into(self, out: Any, offset: int = 0, *, stream: AsyncStream | None = None) -> int:
-        return await self.client.read_into(self, out, offset, stream=stream)
+    async def read_into(self, out: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
+        return await self.client.run(requests.read_into(self, out, offset, stream))
 
     async def fill(self, value: int = 0, offset: int = 0, size: int | None = None, *,
-                   stream: AsyncStream | None = None) -> None:
-        await self.client.fill(self, value, offset, size, stream=stream)
+                   stream: requests.OnDevice | None = None) -> None:
+        await self.client.run(requests.fill(self, value, offset, size, stream))
 
     async def copy_to(self, dst: AsyncBuffer, size: int | None = None, src_offset: int = 0, dst_offset: int = 0,
-                      *, stream: AsyncStream | None = None) -> int:
-        return await self.client.copy(self, dst, size, src_offset, dst_offset, stream=stream)
+                      *, stream: requests.OnDevice | None = None) -> int:
+        return await self.client.run(requests.copy(self, dst, size, src_offset, dst_offset, stream))
 
     async def export(self) -> ShareDescriptor:
-        return await self.client.export(self)
+        return await self.client.run(requests.export(self))
 
     async def publish(self, name: str) -> ShareDescriptor:
-        return await self.client.publish(self, name)
+        return await self.client.run(requests.publish(self, name))
 
     async def free(self) -> None:
-        if not self.freed:
-            await self.client.free(self)
-            self.freed = True
+        await self.client.run(requests.free(self))
 
     async def __aenter__(self) -> AsyncBuffer:
         return self

@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Generic, TypeVar
 
 from cuctxd.client import requests
 from cuctxd.client.objects import docs_from
 from cuctxd.client.requests import OnDevice, Request
 from cuctxd.client.transport import MAX_IN_FLIGHT, Call
-from cuctxd.protos.errors import CuctxError, DaemonTimeout
-
-if TYPE_CHECKING:
-    from cuctxd.client.async_client import AsyncClient
-    from cuctxd.client.client import Client
+from cuctxd.protos.errors import CuctxError, DaemonTimeout, NoDaemon
 
 __all__ = ["MAX_IN_FLIGHT", "AsyncPipeline", "Pipeline", "PipelineOps", "raise_first"]
 
@@ -72,25 +68,26 @@ class PipelineOps(Generic[FutureT]):
 class Pipeline(PipelineOps[Call[Any]]):
     """Futures-returning twins of the client's memory ops; see the module docstring."""
 
-    def __init__(self, client: Client) -> None:
-        self.client = client
+    def __init__(self, send: Callable[[Request[Any]], Call[Any]]) -> None:
+        """``send``: the client's, which sends a request on its route without waiting."""
+        self._send = send
         self._calls: list[Call[Any]] = []
 
     def send(self, request: Request[Any]) -> Call[Any]:
         """Send any request now; at most :data:`MAX_IN_FLIGHT` wait for replies at once on each socket."""
-        call = self.client._send(request)
+        call = self._send(request)
         self._calls.append(call)
         return call
 
     def wait(self) -> None:
         """Wait for every reply; raise the first error (after all replies are in).
 
-        Once one reply times out the daemon is taken as gone: the calls still open are
+        Once one reply times out (or the daemon is found gone) the daemon is taken as gone: the calls still open are
         abandoned at once, so a batch fails within about one timeout, not one per call.
         """
         first_error: BaseException | None = None
         for call in self._calls:
-            if isinstance(first_error, DaemonTimeout):
+            if isinstance(first_error, (DaemonTimeout, NoDaemon)):
                 call.transport.abandon(call)
                 continue
             try:
@@ -117,13 +114,14 @@ class AsyncPipeline(PipelineOps["asyncio.Task[Any]"]):
     """The async client's pipeline: methods return tasks at once, sent in the order they were made;
     leaving ``async with`` (or :meth:`wait`) awaits them all and raises the first error."""
 
-    def __init__(self, client: AsyncClient) -> None:
-        self.client = client
+    def __init__(self, run: Callable[[Request[Any]], Coroutine[Any, Any, Any]]) -> None:
+        """``run``: the client's, which awaits one request."""
+        self._run = run
         self._tasks: list[asyncio.Task[Any]] = []
 
     def send(self, request: Request[Any]) -> asyncio.Task[Any]:
         """Start any request as a task of the running loop."""
-        task = asyncio.get_running_loop().create_task(self.client._run(request))
+        task = asyncio.get_running_loop().create_task(self._run(request))
         self._tasks.append(task)
         return task
 

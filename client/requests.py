@@ -12,6 +12,8 @@ client.Client` runs requests through :class:`~cuctxd.client.transport.Transport`
 
 Builders that return client objects take the owning client and the class to
 build (``Context`` or ``AsyncContext``, ...), so one builder serves both flavours.
+What the two flavours share beyond requests (the session, the routes) is in
+:mod:`cuctxd.client.core`.
 """
 
 from __future__ import annotations
@@ -110,26 +112,10 @@ class FromWire(Protocol[T_co]):
     def from_wire(self, client: Any, wire: dict[str, Any], /) -> T_co: ...
 
 
-#: A stream or event class: ``(client, handle, device)``.
-Make = Callable[[Any, int, int], T]
+class Freeable(OnDevice, Protocol):
+    """A buffer of either client: ``freed`` once a ``free`` of it has been answered."""
 
-
-class SessionState:
-    """What a client knows of its session once ``hello`` has answered; both clients expose it."""
-
-    _token: str | None = None
-
-    def _adopt(self, hello: dict[str, Any]) -> str:
-        """Take in ``hello``'s answer; returns the session token."""
-        token: str = hello["session"]
-        self._token = token
-        self.session_id: int = hello["session_id"]
-        self.daemon_version: str = hello["daemon_version"]
-        self.protocol: int = hello["protocol"]
-        self.backend: str = hello["backend"]
-        self.limits: dict[str, int] = hello["limits"]
-        self.lease_ttl: float = hello["lease_ttl"]
-        return token
+    freed: bool
 
 
 # --- building blocks -----------------------------------------------------------------------
@@ -164,6 +150,10 @@ def _built(owner: Any, kind: FromWire[T], name: str) -> Convert[T]:
     return lambda result, frames: kind.from_wire(owner, result[name])
 
 
+def _whole(owner: Any, kind: FromWire[T]) -> Convert[T]:
+    return lambda result, frames: kind.from_wire(owner, result)
+
+
 def _handle(stream: OnDevice | None) -> int | None:
     return None if stream is None else stream.handle
 
@@ -175,8 +165,8 @@ def _on(thing: OnDevice, **args: Any) -> dict[str, Any]:
 # --- session and daemon --------------------------------------------------------------------
 
 
-def hello(name: str | None) -> Request[dict[str, Any]]:
-    return _request("hello", _result, protocol=PROTOCOL_VERSION,
+def hello(name: str | None, timeout: float) -> Request[dict[str, Any]]:
+    return _request("hello", _result, timeout=timeout, protocol=PROTOCOL_VERSION,
                     client=name or os.path.basename(sys.argv[0] or "python"), pid=os.getpid())
 
 
@@ -275,8 +265,21 @@ def alloc(owner: Any, buffer: FromWire[T], size: int, device: int | None, sharea
     return _request("alloc", _built(owner, buffer, "buffer"), size=size, device=device, shareable=shareable)
 
 
-def free(buffer: OnDevice) -> Request[None]:
-    return _request("free", _nothing, **_on(buffer, buffer=buffer.handle))
+def _already_done() -> Plan[None]:
+    yield from ()
+
+
+def free(buffer: Freeable) -> Request[None] | Plan[None]:
+    """Free once, whichever route (``buffer.free()`` or ``client.free(buffer)``): a buffer already
+    freed sends nothing, and ``freed`` turns True when the daemon has answered. A handle the
+    daemon does not know (say, freed with its context) raises ``UnknownHandle``."""
+    if buffer.freed:
+        return _already_done()
+
+    def freed(result: dict[str, Any], frames: list[Any]) -> None:
+        buffer.freed = True
+
+    return _request("free", freed, **_on(buffer, buffer=buffer.handle))
 
 
 def fill(buffer: OnDevice, value: int, offset: int, size: int | None, stream: OnDevice | None) -> Request[int]:
@@ -352,21 +355,12 @@ def _read_chunks(buffer: OnDevice, view: memoryview, offset: int, stream: OnDevi
 # --- streams and events --------------------------------------------------------------------
 
 
-def _device_or_current(device: int | None) -> Plan[int]:
-    if device is None:
-        current: int = yield get_device()
-        return current
-    return device
+def create_stream(owner: Any, stream: FromWire[T], device: int | None, non_blocking: bool) -> Request[T]:
+    return _request("create_stream", _whole(owner, stream), device=device, non_blocking=non_blocking)
 
 
-def create_stream(owner: Any, stream: Make[T], device: int | None, non_blocking: bool) -> Plan[T]:
-    result = yield _request("create_stream", _result, device=device, non_blocking=non_blocking)
-    return stream(owner, result["stream"], (yield from _device_or_current(device)))
-
-
-def create_event(owner: Any, event: Make[T], device: int | None, timing: bool) -> Plan[T]:
-    result = yield _request("create_event", _result, device=device, timing=timing)
-    return event(owner, result["event"], (yield from _device_or_current(device)))
+def create_event(owner: Any, event: FromWire[T], device: int | None, timing: bool) -> Request[T]:
+    return _request("create_event", _whole(owner, event), device=device, timing=timing)
 
 
 def stream_query(stream: OnDevice) -> Request[bool]:

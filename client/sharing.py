@@ -11,20 +11,18 @@ daemon's hold are requests, so :meth:`AsyncOpenedShare.close` is a coroutine
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from cuctxd.client import requests
+from cuctxd.client.core import AsyncSession, Session
 from cuctxd.client.objects import docs_from
 from cuctxd.client.requests import Plan
-from cuctxd.protos.errors import NotShareable
+from cuctxd.protos.errors import NotShareable, WrongBackend
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.records import ShareDescriptor
 
-if TYPE_CHECKING:
-    from cuctxd.client.async_client import AsyncClient
-    from cuctxd.client.client import Client
-
 ShareT = TypeVar("ShareT")
+
 
 
 def check_same_host(descriptor: ShareDescriptor) -> None:
@@ -58,14 +56,18 @@ class MappedShare:
 
     @property
     def ptr(self) -> int:
-        """The device pointer in this process (cuda backend only)."""
+        """The device pointer in this process (cuda backend only; else :class:`WrongBackend`, an
+        AttributeError, so ``hasattr`` says False)."""
         if self.backend != "cuda":
-            raise NotShareable("a sim share has no device pointer; use host_view()")
+            raise WrongBackend(f"a {self.backend} share has no device pointer; use host_view()")
         return int(self._mapping.ptr)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        """Version 3 of the CUDA array interface: a flat ``uint8`` array of ``size`` bytes."""
+        """Version 3 of the CUDA array interface: a flat ``uint8`` array of ``size`` bytes (cuda backend
+        only: on others ``hasattr(share, "__cuda_array_interface__")`` is False)."""
+        if self.backend != "cuda":
+            raise WrongBackend(f"a {self.backend} share is host memory, not a CUDA array; use host_view()")
         return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
                 "strides": None}
 
@@ -80,11 +82,11 @@ class MappedShare:
 class OpenedShare(MappedShare):
     """A mapped share; close it (or use ``with``) to unmap and drop the daemon's hold."""
 
-    client: Client
+    client: Session
 
     def close(self) -> None:
         """Unmap, then drop the daemon's hold (even if unmapping failed); nothing the second time."""
-        self.client._run(close_share(self))
+        self.client.run(close_share(self))
 
     def __enter__(self) -> OpenedShare:
         return self
@@ -98,10 +100,10 @@ class AsyncOpenedShare(MappedShare):
     """An :class:`OpenedShare` of an :class:`~cuctxd.client.async_client.AsyncClient`: ``await share.close()``,
     or ``async with await client.open_shared(name) as share:``."""
 
-    client: AsyncClient
+    client: AsyncSession
 
     async def close(self) -> None:
-        await self.client._run(close_share(self))
+        await self.client.run(close_share(self))
 
     async def __aenter__(self) -> AsyncOpenedShare:
         return self

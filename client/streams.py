@@ -8,105 +8,123 @@ Both flavours send the same requests (:mod:`cuctxd.client.requests`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Self
 
 from cuctxd.client import requests
-from cuctxd.client.objects import docs_from
-
-if TYPE_CHECKING:
-    from cuctxd.client.async_client import AsyncClient
-    from cuctxd.client.client import Client
+from cuctxd.client.core import AsyncSession, Session
+from cuctxd.client.objects import SessionObject, docs_from
 
 
-@dataclass(frozen=True)
-class HandleFields:
-    """What a stream or event holds: its client, its session-scoped handle, and its device."""
+class HandleFields(SessionObject):
+    """What a stream or event holds: its client, its handle, its device and the handle of its context,
+    as ``create_stream``/``create_event`` answer them."""
 
-    client: Any = field(repr=False, compare=False)
-    handle: int
-    device: int
+    __slots__ = ("context",)
+
+    #: The reply field that holds the handle: ``stream`` or ``event``.
+    reply_field: ClassVar[str]
+
+    def __init__(self, client: Any, handle: int, device: int, context: int) -> None:
+        self.client = client
+        self.handle = handle
+        self.device = device
+        self.context = context
+
+    @classmethod
+    def from_wire(cls, client: Any, result: dict[str, Any]) -> Self:
+        return cls(client, result[cls.reply_field], result["device"], result["context"])
+
+    def _fields(self) -> dict[str, Any]:
+        return {"handle": self.handle, "device": self.device, "context": self.context}
 
 
 class Stream(HandleFields):
     """A CUDA stream in the context that was current on ``device`` when it was made."""
 
-    client: Client
+    __slots__ = ()
+    reply_field = "stream"
+    client: Session
 
     def query(self) -> bool:
         """True when all queued work is done (``cuStreamQuery``)."""
-        return self.client._run(requests.stream_query(self))
+        return self.client.run(requests.stream_query(self))
 
     def synchronize(self) -> None:
-        self.client._run(requests.stream_synchronize(self))
+        self.client.run(requests.stream_synchronize(self))
 
     def wait_event(self, event: Event) -> None:
         """Later work on this stream waits for ``event`` (``cuStreamWaitEvent``)."""
-        self.client._run(requests.stream_wait_event(self, event))
+        self.client.run(requests.stream_wait_event(self, event))
 
     def destroy(self) -> None:
-        self.client._run(requests.destroy_stream(self))
+        self.client.run(requests.destroy_stream(self))
 
 
 class Event(HandleFields):
     """A CUDA event; ``timing=False`` events cannot measure elapsed time."""
 
-    client: Client
+    __slots__ = ()
+    reply_field = "event"
+    client: Session
 
     def record(self, stream: Stream | None = None) -> None:
         """``cuEventRecord`` on ``stream`` (default: the legacy default stream)."""
-        self.client._run(requests.record_event(self, stream))
+        self.client.run(requests.record_event(self, stream))
 
     def query(self) -> bool:
-        return self.client._run(requests.event_query(self))
+        return self.client.run(requests.event_query(self))
 
     def synchronize(self) -> None:
-        self.client._run(requests.event_synchronize(self))
+        self.client.run(requests.event_synchronize(self))
 
     def elapsed_time(self, end: Event) -> float:
         """Milliseconds from this event's record to ``end``'s."""
-        return self.client._run(requests.event_elapsed_time(self, end))
+        return self.client.run(requests.event_elapsed_time(self, end))
 
     def destroy(self) -> None:
-        self.client._run(requests.destroy_event(self))
+        self.client.run(requests.destroy_event(self))
 
 
 @docs_from(Stream)
 class AsyncStream(HandleFields):
     """A :class:`Stream` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines."""
 
-    client: AsyncClient
+    __slots__ = ()
+    reply_field = "stream"
+    client: AsyncSession
 
     async def query(self) -> bool:
-        return await self.client._run(requests.stream_query(self))
+        return await self.client.run(requests.stream_query(self))
 
     async def synchronize(self) -> None:
-        await self.client._run(requests.stream_synchronize(self))
+        await self.client.run(requests.stream_synchronize(self))
 
     async def wait_event(self, event: AsyncEvent) -> None:
-        await self.client._run(requests.stream_wait_event(self, event))
+        await self.client.run(requests.stream_wait_event(self, event))
 
     async def destroy(self) -> None:
-        await self.client._run(requests.destroy_stream(self))
+        await self.client.run(requests.destroy_stream(self))
 
 
 @docs_from(Event)
 class AsyncEvent(HandleFields):
     """An :class:`Event` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines."""
 
-    client: AsyncClient
+    __slots__ = ()
+    reply_field = "event"
+    client: AsyncSession
 
     async def record(self, stream: AsyncStream | None = None) -> None:
-        await self.client._run(requests.record_event(self, stream))
+        await self.client.run(requests.record_event(self, stream))
 
     async def query(self) -> bool:
-        return await self.client._run(requests.event_query(self))
+        return await self.client.run(requests.event_query(self))
 
     async def synchronize(self) -> None:
-        await self.client._run(requests.event_synchronize(self))
+        await self.client.run(requests.event_synchronize(self))
 
     async def elapsed_time(self, end: AsyncEvent) -> float:
-        return await self.client._run(requests.event_elapsed_time(self, end))
+        return await self.client.run(requests.event_elapsed_time(self, end))
 
     async def destroy(self) -> None:
-        await self.client._run(requests.destroy_event(self))
+        await self.client.run(requests.destroy_event(self))

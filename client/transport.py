@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,11 +24,14 @@ import zmq
 import zmq.auth
 
 from cuctxd.client.lanes import Reach
-from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonTimeout, error_from_wire
+from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonTimeout, NoDaemon, error_from_wire
 from cuctxd.protos.messages import ReplyHeader, encode_request, parse_reply
 
 #: Seconds a call waits for its reply unless the client is told otherwise.
 DEFAULT_TIMEOUT = 30.0
+
+#: Seconds between checks, while a reply is awaited, that an ipc:// daemon still listens (:func:`listening`).
+PROBE_EVERY = 1.0
 
 #: Most requests one connection has waiting for replies (a sync pipeline then reads
 #: replies; async calls queue for a slot): bounded so neither side's ZeroMQ queue
@@ -93,6 +97,30 @@ def curve_keys(server_key: KeyPath | CurveKeys | None,
             raise ValueError("client_key needs server_key (the daemon's public key file) as well")
         return None
     return CurveKeys.load(server_key, client_key)
+
+
+def listening(endpoint: str) -> bool:
+    """False when ``endpoint`` is an ipc:// socket that nobody listens on: no socket file, or one that refuses
+    connections (its daemon died). True otherwise: a plain AF_UNIX connect, no handshake, so it costs the
+    daemon nothing; other transports cannot be told apart from a slow daemon without a handshake."""
+    if not endpoint.startswith("ipc://"):
+        return True
+    path = endpoint[len("ipc://"):]
+    if path.startswith("@"):  # Linux's abstract namespace, as ZeroMQ spells it
+        path = "\0" + path[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)  # a full backlog answers EAGAIN at once: someone is listening
+        try:
+            probe.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        except OSError:
+            return True
+    return True
+
+
+def no_daemon(endpoint: str, op: str | None = None) -> NoDaemon:
+    return NoDaemon(f"no cuctxd is listening at {endpoint}; start it with `cuctxd`", op)
 
 
 def connect_dealer(context: zmq.Context[SocketT], endpoint: str, curve: CurveKeys | None = None) -> SocketT:
@@ -188,12 +216,21 @@ def _raw(result: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], lis
 
 
 class Transport:
-    """A connection to one daemon endpoint."""
+    """A connection to one daemon endpoint.
 
-    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None) -> None:
+    ``daemon``: the endpoint the user gave, when ``endpoint`` is one the client found
+    (a device's own socket): errors name it, and while a reply is awaited the client
+    checks every :data:`PROBE_EVERY` s that an ipc:// daemon still listens there,
+    raising :class:`~cuctxd.protos.errors.NoDaemon` at once when not.
+    """
+
+    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None, *,
+                 daemon: str | None = None) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
         self.curve = curve
+        self.daemon = daemon or endpoint
+        self._probe_ms = int(PROBE_EVERY * 1000) if self.daemon.startswith("ipc://") else None
         self._socket: zmq.Socket[bytes] = connect_dealer(zmq.Context.instance(), endpoint, curve)
         self._socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         self._ids = itertools.count(1)
@@ -229,7 +266,9 @@ class Transport:
                 else:
                     self._socket.send(header)
             except zmq.Again:
-                raise DaemonTimeout(f"could not send to {self.endpoint} within {self.timeout:g} s", op) from None
+                if not listening(self.daemon):
+                    raise no_daemon(self.daemon, op) from None
+                raise DaemonTimeout(f"could not send to {self.daemon} within {self.timeout:g} s", op) from None
             call: Call[Any] = Call(self, request_id, op, into, convert, reach)
             self._in_flight[request_id] = call
             return call
@@ -239,7 +278,7 @@ class Transport:
         with self._lock:
             self._in_flight.pop(call.request_id, None)
             if not call.done:
-                abandoned = DaemonTimeout(f"abandoned: an earlier request to {self.endpoint} timed out", call.op)
+                abandoned = DaemonTimeout(f"abandoned: an earlier request to {self.daemon} timed out", call.op)
                 call._resolve(None, [], abandoned)
 
     @property
@@ -256,14 +295,15 @@ class Transport:
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         limit_ms = max(1, int(limit * 1000))
+        slice_ms = limit_ms if self._probe_ms is None else min(limit_ms, self._probe_ms)
         with self._lock:
             while not call.done:
                 left_ms = (deadline - time.monotonic()) * 1000
                 header = None
                 if left_ms > 0:
                     # A blocking recv with RCVTIMEO costs one call less per reply than poll + recv;
-                    # the option is set again only when the time left is short of the usual limit.
-                    want = limit_ms if left_ms >= limit_ms - 1 else max(1, int(left_ms))
+                    # the option is set again only when the time left is short of the usual slice.
+                    want = slice_ms if left_ms >= slice_ms - 1 else max(1, int(left_ms))
                     if want != self._rcvtimeo:
                         self._socket.setsockopt(zmq.RCVTIMEO, want)
                         self._rcvtimeo = want
@@ -272,8 +312,13 @@ class Transport:
                     except zmq.Again:
                         header = None
                 if header is None:
+                    alive = listening(self.daemon)
+                    if alive and time.monotonic() < deadline:
+                        continue  # a slice passed and the daemon still listens: wait on
                     self._in_flight.pop(call.request_id, None)
-                    raise no_reply(self.endpoint, limit, call.op, self.curve)
+                    if alive:
+                        raise no_reply(self.daemon, limit, call.op, self.curve)
+                    raise no_daemon(self.daemon, call.op)
                 self._receive_one(header)
 
     def _receive_one(self, header: zmq.Frame) -> None:

@@ -47,8 +47,10 @@ class CuctxError(Exception):
         super().__init__(self._describe())
 
     def _describe(self) -> str:
+        """``op: NAME (code): message``; client-side errors have no wire code, so no ``(0)``."""
         where = f"{self.op}: " if self.op else ""
-        return f"{where}{self.name} ({self.code}): {self.message}"
+        code = f" ({self.code})" if self.code else ""
+        return f"{where}{self.name}{code}: {self.message}"
 
     def with_op(self, op: str) -> CuctxError:
         """Return this error tagged with the op that failed (if not tagged yet)."""
@@ -185,8 +187,36 @@ class DaemonTimeout(CuctxError):
 class ConnectionLost(CuctxError):
     """Client side only: the client's transport is closed or failed."""
 
+    error_name = "CUCTXD_CONNECTION_LOST"
+
     def __init__(self, message: str, op: str | None = None) -> None:
-        super().__init__(0, "CUCTXD_CONNECTION_LOST", message, op)
+        super().__init__(0, self.error_name, message, op)
+
+
+class NoDaemon(ConnectionLost):
+    """Client side only: nothing listens at the ipc:// endpoint (no socket file, or it refuses
+    connections), so the client fails at once instead of waiting for a reply that cannot come."""
+
+    error_name = "CUCTXD_NO_DAEMON"
+
+
+class SessionLost(ConnectionLost):
+    """Client side only: the daemon stopped, or restarted and no longer knows this session.
+
+    Every context, buffer, stream and event of the old session is gone with it.
+    ``client.reconnect()`` (or ``Client(..., reconnect=True)``) starts a new session
+    on the same client.
+    """
+
+    error_name = "CUCTXD_SESSION_LOST"
+
+
+class WrongBackend(CuctxError, AttributeError):  # type: ignore[misc]  # ``name`` is the error's, not an attribute's
+    """Client side only: a property of an opened share that its backend does not have (a sim share's
+    ``ptr``); an AttributeError as well, so ``hasattr`` answers False instead of raising."""
+
+    def __init__(self, message: str, op: str | None = None) -> None:
+        super().__init__(0, "CUCTXD_WRONG_BACKEND", message, op)
 
 
 _DAEMON_ERRORS: dict[int, type[DaemonError]] = {

@@ -17,7 +17,7 @@ from cuctxd.protos.schema import count_field, handle_field, op
 @op("create_stream", target="device")
 class CreateStream:
     """Like ``cuStreamCreate`` in the session's current context (binds the primary lazily).
-    Result: ``stream`` (handle)."""
+    Result: ``stream`` (handle), ``context`` (its context's handle), ``device`` (the device it is on)."""
 
     device: int | None = count_field()
     non_blocking: bool = False
@@ -49,7 +49,8 @@ class StreamSynchronize:
 
 @op("create_event", target="device")
 class CreateEvent:
-    """Like ``cuEventCreate`` in the session's current context. Result: ``event`` (handle)."""
+    """Like ``cuEventCreate`` in the session's current context.
+    Result: ``event`` (handle), ``context`` (its context's handle), ``device`` (the device it is on)."""
 
     device: int | None = count_field()
     timing: bool = True

@@ -13,7 +13,7 @@ from cuctxd.protos import stream_ops as ops
 def create_stream(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
     entry = state.streams.create_stream(session, state.contexts.for_new(session, "stream"), job.args.non_blocking)
-    return Reply({"stream": entry.handle, "context": entry.context.handle})
+    return Reply({"stream": entry.handle, "context": entry.context.handle, "device": state.device})
 
 
 @device_handler(ops.DestroyStream)
@@ -39,7 +39,7 @@ def stream_synchronize(state: DeviceState, job: Job) -> Pending:
 def create_event(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
     entry = state.streams.create_event(session, state.contexts.for_new(session, "event"), job.args.timing)
-    return Reply({"event": entry.handle, "context": entry.context.handle})
+    return Reply({"event": entry.handle, "context": entry.context.handle, "device": state.device})
 
 
 @device_handler(ops.DestroyEvent)

@@ -145,7 +145,7 @@ def test_cuctx_without_a_daemon_exits_1_with_a_message() -> None:
         assert done.returncode == 1
         assert done.stdout == ""
         assert done.stderr.startswith("cuctx: ")
-        assert "CUCTXD_TIMEOUT" in done.stderr
+        assert "CUCTXD_NO_DAEMON" in done.stderr
         assert endpoint in done.stderr
         assert "Traceback" not in done.stderr
     finally:

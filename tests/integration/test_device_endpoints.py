@@ -164,7 +164,7 @@ def test_a_client_can_use_the_main_endpoint_only(daemon: DaemonProcess) -> None:
         buffer = session.alloc(32)
         buffer.write(b"x" * 32)
         assert buffer.read(4) == b"xxxx"
-        assert not session._lane_transports
+        assert not session._router.lane_transports
 
 
 def test_a_daemon_without_device_endpoints_serves_everything_on_the_main_one() -> None:
@@ -199,7 +199,7 @@ def test_over_tcp_the_client_reaches_device_endpoints_by_the_host_it_used() -> N
         port = tcp_main.rpartition(":")[2]
         code = ("from client import Client\n"
                 f"with Client('tcp://localhost:{port}', timeout=10) as c:\n"
-                "    b = c.alloc(8); b.write(b'tcp lane'); print(b.read().decode(), c._lanes.endpoints)\n")
+                "    b = c.alloc(8); b.write(b'tcp lane'); print(b.read().decode(), c._router.lanes.endpoints)\n")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              env=client_env(), cwd=REPO, check=True).stdout
         assert out.startswith("tcp lane ['tcp://localhost:")
@@ -224,7 +224,7 @@ def test_the_async_client_routes_like_the_sync_one(daemon: DaemonProcess) -> Non
                 p.fill(moved, ord("c"), 48, 16)
                 read = p.read(moved)
                 device = p.send(wire.get_device())
-            return moved.device, len(session._lane_transports), read.result(), device.result()
+            return moved.device, len(session._router.lane_transports), read.result(), device.result()
 
     moved_device, lanes_used, data, current = asyncio.run(body())
     assert moved_device == 1 and current == 1
@@ -251,6 +251,6 @@ def test_the_async_client_can_use_the_main_endpoint_only(daemon: DaemonProcess) 
         async with AsyncClient(daemon.endpoint, timeout=10, device_endpoints=False) as session:
             buffer = await session.alloc(8, device=1)
             await buffer.write(b"12345678")
-            return await buffer.read(), len(session._lane_transports)
+            return await buffer.read(), len(session._router.lane_transports)
 
     assert asyncio.run(body()) == (b"12345678", 0)

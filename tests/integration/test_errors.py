@@ -6,8 +6,8 @@ the daemon must still answer, and another session's memory must be untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +21,6 @@ from cuctxd.client import (
     Context,
     CuctxError,
     CudaError,
-    DaemonTimeout,
     OutOfRange,
     TooLarge,
     UnknownHandle,
@@ -30,8 +29,9 @@ from cuctxd.client import (
 )
 from cuctxd.client.transport import Transport
 from cuctxd.protos.messages import pack
+from cuctxd.protos.records import BufferRecord, ContextRecord
 from cuctxd.protos.version import PROTOCOL_VERSION
-from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
 from tests.helpers_raw import RawPeer, error_name, raw_peer
 
 
@@ -49,12 +49,12 @@ OUT_OF_RANGE = "CUCTXD_ERROR_OUT_OF_RANGE"
 
 
 def fake_buffer(client: Client, device: int = 0, size: int = 4096) -> Buffer:
-    return Buffer(client, handle=0x1234_5677, device=device, size=size, context=0x99)
+    return Buffer(client, BufferRecord(handle=0x1234_5677, device=device, size=size, context=0x99))
 
 
 def fake_context(client: Client, device: int = 0) -> Context:
-    return Context(client, handle=0x4321_8765, device=device, is_primary=False, api_version=3020,
-                   flags=0, context_id=999)
+    return Context(client, ContextRecord(handle=0x4321_8765, device=device, is_primary=False, api_version=3020,
+                                         flags=0, context_id=999))
 
 
 def raises_named(name: str, call: Any, *args: Any, **kwargs: Any) -> CuctxError:
@@ -76,7 +76,7 @@ def raises_named(name: str, call: Any, *args: Any, **kwargs: Any) -> CuctxError:
         lambda c, b, x: c.fill(b, 1),
         lambda c, b, x: c.copy(b, x, 16),
         lambda c, b, x: c.copy(x, b, 16),
-        lambda c, b, x: c.copy(x, Buffer(c, b.handle, 1, 4096, 1), 16),
+        lambda c, b, x: c.copy(x, Buffer(c, BufferRecord(b.handle, 1, 4096, 1)), 16),
         lambda c, b, x: c.read_into(b, bytearray(16)),
     ],
     ids=["free", "read", "write", "fill", "copy-src", "copy-dst", "copy-dst-other-device", "read-into"],
@@ -101,15 +101,16 @@ def test_unknown_context_handle(client: Client, call: Any) -> None:
 def test_a_handle_is_only_known_on_its_own_device(client: Client) -> None:
     buffer = client.alloc(64, device=0)
     context = client.create_context(device=0)
-    raises_named(UNKNOWN_HANDLE, client.read, Buffer(client, buffer.handle, 1, 64, buffer.context))
-    raises_named(UNKNOWN_HANDLE, client.push_context, Context(
-        client, context.handle, 1, False, context.api_version, context.flags, context.context_id))
+    raises_named(UNKNOWN_HANDLE, client.read, Buffer(client, dataclasses.replace(buffer.record, device=1)))
+    raises_named(UNKNOWN_HANDLE, client.push_context, Context(client, dataclasses.replace(context.record, device=1)))
 
 
-def test_double_free(client: Client) -> None:
+def test_a_raw_handle_freed_twice_is_unknown(client: Client) -> None:
+    """Freeing the same Buffer object twice is a no-op (tests/integration/test_first_contact.py); a second
+    object for a handle already freed is what the daemon no longer knows."""
     buffer = client.alloc(256)
     client.free(buffer)
-    raises_named(UNKNOWN_HANDLE, client.free, buffer)
+    raises_named(UNKNOWN_HANDLE, client.free, Buffer(client, buffer.record))
 
 
 def test_a_buffer_dies_with_its_context(client: Client) -> None:
@@ -155,7 +156,7 @@ def test_destroying_the_primary_context_is_invalid_context(client: Client) -> No
         lambda c: c.synchronize(device=2),
         lambda c: c.device_synchronize(device=2),
         lambda c: c.mem_get_info(device=9),
-        lambda c: c.read(Buffer(c, 5, 2, 16, 1)),
+        lambda c: c.read(Buffer(c, BufferRecord(5, 2, 16, 1))),
     ],
     ids=["set_device-2", "set_device-1000", "alloc", "current_context", "context_stack", "create_context",
          "pop_context", "synchronize", "device_synchronize", "mem_get_info", "read"],
@@ -174,7 +175,7 @@ def test_bad_device_does_not_change_the_current_device(client: Client) -> None:
 
 def test_copy_to_a_device_that_does_not_exist(client: Client) -> None:
     src = client.alloc(64)
-    raises_named("CUDA_ERROR_INVALID_DEVICE", client.copy, src, Buffer(client, src.handle, 5, 64, 1))
+    raises_named("CUDA_ERROR_INVALID_DEVICE", client.copy, src, Buffer(client, BufferRecord(src.handle, 5, 64, 1)))
 
 
 def test_negative_device_is_bad_argument(client: Client) -> None:
@@ -370,20 +371,6 @@ def test_a_closed_client_raises_connection_lost(daemon: DaemonProcess) -> None:
     with pytest.raises(ConnectionLost):
         client.ping()
     client.close()  # closing twice is fine
-
-
-def test_a_missing_daemon_raises_daemon_timeout_within_the_timeout() -> None:
-    directory = short_tempdir()
-    try:
-        start = time.monotonic()
-        with pytest.raises(DaemonTimeout) as info:
-            Client(f"ipc://{directory}/nobody.sock", timeout=0.5)
-        elapsed = time.monotonic() - start
-        assert info.value.name == "CUCTXD_TIMEOUT"
-        assert info.value.op == "hello"
-        assert 0.45 <= elapsed < 5.0
-    finally:
-        remove_tempdir(directory)
 
 
 # --- hostile input on a raw socket -----------------------------------------------------------

@@ -21,12 +21,11 @@ def other(daemon: DaemonProcess) -> Iterator[Client]:
 
 def as_seen_by(client: Client, buffer: Buffer) -> Buffer:
     """The same handle, sent by another session."""
-    return Buffer(client, buffer.handle, buffer.device, buffer.size, buffer.context)
+    return Buffer(client, buffer.record)
 
 
 def context_as_seen_by(client: Client, context: Context) -> Context:
-    return Context(client, context.handle, context.device, context.is_primary, context.api_version,
-                   context.flags, context.context_id)
+    return Context(client, context.record)
 
 
 def device_entries(client: Client, session_id: int) -> list[dict[str, Any]]:

@@ -117,7 +117,7 @@ def test_watch_keeps_trying_when_there_is_no_daemon() -> None:
         remove_tempdir(directory)
     assert done.returncode == 1
     assert done.stdout.count("every 0.05 s: ") == 2
-    assert done.stdout.count("CUCTXD_TIMEOUT") == 2
+    assert done.stdout.count("CUCTXD_NO_DAEMON") == 2
 
 
 # --- doctor ----------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_requests_are_counted_by_op_and_outcome(metrics_daemon: tuple[DaemonProc
     with Client(process.endpoint, timeout=10) as client:
         buffer = client.alloc(MiB, device=1)
         buffer.fill(3)
-        bogus = dataclasses.replace(buffer, handle=buffer.handle + 1)
+        bogus = type(buffer)(client, dataclasses.replace(buffer.record, handle=buffer.handle + 1))
         with pytest.raises(UnknownHandle):
             bogus.fill(1)
         client.ping()

@@ -136,7 +136,7 @@ def test_explicit_free_unpublishes(daemon: DaemonProcess) -> None:
 def test_a_session_cannot_touch_another_sessions_private_buffers(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as a, Client(daemon.endpoint) as b:
         buf = a.alloc(256)
-        stolen = dataclasses.replace(buf, client=b)
+        stolen = type(buf)(b, buf.record)
         for attempt in (stolen.read, stolen.export, stolen.free, lambda: stolen.publish("x")):
             with pytest.raises(UnknownHandle):
                 attempt()

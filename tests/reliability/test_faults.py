@@ -4,11 +4,9 @@
   on answering, reaps the session within its lease (``--lease-ttl 1.5``) plus
   the reaper's period and a margin, and gets all the memory back.
 * A daemon killed with SIGKILL and started again on the same ipc:// endpoint:
-  a client that had a session sees ``DaemonTimeout`` after its own timeout
-  while the daemon is gone (also for a transfer in flight at the kill), and
-  after the restart ``UnknownSession`` for its old token (never
-  ``SessionExpired``: the new daemon never knew it), while its connection
-  recovers by itself and a new ``Client`` works at once. A read or write the
+  a client that had a session sees ``SessionLost`` within a second while the
+  daemon is gone (also for a transfer in flight at the kill), and still after
+  the restart until ``reconnect()``; a new ``Client`` works at once. A read or write the
   client splits into chunks must fail within the client's timeout as well.
 * A daemon stopped with SIGTERM removes the sim's shared-memory files of every
   exported or published buffer, also those whose owner session had ended.
@@ -27,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from cuctxd.client import Client, CudaError, DaemonTimeout, SessionExpired, UnknownSession
+from cuctxd.client import Client, CudaError, DaemonTimeout, SessionLost
 from cuctxd.protos.sim_ipc import decode_handle
 from tests.helpers import DaemonProcess, remove_tempdir, session_ids, short_tempdir, start_daemon, wait_until
 from tests.reliability.victims import transfer_forever
@@ -145,24 +143,18 @@ def test_a_daemon_killed_and_restarted_on_the_same_endpoint() -> None:
         kill(first)
         mover.join(RESTART_TIMEOUT + 3)
         assert not mover.is_alive(), "a transfer in flight at the kill hung past the client's timeout"
-        assert len(in_flight) == 1 and isinstance(in_flight[0][0], DaemonTimeout), in_flight
+        assert len(in_flight) == 1 and isinstance(in_flight[0][0], SessionLost), in_flight
         assert in_flight[0][1] < RESTART_TIMEOUT + 1.0, f"the transfer in flight took {in_flight[0][1]:.1f} s to fail"
 
         started = time.monotonic()
-        with pytest.raises(DaemonTimeout) as gone:
+        with pytest.raises(SessionLost) as gone:
             old.alloc(4096)
-        waited = time.monotonic() - started
-        assert gone.value.name == "CUCTXD_TIMEOUT" and gone.value.op == "alloc"
-        assert RESTART_TIMEOUT - 0.05 <= waited < RESTART_TIMEOUT + 2.0
+        assert time.monotonic() - started < 1.0, "a lost session fails at once"
+        assert gone.value.name == "CUCTXD_SESSION_LOST" and gone.value.op == "alloc"
 
         second = start_daemon_at(endpoint)  # clears the dead daemon's socket file
-        assert wait_until(lambda: _answers(old), 10.0), "the old client's connection did not come back"
-        with pytest.raises(UnknownSession) as unknown:
+        with pytest.raises(SessionLost):
             buffer.read(16)
-        assert not isinstance(unknown.value, SessionExpired)
-        assert unknown.value.name == "CUCTXD_ERROR_UNKNOWN_SESSION" and unknown.value.code == 10005
-        with pytest.raises(UnknownSession):
-            old.alloc(4096)
 
         with Client(endpoint, timeout=5, name="after-restart") as fresh:
             assert fresh.session_id == 1, "the restarted daemon numbers its sessions afresh"
@@ -170,20 +162,14 @@ def test_a_daemon_killed_and_restarted_on_the_same_endpoint() -> None:
             renewed.write(b"\x42" * MiB)
             assert renewed.read() == b"\x42" * MiB
             assert {s["session"] for s in fresh.status()["sessions"]} == {fresh.session_id}
+        old.reconnect()
+        assert old.device_count() == 2
     finally:
         old.close()
         kill(first)
         if second is not None:
             assert second.stop() == 0, second.log()
         remove_tempdir(socket_dir)
-
-
-def _answers(client: Client) -> bool:
-    try:
-        client.ping()
-    except DaemonTimeout:
-        return False
-    return True
 
 
 def test_a_large_transfer_to_a_dead_daemon_fails_within_the_clients_timeout() -> None:
@@ -198,7 +184,7 @@ def test_a_large_transfer_to_a_dead_daemon_fails_within_the_clients_timeout() ->
         kill(daemon)
         for name, transfer in (("read", buffer.read), ("write", lambda: buffer.write(bytes(buffer.size)))):
             started = time.monotonic()
-            with pytest.raises(DaemonTimeout):
+            with pytest.raises((DaemonTimeout, SessionLost)):
                 transfer()
             waited = time.monotonic() - started
             assert waited < timeout + 1.0, (
