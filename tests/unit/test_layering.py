@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import grimp
 
-#: cuctxd.client joins once its own cycle (sharing/async_client/pipeline/client/streams/objects) is broken.
-PACKAGES = ("cuctxd.protos", "cuctxd.daemon")
+PACKAGES = ("cuctxd.protos", "cuctxd.daemon", "cuctxd.client")
 
 
 def import_cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[list[str]]:
