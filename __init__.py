@@ -7,4 +7,4 @@ The repository's root is this package: ``cuctxd.protos`` (the wire protocol),
 
 from cuctxd.client import *  # noqa: F403  (the public names are the client's, listed in its __all__)
 from cuctxd.client import __all__ as __all__
-from cuctxd.daemon import __version__ as __version__
+from cuctxd.protos.version import __version__ as __version__

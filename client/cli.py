@@ -8,7 +8,6 @@ are accepted before or after the command: ``cuctx devices --json`` and
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ from cuctxd.client.format import (
 from cuctxd.client.transport import CurveKeys, curve_keys
 from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
 from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.version import __version__
 
 #: Exit status for a usage error (what argparse uses too).
 EXIT_USAGE = 2
@@ -75,7 +75,7 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cuctx", description="Query a running cuctxd daemon.",
                                      epilog="'cuctx help COMMAND' shows the options of one command.")
-    parser.add_argument("--version", action="version", version=f"cuctx {_version()}")
+    parser.add_argument("--version", action="version", version=f"cuctx {__version__}")
     _add_global_options(parser, defaults=True)
     globals_ = argparse.ArgumentParser(add_help=False)
     _add_global_options(globals_, defaults=False)
@@ -99,13 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     help_.add_argument("topic", nargs="?", metavar="COMMAND", help="the command to explain")
     parser.set_defaults(command_parsers=commands.choices)
     return parser
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("cuctxd")
-    except importlib.metadata.PackageNotFoundError:
-        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,3 +1,3 @@
 """cuctxd, the CUDA context daemon: a front socket, one worker thread per device, sessions, backends."""
 
-__version__ = "0.1.0"
+from cuctxd.protos.version import __version__ as __version__

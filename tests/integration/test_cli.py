@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import platform
 import re
 import signal
@@ -21,6 +20,7 @@ from cuctxd.daemon import __version__
 from tests.helpers import (
     REPO,
     DaemonProcess,
+    client_env,
     cuctx,
     cuctxd,
     cuda_driver_loads,
@@ -31,7 +31,7 @@ from tests.helpers import (
 from tests.helpers_raw import raw_peer
 
 MiB = 1 << 20
-ENV = dict(os.environ, PYTHONPATH=str(REPO))
+ENV = client_env()
 
 
 @pytest.fixture(scope="module")
