@@ -35,7 +35,7 @@ from tests.helpers import DaemonProcess, pattern
 from tests.helpers_raw import RawPeer
 from tests.reliability.strategies import scaled, soak_mode
 
-__all__ = ["BYSTANDER_BOUND_S", "BYSTANDER_SIZE", "Bystander", "assert_alive", "flood", "idle_connections",
+__all__ = ["BYSTANDER_BOUND_S", "BYSTANDER_SIZE", "Bystander", "assert_alive", "call_many", "flood", "idle_connections",
            "open_bystander", "rss_bytes", "scaled", "soak_mode"]
 
 #: Bytes in the bystander's buffer.
@@ -126,6 +126,23 @@ def flood(peer: RawPeer, op: str, args: dict[str, Any] | None, session: str | No
             break
         ids.append(rid)
     return ids
+
+
+def call_many(peer: RawPeer, op: str, args: Sequence[dict[str, Any]], session: str,
+              window: int = 256) -> list[dict[str, Any]]:
+    """Send one ``op`` request per entry of ``args``, pipelined ``window`` at a time, and return the
+    results in order; AssertionError on any error reply. The quick way to make thousands of objects."""
+    results: list[dict[str, Any]] = []
+    for start in range(0, len(args), window):
+        ids = [peer.send(op, a, session) for a in args[start:start + window]]
+        replies = {}
+        for _ in ids:
+            header, _frames = peer.recv()
+            replies[header["id"]] = header
+        for rid in ids:
+            assert replies[rid]["ok"] is True, f"{op} failed: {replies[rid].get('error')}"
+            results.append(replies[rid]["result"])
+    return results
 
 
 @contextmanager
