@@ -35,9 +35,12 @@ from tests.helpers import DaemonProcess, pattern
 from tests.helpers_raw import RawPeer
 from tests.reliability.strategies import scaled, soak_mode
 
-__all__ = ["BYSTANDER_BOUND_S", "BYSTANDER_SIZE", "Bystander", "assert_alive", "call_many", "flood", "idle_connections",
-           "open_bystander", "rss_bytes", "scaled", "soak_mode"]
+__all__ = ["BYSTANDER_BOUND_S", "BYSTANDER_SIZE", "FIGURES", "Bystander", "assert_alive", "call_many", "flood",
+           "idle_connections", "open_bystander", "rss_bytes", "scaled", "soak_mode"]
 
+#: Figures printed in the terminal summary (``conftest.py``): test name -> lines. Here, not in the
+#: conftest, because pytest's importlib mode loads a conftest apart from its importable module.
+FIGURES: dict[str, list[str]] = {}
 #: Bytes in the bystander's buffer.
 BYSTANDER_SIZE = 64 * 1024
 #: Default bound, in seconds, on one bystander op while an attack runs (generous: CI machines are slow and

@@ -7,8 +7,8 @@ add options, e.g. limits). On teardown it must still be alive and exit cleanly.
 (:class:`~tests.adversarial.attacks.Bystander`); on teardown its bytes are
 checked once more.
 
-Figures a test wants in the CI output go into :data:`FIGURES` (a line per
-figure, under the test's name); they are printed in the terminal summary.
+Figures a test wants in the CI output go into ``attacks.FIGURES`` (lines
+under the test's name); they are printed in the terminal summary.
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.adversarial.attacks import Bystander, assert_alive, open_bystander, soak_mode
+from tests.adversarial.attacks import FIGURES, Bystander, assert_alive, open_bystander, soak_mode
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
-
-#: Figures printed at the end of the run: test name -> lines.
-FIGURES: dict[str, list[str]] = {}
 
 
 @pytest.fixture
