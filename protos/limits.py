@@ -3,6 +3,12 @@
 #: Largest msgpack header frame (request or reply) in bytes.
 MAX_HEADER_BYTES = 1 << 20
 
+#: Most entries a reply lists in one array that grows with what clients make (``status``'s sessions,
+#: contexts and shares, ``context_stack``, ``list_shared``); a longer one is cut, and the reply says so
+#: (``truncated: true``) and gives the full count. ``status`` lists fewer where that is what keeps its
+#: header under MAX_HEADER_BYTES.
+MAX_LISTED = 1000
+
 #: Default largest payload frame in bytes; the daemon's ``--max-payload`` may lower or raise it.
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 

@@ -88,7 +88,13 @@ def encode_request(request_id: int, op: str, session: str | None, args: dict[str
 
 
 def encode_result(request_id: int, result: dict[str, Any]) -> bytes:
-    return pack({"id": request_id, "ok": True, "result": result})
+    """The reply header of a success; a ``CUCTXD_ERROR_TOO_LARGE`` error instead if it would exceed
+    ``MAX_HEADER_BYTES`` (a client discards such a header, so the request would look unanswered)."""
+    header = pack({"id": request_id, "ok": True, "result": result})
+    if len(header) > MAX_HEADER_BYTES:
+        return encode_error(request_id, TooLarge(
+            f"the reply header would take {len(header)} bytes, over MAX_HEADER_BYTES ({MAX_HEADER_BYTES})"))
+    return header
 
 
 def encode_error(request_id: int, error: CuctxError) -> bytes:

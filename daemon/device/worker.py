@@ -81,6 +81,7 @@ class DeviceWorker:
         self._lane: DeviceLane | None = None
         self._pending: list[tuple[Job, Pending]] = []
         self._started = threading.Event()
+        self._silenced = threading.Event()
         self._start_error: BaseException | None = None
         self._socket: zmq.Socket[Any] | None = None
         self.peers: Mapping[int, DeviceWorker] = {}
@@ -116,6 +117,13 @@ class DeviceWorker:
     def open_lane(self, lane: DeviceLane) -> None:
         """Hand the worker its own ROUTER (bound, not used by any other thread since)."""
         self.submit_task(lambda worker: worker._adopt_lane(lane))
+
+    def silence(self) -> None:
+        """The drain deadline has passed: from now on run no queued or lane request and send no reply
+        (what is queued or pending is dropped unanswered); :meth:`stop` still closes every session.
+        Any thread; takes effect once the operation running now returns."""
+        self._silenced.set()
+        os.eventfd_write(self._doorbell, 1)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Close every session on this device, then end the thread."""
@@ -161,6 +169,8 @@ class DeviceWorker:
                 ready = self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
             else:
                 ready = self._wait(None)
+            if self._silenced.is_set():
+                self._mute()
             lane = self._lane
             for source, _ in ready:
                 if source == self._doorbell:
@@ -197,6 +207,12 @@ class DeviceWorker:
                 return False
             task(self)
 
+    def _mute(self) -> None:
+        """Silenced: stop taking requests on the lane and forget pending synchronizations."""
+        self._pending = []
+        if self._lane is not None and self._lane.router in self._poller:
+            self._poller.unregister(self._lane.router)
+
     def _adopt_lane(self, lane: DeviceLane) -> None:
         self._lane = lane
         self._poller.register(lane.router, _POLLIN)
@@ -222,7 +238,7 @@ class DeviceWorker:
 
     def _shutdown(self) -> None:
         assert self.state is not None and self._socket is not None
-        while self._pending:  # answer synchronizes in flight before freeing what they wait on
+        while self._pending and not self._silenced.is_set():  # answer synchronizes in flight first
             self._poll_pending()
             time.sleep(_POLL_MAX_S)
         for session in list(self.state.sessions.values()):
@@ -248,6 +264,8 @@ class DeviceWorker:
 
     def _run_job(self, job: Job) -> None:
         assert self.state is not None
+        if self._silenced.is_set():
+            return
         if self.state.failure is not None:
             failure = self.state.failure
             self._fail(job, CudaError(failure.code, failure.name, f"device {self.device} is unusable since "
@@ -275,6 +293,8 @@ class DeviceWorker:
 
     def _continue(self, job: Job, forward: Forward) -> None:
         assert self.state is not None
+        if self._silenced.is_set():
+            return
         try:
             outcome = forward.then(self.state)
         except BaseException as exc:
@@ -298,6 +318,8 @@ class DeviceWorker:
 
     def _run_fan_out(self, identity: bytes, request_id: int, gather: Gather, fan_out: FanOut) -> None:
         assert self.state is not None
+        if self._silenced.is_set():
+            return
         try:
             part = fan_out.each(self.state)
         except Exception as exc:
@@ -309,6 +331,8 @@ class DeviceWorker:
 
     def _answer(self, job: Job, header: bytes, frames: Sequence[Any], outcome: str) -> None:
         """Reply where ``job`` came from: the front, this device's lane, or another device's lane."""
+        if self._silenced.is_set():
+            return
         if job.lane is None:
             self.send(job.identity, header, frames)
         elif job.lane == self.device and self._lane is not None:

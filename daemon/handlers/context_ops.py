@@ -9,6 +9,7 @@ from cuctxd.daemon.intake.jobs import Job
 from cuctxd.protos import ops
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
+from cuctxd.protos.limits import MAX_LISTED
 
 
 @device_handler(ops.SetDevice)
@@ -26,7 +27,9 @@ def current_context(state: DeviceState, job: Job) -> Reply:
 @device_handler(ops.ContextStack)
 def context_stack(state: DeviceState, job: Job) -> Reply:
     stack = state.session(job.session).stack
-    return Reply({"stack": [state.contexts.record(c).to_wire() for c in stack]})
+    shown = stack[-MAX_LISTED:]  # the top of the stack: the current context and those pushed last
+    return Reply({"stack": [state.contexts.record(c).to_wire() for c in shown], "depth": len(stack),
+                  "truncated": len(shown) < len(stack)})
 
 
 @device_handler(ops.CreateContext)

@@ -8,7 +8,7 @@ from typing import Any
 
 from cuctxd.daemon import __version__
 from cuctxd.daemon.device.state import DeviceState
-from cuctxd.daemon.device.status import device_status
+from cuctxd.daemon.device.status import device_status, first, fit_status
 from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers.registry import front_handler
 from cuctxd.daemon.handlers.replies import FanOut, Reply
@@ -92,11 +92,14 @@ def status(front: FrontState, session: Session | None, args: ops.Status, peer: s
         "pid": os.getpid(),
         "uptime_s": time.time() - front.started_at,
         "endpoints": list(front.config.endpoints),
-        "sessions": [s.to_status() for s in front.sessions.all()],
+        "sessions": [s.to_status() for s in first(front.sessions.all())],
+        "session_count": len(front.sessions),
         "device_ordinals": list(front.config.device_ordinals),
     }
 
     def finish(parts: list[Any]) -> Reply:
-        return Reply({**daemon_part, "devices": parts})
+        truncated = daemon_part["session_count"] > len(daemon_part["sessions"]) or any(
+            part.get("truncated", False) for part in parts)
+        return Reply(fit_status({**daemon_part, "devices": parts, "truncated": truncated}))
 
     return FanOut(device_status, finish)

@@ -11,6 +11,7 @@ from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.protos import sharing_ops as ops
 from cuctxd.protos.errors import BadArgument
+from cuctxd.protos.limits import MAX_LISTED
 
 
 def _share_reply(descriptor_wire: dict[str, object]) -> Reply:
@@ -67,4 +68,5 @@ def lookup(front: FrontState, session: Session | None, args: ops.Lookup, peer: s
 
 @front_handler(ops.ListShared)
 def list_shared(front: FrontState, session: Session | None, args: ops.ListShared, peer: str | None) -> Reply:
-    return Reply({"shared": front.shares.published()})
+    shared = front.shares.published()
+    return Reply({"shared": shared[:MAX_LISTED], "count": len(shared), "truncated": len(shared) > MAX_LISTED})

@@ -13,7 +13,13 @@ hello included, with ``CUCTXD_ERROR_SHUTTING_DOWN``, until every device request
 in flight has been answered and the workers' queues are empty, or
 ``drain_timeout`` has passed. Then the workers close every session (contexts
 destroyed, memory freed), their last replies are forwarded, sockets close and
-ipc:// socket files are removed. A second signal exits at once
+ipc:// socket files are removed. The drain deadline is final: once it has
+passed, the workers are silenced (:meth:`DeviceWorker.silence`: queued and
+pending work is dropped unanswered, no reply goes out on any socket) and
+closing is bounded by :data:`STOP_GRACE`: the process exits within
+``drain_timeout`` + ``max(1, min(STOP_GRACE, drain_timeout))`` s of the signal
+(a worker whose operation runs past that is abandoned). A drain that timed out
+exits with status 1, as work was dropped unanswered. A second signal exits at once
 (:meth:`Daemon.force_exit`), still removing the socket files.
 
 Security (``protos/PROTOCOL.md``, "Security"): with ``server_key`` every
@@ -68,7 +74,7 @@ _REPLY_ENDPOINT = "inproc://cuctxd-replies"
 #: Most seconds the workers get to close every session once the drain is over (at least 1 s, at most
 #: ``drain_timeout``: an operator asking for a quick drain wants a quick exit).
 STOP_GRACE = 5.0
-#: Exit status after a second signal, or when workers had to be abandoned.
+#: Exit status after a second signal, a drain that timed out, or when workers had to be abandoned.
 EXIT_FORCED = 1
 
 
@@ -104,6 +110,7 @@ class Daemon:
         self._front: Front | None = None
         self._probe: FrontProbe | None = None
         self._backstop: threading.Timer | None = None
+        self._drain_expired = False
         self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
         self._curve: tuple[bytes, bytes] | None = None
         self.bound: list[str] = []
@@ -336,9 +343,14 @@ class Daemon:
         if drained[0]:
             log.info("drained in %.3f s", time.monotonic() - started)
         else:
-            log.warning("drain timed out after %g s: %d device request(s) unanswered, queue depths %s",
-                        timeout, front.observer.in_flight if front.observer is not None else 0,
+            log.warning("drain timed out after %g s: %d device request(s) unanswered, queue depths %s; "
+                        "no more replies go out", timeout,
+                        front.observer.in_flight if front.observer is not None else 0,
                         [w.queue_depth() for w in self._workers])
+            self._drain_expired = True
+            self.exit_code = EXIT_FORCED
+            for worker in self._workers:
+                worker.silence()
 
     def _watch_drain(self, deadline: float, drained: list[bool]) -> None:
         """Drain monitor thread: wake the front (the stop pipe) once idle, or at ``deadline``.
@@ -385,7 +397,8 @@ class Daemon:
         grace = max(1.0, min(STOP_GRACE, self.config.drain_timeout))
         stuck = self._stop_workers(self._workers, grace)
         if self._front is not None:
-            self._front.flush_replies(20)
+            if not self._drain_expired:  # past the drain deadline nothing more is forwarded
+                self._front.flush_replies(20)
             self._front.router.close()
             self._front.replies.close()
         if self._authenticator is not None:

@@ -13,6 +13,7 @@ import pytest
 
 from cuctxd import Client
 from cuctxd.protos.sim_ipc import decode_handle
+from tests.adversarial.attacks import Bystander
 from tests.helpers import DaemonProcess, cuctxd, remove_tempdir, short_tempdir, start_daemon
 
 
@@ -79,22 +80,19 @@ def test_stale_files_of_a_killed_daemon_are_cleaned_up_at_start(workdir: Path) -
         assert restarted.stop() == 0, restarted.log()
 
 
-def test_control_characters_in_a_client_name_cannot_forge_log_lines(daemon_text_log: DaemonProcess) -> None:
+@pytest.fixture
+def attack_daemon_args() -> tuple[str, ...]:
+    """Text log lines at INFO: what the log-forging test reads."""
+    return ("--log-level", "INFO", "--log-format", "text")
+
+
+def test_control_characters_in_a_client_name_cannot_forge_log_lines(attack_daemon: DaemonProcess,
+                                                                    bystander: Bystander) -> None:
     forged = "2026-01-01 00:00:00,000 INFO cuctxd.daemon.sessions [MainThread] session 0 closed by root"
-    with Client(daemon_text_log.endpoint, timeout=10, name=f"evil\n{forged}\x1b[2J\r") as client:
+    with Client(attack_daemon.endpoint, timeout=10, name=f"evil\n{forged}\x1b[2J\r") as client:
         assert client.ping() > 0
-    with Client(daemon_text_log.endpoint, timeout=10, name="bystander") as bystander:
-        assert bystander.ping() > 0
-    lines = daemon_text_log.log().splitlines()
+    bystander.check()
+    lines = attack_daemon.log().splitlines()
     assert not any(line.startswith("2026-01-01") for line in lines)
     assert not any("\x1b" in line or "\r" in line for line in lines)
     assert any("evil\\n2026-01-01" in line and "\\x1b[2J\\r" in line for line in lines)
-
-
-@pytest.fixture
-def daemon_text_log() -> DaemonProcess:
-    process = start_daemon("--log-level", "INFO", "--log-format", "text")
-    yield process
-    code = process.stop()
-    remove_tempdir(process.socket_dir)
-    assert code == 0, process.log()

@@ -13,7 +13,9 @@ record field or a limit, or bumps the version, has to write it down:
   an op without fields says ``**Arguments**: none.``;
 * a table row ``| `NAME` | code |`` for every ``ErrorCode`` and ``CUresult``;
 * a field table for every record in ``cuctxd.protos.records``;
-* a table row ``| `NAME` | value |`` for every constant in ``cuctxd.protos.limits``.
+* a table row ``| `NAME` | value |`` for every constant in ``cuctxd.protos.limits``;
+* under ``### Daemon limits``, one row per limit key of ``DaemonConfig`` (every
+  ``max_*`` key and the few others named here), in the config's order, with its flag.
 """
 
 from __future__ import annotations
@@ -244,3 +246,22 @@ def test_every_limit_is_documented(doc: str, name: str) -> None:
     row = _row_for(doc, name)
     assert row is not None, f"PROTOCOL.md has no table row for limits.{name}"
     assert row[1] == str(_LIMITS[name]), f"{name}: PROTOCOL.md says {row[1]}, protos/limits.py says {_LIMITS[name]}"
+
+
+#: DaemonConfig keys that are limits though their names do not start with ``max_``; every ``max_*`` key is one.
+_OTHER_LIMIT_KEYS = {"lease_ttl", "session_quota", "device_reserve", "drain_timeout", "orphan_ttl"}
+
+
+def test_the_daemon_limits_table_lists_every_limit_key_in_config_order(doc: str) -> None:
+    from cuctxd.daemon.service.config import DaemonConfig
+
+    keys = [f.name for f in dataclasses.fields(DaemonConfig)]
+    limit_keys = [k for k in keys if k.startswith("max_") or k in _OTHER_LIMIT_KEYS]
+    rows = _table_rows(_section(doc, "### Daemon limits").splitlines())
+    documented = _first_column_names(rows)
+    assert documented == limit_keys, (
+        f"PROTOCOL.md's daemon limits table lists {documented}; DaemonConfig's limit keys, in order, are {limit_keys}")
+    for row in rows:
+        key = row[0].strip("`")
+        assert row[1] == f"`--{key.replace('_', '-')}`", f"{key}: flag cell {row[1]!r}"
+        assert row[2] and row[4], f"{key}: the default and what happens when it is reached must be given"

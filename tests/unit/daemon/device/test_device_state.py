@@ -73,7 +73,7 @@ def test_a_new_session_has_an_empty_stack(state: DeviceState, driver: SimDriver)
     assert session.primary is None
     assert driver.primary_ctx_state(0) == (0, False)
     assert run(state, session.ref, "current_context").result == {"context": None}
-    assert run(state, session.ref, "context_stack").result == {"stack": []}
+    assert run(state, session.ref, "context_stack").result == {"stack": [], "depth": 0, "truncated": False}
 
 
 def test_current_or_primary_binds_the_primary_lazily_once(state: DeviceState, driver: SimDriver) -> None:

@@ -1,0 +1,59 @@
+"""Fixtures of the adversarial suite; the helpers behind them are in :mod:`tests.adversarial.attacks`.
+
+``attack_daemon``: a sim daemon (two devices, 256 MiB each) for one test,
+started with ``attack_daemon_args`` (override that fixture in a test module to
+add options, e.g. limits). On teardown it must still be alive and exit cleanly.
+``bystander``: a session on it with a buffer of known bytes
+(:class:`~tests.adversarial.attacks.Bystander`); on teardown its bytes are
+checked once more.
+
+Figures a test wants in the CI output go into ``attacks.FIGURES`` (lines
+under the test's name); they are printed in the terminal summary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.adversarial.attacks import FIGURES, Bystander, assert_alive, open_bystander, soak_mode
+from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+
+
+@pytest.fixture
+def attack_daemon_args() -> tuple[str, ...]:
+    """Extra options for ``attack_daemon``; a module overrides this fixture to change them."""
+    return ()
+
+
+@pytest.fixture
+def attack_daemon(attack_daemon_args: tuple[str, ...]) -> Iterator[DaemonProcess]:
+    process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB", *attack_daemon_args)
+    try:
+        yield process
+        assert_alive(process)
+    finally:
+        code = process.stop()
+        remove_tempdir(process.socket_dir)
+    assert code == 0, f"cuctxd exited with {code}:\n{process.log()[-5000:]}"
+    assert "Traceback" not in process.log(), process.log()[-5000:]
+
+
+@pytest.fixture
+def bystander(attack_daemon: DaemonProcess) -> Iterator[Bystander]:
+    with open_bystander(attack_daemon.endpoint) as innocent:
+        yield innocent
+        assert_alive(attack_daemon)
+        innocent.check()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not FIGURES:
+        return
+    mode = "soak" if soak_mode() else "ci"
+    terminalreporter.write_sep("-", f"adversarial figures ({mode} mode)")
+    for test, lines in FIGURES.items():
+        terminalreporter.write_line(f"{test}:")
+        for line in lines:
+            terminalreporter.write_line(f"  {line}")
