@@ -14,8 +14,18 @@ HANDLE_SIZE = 64
 _MAGIC = b"cuctxd-sim:"
 
 
+#: Environment variable naming the directory the sim backend exports into (default: see :func:`shm_dir`).
+SHM_DIR_ENV = "CUCTXD_SIM_SHM_DIR"
+
+
 def shm_dir() -> Path:
-    """``/dev/shm`` where the kernel offers it, else the temp directory."""
+    """``$CUCTXD_SIM_SHM_DIR``, else ``/dev/shm`` where the kernel offers it, else the temp directory.
+
+    Only the daemon reads it: a client maps the file a handle names, wherever it is.
+    """
+    chosen = os.environ.get(SHM_DIR_ENV)
+    if chosen:
+        return Path(chosen)
     return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grp
 import os
+import re
 import signal
 import stat
 from pathlib import Path
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from cuctxd import Client
-from cuctxd.protos.sim_ipc import decode_handle
+from cuctxd.protos.sim_ipc import SHM_DIR_ENV, decode_handle
 from tests.adversarial.attacks import Bystander
-from tests.helpers import DaemonProcess, cuctxd, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import DaemonProcess, cuctxd, remove_tempdir, short_tempdir, start_daemon, wait_for_log
 
 
 @pytest.fixture
@@ -57,12 +58,18 @@ def test_something_else_at_the_socket_path_is_not_replaced(workdir: Path) -> Non
     assert squatter.read_text() == "not a socket"
 
 
-def test_stale_files_of_a_killed_daemon_are_cleaned_up_at_start(workdir: Path) -> None:
+def test_stale_files_of_a_killed_daemon_are_cleaned_up_at_start(workdir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its own export directory: any sim daemon that starts sweeps the exports of dead daemons it finds.
+    exports = workdir / "shm"
+    exports.mkdir()
+    monkeypatch.setenv(SHM_DIR_ENV, str(exports))
     endpoint = f"ipc://{workdir}/d.sock"
     killed = start_daemon(endpoint=endpoint)
     with Client(endpoint, timeout=10, heartbeat=False) as client:
         buf = client.alloc(4096, device=0, shareable=True)
         export = decode_handle(buf.export().ipc_handle)
+        assert export.parent == exports
         assert export.exists()
         killed.process.send_signal(signal.SIGKILL)
         killed.process.wait()
@@ -70,9 +77,8 @@ def test_stale_files_of_a_killed_daemon_are_cleaned_up_at_start(workdir: Path) -
     assert killed.socket_path.exists() and export.exists()
     restarted = start_daemon(endpoint=endpoint)
     try:
-        log = restarted.log()
-        assert "removed the stale socket" in log and str(killed.socket_path) in log
-        assert "export file(s) of sim daemons that no longer run" in log
+        wait_for_log(restarted, f"removed the stale socket {re.escape(str(killed.socket_path))}")
+        wait_for_log(restarted, r"removed \d+ shared-memory export file\(s\) of sim daemons that no longer run")
         assert not export.exists()
         with Client(endpoint, timeout=10) as client:
             assert client.ping() > 0
