@@ -19,12 +19,14 @@ from typing import Any
 
 import zmq
 
+from cuctxd.daemon.device.queues import check_sent
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers import FRONT_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Gather, Reply
 from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, device_job, refusal
+from cuctxd.daemon.intake.jobs import payload_bytes
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
 from cuctxd.protos.messages import encode_error, encode_result, parse_request, unpack
@@ -133,6 +135,8 @@ class Front:
                 self._answer(identity, admitted, peer)
             else:
                 job = device_job(admitted, identity, payload, len(self.workers), started)
+                if job.backlog is not None:
+                    check_sent(job.backlog, payload_bytes(job), self.state.config.queue_limits)
                 self.workers[job.device].submit(job)
         except Exception as exc:
             request_id, error = refusal(header, op_name, exc)
