@@ -77,6 +77,14 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
                 [[s["session"], s["contexts"], s["stack_depth"], s["allocations"], human_size(s["bytes"]),
                   s["holds"]] for s in dev["sessions"]],
             ))
+        if dev.get("queues"):
+            limits = status.get("limits", {})
+            lines.append(table(
+                ["SESSION", "QUEUED", "QUEUED BYTES", "UNREAD REPLIES"],
+                [[q["session"], _of(q["queued"], limits.get("max_queued_requests")),
+                  _of(q["queued_bytes"], limits.get("max_queued_bytes"), human_size),
+                  _of(q["reply_bytes"], limits.get("max_reply_bytes"), human_size)] for q in dev["queues"]],
+            ))
         if dev["shares"]:
             lines.append(table(
                 ["SHARE", "SIZE", "NAMES", "OWNER", "HOLDERS"],
@@ -85,6 +93,11 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
                   ",".join(map(str, sh["holders"])) or "-"] for sh in dev["shares"]],
             ))
     return "\n".join(lines)
+
+
+def _of(used: int, limit: int | None, show: Any = str) -> str:
+    """``used/limit`` (``used`` alone without a limit)."""
+    return f"{show(used)}/{show(limit)}" if limit else show(used)
 
 
 def _ordinals_line(status: dict[str, Any]) -> list[str]:

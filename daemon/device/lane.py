@@ -4,7 +4,8 @@ Through the front, a device op crosses two threads (front -> worker -> front),
 and each hand-off under the GIL costs tens of microseconds. A client that was
 told the device endpoints in ``hello`` sends device ops for device N to device
 N's endpoint instead; its worker thread receives, admits (:mod:`cuctxd.daemon.intake.admission`,
-the same checks as the front), runs and answers each one itself. Front ops and
+the same checks as the front), queues (:mod:`cuctxd.daemon.device.queues`, whose limits
+refuse it here like any other check), runs and answers each one itself. Front ops and
 requests for another device are refused here with ``CUCTXD_ERROR_BAD_REQUEST``
 rather than passed on, so a session's requests for one device always arrive
 through one socket, in order. Owned by its worker thread, like the device.
@@ -41,9 +42,9 @@ class DeviceLane:
         self.receiver = 1 + device
         self.where = f" on device {device}'s endpoint"
 
-    def take_requests(self, run: Callable[[Job], None]) -> None:
-        """The poller said a request is waiting: admit it, and those behind it up to a batch, handing
-        each to ``run``."""
+    def take_requests(self, queue: Callable[[Job], None]) -> None:
+        """A request is waiting: admit it, and those behind it up to a batch, handing each to ``queue``
+        (which raises the error to refuse it with, e.g. a queue limit)."""
         router = self.router
         for _ in range(BATCH):
             try:
@@ -52,12 +53,11 @@ class DeviceLane:
                 return
             if message is not None:
                 identity, header, payload, _ = message
-                job = self._admit(identity, header, payload)
-                if job is not None:
-                    run(job)
+                self._admit(identity, header, payload, queue)
 
-    def _admit(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame]) -> Job | None:
-        """The request as a job, or None once it has been answered with its error."""
+    def _admit(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame],
+               queue: Callable[[Job], None]) -> None:
+        """Admit the request and queue it as a job, or answer it with its error."""
         received = time.perf_counter()
         header: Any = None
         op_name = "?"
@@ -69,18 +69,20 @@ class DeviceLane:
                 raise BadRequest(f"{op_name} is not a device op: send it to the daemon's main endpoint, "
                                  f"not to device {self.device}'s")
             admitted = admit(self.front, request, payload, self.receiver)
-            return device_job(admitted, identity, payload, len(self.front.devices), received, self.device)
+            queue(device_job(admitted, identity, payload, len(self.front.devices), received, self.device))
+            return
         except Exception as exc:
             request_id, error = refusal(header, op_name, exc, self.where)
         self.reply(identity, request_id, op_name, encode_error(request_id, error), (), error.name, received)
-        return None
 
     def reply(self, identity: bytes, request_id: int, op: str, header: bytes, payload: Sequence[Any],
-              outcome: str, received: float) -> None:
-        """Answer a request that came in here; the observer hears of it as the front's requests."""
-        send_parts(self.router, identity, header, payload)
+              outcome: str, received: float, track: bool = False) -> list[tuple[Any, int]]:
+        """Answer a request that came in here; the observer hears of it as the front's requests.
+        ``track``: return the payload frames' trackers (:func:`~cuctxd.daemon.intake.router_io.send_parts`)."""
+        trackers = send_parts(self.router, identity, header, payload, track=track)
         if self.observer is not None:
             self.observer.finished(op, outcome, received, request_id)
+        return trackers
 
     def close(self) -> None:
         self.router.close()

@@ -3,9 +3,13 @@
 Work reaches it two ways. Other threads queue tasks (jobs the front received,
 fan-outs, forwarded continuations) and ring an eventfd doorbell; clients send
 device ops straight to its own ROUTER (:mod:`cuctxd.daemon.device.lane`). One poller waits on
-both. It runs one item at a time, so its :class:`DeviceState` needs no lock,
-and answers each job where it came from: over its inproc PUSH socket to the
-front, or on its lane. A slow op here delays only this device; a synchronize
+both. Jobs from either route wait in :class:`~cuctxd.daemon.device.queues.JobQueues`
+(one FIFO per session, bounded, served round-robin); between two jobs the worker
+takes in whatever has arrived, so a session's long backlog delays another
+session's op by about one op. It runs one item at a time, so its
+:class:`DeviceState` needs no lock, and answers each job where it came from: over
+its inproc PUSH socket to the front, or on its lane; reply payloads are tracked
+until ZeroMQ lets go of them (``max_reply_bytes``). A slow op here delays only this device; a synchronize
 op does not even delay this device: it becomes a :class:`~cuctxd.daemon.handlers.replies.Pending`
 that the loop polls between requests. Driver calls that do block the worker:
 synchronous copies (``write``/``read``/``copy`` without a stream, which return
@@ -29,13 +33,15 @@ import zmq
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
+from cuctxd.daemon.device.queues import JobQueues, QueueLimits, check_reply_room, taken, track_reply
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Pending, Reply
 from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.intake.router_io import TRACK_FROM, readable
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.cuda_results import STICKY_CODES, CUresult
-from cuctxd.protos.errors import CuctxError, CudaError, InternalError
+from cuctxd.protos.errors import CuctxError, CudaError, InternalError, ShuttingDown, UnknownSession
 from cuctxd.protos.messages import encode_error, encode_result
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,7 @@ class DeviceWorker:
         reply_endpoint: str,
         limits: DeviceLimits,
         shares: ShareRegistry,
+        queue_limits: QueueLimits | None = None,
     ) -> None:
         self.device = device
         self._driver = driver
@@ -80,6 +87,7 @@ class DeviceWorker:
         self._poller.register(self._doorbell, _POLLIN)
         self._lane: DeviceLane | None = None
         self._pending: list[tuple[Job, Pending]] = []
+        self._queues = JobQueues(queue_limits or QueueLimits())
         self._started = threading.Event()
         self._silenced = threading.Event()
         self._start_error: BaseException | None = None
@@ -100,7 +108,8 @@ class DeviceWorker:
         return self.state
 
     def submit(self, job: Job) -> None:
-        self.submit_task(lambda worker: worker._run_job(job))
+        """Queue a job the front admitted (its backlog's ``sent`` already counts it)."""
+        self.submit_task(lambda worker: worker._queue_sent(job))
 
     def submit_task(self, task: Task | None) -> None:
         """Queue ``task`` (None: stop) and wake the worker; any thread."""
@@ -137,8 +146,8 @@ class DeviceWorker:
             self._doorbell = -1
 
     def queue_depth(self) -> int:
-        """Work not answered yet: queued tasks and pending synchronizations."""
-        return self._tasks.qsize() + len(self._pending)
+        """Work not answered yet: queued tasks and jobs, and pending synchronizations."""
+        return self._tasks.qsize() + len(self._queues) + len(self._pending)
 
     # --- on the worker thread -----------------------------------------------------------
 
@@ -163,6 +172,7 @@ class DeviceWorker:
 
     def _loop(self) -> None:
         idle_polls = 0
+        queues = self._queues
         while True:
             if self._pending:
                 # Poll soon after new work, then back off to at most 1 ms between queries.
@@ -174,13 +184,31 @@ class DeviceWorker:
             lane = self._lane
             for source, _ in ready:
                 if source == self._doorbell:
+                    os.eventfd_read(self._doorbell)
                     if not self._take_tasks():
                         return
                 elif lane is not None and source is lane.router:
-                    lane.take_requests(self._run_job)
+                    lane.take_requests(self._queue_received)
             idle_polls = 0 if ready else idle_polls + 1
+            while queues:
+                self._run_job(queues.pop())
+                if self._pending:
+                    self._poll_pending()
+                if not self._take_arrivals():
+                    return
             if self._pending:
                 self._poll_pending()
+
+    def _take_arrivals(self) -> bool:
+        """Between two jobs: take in what has come meanwhile (cheap checks, no poll), so that a new
+        session's job joins the round before the next turn; False once told to stop. The doorbell's
+        count is left for the next poll, which reads it and finds the tasks gone."""
+        lane = self._lane
+        if lane is not None and readable(lane.router):
+            lane.take_requests(self._queue_received)
+        if self._tasks.empty():
+            return True
+        return self._take_tasks()
 
     def _wait(self, seconds: float | None) -> list[tuple[Any, int]]:
         """What is ready (the doorbell, the lane's ROUTER) once something is, or ``seconds`` have passed
@@ -196,8 +224,7 @@ class DeviceWorker:
         return self._poller.poll(0)
 
     def _take_tasks(self) -> bool:
-        """Run every queued task; False once told to stop."""
-        os.eventfd_read(self._doorbell)
+        """Run every queued task (a job is queued, not run); False once told to stop."""
         while True:
             try:
                 task = self._tasks.get_nowait()
@@ -238,6 +265,11 @@ class DeviceWorker:
 
     def _shutdown(self) -> None:
         assert self.state is not None and self._socket is not None
+        while self._queues:
+            job = self._queues.pop()
+            taken(job)
+            if not self._silenced.is_set():
+                self._fail(job, ShuttingDown("cuctxd is shutting down; this request was queued and did not run"))
         while self._pending and not self._silenced.is_set():  # answer synchronizes in flight first
             self._poll_pending()
             time.sleep(_POLL_MAX_S)
@@ -262,10 +294,34 @@ class DeviceWorker:
         except Exception:
             log.exception("device %d: background task failed", self.device)
 
+    def _queue_received(self, job: Job) -> None:
+        """Queue a job this worker's lane admitted; raises the :class:`LimitExceeded` to answer it with."""
+        self._queues.push(job)
+
+    def _queue_sent(self, job: Job) -> None:
+        """Queue a job the front handed on, or answer it with the limit it meets."""
+        try:
+            self._queues.push(job)
+        except CuctxError as exc:
+            taken(job)
+            self._fail(job, exc)
+
     def _run_job(self, job: Job) -> None:
         assert self.state is not None
+        taken(job)
         if self._silenced.is_set():
             return
+        backlog = job.backlog
+        if backlog is not None:
+            if backlog.closed:
+                self._fail(job, UnknownSession("the session ended before this request ran"))
+                return
+            if job.spec.payload_out:
+                try:
+                    check_reply_room(backlog, self._queues.limits)
+                except CuctxError as exc:
+                    self._fail(job, exc)
+                    return
         if self.state.failure is not None:
             failure = self.state.failure
             self._fail(job, CudaError(failure.code, failure.name, f"device {self.device} is unusable since "
@@ -330,25 +386,41 @@ class DeviceWorker:
             self.send(identity, encode_result(request_id, reply.result), reply.frames)
 
     def _answer(self, job: Job, header: bytes, frames: Sequence[Any], outcome: str) -> None:
-        """Reply where ``job`` came from: the front, this device's lane, or another device's lane."""
+        """Reply where ``job`` came from: the front, this device's lane, or another device's lane.
+
+        Payload frames of a job of this device are tracked on its session's backlog (only this worker
+        writes it), for ``max_reply_bytes``. Nothing is sent once the worker is silenced."""
         if self._silenced.is_set():
             return
+        backlog = job.backlog if frames and job.device == self.device else None
         if job.lane is None:
-            self.send(job.identity, header, frames)
+            trackers = self.send(job.identity, header, frames, backlog is not None)
         elif job.lane == self.device and self._lane is not None:
-            self._lane.reply(job.identity, job.request_id, job.spec.name, header, frames, outcome, job.received)
+            trackers = self._lane.reply(job.identity, job.request_id, job.spec.name, header, frames, outcome,
+                                        job.received, backlog is not None)
         else:  # the second half of a cross-device op that came in on the other device's lane
             self.peers[job.lane].submit_task(lambda worker: worker._answer(job, header, frames, outcome))
+            return
+        if backlog is not None and trackers:
+            track_reply(backlog, trackers)
 
-    def send(self, identity: bytes, header: bytes, frames: Sequence[Any] = ()) -> None:
-        """To the front (which forwards it to the client ``identity``) over inproc."""
+    def send(self, identity: bytes, header: bytes, frames: Sequence[Any] = (),
+             track: bool = False) -> list[tuple[Any, int]]:
+        """To the front (which forwards it to the client ``identity``) over inproc. ``track``: return
+        ``(MessageTracker, bytes)`` of each payload frame ZeroMQ sends without copying."""
         assert self._socket is not None
-        if frames:
-            self._socket.send(identity, _SNDMORE)
-            self._socket.send(header, _SNDMORE)
-            for frame in frames[:-1]:
-                self._socket.send(frame, _SNDMORE, copy=False)
-            self._socket.send(frames[-1], copy=False)
-        else:
-            self._socket.send(identity, _SNDMORE)
-            self._socket.send(header)
+        socket = self._socket
+        socket.send(identity, _SNDMORE)
+        if not frames:
+            socket.send(header)
+            return []
+        socket.send(header, _SNDMORE)
+        trackers = []
+        last = len(frames) - 1
+        for index, frame in enumerate(frames):
+            flags = _SNDMORE if index < last else 0
+            if track and len(frame) >= TRACK_FROM:
+                trackers.append((socket.send(frame, flags, copy=False, track=True), len(frame)))
+            else:
+                socket.send(frame, flags, copy=False)
+        return trackers

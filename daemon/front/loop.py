@@ -11,20 +11,23 @@ it cannot even be addressed; nothing a client sends can stop this loop.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
+from cuctxd.daemon.device.queues import check_sent
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers import FRONT_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Gather, Reply
 from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, device_job, refusal
+from cuctxd.daemon.intake.jobs import payload_bytes
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
 from cuctxd.protos.messages import encode_error, encode_result, parse_request, unpack
@@ -77,13 +80,16 @@ class Front:
                 next_reap = now + reap_every
 
     def _reap(self, now: float, ttl: float) -> None:
-        for session in self.state.sessions.expire(now, ttl):
+        reaped = self.state.sessions.expire(now, ttl)
+        for session in reaped:
             self.state.sessions_reaped += 1
             ref = session.ref
             log.info("session %d (%s, pid %d) reaped: no request or heartbeat for %.1f s",
                      ref.public_id, ref.client, ref.pid, ttl)
             for worker in self.workers:
                 worker.run(partial(DeviceState.close_session, ref=ref))
+        if reaped:
+            _trim_heap()
 
     def _forward_replies(self) -> None:
         replies = self.replies
@@ -133,6 +139,8 @@ class Front:
                 self._answer(identity, admitted, peer)
             else:
                 job = device_job(admitted, identity, payload, len(self.workers), started)
+                if job.backlog is not None:
+                    check_sent(job.backlog, payload_bytes(job), self.state.config.queue_limits)
                 self.workers[job.device].submit(job)
         except Exception as exc:
             request_id, error = refusal(header, op_name, exc)
@@ -165,3 +173,21 @@ class Front:
 
 def _expire_orphans(state: DeviceState, now: float, ttl: float) -> None:
     state.sharing.expire_orphans(now, ttl)
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return cast("Callable[[int], int]", ctypes.CDLL(None).malloc_trim)
+    except (AttributeError, OSError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the system once sessions have been reaped: glibc keeps the
+    memory of freed mid-sized blocks (a vanished client's unread replies of 1 MiB, say) otherwise.
+    Costs milliseconds when there is much to give back, so only after a reap."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from cuctxd.daemon.device.queues import QueueLimits
 from cuctxd.daemon.registry.sessions import SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.records import DeviceInfo
@@ -22,6 +23,8 @@ class FrontConfig:
     endpoints: tuple[str, ...] = ()
     #: The driver ordinal of each device served, by index.
     device_ordinals: tuple[int, ...] = ()
+    #: Per session and device: queued requests and unread replies (:mod:`cuctxd.daemon.device.queues`).
+    queue_limits: QueueLimits = field(default_factory=QueueLimits)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from cuctxd.daemon import __version__
+from cuctxd.daemon.device.queues import backlog_status
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.status import device_status, first, fit_status
 from cuctxd.daemon.front.state import FrontState
@@ -85,6 +86,10 @@ def get_device(front: FrontState, session: Session | None, args: ops.GetDevice, 
 
 @front_handler(ops.Status)
 def status(front: FrontState, session: Session | None, args: ops.Status, peer: str | None) -> FanOut:
+    """Each device adds its ``queues``: the queued requests and untaken reply bytes there of every session
+    with any, read on its worker (which owns those counts), against ``limits``."""
+    sessions = front.sessions.all()
+    limits = front.config.queue_limits
     daemon_part: dict[str, Any] = {
         "daemon_version": __version__,
         "protocol": PROTOCOL_VERSION,
@@ -92,14 +97,26 @@ def status(front: FrontState, session: Session | None, args: ops.Status, peer: s
         "pid": os.getpid(),
         "uptime_s": time.time() - front.started_at,
         "endpoints": list(front.config.endpoints),
-        "sessions": [s.to_status() for s in first(front.sessions.all())],
-        "session_count": len(front.sessions),
+        "sessions": [s.to_status() for s in first(sessions)],
+        "session_count": len(sessions),
         "device_ordinals": list(front.config.device_ordinals),
+        "limits": {
+            "max_queued_requests": limits.max_queued_requests,
+            "max_queued_bytes": limits.max_queued_bytes,
+            "max_reply_bytes": limits.max_reply_bytes,
+        },
     }
+
+    def each(state: DeviceState) -> dict[str, Any]:
+        part = device_status(state)
+        queues = ({"session": s.ref.public_id, **backlog_status(s.backlogs[state.device])}
+                  for s in sessions if state.device < len(s.backlogs))
+        part["queues"] = first(q for q in queues if q["queued"] or q["reply_bytes"])
+        return part
 
     def finish(parts: list[Any]) -> Reply:
         truncated = daemon_part["session_count"] > len(daemon_part["sessions"]) or any(
             part.get("truncated", False) for part in parts)
         return Reply(fit_status({**daemon_part, "devices": parts, "truncated": truncated}))
 
-    return FanOut(device_status, finish)
+    return FanOut(each, finish)

@@ -84,7 +84,8 @@ def device_job(admitted: Admitted, identity: bytes, payload: Sequence[Any], devi
                          f"send it to device {device}'s endpoint or the main one")
     if spec.name == "set_device":  # cudaSetDevice changes the session's current device
         session.current_device = device
-    return Job(identity, request.id, spec, args, session.ref, device, payload, lane, received)
+    backlog = session.backlogs[device] if device < len(session.backlogs) else None
+    return Job(identity, request.id, spec, args, session.ref, device, payload, lane, received, backlog)
 
 
 def refusal(header: Any, op_name: str, exc: Exception, where: str = "") -> tuple[int, CuctxError]:

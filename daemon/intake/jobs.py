@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.daemon.registry.sessions import DeviceBacklog, SessionRef
 from cuctxd.protos.schema import OpSpec
 
 
@@ -17,6 +17,7 @@ class Job(NamedTuple):
     ``lane``: the device whose own ROUTER received the request and must send the
     reply (:mod:`cuctxd.daemon.device.lane`); None when it came through the front.
     ``received``: ``time.perf_counter()`` on arrival, for the request's latency.
+    ``backlog``: the session's :class:`DeviceBacklog` on ``device`` (queue and reply limits).
     """
 
     identity: bytes
@@ -28,3 +29,9 @@ class Job(NamedTuple):
     payload: Sequence[Any] = ()
     lane: int | None = None
     received: float = 0.0
+    backlog: DeviceBacklog | None = None
+
+
+def payload_bytes(job: Job) -> int:
+    """Bytes of the request's payload frames (what ``max_queued_bytes`` counts)."""
+    return sum(len(frame) for frame in job.payload) if job.payload else 0

@@ -26,6 +26,8 @@ NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+#: Payload frames from this size up are sent zero-copy and can be tracked; pyzmq copies smaller ones.
+TRACK_FROM = zmq.COPY_THRESHOLD
 
 
 def readable(socket: zmq.Socket[Any]) -> bool:
@@ -68,19 +70,30 @@ def send_reply(router: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool = T
         _dropped(exc)
 
 
-def send_parts(router: zmq.Socket[Any], identity: bytes, header: bytes, payload: Sequence[Any] = ()) -> None:
-    """:func:`send_reply` for a reply built here: identity and header copied, payload frames zero-copy."""
+def send_parts(router: zmq.Socket[Any], identity: bytes, header: bytes, payload: Sequence[Any] = (),
+               track: bool = False) -> list[tuple[Any, int]]:
+    """:func:`send_reply` for a reply built here: identity and header copied, payload frames zero-copy.
+
+    ``track``: the ``(MessageTracker, bytes)`` of each payload frame ZeroMQ keeps without copying
+    (from pyzmq's ``COPY_THRESHOLD`` up), done once ZeroMQ has let go of it; else none.
+    """
+    trackers: list[tuple[Any, int]] = []
     try:
         router.send(identity, _NOBLOCK_MORE)
         if not payload:
             router.send(header, NOBLOCK)
-            return
+            return trackers
         router.send(header, _NOBLOCK_MORE)
-        for frame in payload[:-1]:
-            router.send(frame, _NOBLOCK_MORE, copy=False)
-        router.send(payload[-1], NOBLOCK, copy=False)
+        last = len(payload) - 1
+        for index, frame in enumerate(payload):
+            flags = _NOBLOCK_MORE if index < last else NOBLOCK
+            if track and len(frame) >= TRACK_FROM:
+                trackers.append((router.send(frame, flags, copy=False, track=True), len(frame)))
+            else:
+                router.send(frame, flags, copy=False)
     except zmq.ZMQError as exc:
         _dropped(exc)
+    return trackers
 
 
 def _dropped(exc: zmq.ZMQError) -> None:

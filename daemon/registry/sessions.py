@@ -13,8 +13,9 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,31 @@ class SessionRef:
     public_id: int
     client: str
     pid: int
+
+
+@dataclass(slots=True, eq=False)
+class DeviceBacklog:
+    """One session's requests waiting for, and replies leaving, one device's worker: what
+    ``max_queued_requests``, ``max_queued_bytes`` and ``max_reply_bytes`` bound
+    (:mod:`cuctxd.daemon.device.queues`).
+
+    Written by two threads, each field by one: ``sent``/``sent_bytes`` (device ops the front handed
+    to the worker) and ``closed`` (the session has ended) by the front; everything else by that
+    device's worker: ``taken``/``taken_bytes`` (of the front's, those run or refused since),
+    ``jobs`` (queued to run, from either route, in arrival order) and their payload
+    ``queued_bytes``, ``replies`` (``(tracker, bytes)`` of reply payloads ZeroMQ still holds) and
+    their sum ``reply_bytes``. Other threads only read the counts (``status``).
+    """
+
+    sent: int = 0
+    sent_bytes: int = 0
+    closed: bool = False
+    taken: int = 0
+    taken_bytes: int = 0
+    jobs: deque[Any] = field(default_factory=deque)
+    queued_bytes: int = 0
+    replies: deque[tuple[Any, int]] = field(default_factory=deque)
+    reply_bytes: int = 0
 
 
 @dataclass
@@ -47,6 +73,8 @@ class Session:
     current_device: int = 0
     #: Who opened it, for ``max_sessions_per_peer`` (:mod:`cuctxd.daemon.intake.peers`).
     peer: str = ""
+    #: One per device, made at open (:class:`DeviceBacklog` says who writes what).
+    backlogs: tuple[DeviceBacklog, ...] = ()
 
     def to_status(self) -> dict[str, object]:
         return {
@@ -75,7 +103,8 @@ class SessionRegistry:
 
     def open(self, client: str, pid: int, peer: str = "") -> Session:
         ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid)
-        session = Session(ref, peer=peer, seen=[time.monotonic()] * self.receivers)
+        backlogs = tuple(DeviceBacklog() for _ in range(self.receivers - 1))
+        session = Session(ref, peer=peer, seen=[time.monotonic()] * self.receivers, backlogs=backlogs)
         self._sessions[ref.token] = session
         return session
 
@@ -83,7 +112,10 @@ class SessionRegistry:
         return self._sessions.get(token)
 
     def close(self, token: str) -> Session | None:
-        return self._sessions.pop(token, None)
+        session = self._sessions.pop(token, None)
+        if session is not None:
+            _mark_closed(session)
+        return session
 
     def expire(self, now: float, ttl: float) -> list[Session]:
         """Remove and return the sessions not heard from for ``ttl`` seconds."""
@@ -91,6 +123,7 @@ class SessionRegistry:
         for session in stale:
             del self._sessions[session.ref.token]
             self._expired[session.ref.token] = None
+            _mark_closed(session)
         while len(self._expired) > _EXPIRED_MEMORY:
             self._expired.popitem(last=False)
         return stale
@@ -107,3 +140,9 @@ class SessionRegistry:
 
     def all(self) -> list[Session]:
         return list(self._sessions.values())
+
+
+def _mark_closed(session: Session) -> None:
+    """Tell the workers that the session's queued requests are not to run (the front's write)."""
+    for backlog in session.backlogs:
+        backlog.closed = True

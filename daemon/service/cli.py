@@ -22,6 +22,7 @@ import zmq
 from cuctxd.daemon import __version__
 from cuctxd.daemon.backends import BackendUnavailable, select_backend
 from cuctxd.daemon.backends.sim import SimDriver
+from cuctxd.daemon.device.queues import DEFAULT_MAX_QUEUED_REQUESTS
 from cuctxd.daemon.device.worker import WorkerStartError
 from cuctxd.daemon.service import keygen
 from cuctxd.daemon.service.config import (
@@ -129,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-objects-per-session", type=_flag_type("max_objects_per_session"), metavar="N",
                           help="most contexts, buffers, streams, events and share holds one session may have "
                                "on each device (default 0: no limit)")
+    security.add_argument("--max-queued-requests", type=_flag_type("max_queued_requests"), metavar="N",
+                          help="most requests one session may have queued on each device "
+                               f"(default {DEFAULT_MAX_QUEUED_REQUESTS}; 0: no limit)")
+    security.add_argument("--max-queued-bytes", type=_flag_type("max_queued_bytes"), metavar="SIZE",
+                          help="most payload bytes one session may have queued on each device, beyond its "
+                               "first request (default 256MiB; 0: no limit)")
+    security.add_argument("--max-reply-bytes", type=_flag_type("max_reply_bytes"), metavar="SIZE",
+                          help="read results one session's client may leave untaken on each device before "
+                               "its reads are refused (default 256MiB; 0: no limit)")
     return parser
 
 

@@ -11,6 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cuctxd.daemon.device.queues import (
+    DEFAULT_MAX_QUEUED_BYTES,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_REPLY_BYTES,
+)
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 
 #: Size suffixes, as docker and systemd read them: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024;
@@ -115,6 +120,11 @@ class DaemonConfig:
     sim_fault: str | None = None
     #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.device.lane`), told in hello.
     device_endpoints: bool = True
+    #: Per session and device (:mod:`cuctxd.daemon.device.queues`): requests queued, their payload bytes,
+    #: and reply payload bytes its client has not taken.
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

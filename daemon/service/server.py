@@ -53,6 +53,7 @@ from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.backends.subset import DeviceSubset
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
+from cuctxd.daemon.device.queues import QueueLimits
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
@@ -127,8 +128,10 @@ class Daemon:
         limits = DeviceLimits(self.config.max_payload, self.config.session_quota, self.config.device_reserve,
                               self.config.max_objects_per_session)
         shares = ShareRegistry()
+        queue_limits = self._queue_limits()
         self._workers = [
-            DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares) for n in range(count)
+            DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares, queue_limits)
+            for n in range(count)
         ]
         peers = {w.device: w for w in self._workers}
         devices = []
@@ -164,7 +167,11 @@ class Daemon:
         config = self.config
         return FrontConfig(lease_ttl=config.lease_ttl, orphan_ttl=config.orphan_ttl, max_payload=config.max_payload,
                            max_sessions_per_peer=config.max_sessions_per_peer, endpoints=tuple(config.endpoints),
-                           device_ordinals=self.ordinals)
+                           device_ordinals=self.ordinals, queue_limits=self._queue_limits())
+
+    def _queue_limits(self) -> QueueLimits:
+        config = self.config
+        return QueueLimits(config.max_queued_requests, config.max_queued_bytes, config.max_reply_bytes)
 
     def _bind_router(self) -> zmq.Socket[Any]:
         router = self._new_router()

@@ -1,0 +1,154 @@
+"""A device worker's queue of jobs: one FIFO per session, served round-robin, bounded per session.
+
+Every device op a worker runs waits here first, whichever route it came by (the
+front's task queue or the worker's own lane). Each session has its own FIFO, the
+:class:`~cuctxd.daemon.registry.sessions.DeviceBacklog` the job carries, so its
+requests run in the order they arrived; the worker takes one job from each
+session with work in turn (:meth:`JobQueues.pop`), so a session with hundreds of
+requests queued delays another's by at most one op. ``max_queued_requests`` and
+``max_queued_bytes`` bound each FIFO (:meth:`JobQueues.push` refuses at once);
+``max_reply_bytes`` bounds the reply payloads a session has left in ZeroMQ that
+its client has not taken (:func:`track_reply`, :func:`reply_bytes`). Worker thread
+only, but for :func:`check_sent`, which the front calls for the jobs it hands on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cuctxd.daemon.intake.jobs import Job, payload_bytes
+from cuctxd.daemon.registry.sessions import DeviceBacklog
+from cuctxd.protos.errors import LimitExceeded
+
+#: Default of ``max_queued_requests``: twice the Python client's in-flight window (256 per socket), so a
+#: client that pipelines through both the main and a device endpoint never meets it.
+DEFAULT_MAX_QUEUED_REQUESTS = 512
+#: Default of ``max_queued_bytes``: write payloads one session may have queued on one device.
+DEFAULT_MAX_QUEUED_BYTES = 256 << 20
+#: Default of ``max_reply_bytes``: read results one session may have waiting to leave one device.
+DEFAULT_MAX_REPLY_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Per session and device; 0: no limit."""
+
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+
+
+class JobQueues:
+    """Queued jobs of every session on one device; every call O(1). Worker thread only."""
+
+    def __init__(self, limits: QueueLimits) -> None:
+        self.limits = limits
+        #: The backlogs with jobs queued, in the order they get their next turn.
+        self._turns: deque[DeviceBacklog] = deque()
+        #: Jobs queued in all, for :meth:`__len__` (read by other threads: drain, metrics).
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def push(self, job: Job) -> None:
+        """Queue ``job`` behind its session's others; :class:`LimitExceeded` naming the limit when the
+        session already has ``max_queued_requests`` jobs, or ``max_queued_bytes`` of payload with this one,
+        queued here (a session with nothing queued may always queue one request, however large)."""
+        backlog = job.backlog
+        assert backlog is not None
+        size = payload_bytes(job)
+        jobs = backlog.jobs
+        if jobs:
+            _check_room(self.limits, len(jobs), backlog.queued_bytes, size, "queued on this device")
+        else:
+            self._turns.append(backlog)
+        jobs.append(job)
+        backlog.queued_bytes += size
+        self.count += 1
+
+    def pop(self) -> Job:
+        """The next job to run: the oldest of the session whose turn it is (raises IndexError when empty)."""
+        backlog = self._turns.popleft()
+        job: Job = backlog.jobs.popleft()
+        backlog.queued_bytes -= payload_bytes(job)
+        if backlog.jobs:
+            self._turns.append(backlog)
+        self.count -= 1
+        return job
+
+
+def check_sent(backlog: DeviceBacklog, size: int, limits: QueueLimits) -> None:
+    """On the front, before handing a job of ``size`` payload bytes to the worker: refuse it when the
+    session's jobs handed on and not yet run or refused there reach a limit (so a worker that is busy
+    for a long op cannot collect an unbounded task queue); else count it as sent."""
+    waiting = backlog.sent - backlog.taken
+    if waiting:
+        _check_room(limits, waiting, backlog.sent_bytes - backlog.taken_bytes, size, "waiting for this device")
+    backlog.sent += 1
+    backlog.sent_bytes += size
+
+
+def taken(job: Job) -> None:
+    """The worker ran or refused a job the front handed it: count it off the front's tally."""
+    backlog = job.backlog
+    if backlog is not None and job.lane is None:
+        backlog.taken += 1
+        backlog.taken_bytes += payload_bytes(job)
+
+
+def _check_room(limits: QueueLimits, count: int, queued_bytes: int, size: int, where: str) -> None:
+    limit = limits.max_queued_requests
+    if limit and count >= limit:
+        raise LimitExceeded(f"max_queued_requests: the session already has {count} request(s) {where} "
+                            f"(limit {limit}); wait for replies before sending more")
+    limit = limits.max_queued_bytes
+    if limit and queued_bytes + size > limit:
+        raise LimitExceeded(f"max_queued_bytes: the session already has {queued_bytes} payload bytes {where}; "
+                            f"{size} more would pass the limit of {limit}; wait for replies before sending more")
+
+
+def track_reply(backlog: DeviceBacklog, trackers: Sequence[tuple[Any, int]]) -> None:
+    """Count reply payloads handed to ZeroMQ (``(MessageTracker, bytes)``) until it lets go of them."""
+    for tracker, size in trackers:
+        if not tracker.done:
+            backlog.replies.append((tracker, size))
+            backlog.reply_bytes += size
+
+
+def reply_bytes(backlog: DeviceBacklog, limit: int = 0) -> int:
+    """Reply bytes ZeroMQ still holds for the session: forgets those sent from the front of the line
+    and, when that leaves ``limit`` (0: none) or more, looks through the rest (out-of-order sends)."""
+    replies = backlog.replies
+    while replies and replies[0][0].done:
+        backlog.reply_bytes -= replies.popleft()[1]
+    if limit and backlog.reply_bytes >= limit:
+        still = deque(entry for entry in replies if not entry[0].done)
+        backlog.replies = still
+        backlog.reply_bytes = sum(size for _, size in still)
+    return backlog.reply_bytes
+
+
+def check_reply_room(backlog: DeviceBacklog, limits: QueueLimits) -> None:
+    """Before running an op whose reply carries a payload: :class:`LimitExceeded` naming
+    ``max_reply_bytes`` while the session's earlier replies still hold that much here."""
+    limit = limits.max_reply_bytes
+    if limit and backlog.reply_bytes and reply_bytes(backlog, limit) >= limit:
+        raise LimitExceeded(f"max_reply_bytes: {backlog.reply_bytes} bytes of this session's earlier replies "
+                            f"have not been taken by its client (limit {limit}); read them first")
+
+
+def backlog_status(backlog: DeviceBacklog) -> dict[str, int]:
+    """A session's use on one device, for ``status`` (on that device's worker)."""
+    return {
+        "queued": len(backlog.jobs) + backlog.sent - backlog.taken - _front_jobs_queued(backlog),
+        "queued_bytes": backlog.queued_bytes,
+        "reply_bytes": reply_bytes(backlog),
+    }
+
+
+def _front_jobs_queued(backlog: DeviceBacklog) -> int:
+    return sum(1 for job in backlog.jobs if job.lane is None)
