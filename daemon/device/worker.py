@@ -154,9 +154,13 @@ class DeviceWorker:
             self._shutdown()
 
     def _loop(self) -> None:
+        assert self.state is not None
+        closing = self.state.closing
         idle_polls = 0
         while True:
-            if self._pending:
+            if closing:  # a session's close goes on between requests: look for work, never wait
+                ready = self._poller.poll(0)
+            elif self._pending:
                 # Poll soon after new work, then back off to at most 1 ms between queries.
                 ready = self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
             else:
@@ -171,6 +175,8 @@ class DeviceWorker:
             idle_polls = 0 if ready else idle_polls + 1
             if self._pending:
                 self._poll_pending()
+            if closing:
+                self._run_quietly(DeviceState.close_more)
 
     def _wait(self, seconds: float | None) -> list[tuple[Any, int]]:
         """What is ready (the doorbell, the lane's ROUTER) once something is, or ``seconds`` have passed
@@ -231,6 +237,8 @@ class DeviceWorker:
             except CuctxError as exc:
                 log.warning("device %d: closing session %d at shutdown: %s",
                             self.device, session.ref.public_id, exc)
+        while self.state.closing:
+            self._run_quietly(DeviceState.close_more)
         try:
             self.state.sharing.drop_all()
         except CuctxError as exc:

@@ -19,12 +19,17 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SessionRef:
-    """What a worker may know of a session: its secret token and public identity."""
+    """What a worker may know of a session: its secret token and public identity.
+
+    ``uid``: the user the peer's process runs as, where the kernel said so (ipc://,
+    :func:`cuctxd.daemon.intake.peers.uid_of`); None when unknown.
+    """
 
     token: str
     public_id: int
     client: str
     pid: int
+    uid: int | None = None
 
 
 @dataclass
@@ -73,8 +78,8 @@ class SessionRegistry:
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._public_ids = itertools.count(1)
 
-    def open(self, client: str, pid: int, peer: str = "") -> Session:
-        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid)
+    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None) -> Session:
+        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid, uid)
         session = Session(ref, peer=peer, seen=[time.monotonic()] * self.receivers)
         self._sessions[ref.token] = session
         return session

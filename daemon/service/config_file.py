@@ -188,6 +188,9 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("orphan_ttl", _seconds, _number_text),
     Key("sim_fault", _sim_fault),
     Key("device_endpoints", _boolean),
+    Key("max_contexts_per_session", _integer(0), _int_text),
+    Key("max_shares_per_session", _integer(0), _int_text),
+    Key("max_orphaned_shares", _integer(0), _int_text),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"
