@@ -21,6 +21,7 @@ from cuctxd.protos.errors import (
     NotOwner,
     NotShareable,
     OutOfRange,
+    Revoked,
     SessionExpired,
     SessionLost,
     TooLarge,
@@ -35,7 +36,7 @@ __all__ = [
     "AsyncBuffer", "AsyncClient", "AsyncContext", "AsyncEvent", "AsyncOpenedShare", "AsyncPipeline",
     "AsyncStream", "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost", "Context",
     "CuctxError", "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "Event", "NameExists", "NoDaemon",
-    "NotFound", "NotOwner", "NotShareable", "OpenedShare", "OutOfRange", "Pipeline", "SessionExpired",
+    "NotFound", "NotOwner", "NotShareable", "OpenedShare", "OutOfRange", "Pipeline", "Revoked", "SessionExpired",
     "SessionLost", "ShareDescriptor", "Stream", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch",
     "WrongBackend",
 ]

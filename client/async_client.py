@@ -310,3 +310,9 @@ class AsyncClient(SessionState):
 
     async def close_shared(self, descriptor: ShareDescriptor) -> None:
         await self.run(requests.close_shared(descriptor))
+
+    async def revoke(self, share: AsyncBuffer | ShareDescriptor) -> None:
+        if isinstance(share, ShareDescriptor):
+            await self.run(requests.revoke(share))
+        else:
+            await self.run(requests.revoke_buffer(share))

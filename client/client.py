@@ -326,3 +326,11 @@ class Client(SessionState):
     def close_shared(self, descriptor: ShareDescriptor) -> None:
         """Drop this session's hold (``OpenedShare.close`` calls this after unmapping)."""
         self.run(requests.close_shared(descriptor))
+
+    def revoke(self, share: Buffer | ShareDescriptor) -> None:
+        """Withdraw a share this session exported (by buffer or descriptor): its names go, holders
+        lose their holds and get ``Revoked`` on their next use of it."""
+        if isinstance(share, ShareDescriptor):
+            self.run(requests.revoke(share))
+        else:
+            self.run(requests.revoke_buffer(share))

@@ -73,9 +73,10 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
             ))
         if dev["sessions"]:
             lines.append(table(
-                ["SESSION", "CONTEXTS", "STACK", "ALLOCATIONS", "BYTES", "HOLDS"],
+                ["SESSION", "CONTEXTS", "STACK", "ALLOCATIONS", "BYTES", "HOLDS", "HELD", "QUOTA"],
                 [[s["session"], s["contexts"], s["stack_depth"], s["allocations"], human_size(s["bytes"]),
-                  s["holds"]] for s in dev["sessions"]],
+                  s["holds"], human_size(s.get("held_bytes", 0)),
+                  human_size(s["quota"]) if s.get("quota") else "-"] for s in dev["sessions"]],
             ))
         if dev.get("queues"):
             limits = status.get("limits", {})
@@ -112,11 +113,20 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
     if not shared:
         return "no published buffers"
     return table(
-        ["NAME", "DEVICE", "SIZE", "OWNER", "HOLDERS", "SHARE"],
+        ["NAME", "DEVICE", "SIZE", "OWNER", "PUBLISHER", "HOLDERS", "SHARE"],
         [[s["name"], s["device"], human_size(s["size"]),
-          s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", s["holders"], s["share_id"]]
+          s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", _publisher(s.get("publisher")),
+          s["holders"], s["share_id"]]
          for s in shared],
     )
+
+
+def _publisher(publisher: dict[str, Any] | None) -> str:
+    """``client pid N uid U`` of whoever published a name (what the daemon knows of it)."""
+    if not publisher:
+        return "-"
+    uid = publisher.get("uid")
+    return f"{publisher.get('client')} pid {publisher.get('pid')}" + ("" if uid is None else f" uid {uid}")
 
 
 #: ANSI: cursor home, clear screen (what ``top`` and ``watch`` do between frames).

@@ -213,6 +213,11 @@ class Buffer(BufferFields):
     def publish(self, name: str) -> ShareDescriptor:
         return self.client.run(requests.publish(self, name))
 
+    def revoke(self) -> None:
+        """Withdraw this buffer's share: its names go, holders lose their holds and get
+        :class:`~cuctxd.protos.errors.Revoked` on their next use; the buffer stays yours."""
+        self.client.run(requests.revoke_buffer(self))
+
     def free(self) -> None:
         """Free it once; later calls (also ``client.free(buf)``) send nothing."""
         self.client.run(requests.free(self))
@@ -256,6 +261,9 @@ class AsyncBuffer(BufferFields):
 
     async def publish(self, name: str) -> ShareDescriptor:
         return await self.client.run(requests.publish(self, name))
+
+    async def revoke(self) -> None:
+        await self.client.run(requests.revoke_buffer(self))
 
     async def free(self) -> None:
         await self.client.run(requests.free(self))

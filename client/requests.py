@@ -435,3 +435,14 @@ def open_shared(descriptor: ShareDescriptor) -> Request[ShareDescriptor]:
 
 def close_shared(descriptor: ShareDescriptor) -> Request[None]:
     return _request("close_shared", _nothing, device=descriptor.device, share_id=descriptor.share_id)
+
+
+def revoke(descriptor: ShareDescriptor) -> Request[None]:
+    """Withdraw a share this session exported: holders' next use of it raises :class:`Revoked`."""
+    return _request("revoke", _nothing, device=descriptor.device, share_id=descriptor.share_id)
+
+
+def revoke_buffer(buffer: OnDevice) -> Plan[None]:
+    """Revoke the share of ``buffer`` (its descriptor is what ``export`` answers for it)."""
+    descriptor = yield export(buffer)
+    yield revoke(descriptor)

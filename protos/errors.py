@@ -33,6 +33,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_NAME_EXISTS = 10013
     CUCTXD_ERROR_NOT_FOUND = 10014
     CUCTXD_ERROR_NOT_OWNER = 10015
+    CUCTXD_ERROR_REVOKED = 10016
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -171,6 +172,12 @@ class NotOwner(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_NOT_OWNER
 
 
+class Revoked(DaemonError):
+    """The owner of a shared buffer revoked it: the session's hold was dropped; close any mapping of it."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_REVOKED
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -224,7 +231,7 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, InternalError,
     )
 }
 

@@ -78,6 +78,8 @@ class ShareDescriptor(_Record):
 
     ``ipc_handle`` is the backend's 64-byte handle (``CUipcMemHandle`` for cuda);
     ``host`` and ``device_uuid`` let the opener check it is on the same machine and GPU.
+    ``publisher`` (from ``lookup``): who exported it, a map of ``session``, ``client``,
+    ``pid`` and ``uid`` (None where the daemon does not know).
     """
 
     share_id: str
@@ -88,3 +90,4 @@ class ShareDescriptor(_Record):
     ipc_handle: bytes
     host: str
     name: str | None = None
+    publisher: dict[str, Any] | None = None

@@ -48,7 +48,8 @@ class Unpublish:
 
 @op("lookup", target="front")
 class Lookup:
-    """The share descriptor published under ``name``. Result: ``share``."""
+    """The share descriptor published under ``name``, with its ``publisher`` (session, client,
+    pid, uid). Result: ``share``."""
 
     name: str = dataclasses.field(metadata={"max_len": 256})
 
@@ -56,7 +57,7 @@ class Lookup:
 @op("list_shared", target="front")
 class ListShared:
     """Every published name. Result: ``shared`` (list of maps: name, share_id, device,
-    size, owner, owner_present, holders)."""
+    size, owner, owner_present, holders, publisher)."""
 
 
 @op("open_shared", target="device")
@@ -71,6 +72,16 @@ class OpenShared:
 @op("close_shared", target="device")
 class CloseShared:
     """Drop this session's hold on a share. Result: ``{}``."""
+
+    share_id: str = dataclasses.field(metadata={"max_len": 64})
+    device: int | None = count_field()
+
+
+@op("revoke", target="device")
+class Revoke:
+    """Withdraw a share this session exported: its names go, new opens are refused, every
+    holder's hold is dropped and its next ``open_shared``/``close_shared`` of it answers
+    ``CUCTXD_ERROR_REVOKED``; the memory is freed once the owner frees the buffer. Result: ``{}``."""
 
     share_id: str = dataclasses.field(metadata={"max_len": 64})
     device: int | None = count_field()

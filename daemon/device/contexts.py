@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from cuctxd.daemon.backends.base import Ctx, Driver
 from cuctxd.daemon.device.current import CurrentContext
-from cuctxd.daemon.device.entries import SessionContext, SessionOnDevice, new_handle
+from cuctxd.daemon.device.entries import DeviceLimits, SessionContext, SessionOnDevice, check_limit, new_handle
 from cuctxd.daemon.device.streams import Streams
 from cuctxd.protos.records import ContextRecord
 
@@ -21,12 +21,13 @@ class Contexts:
     """Binding, creating, naming and ending the device's contexts."""
 
     def __init__(self, driver: Driver, device: int, current: CurrentContext, streams: Streams,
-                 object_limit: int) -> None:
+                 limits: DeviceLimits) -> None:
         self.driver = driver
         self.device = device
         self.current = current
         self.streams = streams
-        self.object_limit = object_limit
+        self.object_limit = limits.max_objects_per_session
+        self.context_limit = limits.max_contexts_per_session
         #: References this daemon holds on the primary context (sessions bound + shares made in it).
         self.primary_refs = 0
         #: Created contexts whose session is gone but whose shares are still alive, by context id.
@@ -69,7 +70,10 @@ class Contexts:
         return primary
 
     def create(self, state: SessionOnDevice, flags: int) -> SessionContext:
-        """``cuCtxCreate``: a new context, pushed on the session's stack."""
+        """``cuCtxCreate``: a new context, pushed on the session's stack (within ``max_contexts_per_session``:
+        each costs the device real memory, ~110 ms to make on CUDA, and time to end)."""
+        check_limit("max_contexts_per_session", self.context_limit, state.created_contexts(),
+                    "created contexts", self.device)
         state.check_room(self.object_limit, "context")
         self.current.clear()
         ctx = self.driver.ctx_create(flags, self.device)
@@ -102,9 +106,14 @@ class Contexts:
 
     def detach(self, state: SessionOnDevice, context: SessionContext) -> None:
         """Take a created context, emptied of buffers, streams and events, from the session;
-        destroy it unless shares still live in it (then it waits as an orphan)."""
+        destroy it unless shares still live in it (then it waits as an orphan).
+
+        O(stack depth): a session being closed empties its stack first, so ending each of its
+        contexts stays O(1) (closing N contexts must not take N * depth).
+        """
         state.contexts.pop(context.handle, None)
-        state.stack[:] = [c for c in state.stack if c is not context]
+        if state.stack:
+            state.stack[:] = [c for c in state.stack if c is not context]
         if context.shares:
             self.orphans[context.context_id] = context
             return

@@ -14,7 +14,8 @@ from typing import Generic, TypeVar
 
 from cuctxd.daemon.backends.base import Ctx, Event, Stream
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.protos.errors import LimitExceeded, OutOfRange, UnknownHandle
+from cuctxd.protos.cuda_results import CUresult
+from cuctxd.protos.errors import CudaError, LimitExceeded, OutOfRange, UnknownHandle
 from cuctxd.protos.limits import MAX_HANDLE, MAX_ISSUED_HANDLE
 from cuctxd.protos.records import ShareDescriptor
 
@@ -35,6 +36,12 @@ class DeviceLimits:
     device_reserve: int = 0
     #: Most contexts created + buffers + streams + events + shares held one session may have here.
     max_objects_per_session: int = 0
+    #: Most contexts one session may have created here (the primary does not count).
+    max_contexts_per_session: int = 0
+    #: Most shares one session may have exported (alive) plus held open here.
+    max_shares_per_session: int = 0
+    #: Most published shares whose owner is gone and nobody holds, daemon-wide (oldest freed first).
+    max_orphaned_shares: int = 0
 
 
 class HandleTable(dict[int, T], Generic[T]):
@@ -80,6 +87,8 @@ class Share:
     opened_since_orphaned: bool = False
     #: ``time.monotonic()`` when the owner let go (None while the owner holds it).
     orphaned_at: float | None = None
+    #: The owner revoked it: no new opens, and each holder's next use of it answers REVOKED.
+    revoked: bool = False
 
     @property
     def share_id(self) -> str:
@@ -142,6 +151,12 @@ class SessionOnDevice:
     holds: dict[str, int] = field(default_factory=dict)
     primary: SessionContext | None = None
     bytes_allocated: int = 0
+    #: Bytes of the shares this session holds open that its quota pays for (:meth:`Sharing.charges`).
+    bytes_held: int = 0
+    #: Shares made from this session's buffers that are still alive (its exports).
+    exports: int = 0
+    #: Shares revoked while this session held them: its next open or close of one answers REVOKED.
+    revoked: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.contexts = HandleTable("context", self.device)
@@ -152,8 +167,25 @@ class SessionOnDevice:
     def object_count(self) -> int:
         """What ``max_objects_per_session`` counts: created contexts (not the shared primary),
         buffers, streams, events and distinct shares held open."""
-        created = len(self.contexts) - (1 if self.primary is not None else 0)
-        return created + len(self.buffers) + len(self.streams) + len(self.events) + len(self.holds)
+        return self.created_contexts() + len(self.buffers) + len(self.streams) + len(self.events) + len(self.holds)
+
+    def created_contexts(self) -> int:
+        """Contexts this session created here (``max_contexts_per_session``; the primary is not one)."""
+        return len(self.contexts) - (1 if self.primary is not None else 0)
+
+    def bytes_charged(self) -> int:
+        """What the session quota counts: bytes allocated plus bytes of shares held that it pays for."""
+        return self.bytes_allocated + self.bytes_held
+
+    def check_quota(self, quota: int, size: int, what: str) -> None:
+        """``CUDA_ERROR_OUT_OF_MEMORY`` if ``size`` more bytes would pass ``quota`` (0: none), allocations
+        and shares held counted (``what``: "allocate", "hold open a share of")."""
+        if quota and self.bytes_charged() + size > quota:
+            raise CudaError.of(
+                CUresult.CUDA_ERROR_OUT_OF_MEMORY,
+                f"session quota of {quota} bytes on device {self.device}: {self.bytes_allocated} allocated "
+                f"and {self.bytes_held} held in shares, asked to {what} {size} more",
+            )
 
     def check_room(self, limit: int, what: str) -> None:
         """Raise :class:`LimitExceeded` if the session may not have one more object (``what``); 0: no limit."""
@@ -163,6 +195,12 @@ class SessionOnDevice:
                 f"objects (contexts, buffers, streams, events, shares held) on device {self.device}; "
                 f"free some before making another {what}"
             )
+
+
+def check_limit(name: str, limit: int, used: int, what: str, device: int) -> None:
+    """Raise :class:`LimitExceeded` naming ``name`` if one more ``what`` would pass ``limit`` (0: none)."""
+    if limit and used >= limit:
+        raise LimitExceeded(f"{name}: the session already has {used} of {limit} {what} on device {device}")
 
 
 def check_range(size_of_buffer: int, offset: int, size: int | None) -> int:

@@ -64,13 +64,8 @@ class Memory:
         return self.driver.mem_alloc_from_pool(size, self.streams.pool_of(context), None)
 
     def _check_quota(self, state: SessionOnDevice, size: int) -> None:
-        quota, reserve = self.limits.session_quota, self.limits.device_reserve
-        if quota and state.bytes_allocated + size > quota:
-            raise CudaError.of(
-                CUresult.CUDA_ERROR_OUT_OF_MEMORY,
-                f"session quota of {quota} bytes on device {self.device}: "
-                f"{state.bytes_allocated} in use, {size} more asked",
-            )
+        state.check_quota(self.limits.session_quota, size, "allocate")
+        reserve = self.limits.device_reserve
         if reserve:
             free, _ = self.driver.mem_get_info()
             if free - size < reserve:
@@ -81,13 +76,13 @@ class Memory:
 
     def info(self, state: SessionOnDevice) -> dict[str, Any]:
         """``cuMemGetInfo`` as this session sees it (its current context active): free is capped by its
-        quota and the reserve."""
+        quota (less what it allocated and holds in shares) and the reserve."""
         device_free, total = self.driver.mem_get_info()
         device_free += self.streams.pools_cached()
         free, limited_by = max(0, device_free - self.limits.device_reserve), "device"
         quota = self.limits.session_quota
-        if quota and quota - state.bytes_allocated < free:
-            free, limited_by = max(0, quota - state.bytes_allocated), "quota"
+        if quota and quota - state.bytes_charged() < free:
+            free, limited_by = max(0, quota - state.bytes_charged()), "quota"
         return {
             "free": free,
             "total": total,
@@ -107,7 +102,7 @@ class Memory:
             else:
                 self.driver.mem_free_async(buffer.ptr, None)
         else:
-            self.sharing.owner_left(buffer.share, unpublish=unpublish)
+            self.sharing.owner_left(state, buffer.share, unpublish=unpublish)
         del state.buffers[buffer.handle]
         state.bytes_allocated -= buffer.size
         buffer.context.buffers.discard(buffer.handle)

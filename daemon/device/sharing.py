@@ -4,42 +4,69 @@ Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`; the lifetime rule is in
 :mod:`cuctxd.daemon.registry.shares`, whose daemon-wide index (lock-protected,
 read by the front) this keeps up to date.
+
+What a session keeps alive, its quota pays for: the shares it holds open count
+against ``session_quota`` (:meth:`Sharing.charges`) unless they are of its own
+live buffers, which it already pays for as allocations. An owner may ``revoke`` a
+share: its names go, new opens are refused, every holder's hold is dropped and its
+next ``open_shared``/``close_shared`` of it answers ``CUCTXD_ERROR_REVOKED``.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
+from collections.abc import Mapping
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
-from cuctxd.daemon.device.entries import Buffer, SessionOnDevice, Share
+from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionOnDevice, Share, check_limit
 from cuctxd.daemon.registry.shares import ShareRegistry
-from cuctxd.protos.errors import NotFound, NotShareable
+from cuctxd.protos.errors import NotFound, NotOwner, NotShareable, Revoked
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
+log = logging.getLogger(__name__)
 
 class Sharing:
     """Export, open, close and settle the device's shares."""
 
     def __init__(self, driver: Driver, info: DeviceInfo, current: CurrentContext, contexts: Contexts,
-                 registry: ShareRegistry, object_limit: int) -> None:
+                 registry: ShareRegistry, limits: DeviceLimits, sessions: Mapping[str, SessionOnDevice]) -> None:
+        """``sessions`` is the :class:`DeviceState`'s own table, read to find a share's holders."""
         self.driver = driver
         self.device = contexts.device
         self.info = info
         self.current = current
         self.contexts = contexts
         self.registry = registry
-        self.object_limit = object_limit
+        self.limits = limits
+        self.sessions = sessions
         #: Every live share made on this device, by share id.
         self.shares: dict[str, Share] = {}
+        #: Published shares kept alive by their names alone (owner gone, nobody holds them), oldest first.
+        self.orphaned: dict[str, Share] = {}
+
+    def _check_share_room(self, state: SessionOnDevice) -> None:
+        used = state.exports + len(state.holds) + len(state.revoked)
+        check_limit("max_shares_per_session", self.limits.max_shares_per_session, used,
+                    "shares (exported, held open, or revoked and not closed yet)", self.device)
+
+    @staticmethod
+    def charges(state: SessionOnDevice, share: Share) -> bool:
+        """Whether ``state``'s quota pays for holding ``share``: yes, unless it is the session's own
+        live buffer (already counted as allocated)."""
+        return not (share.owner_present and share.owner.token == state.ref.token)
 
     def export(self, state: SessionOnDevice, buffer: Buffer) -> Share:
         """Make a buffer shareable (once); the share keeps its context alive past the session."""
         if buffer.share is not None:
+            if buffer.share.revoked:
+                raise Revoked("this buffer's share was revoked; it cannot be shared again")
             return buffer.share
+        self._check_share_room(state)
         if not buffer.shareable:
             raise NotShareable(
                 "this buffer comes from the device's stream-ordered pool, which cannot be exported; "
@@ -60,38 +87,96 @@ class Sharing:
         )
         share = Share(descriptor, buffer.ptr, buffer.context, state.ref)
         buffer.share = share
+        state.exports += 1
         buffer.context.shares.add(share.share_id)
         self.shares[share.share_id] = share
         self.registry.add(share)
         return share
 
     def open(self, state: SessionOnDevice, share_id: str) -> Share:
+        """Hold a share open for ``state``; a first hold counts against its shares limit and its quota."""
         share = self.shares.get(share_id)
+        if share_id in state.revoked or (share is not None and share.revoked):
+            state.revoked.discard(share_id)
+            raise Revoked("its owner revoked this shared buffer; close any mapping of it you still have")
         if share is None or not share.keeps_alive():
             raise NotFound("no such shared buffer on this device (never exported, or already freed)")
         if share_id not in state.holds:
-            state.check_room(self.object_limit, "share hold")
+            self._check_share_room(state)
+            state.check_room(self.limits.max_objects_per_session, "share hold")
+            if self.charges(state, share):
+                state.check_quota(self.limits.session_quota, share.descriptor.size, "hold open a share of")
+                state.bytes_held += share.descriptor.size
         if not share.owner_present:
             share.opened_since_orphaned = True
+            self._not_orphaned(share)
         state.holds[share_id] = state.holds.get(share_id, 0) + 1
         share.holders[state.ref.token] = share.holders.get(state.ref.token, 0) + 1
         self.registry.update(share)
         return share
 
     def close(self, state: SessionOnDevice, share_id: str) -> None:
+        if share_id in state.revoked:
+            state.revoked.discard(share_id)
+            raise Revoked("its owner revoked this shared buffer and your hold was dropped then; "
+                          "close your mapping of it")
         if share_id not in state.holds:
             raise NotFound("this session does not hold that shared buffer open")
         self.drop_hold(state, share_id, everything=False)
 
-    def owner_left(self, share: Share, *, unpublish: bool) -> None:
-        """The buffer's owner let go (freed it, or its session ended): the share lives on while held,
-        or published (unless ``unpublish``, as for an explicit free)."""
+    def revoke(self, state: SessionOnDevice, share_id: str) -> Share:
+        """The owner withdraws a share: names go, every hold is dropped (each holder told on its next
+        use), and the memory is freed once the owner lets the buffer go (now, if it already has)."""
+        share = self.shares.get(share_id)
+        if share is None:
+            raise NotFound("no such shared buffer on this device (never exported, or already freed)")
+        if share.owner.token != state.ref.token:
+            raise NotOwner("only the session that exported a shared buffer may revoke it")
+        share.revoked = True
+        self.registry.drop_names(share)
+        for token in list(share.holders):
+            holder = self.sessions.get(token)
+            if holder is not None and share_id in holder.holds:
+                del holder.holds[share_id]
+                if self.charges(holder, share):
+                    holder.bytes_held -= share.descriptor.size
+                holder.revoked.add(share_id)
+        share.holders.clear()
+        self.settle(share)
+        return share
+
+    def owner_left(self, state: SessionOnDevice, share: Share, *, unpublish: bool) -> None:
+        """The buffer's owner (``state``) let go (freed it, or its session ended): the share lives on
+        while held, or published (unless ``unpublish``, as for an explicit free). A hold the owner
+        keeps on it now counts against the owner's quota."""
+        state.exports -= 1
+        if share.share_id in state.holds:
+            state.bytes_held += share.descriptor.size
         share.owner_present = False
         share.orphaned_at = time.monotonic()
         share.opened_since_orphaned = bool(share.holders)
         if unpublish:
             self.registry.drop_names(share)
         self.settle(share)
+        if share.share_id in self.shares and not share.holders:
+            self.orphaned[share.share_id] = share
+            self.registry.count_orphan(share.share_id, True)
+            self._evict_orphans()
+
+    def _evict_orphans(self) -> None:
+        """Above ``max_orphaned_shares`` (daemon-wide), free this device's oldest name-only orphans."""
+        limit = self.limits.max_orphaned_shares
+        while limit and self.orphaned and self.registry.orphan_count() > limit:
+            share = next(iter(self.orphaned.values()))
+            log.warning("device %d: max_orphaned_shares (%d) reached: freeing the oldest orphaned share "
+                        "%s… (names %s, owner session %d gone)", self.device, limit, share.share_id[:8],
+                        sorted(share.names), share.owner.public_id)
+            self.registry.drop_names(share)
+            self.settle(share)
+
+    def _not_orphaned(self, share: Share) -> None:
+        if self.orphaned.pop(share.share_id, None) is not None:
+            self.registry.count_orphan(share.share_id, False)
 
     def forget_name(self, name: str, share_id: str) -> None:
         """After the front unpublished ``name``: drop it here and free the share if that was all."""
@@ -101,12 +186,13 @@ class Sharing:
             self.settle(share)
 
     def expire_orphans(self, now: float, ttl: float) -> None:
-        """Free published buffers whose owner left ``ttl`` seconds ago and nobody has open."""
-        for share in list(self.shares.values()):
-            if (share.orphaned_at is not None and not share.holders and share.names
-                    and now - share.orphaned_at > ttl):
-                self.registry.drop_names(share)
-                self.settle(share)
+        """Free published buffers whose owner left ``ttl`` seconds ago and nobody has open
+        (oldest first: stops at the first younger one)."""
+        for share in list(self.orphaned.values()):
+            if share.orphaned_at is None or now - share.orphaned_at <= ttl:
+                break
+            self.registry.drop_names(share)
+            self.settle(share)
 
     def drop_all(self) -> None:
         """At shutdown, after every session closed: free what published names and orphans kept."""
@@ -129,6 +215,8 @@ class Sharing:
             share.holders[state.ref.token] = count
         else:
             share.holders.pop(state.ref.token, None)
+            if self.charges(state, share):
+                state.bytes_held -= share.descriptor.size
         self.settle(share)
 
     def settle(self, share: Share) -> None:
@@ -140,6 +228,7 @@ class Sharing:
         self.current.activate(context)
         self.driver.mem_free(share.ptr)
         del self.shares[share.share_id]
+        self._not_orphaned(share)
         context.shares.discard(share.share_id)
         self.registry.remove(share)
         share.names.clear()

@@ -15,11 +15,19 @@ uses when built:
 Each session gets a :class:`~cuctxd.daemon.device.entries.SessionOnDevice`
 (records in :mod:`cuctxd.daemon.device.entries`). This class ties the parts
 together where one event touches several: a session ending, a context destroyed.
+
+A session's close takes time linear in what it held, and runs in chunks of
+:data:`CLOSE_CHUNK` objects: the first at once, the rest between the worker's
+other requests (:meth:`DeviceState.close_more`), so another session's op waits
+for at most about one chunk.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections import deque
+from collections.abc import Iterator
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.contexts import Contexts
@@ -33,6 +41,11 @@ from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.records import DeviceInfo
+
+#: Objects (holds, streams, events, buffers, contexts) a session's close frees per turn of the worker.
+CLOSE_CHUNK = 256
+#: What a close's next step is once it has none left.
+_DONE = object()
 
 
 class DeviceState:
@@ -50,12 +63,14 @@ class DeviceState:
         #: Make a context current on the worker (the bound method itself: handlers call it per request).
         self.activate = self.current.activate
         self.streams = Streams(driver, device, self.current, self.sessions)
-        self.contexts = Contexts(driver, device, self.current, self.streams, limits.max_objects_per_session)
-        self.sharing = Sharing(driver, info, self.current, self.contexts, registry, limits.max_objects_per_session)
+        self.contexts = Contexts(driver, device, self.current, self.streams, limits)
+        self.sharing = Sharing(driver, info, self.current, self.contexts, registry, limits, self.sessions)
         self.memory = Memory(driver, device, limits, self.current, self.streams, self.sharing)
         #: The sticky CUDA error that made this device unusable, if one struck.
         self.failure: CudaError | None = None
         self.worker_thread: threading.Thread | None = None
+        #: Closes of sessions already gone from :attr:`sessions` with objects left to free, oldest first.
+        self.closing: deque[Iterator[None]] = deque()
 
     def session(self, ref: SessionRef) -> SessionOnDevice:
         """The session's state here, made empty on its first request to this device."""
@@ -67,20 +82,44 @@ class DeviceState:
     def close_session(self, ref: SessionRef) -> None:
         """Drop the session's holds, free its private buffers, destroy its contexts.
 
-        Its published buffers stay alive for the sessions that open them.
+        Its published buffers stay alive for the sessions that open them. The session
+        leaves :attr:`sessions` at once; the first :data:`CLOSE_CHUNK` objects go now, the
+        rest wait in :attr:`closing` for :meth:`close_more`.
         """
         state = self.sessions.pop(ref.token, None)
         if state is None:
             return
+        steps = self._close_steps(state)
+        if next(itertools.islice(steps, CLOSE_CHUNK, None), _DONE) is not _DONE:
+            self.closing.append(steps)
+
+    def close_more(self) -> None:
+        """Free the next :data:`CLOSE_CHUNK` objects of the oldest close in progress (the worker calls it
+        between requests while :attr:`closing` is not empty). A step that raised ended its close: what
+        it had left stays unfreed until the daemon exits (the caller logs the error)."""
+        if self.closing and next(itertools.islice(self.closing[0], CLOSE_CHUNK, None), _DONE) is _DONE:
+            self.closing.popleft()
+
+    def _close_steps(self, state: SessionOnDevice) -> Iterator[None]:
+        """Free what ``state`` holds, one object per step: linear in what it held."""
+        state.stack.clear()
         for share_id in list(state.holds):
             self.sharing.drop_hold(state, share_id, everything=True)
-        self.streams.drop(state)
+            yield
+        for handle in list(state.streams):
+            self.streams.destroy_stream(state, handle)
+            yield
+        for handle in list(state.events):
+            self.streams.destroy_event(state, handle)
+            yield
         for buffer in list(state.buffers.values()):
             self.memory.free(state, buffer, unpublish=False)
+            yield
         self.streams.trim_pools()
         for context in list(state.contexts.values()):
             if not context.is_primary:
-                self._end_created(state, context)
+                self.contexts.detach(state, context)
+                yield
         if state.primary is not None:
             self.contexts.release_primary(state.primary)
             state.primary = None

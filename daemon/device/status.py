@@ -61,6 +61,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
             "owner": share.owner.public_id,
             "owner_present": share.owner_present,
             "holders": first(sorted(public.get(token, -1) for token in share.holders)),
+            "revoked": share.revoked,
         }
         for share in shown_shares
     ]
@@ -72,6 +73,9 @@ def device_status(state: DeviceState) -> dict[str, Any]:
             "allocations": len(s.buffers),
             "bytes": s.bytes_allocated,
             "holds": sum(s.holds.values()),
+            "held_bytes": s.bytes_held,
+            "quota": state.limits.session_quota or None,
+            "exports": s.exports,
         }
         for s in first(state.sessions.values())
     ]
@@ -81,6 +85,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
                  or any(len(share.names) > MAX_LISTED or len(share.holders) > MAX_LISTED for share in shown_shares))
     return {
         "device": state.device,
+        "closing_sessions": len(state.closing),
         "name": state.info.name,
         "failed": None if state.failure is None else f"{state.failure.name}: {state.failure.message}",
         "worker": {"name": thread.name, "native_id": thread.native_id, "alive": thread.is_alive()},

@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import zmq
@@ -39,6 +40,7 @@ from cuctxd.daemon.handlers import DEVICE_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Pending, Reply
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.intake.router_io import TRACK_FROM, readable
+from cuctxd.daemon.registry.sessions import DeviceBacklog, Session
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.cuda_results import STICKY_CODES, CUresult
 from cuctxd.protos.errors import CuctxError, CudaError, InternalError, ShuttingDown, UnknownSession
@@ -120,6 +122,12 @@ class DeviceWorker:
         """Queue fire-and-forget work on this device's state; failures are logged."""
         self.submit_task(lambda worker: worker._run_quietly(work))
 
+    def close_session(self, session: Session) -> None:
+        """Close ``session`` on this device once its requests queued here have run (reaping)."""
+        ref = session.ref
+        self.submit_task(lambda worker: worker._after_queued(
+            session, lambda: worker._run_quietly(partial(DeviceState.close_session, ref=ref))))
+
     def fan_out(self, identity: bytes, request_id: int, gather: Gather, fan_out: FanOut) -> None:
         self.submit_task(lambda worker: worker._run_fan_out(identity, request_id, gather, fan_out))
 
@@ -171,10 +179,14 @@ class DeviceWorker:
             self._shutdown()
 
     def _loop(self) -> None:
+        assert self.state is not None
+        closing = self.state.closing
         idle_polls = 0
         queues = self._queues
         while True:
-            if self._pending:
+            if closing:  # a session's close goes on between requests: look for work, never wait
+                ready = self._poller.poll(0)
+            elif self._pending:
                 # Poll soon after new work, then back off to at most 1 ms between queries.
                 ready = self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
             else:
@@ -191,13 +203,19 @@ class DeviceWorker:
                     lane.take_requests(self._queue_received)
             idle_polls = 0 if ready else idle_polls + 1
             while queues:
-                self._run_job(queues.pop())
+                job = queues.pop()
+                self._run_job(job)
+                backlog = job.backlog
+                if backlog is not None and backlog.after and not backlog.jobs:
+                    self._run_after(backlog)
                 if self._pending:
                     self._poll_pending()
                 if not self._take_arrivals():
                     return
             if self._pending:
                 self._poll_pending()
+            if closing:
+                self._run_quietly(DeviceState.close_more)
 
     def _take_arrivals(self) -> bool:
         """Between two jobs: take in what has come meanwhile (cheap checks, no poll), so that a new
@@ -270,6 +288,8 @@ class DeviceWorker:
             taken(job)
             if not self._silenced.is_set():
                 self._fail(job, ShuttingDown("cuctxd is shutting down; this request was queued and did not run"))
+            if job.backlog is not None and job.backlog.after and not job.backlog.jobs:
+                self._run_after(job.backlog)
         while self._pending and not self._silenced.is_set():  # answer synchronizes in flight first
             self._poll_pending()
             time.sleep(_POLL_MAX_S)
@@ -279,6 +299,8 @@ class DeviceWorker:
             except CuctxError as exc:
                 log.warning("device %d: closing session %d at shutdown: %s",
                             self.device, session.ref.public_id, exc)
+        while self.state.closing:
+            self._run_quietly(DeviceState.close_more)
         try:
             self.state.sharing.drop_all()
         except CuctxError as exc:
@@ -313,7 +335,7 @@ class DeviceWorker:
             return
         backlog = job.backlog
         if backlog is not None:
-            if backlog.closed:
+            if backlog.ended:
                 self._fail(job, UnknownSession("the session ended before this request ran"))
                 return
             if job.spec.payload_out:
@@ -372,9 +394,30 @@ class DeviceWorker:
             error = InternalError(f"{type(exc).__name__} in {job.spec.name}; see the daemon log")
         self._answer(job, encode_error(job.request_id, error), (), error.name)
 
+    def _after_queued(self, session: Session, work: Callable[[], None]) -> None:
+        """Run ``work`` once ``session``'s jobs queued on this device have run (now, if none are), as
+        PROTOCOL.md says of a closing session; from then on its jobs still to come are refused."""
+        backlog = session.backlogs[self.device] if self.device < len(session.backlogs) else None
+        if backlog is None:
+            work()
+            return
+        backlog.after.append(work)
+        if not backlog.jobs:
+            self._run_after(backlog)
+
+    def _run_after(self, backlog: DeviceBacklog) -> None:
+        backlog.ended = True
+        after, backlog.after = backlog.after, []
+        for work in after:
+            work()
+
     def _run_fan_out(self, identity: bytes, request_id: int, gather: Gather, fan_out: FanOut) -> None:
         assert self.state is not None
         if self._silenced.is_set():
+            return
+        if fan_out.after is not None:
+            after, fan_out = fan_out.after, FanOut(fan_out.each, fan_out.finish)
+            self._after_queued(after, lambda: self._run_fan_out(identity, request_id, gather, fan_out))
             return
         try:
             part = fan_out.each(self.state)

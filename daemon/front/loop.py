@@ -87,7 +87,7 @@ class Front:
             log.info("session %d (%s, pid %d) reaped: no request or heartbeat for %.1f s",
                      ref.public_id, ref.client, ref.pid, ttl)
             for worker in self.workers:
-                worker.run(partial(DeviceState.close_session, ref=ref))
+                worker.close_session(session)
         if reaped:
             _trim_heap()
 

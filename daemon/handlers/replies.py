@@ -18,6 +18,7 @@ from typing import Any
 from cuctxd.daemon.device.entries import Marker
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.streams import Streams
+from cuctxd.daemon.registry.sessions import Session
 
 
 @dataclass
@@ -71,11 +72,14 @@ class FanOut:
     """Run ``each(state)`` on every device worker, then ``finish(parts)`` on the last one.
 
     ``parts`` is ordered by device index. ``finish`` runs on a worker thread, so
-    it may only use what the parts and its closure carry.
+    it may only use what the parts and its closure carry. With ``after``, each
+    worker runs ``each`` once that session's requests queued on its device have
+    run (a session's close).
     """
 
     each: Callable[[DeviceState], Any]
     finish: Callable[[list[Any]], Reply]
+    after: Session | None = None
 
 
 class Gather:

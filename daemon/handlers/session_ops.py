@@ -13,7 +13,7 @@ from cuctxd.daemon.device.status import device_status, first, fit_status
 from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers.registry import front_handler
 from cuctxd.daemon.handlers.replies import FanOut, Reply
-from cuctxd.daemon.intake.peers import peer_or_pid
+from cuctxd.daemon.intake.peers import peer_or_pid, uid_of
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.protos import ops
 from cuctxd.protos.errors import LimitExceeded, VersionMismatch
@@ -27,12 +27,13 @@ def hello(front: FrontState, session: Session | None, args: ops.Hello, peer: str
         raise VersionMismatch(
             f"client speaks protocol {args.protocol}, this daemon speaks {PROTOCOL_VERSION}"
         )
+    uid = uid_of(peer)
     peer = peer_or_pid(peer, args.pid)
     limit = front.config.max_sessions_per_peer
     if limit and front.sessions.count_peer(peer) >= limit:
         raise LimitExceeded(f"max_sessions_per_peer: {peer} already holds {limit} open session(s); "
                             "close one (or let its lease run out) first")
-    opened = front.sessions.open(args.client, args.pid, peer)
+    opened = front.sessions.open(args.client, args.pid, peer, uid)
     return Reply({
         "session": opened.ref.token,
         "session_id": opened.ref.public_id,
@@ -60,7 +61,7 @@ def goodbye(front: FrontState, session: Session | None, args: ops.Goodbye, peer:
     def close_on_device(state: DeviceState) -> None:
         state.close_session(ref)
 
-    return FanOut(close_on_device, lambda parts: Reply())
+    return FanOut(close_on_device, lambda parts: Reply(), after=session)
 
 
 @front_handler(ops.Ping)

@@ -41,6 +41,12 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
     return _share_reply(share.descriptor.to_wire())
 
 
+@device_handler(ops.Revoke)
+def revoke(state: DeviceState, job: Job) -> Reply:
+    state.sharing.revoke(state.session(job.session), job.args.share_id)
+    return Reply()
+
+
 @device_handler(ops.CloseShared)
 def close_shared(state: DeviceState, job: Job) -> Reply:
     state.sharing.close(state.session(job.session), job.args.share_id)
@@ -55,7 +61,7 @@ def heartbeat(front: FrontState, session: Session | None, args: ops.Heartbeat, p
 @front_handler(ops.Unpublish)
 def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Reply:
     assert session is not None
-    share_id = front.shares.unpublish(args.name, session.ref.token)
+    share_id = front.shares.unpublish(args.name, session.ref)
     device = front.shares.device_of(share_id)
     name = args.name
     return Reply(tasks=[DeviceTask(device, lambda state: state.sharing.forget_name(name, share_id))])

@@ -12,6 +12,10 @@ trust, best first:
 * ``pid:<n>`` — on plaintext ipc://, nothing in the frames: the pid the client
   reports in ``hello``, which a client can lie about (the filesystem permissions
   on the socket are the real barrier there).
+
+On ipc:// libzmq appends the kernel's peer credentials (``SO_PEERCRED``) to
+``Peer-Address`` as ``:<uid>:<gid>:<pid>``; :func:`uid_of` reads the uid from
+there (scoped share names, ``lookup``'s publisher).
 """
 
 from __future__ import annotations
@@ -36,3 +40,13 @@ def peer_of(frame: zmq.Frame) -> str | None:
 def peer_or_pid(peer: str | None, pid: int) -> str:
     """``peer`` as the frames gave it, else the pid the client reported in hello."""
     return peer if peer is not None else f"pid:{pid}"
+
+
+def uid_of(peer: str | None) -> int | None:
+    """The peer's uid from an ipc:// ``address:<host>:<uid>:<gid>:<pid>`` peer; None when it does not say."""
+    if peer is None or not peer.startswith("address:"):
+        return None
+    parts = peer.split(":")
+    if len(parts) != 5 or not parts[2].isdigit():
+        return None
+    return int(parts[2])

@@ -20,12 +20,17 @@ from typing import Any
 
 @dataclass(frozen=True)
 class SessionRef:
-    """What a worker may know of a session: its secret token and public identity."""
+    """What a worker may know of a session: its secret token and public identity.
+
+    ``uid``: the user the peer's process runs as, where the kernel said so (ipc://,
+    :func:`cuctxd.daemon.intake.peers.uid_of`); None when unknown.
+    """
 
     token: str
     public_id: int
     client: str
     pid: int
+    uid: int | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -35,16 +40,19 @@ class DeviceBacklog:
     (:mod:`cuctxd.daemon.device.queues`).
 
     Written by two threads, each field by one: ``sent``/``sent_bytes`` (device ops the front handed
-    to the worker) and ``closed`` (the session has ended) by the front; everything else by that
-    device's worker: ``taken``/``taken_bytes`` (of the front's, those run or refused since),
-    ``jobs`` (queued to run, from either route, in arrival order) and their payload
-    ``queued_bytes``, ``replies`` (``(tracker, bytes)`` of reply payloads ZeroMQ still holds) and
-    their sum ``reply_bytes``. Other threads only read the counts (``status``).
+    to the worker) by the front; everything else by that device's worker: ``taken``/``taken_bytes``
+    (of the front's, those run or refused since), ``jobs`` (queued to run, from either route, in
+    arrival order) and their payload ``queued_bytes``, ``replies`` (``(tracker, bytes)`` of reply
+    payloads ZeroMQ still holds) and their sum ``reply_bytes``, ``after`` (work waiting for the
+    jobs queued now: the session's close) and ``ended`` (the session is closed on this device, so
+    a request a lane admitted just before the close is refused). Other threads only read the
+    counts (``status``).
     """
 
     sent: int = 0
     sent_bytes: int = 0
-    closed: bool = False
+    ended: bool = False
+    after: list[Any] = field(default_factory=list)
     taken: int = 0
     taken_bytes: int = 0
     jobs: deque[Any] = field(default_factory=deque)
@@ -101,8 +109,8 @@ class SessionRegistry:
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._public_ids = itertools.count(1)
 
-    def open(self, client: str, pid: int, peer: str = "") -> Session:
-        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid)
+    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None) -> Session:
+        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid, uid)
         backlogs = tuple(DeviceBacklog() for _ in range(self.receivers - 1))
         session = Session(ref, peer=peer, seen=[time.monotonic()] * self.receivers, backlogs=backlogs)
         self._sessions[ref.token] = session
@@ -112,10 +120,7 @@ class SessionRegistry:
         return self._sessions.get(token)
 
     def close(self, token: str) -> Session | None:
-        session = self._sessions.pop(token, None)
-        if session is not None:
-            _mark_closed(session)
-        return session
+        return self._sessions.pop(token, None)
 
     def expire(self, now: float, ttl: float) -> list[Session]:
         """Remove and return the sessions not heard from for ``ttl`` seconds."""
@@ -123,7 +128,6 @@ class SessionRegistry:
         for session in stale:
             del self._sessions[session.ref.token]
             self._expired[session.ref.token] = None
-            _mark_closed(session)
         while len(self._expired) > _EXPIRED_MEMORY:
             self._expired.popitem(last=False)
         return stale
@@ -141,8 +145,3 @@ class SessionRegistry:
     def all(self) -> list[Session]:
         return list(self._sessions.values())
 
-
-def _mark_closed(session: Session) -> None:
-    """Tell the workers that the session's queued requests are not to run (the front's write)."""
-    for backlog in session.backlogs:
-        backlog.closed = True

@@ -10,11 +10,22 @@ yet. An explicit ``free`` unpublishes the buffer's names; a session that ends
 leaves its published buffers behind for the sessions that open them (the
 producer may exit first). The memory is freed once nothing keeps it alive. A
 published buffer whose owner is gone and that nobody opens is freed after the
-daemon's ``orphan_ttl``, so abandoned names cannot pile up outside every quota.
+daemon's ``orphan_ttl``, so abandoned names cannot pile up outside every quota;
+beyond ``max_orphaned_shares`` of those, the oldest go first
+(:meth:`cuctxd.daemon.device.sharing.Sharing.owner_left`).
+
+Names have owners. ``lookup`` and ``list_shared`` say who published (session,
+client name, pid, uid where known). A *scoped* name ``user/name`` may be
+published only by a session whose peer runs as ``user`` (or as the daemon's own
+user, or root); other names are first come, first served. A name is removed
+only by the session that published it, or, once that session has let the
+buffer go, by another session of the same uid.
 """
 
 from __future__ import annotations
 
+import os
+import pwd
 import threading
 from collections.abc import MutableSet
 from dataclasses import dataclass
@@ -48,10 +59,32 @@ class ShareRecord(Protocol):
 @dataclass
 class _Listing:
     descriptor: ShareDescriptor
-    owner: int
-    owner_token: str
+    owner: SessionRef
     holders: int = 0
     owner_present: bool = True
+
+    def publisher(self) -> dict[str, Any]:
+        """Who exported the buffer: session id, client name, pid and uid (None where unknown)."""
+        return {"session": self.owner.public_id, "client": self.owner.client, "pid": self.owner.pid,
+                "uid": self.owner.uid}
+
+
+def check_scope(name: str, uid: int | None) -> None:
+    """Refuse a scoped name ``user/...`` unless ``uid`` is that user's, the daemon's own, or root's."""
+    scope, slash, _ = name.partition("/")
+    if not slash:
+        return
+    if uid is None:
+        raise NotOwner(f"{name!r} is scoped to user {scope!r}, and the daemon cannot tell which user this "
+                       "session runs as (only ipc:// connections say); publish an unscoped name")
+    if uid in (0, os.geteuid()):
+        return
+    try:
+        owner_uid = pwd.getpwnam(scope).pw_uid
+    except KeyError:
+        owner_uid = None
+    if owner_uid != uid:
+        raise NotOwner(f"{name!r} is scoped to user {scope!r}; this session runs as uid {uid}")
 
 
 class ShareRegistry:
@@ -66,28 +99,52 @@ class ShareRegistry:
         self._lock = threading.Lock()
         self._shares: dict[str, _Listing] = {}
         self._names: dict[str, str] = {}
+        #: Ids of published shares kept alive by their names alone, on every device.
+        self._orphaned: set[str] = set()
 
     def add(self, share: ShareRecord) -> None:
         with self._lock:
-            self._shares[share.share_id] = _Listing(share.descriptor, share.owner.public_id, share.owner.token)
+            self._shares[share.share_id] = _Listing(share.descriptor, share.owner)
 
     def publish(self, name: str, share: ShareRecord) -> None:
+        """Name ``share`` (:func:`check_scope` first); a name is never replaced: unpublish it first."""
+        check_scope(name, share.owner.uid)
         with self._lock:
-            if name in self._names:
-                raise NameExists(f"the name {name!r} is already published")
+            share_id = self._names.get(name)
+            if share_id is not None:
+                who = self._shares[share_id].owner
+                raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
+                                 f"client {who.client!r}); only its publisher may unpublish it")
             self._names[name] = share.share_id
         share.names.add(name)
 
-    def unpublish(self, name: str, owner_token: str) -> str:
-        """Remove ``name`` if ``owner_token``'s session published it; returns its share id."""
+    def unpublish(self, name: str, caller: SessionRef) -> str:
+        """Remove ``name`` if ``caller`` may (module docstring); returns its share id."""
         with self._lock:
             share_id = self._names.get(name)
             if share_id is None:
                 raise NotFound(f"no buffer is published as {name!r}")
-            if self._shares[share_id].owner_token != owner_token:
-                raise NotOwner(f"{name!r} was published by another session")
+            listing = self._shares[share_id]
+            owner = listing.owner
+            same_user = not listing.owner_present and owner.uid is not None and owner.uid == caller.uid
+            if owner.token != caller.token and not same_user:
+                raise NotOwner(f"{name!r} was published by session {owner.public_id} ({owner.client!r}); "
+                               "only it may unpublish the name (or, once it let the buffer go, its user)")
             del self._names[name]
             return share_id
+
+    def count_orphan(self, share_id: str, orphaned: bool) -> None:
+        """A device's share became (or stopped being) kept alive by its names alone."""
+        with self._lock:
+            if orphaned:
+                self._orphaned.add(share_id)
+            else:
+                self._orphaned.discard(share_id)
+
+    def orphan_count(self) -> int:
+        """Published shares kept alive by their names alone, daemon-wide (``max_orphaned_shares``)."""
+        with self._lock:
+            return len(self._orphaned)
 
     def drop_names(self, share: ShareRecord) -> None:
         with self._lock:
@@ -105,16 +162,18 @@ class ShareRegistry:
     def remove(self, share: ShareRecord) -> None:
         with self._lock:
             self._shares.pop(share.share_id, None)
+            self._orphaned.discard(share.share_id)
             for name in share.names:
                 self._names.pop(name, None)
 
     def lookup(self, name: str) -> ShareDescriptor:
+        """The descriptor published as ``name``, with its ``publisher``."""
         with self._lock:
             share_id = self._names.get(name)
             if share_id is None:
                 raise NotFound(f"no buffer is published as {name!r}")
-            descriptor = self._shares[share_id].descriptor
-        return ShareDescriptor(**{**descriptor.to_wire(), "name": name})
+            listing = self._shares[share_id]
+        return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher()})
 
     def device_of(self, share_id: str) -> int:
         with self._lock:
@@ -131,9 +190,10 @@ class ShareRegistry:
                     "share_id": share_id,
                     "device": self._shares[share_id].descriptor.device,
                     "size": self._shares[share_id].descriptor.size,
-                    "owner": self._shares[share_id].owner,
+                    "owner": self._shares[share_id].owner.public_id,
                     "owner_present": self._shares[share_id].owner_present,
                     "holders": self._shares[share_id].holders,
+                    "publisher": self._shares[share_id].publisher(),
                 }
                 for name, share_id in sorted(self._names.items())
             ]

@@ -27,6 +27,10 @@ from cuctxd.daemon.device.worker import WorkerStartError
 from cuctxd.daemon.service import keygen
 from cuctxd.daemon.service.config import (
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_MAX_CONTEXTS_PER_SESSION,
+    DEFAULT_MAX_OBJECTS_PER_SESSION,
+    DEFAULT_MAX_ORPHANED_SHARES,
+    DEFAULT_MAX_SHARES_PER_SESSION,
     DEFAULT_METRICS_HOST,
     SIZE_HELP,
     ConfigError,
@@ -129,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="most sessions one peer may hold open (default 0: no limit)")
     security.add_argument("--max-objects-per-session", type=_flag_type("max_objects_per_session"), metavar="N",
                           help="most contexts, buffers, streams, events and share holds one session may have "
-                               "on each device (default 0: no limit)")
+                               f"on each device (default {DEFAULT_MAX_OBJECTS_PER_SESSION}; 0: no limit)")
     security.add_argument("--max-queued-requests", type=_flag_type("max_queued_requests"), metavar="N",
                           help="most requests one session may have queued on each device "
                                f"(default {DEFAULT_MAX_QUEUED_REQUESTS}; 0: no limit)")
@@ -139,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-reply-bytes", type=_flag_type("max_reply_bytes"), metavar="SIZE",
                           help="read results one session's client may leave untaken on each device before "
                                "its reads are refused (default 256MiB; 0: no limit)")
+    security.add_argument("--max-contexts-per-session", type=_flag_type("max_contexts_per_session"), metavar="N",
+                          help="most contexts one session may create on each device "
+                               f"(default {DEFAULT_MAX_CONTEXTS_PER_SESSION}; 0: no limit)")
+    security.add_argument("--max-shares-per-session", type=_flag_type("max_shares_per_session"), metavar="N",
+                          help="most shares one session may have exported plus held open on each device "
+                               f"(default {DEFAULT_MAX_SHARES_PER_SESSION}; 0: no limit)")
+    security.add_argument("--max-orphaned-shares", type=_flag_type("max_orphaned_shares"), metavar="N",
+                          help="most published buffers whose owner left and nobody holds, daemon-wide; beyond "
+                               f"it the oldest are freed (default {DEFAULT_MAX_ORPHANED_SHARES}; 0: no limit)")
     return parser
 
 

@@ -34,6 +34,11 @@ _RENDER_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1
                  ("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000))
 #: Seconds a published buffer whose owner left waits for a consumer before it is freed.
 DEFAULT_ORPHAN_TTL = 600.0
+#: Object limits that protect a shared machine (PROTOCOL.md, "Limits"); 0 in the configuration means none.
+DEFAULT_MAX_OBJECTS_PER_SESSION = 16384
+DEFAULT_MAX_CONTEXTS_PER_SESSION = 64
+DEFAULT_MAX_SHARES_PER_SESSION = 1024
+DEFAULT_MAX_ORPHANED_SHARES = 4096
 
 #: Seconds a session lives without a request or heartbeat before it is reaped.
 DEFAULT_LEASE_TTL = 5.0
@@ -115,7 +120,7 @@ class DaemonConfig:
     server_key: str | None = None
     allow_dir: str | None = None
     max_sessions_per_peer: int = 0
-    max_objects_per_session: int = 0
+    max_objects_per_session: int = DEFAULT_MAX_OBJECTS_PER_SESSION
     orphan_ttl: float = DEFAULT_ORPHAN_TTL
     sim_fault: str | None = None
     #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.device.lane`), told in hello.
@@ -125,6 +130,11 @@ class DaemonConfig:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    #: Contexts one session may create per device; exports + share holds per session per device;
+    #: published shares whose owner is gone and nobody holds, daemon-wide (the oldest are freed beyond it).
+    max_contexts_per_session: int = DEFAULT_MAX_CONTEXTS_PER_SESSION
+    max_shares_per_session: int = DEFAULT_MAX_SHARES_PER_SESSION
+    max_orphaned_shares: int = DEFAULT_MAX_ORPHANED_SHARES
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -191,6 +191,9 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("max_queued_requests", _integer(0), _int_text),
     Key("max_queued_bytes", _size(), render=_size_render),
     Key("max_reply_bytes", _size(), render=_size_render),
+    Key("max_contexts_per_session", _integer(0), _int_text),
+    Key("max_shares_per_session", _integer(0), _int_text),
+    Key("max_orphaned_shares", _integer(0), _int_text),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"

@@ -126,7 +126,8 @@ class Daemon:
         replies.bind(_REPLY_ENDPOINT)
         count = self.driver.device_count()
         limits = DeviceLimits(self.config.max_payload, self.config.session_quota, self.config.device_reserve,
-                              self.config.max_objects_per_session)
+                              self.config.max_objects_per_session, self.config.max_contexts_per_session,
+                              self.config.max_shares_per_session, self.config.max_orphaned_shares)
         shares = ShareRegistry()
         queue_limits = self._queue_limits()
         self._workers = [

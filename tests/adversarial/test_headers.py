@@ -35,7 +35,7 @@ def header_size(peer_reply: dict[str, object]) -> int:
 
 @pytest.fixture
 def attack_daemon_args() -> tuple[str, ...]:
-    return ("--max-objects-per-session", "0")
+    return ("--max-objects-per-session", "0", "--max-contexts-per-session", "0")
 
 
 def test_thousands_of_contexts_are_listed_up_to_the_cap_with_counts(attack_daemon: DaemonProcess,

@@ -12,6 +12,7 @@ import pytest
 
 from cuctxd.client import Client, NameExists, NotFound, NotOwner, NotShareable, UnknownHandle
 from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, run_client, start_daemon
+from tests.helpers_raw import raw_peer
 
 PATTERN = bytes(range(256)) * 16  # 4 KiB
 
@@ -165,3 +166,26 @@ def test_cuctx_shared_lists_published_buffers(daemon: DaemonProcess) -> None:
                              capture_output=True, text=True, env=client_env(), cwd=REPO, check=True).stdout
         assert "listed" in out and "2 KiB" in out
         c.unpublish("listed")
+
+
+def test_writes_pipelined_before_goodbye_land_in_a_published_buffer(daemon: DaemonProcess) -> None:
+    """PROTOCOL.md, "Closing": the requests a session queued on a device run before its close there. A
+    producer that publishes, pipelines its writes and says goodbye without waiting loses none of them."""
+    chunk, chunks = 64 << 10, 32
+    with raw_peer(daemon.endpoint) as peer:
+        token = peer.hello()
+        result, _ = peer.ok("alloc", {"device": 1, "size": chunk * chunks, "shareable": True}, token)
+        handle = result["buffer"]["handle"]
+        peer.ok("publish", {"device": 1, "buffer": handle, "name": "pipelined"}, token)
+        ids = [peer.send("write", {"device": 1, "buffer": handle, "offset": n * chunk}, token,
+                         payload=[bytes([n + 1]) * chunk]) for n in range(chunks)]
+        goodbye = peer.send("goodbye", {}, token)
+        replies = {}
+        for _ in range(chunks + 1):
+            header, _frames = peer.recv()
+            replies[header["id"]] = header
+    failed = [replies[rid] for rid in [*ids, goodbye] if not replies[rid]["ok"]]
+    assert not failed, failed
+    with Client(daemon.endpoint) as consumer, consumer.open_shared("pipelined") as shared:
+        view = bytes(shared.host_view())
+    assert [view[n * chunk] for n in range(chunks)] == [n + 1 for n in range(chunks)]

@@ -69,9 +69,3 @@ def test_the_fronts_tally_of_jobs_handed_on_is_bounded_too() -> None:
     taken(_job(session, 1, lane=None))
     check_sent(backlog, 0, limits)
 
-
-def test_a_closed_session_is_marked_for_its_workers() -> None:
-    sessions = SessionRegistry(receivers=3)
-    session = sessions.open("c", 1)
-    sessions.close(session.ref.token)
-    assert all(backlog.closed for backlog in session.backlogs) and len(session.backlogs) == 2
