@@ -95,6 +95,8 @@ def status(front: FrontState, session: Session | None, args: ops.Status, peer: s
         "sessions": [s.to_status() for s in front.sessions.all()],
         "device_ordinals": list(front.config.device_ordinals),
     }
+    if front.connections is not None:
+        daemon_part["connections"] = front.connections.to_status()
 
     def finish(parts: list[Any]) -> Reply:
         return Reply({**daemon_part, "devices": parts})

@@ -26,6 +26,7 @@ from cuctxd.daemon.device.worker import WorkerStartError
 from cuctxd.daemon.service import keygen
 from cuctxd.daemon.service.config import (
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_METRICS_HOST,
     SIZE_HELP,
     ConfigError,
@@ -129,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-objects-per-session", type=_flag_type("max_objects_per_session"), metavar="N",
                           help="most contexts, buffers, streams, events and share holds one session may have "
                                "on each device (default 0: no limit)")
+    security.add_argument("--max-connections", type=_flag_type("max_connections"), metavar="N",
+                          help="most client connections at once; beyond it new ones are refused until some close "
+                               "(default 0: what the open-file limit leaves, a quarter of it kept for the daemon)")
+    security.add_argument("--handshake-timeout", type=_flag_type("handshake_timeout"), metavar="SECONDS",
+                          help="drop a connection that has not finished its ZeroMQ/CURVE handshake by then "
+                               f"(default {DEFAULT_HANDSHAKE_TIMEOUT:g})")
     return parser
 
 

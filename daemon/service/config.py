@@ -34,6 +34,8 @@ DEFAULT_ORPHAN_TTL = 600.0
 DEFAULT_LEASE_TTL = 5.0
 #: Seconds a SIGTERM/SIGINT drain may take before the daemon gives up on in-flight work.
 DEFAULT_DRAIN_TIMEOUT = 10.0
+#: Seconds a new connection may take to finish its ZeroMQ (and CURVE) handshake before it is dropped.
+DEFAULT_HANDSHAKE_TIMEOUT = 5.0
 #: Where the metrics endpoint listens unless told otherwise: this host only.
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
@@ -115,6 +117,10 @@ class DaemonConfig:
     sim_fault: str | None = None
     #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.device.lane`), told in hello.
     device_endpoints: bool = True
+    #: Most client connections on all sockets together (0: what the open-file limit leaves,
+    #: :func:`cuctxd.daemon.intake.connections.connection_cap`).
+    max_connections: int = 0
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

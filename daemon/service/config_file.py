@@ -188,6 +188,8 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("orphan_ttl", _seconds, _number_text),
     Key("sim_fault", _sim_fault),
     Key("device_endpoints", _boolean),
+    Key("max_connections", _integer(0), _int_text),
+    Key("handshake_timeout", _seconds, _number_text),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -51,6 +52,7 @@ from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
 from cuctxd.daemon.front.state import FrontConfig, FrontState
+from cuctxd.daemon.intake.connections import ConnectionBudget, ListenerGuard, connection_cap, listen_backlog
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
@@ -59,7 +61,7 @@ from cuctxd.daemon.service.liveness import PROBE_ENDPOINT, FrontProbe
 from cuctxd.daemon.service.logs import flush_logs
 from cuctxd.daemon.service.metrics import DaemonMetrics
 from cuctxd.daemon.service.notify import Notifier
-from cuctxd.daemon.service.rlimits import raise_open_file_limit
+from cuctxd.daemon.service.rlimits import NOFILE_CAP, raise_open_file_limit
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,8 @@ class Daemon:
         self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
         self._curve: tuple[bytes, bytes] | None = None
         self.bound: list[str] = []
+        self.connections: ConnectionBudget | None = None
+        self._backlog = 100
 
     # --- start ----------------------------------------------------------------------------
 
@@ -114,6 +118,10 @@ class Daemon:
         old, new = raise_open_file_limit()
         if new != old:
             log.info("open-file limit raised from %d to %d", old, new)
+        files = NOFILE_CAP if new == resource.RLIM_INFINITY else new
+        self.connections = ConnectionBudget(connection_cap(files, self.config.max_connections))
+        self._backlog = listen_backlog(files)
+        log.info("at most %d client connections at once (max_connections)", self.connections.cap)
         replies = self._zmq.socket(zmq.PULL)
         replies.bind(_REPLY_ENDPOINT)
         count = self.driver.device_count()
@@ -129,14 +137,14 @@ class Daemon:
             worker.peers = peers
             devices.append(worker.start().info)
         try:
-            router = self._bind_router()
+            router, guard = self._bind_router()
         except BaseException:
             replies.close()
             raise
         sessions = ObservedSessions(self.metrics, receivers=1 + count)
         state = FrontState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
-                           endpoints=list(self.bound))
-        self._front = Front(state, self._workers, router, replies)
+                           endpoints=list(self.bound), connections=self.connections)
+        self._front = Front(state, self._workers, router, replies, guard)
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
         if self.metrics is not None:
@@ -159,8 +167,9 @@ class Daemon:
                            max_sessions_per_peer=config.max_sessions_per_peer, endpoints=tuple(config.endpoints),
                            device_ordinals=self.ordinals)
 
-    def _bind_router(self) -> zmq.Socket[Any]:
-        router = self._new_router()
+    def _bind_router(self) -> tuple[zmq.Socket[Any], ListenerGuard]:
+        """The front's ROUTER, bound to every endpoint (and the liveness probe's), and its guard."""
+        router, guard = self._new_router()
         try:
             for endpoint in self.config.endpoints:
                 self.bound.append(self._bind(router, endpoint))
@@ -171,9 +180,11 @@ class Daemon:
             if self.notifier.enabled:
                 router.bind(PROBE_ENDPOINT)
         except BaseException:
+            guard.close()
             router.close()
             raise
-        return router
+        guard.watch(self.bound)
+        return router, guard
 
     def _open_lanes(self, state: FrontState, observer: RequestObserver) -> list[list[str]]:
         """Bind each device's own ROUTER next to every endpoint and hand it to its worker; the endpoints."""
@@ -181,28 +192,34 @@ class Daemon:
             return []
         lanes = []
         for worker in self._workers:
-            router = self._new_router()
+            router, guard = self._new_router()
             try:
                 bound = [self._bind(router, lane_endpoint(endpoint, worker.device))
                          for endpoint in self.config.endpoints]
             except BaseException:
+                guard.close()
                 router.close()
                 raise
-            worker.open_lane(DeviceLane(worker.device, router, state, observer))
+            guard.watch(bound)
+            worker.open_lane(DeviceLane(worker.device, router, state, observer, guard))
             lanes.append(bound)
         return lanes
 
-    def _new_router(self) -> zmq.Socket[Any]:
+    def _new_router(self) -> tuple[zmq.Socket[Any], ListenerGuard]:
+        """A ROUTER with the daemon's options, and its connection guard (monitoring before any bind)."""
+        assert self.connections is not None, "start() sets the connection budget first"
         router = self._zmq.socket(zmq.ROUTER)
         try:
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload + MAX_HEADER_BYTES)
             router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.HANDSHAKE_IVL, int(self.config.handshake_timeout * 1000))
+            router.setsockopt(zmq.BACKLOG, self._backlog)
             self._secure_router(router)
+            return router, ListenerGuard(router, self.connections)
         except BaseException:
             router.close()
             raise
-        return router
 
     def _bind(self, router: zmq.Socket[Any], endpoint: str) -> str:
         """Bind ``endpoint`` (an ipc:// one private to this user or ``group``); the endpoint bound."""
@@ -386,6 +403,7 @@ class Daemon:
         stuck = self._stop_workers(self._workers, grace)
         if self._front is not None:
             self._front.flush_replies(20)
+            self._front.connections.close()
             self._front.router.close()
             self._front.replies.close()
         if self._authenticator is not None:
