@@ -20,7 +20,6 @@ import zmq
 
 from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.intake.admission import admit, device_job, refusal
-from cuctxd.daemon.intake.connections import ListenerGuard
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.router_io import BATCH, recv_request, send_parts
@@ -33,11 +32,9 @@ class DeviceLane:
     what :class:`~cuctxd.daemon.registry.sessions.Session` lets a lane write)."""
 
     def __init__(self, device: int, router: zmq.Socket[Any], front: FrontState,
-                 observer: RequestObserver | None, connections: ListenerGuard) -> None:
+                 observer: RequestObserver | None) -> None:
         self.device = device
         self.router = router
-        #: The ROUTER's connections; the worker polls ``connections.monitor`` next to ``router``.
-        self.connections = connections
         self.front = front
         self.observer = observer
         #: This lane's slot in each session's ``seen`` (the front has slot 0).
@@ -86,5 +83,4 @@ class DeviceLane:
             self.observer.finished(op, outcome, received, request_id)
 
     def close(self) -> None:
-        self.connections.close()
         self.router.close()

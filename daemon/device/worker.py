@@ -32,7 +32,6 @@ from cuctxd.daemon.device.lane import DeviceLane
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Pending, Reply
-from cuctxd.daemon.intake.connections import PAUSED_POLL_S
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.cuda_results import STICKY_CODES, CUresult
@@ -161,7 +160,7 @@ class DeviceWorker:
                 # Poll soon after new work, then back off to at most 1 ms between queries.
                 ready = self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
             else:
-                ready = self._wait(PAUSED_POLL_S if self._lane is not None and self._lane.connections.paused else None)
+                ready = self._wait(None)
             lane = self._lane
             for source, _ in ready:
                 if source == self._doorbell:
@@ -169,10 +168,6 @@ class DeviceWorker:
                         return
                 elif lane is not None and source is lane.router:
                     lane.take_requests(self._run_job)
-                elif lane is not None and source is lane.connections.monitor:
-                    lane.connections.take_events()
-            if lane is not None:
-                lane.connections.check()
             idle_polls = 0 if ready else idle_polls + 1
             if self._pending:
                 self._poll_pending()
@@ -205,7 +200,6 @@ class DeviceWorker:
     def _adopt_lane(self, lane: DeviceLane) -> None:
         self._lane = lane
         self._poller.register(lane.router, _POLLIN)
-        self._poller.register(lane.connections.monitor, _POLLIN)
 
     def _poll_pending(self) -> None:
         still: list[tuple[Job, Pending]] = []

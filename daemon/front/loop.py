@@ -25,7 +25,6 @@ from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers import FRONT_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Gather, Reply
 from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, device_job, refusal
-from cuctxd.daemon.intake.connections import PAUSED_POLL_S, ListenerGuard
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
 from cuctxd.protos.messages import encode_error, encode_result, parse_request, unpack
@@ -45,14 +44,11 @@ class Front:
         workers: Sequence[DeviceWorker],
         router: zmq.Socket[Any],
         replies: zmq.Socket[Any],
-        connections: ListenerGuard,
     ) -> None:
         self.state = state
         self.workers = workers
         self.router = router
         self.replies = replies
-        #: The main ROUTER's connections (:mod:`cuctxd.daemon.intake.connections`).
-        self.connections = connections
 
     def serve(self, stop_fd: int) -> None:
         """Serve until ``stop_fd`` becomes readable; reap expired sessions as time passes."""
@@ -60,25 +56,18 @@ class Front:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.replies, zmq.POLLIN)
         poller.register(stop_fd, zmq.POLLIN)
-        poller.register(self.connections.monitor, zmq.POLLIN)
         ttl = self.state.config.lease_ttl
         reap_every = min(1.0, ttl / 4)
         next_reap = time.monotonic() + reap_every
-        router, replies, connections = self.router, self.replies, self.connections
+        router, replies = self.router, self.replies
         while True:
-            wait = next_reap - time.monotonic()
-            if connections.paused:
-                wait = min(wait, PAUSED_POLL_S)
-            for ready, _ in poller.poll(max(1, int(wait * 1000))):
+            for ready, _ in poller.poll(max(1, int((next_reap - time.monotonic()) * 1000))):
                 if ready is replies:
                     self._forward_replies()
                 elif ready is router:
                     self._take_requests()
-                elif ready is connections.monitor:
-                    connections.take_events()
                 else:
                     return  # the stop pipe
-            connections.check()
             now = time.monotonic()
             if now >= next_reap:
                 self._reap(now, ttl)

@@ -52,7 +52,13 @@ from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
 from cuctxd.daemon.front.state import FrontConfig, FrontState
-from cuctxd.daemon.intake.connections import ConnectionBudget, ListenerGuard, connection_cap, listen_backlog
+from cuctxd.daemon.intake.connections import (
+    ConnectionBudget,
+    ConnectionWatch,
+    ListenerGuard,
+    connection_cap,
+    listen_backlog,
+)
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
@@ -110,6 +116,7 @@ class Daemon:
         self._curve: tuple[bytes, bytes] | None = None
         self.bound: list[str] = []
         self.connections: ConnectionBudget | None = None
+        self._watch: ConnectionWatch | None = None
         self._backlog = 100
 
     # --- start ----------------------------------------------------------------------------
@@ -121,6 +128,7 @@ class Daemon:
         files = NOFILE_CAP if new == resource.RLIM_INFINITY else new
         self.connections = ConnectionBudget(connection_cap(files, self.config.max_connections))
         self._backlog = listen_backlog(files)
+        self._watch = ConnectionWatch(self.connections)
         log.info("at most %d client connections at once (max_connections)", self.connections.cap)
         replies = self._zmq.socket(zmq.PULL)
         replies.bind(_REPLY_ENDPOINT)
@@ -137,16 +145,17 @@ class Daemon:
             worker.peers = peers
             devices.append(worker.start().info)
         try:
-            router, guard = self._bind_router()
+            router = self._bind_router()
         except BaseException:
             replies.close()
             raise
         sessions = ObservedSessions(self.metrics, receivers=1 + count)
         state = FrontState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
                            endpoints=list(self.bound), connections=self.connections)
-        self._front = Front(state, self._workers, router, replies, guard)
+        self._front = Front(state, self._workers, router, replies)
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
+        self._watch.start()
         if self.metrics is not None:
             self.metrics.watch(state, self._workers, self.ordinals)
             try:
@@ -167,8 +176,8 @@ class Daemon:
                            max_sessions_per_peer=config.max_sessions_per_peer, endpoints=tuple(config.endpoints),
                            device_ordinals=self.ordinals)
 
-    def _bind_router(self) -> tuple[zmq.Socket[Any], ListenerGuard]:
-        """The front's ROUTER, bound to every endpoint (and the liveness probe's), and its guard."""
+    def _bind_router(self) -> zmq.Socket[Any]:
+        """The front's ROUTER, bound to every endpoint (and the liveness probe's)."""
         router, guard = self._new_router()
         try:
             for endpoint in self.config.endpoints:
@@ -180,11 +189,10 @@ class Daemon:
             if self.notifier.enabled:
                 router.bind(PROBE_ENDPOINT)
         except BaseException:
-            guard.close()
             router.close()
             raise
         guard.watch(self.bound)
-        return router, guard
+        return router
 
     def _open_lanes(self, state: FrontState, observer: RequestObserver) -> list[list[str]]:
         """Bind each device's own ROUTER next to every endpoint and hand it to its worker; the endpoints."""
@@ -197,17 +205,17 @@ class Daemon:
                 bound = [self._bind(router, lane_endpoint(endpoint, worker.device))
                          for endpoint in self.config.endpoints]
             except BaseException:
-                guard.close()
                 router.close()
                 raise
             guard.watch(bound)
-            worker.open_lane(DeviceLane(worker.device, router, state, observer, guard))
+            worker.open_lane(DeviceLane(worker.device, router, state, observer))
             lanes.append(bound)
         return lanes
 
     def _new_router(self) -> tuple[zmq.Socket[Any], ListenerGuard]:
-        """A ROUTER with the daemon's options, and its connection guard (monitoring before any bind)."""
-        assert self.connections is not None, "start() sets the connection budget first"
+        """A ROUTER with the daemon's options, and its connection guard (monitoring before any bind),
+        which the connection watch owns from now on."""
+        assert self.connections is not None and self._watch is not None, "start() sets them first"
         router = self._zmq.socket(zmq.ROUTER)
         try:
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -216,10 +224,12 @@ class Daemon:
             router.setsockopt(zmq.HANDSHAKE_IVL, int(self.config.handshake_timeout * 1000))
             router.setsockopt(zmq.BACKLOG, self._backlog)
             self._secure_router(router)
-            return router, ListenerGuard(router, self.connections)
+            guard = ListenerGuard(router, self.connections)
         except BaseException:
             router.close()
             raise
+        self._watch.add(guard)
+        return router, guard
 
     def _bind(self, router: zmq.Socket[Any], endpoint: str) -> str:
         """Bind ``endpoint`` (an ipc:// one private to this user or ``group``); the endpoint bound."""
@@ -397,13 +407,14 @@ class Daemon:
         """
         if self._probe is not None:
             self._probe.stop()
+        if self._watch is not None:
+            self._watch.stop()
         if self.metrics is not None:
             self.metrics.close()
         grace = max(1.0, min(STOP_GRACE, self.config.drain_timeout))
         stuck = self._stop_workers(self._workers, grace)
         if self._front is not None:
             self._front.flush_replies(20)
-            self._front.connections.close()
             self._front.router.close()
             self._front.replies.close()
         if self._authenticator is not None:
