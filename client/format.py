@@ -42,6 +42,7 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
         f"cuctxd {status['daemon_version']} (protocol {status['protocol']}), backend {status['backend']}, "
         f"pid {status['pid']}, up {status['uptime_s']:.0f} s",
         f"listening on {', '.join(status['endpoints'])}",
+        *_connections_line(status),
         *_ordinals_line(status),
         "",
         f"sessions: {len(status['sessions'])}",
@@ -99,6 +100,15 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
 def _of(used: int, limit: int | None, show: Any = str) -> str:
     """``used/limit`` (``used`` alone without a limit)."""
     return f"{show(used)}/{show(limit)}" if limit else show(used)
+
+
+def _connections_line(status: dict[str, Any]) -> list[str]:
+    """Client connections against ``max_connections`` (daemons before it do not say)."""
+    seen = status.get("connections")
+    if seen is None:
+        return []
+    refusing = "" if seen["accepting"] else " (at the limit: new connections refused)"
+    return [f"connections: {seen['open']} of {seen['max']}{refusing}"]
 
 
 def _ordinals_line(status: dict[str, Any]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -77,10 +78,12 @@ def short_tempdir() -> Path:
 
 
 def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
-                 endpoint: str | None = None) -> DaemonProcess:
+                 endpoint: str | None = None, open_files: int | None = None) -> DaemonProcess:
     """Start ``python -m cuctxd.daemon`` and return once it prints that it is listening.
 
     ``endpoint``: an ipc:// endpoint to reuse (a restart on the same socket); default a new one.
+    ``open_files``: the daemon's RLIMIT_NOFILE, soft and hard (set in the child before exec, which has
+    no threads yet).
     """
     if endpoint is None:
         socket_dir = short_tempdir()
@@ -91,6 +94,7 @@ def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
     process = subprocess.Popen(
         [sys.executable, "-m", "cuctxd.daemon", "--endpoint", endpoint, "--backend", backend, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        preexec_fn=None if open_files is None else functools.partial(_limit_open_files, open_files),
     )
     daemon = DaemonProcess(process, endpoint, socket_dir)
     ready = threading.Event()
@@ -120,6 +124,10 @@ def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
         daemon.close_pipes()
         raise AssertionError(f"cuctxd did not become ready in {ready_timeout} s:\n{daemon.log()}")
     return daemon
+
+
+def _limit_open_files(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
 
 def remove_tempdir(path: Path) -> None:

@@ -48,7 +48,7 @@ class DeviceLane:
         router = self.router
         for _ in range(BATCH):
             try:
-                message = recv_request(router, False)
+                message = recv_request(router)
             except zmq.Again:
                 return
             if message is not None:

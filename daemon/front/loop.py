@@ -29,6 +29,7 @@ from cuctxd.daemon.handlers.replies import FanOut, Gather, Reply
 from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, device_job, refusal
 from cuctxd.daemon.intake.jobs import payload_bytes
 from cuctxd.daemon.intake.observe import RequestObserver
+from cuctxd.daemon.intake.peers import peer_of
 from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
 from cuctxd.protos.messages import encode_error, encode_result, parse_request, unpack
 
@@ -111,20 +112,21 @@ class Front:
 
     def _take_requests(self) -> None:
         """The poller said a request is waiting: take it, and those behind it, up to a batch."""
-        router, want_peer = self.router, bool(self.state.config.max_sessions_per_peer)
+        router = self.router
         for _ in range(BATCH):
             try:
-                message = recv_request(router, want_peer)
+                message = recv_request(router)
             except zmq.Again:
                 return
             if message is not None:
                 self._handle(*message)
 
     def _handle(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame],
-                peer: str | None = None) -> None:
+                header_frame: zmq.Frame | None = None) -> None:
         """Admit a request and answer it (front op, or refusal) or queue it to its device's worker.
 
-        ``peer``: who sent it, when the frames say (:mod:`cuctxd.daemon.intake.peers`); hello counts it.
+        ``header_frame``: its properties say who sent it (:mod:`cuctxd.daemon.intake.peers`), which
+        only ``hello`` asks (two property reads, not worth paying on every request).
         """
         header: Any = None
         op_name = "?"
@@ -136,6 +138,7 @@ class Front:
             request_id, op_name = request.id, request.spec.name
             admitted = admit(self.state, request, payload, FRONT_RECEIVER)
             if request.spec.target == "front":
+                peer = peer_of(header_frame) if header_frame is not None and op_name == "hello" else None
                 self._answer(identity, admitted, peer)
             else:
                 job = device_job(admitted, identity, payload, len(self.workers), started)

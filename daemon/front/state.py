@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from cuctxd.daemon.device.queues import QueueLimits
+from cuctxd.daemon.intake.connections import ConnectionBudget
 from cuctxd.daemon.registry.sessions import SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.records import DeviceInfo
@@ -49,3 +50,5 @@ class FrontState:
     started_at: float = field(default_factory=time.time)
     #: Set by the daemon when a shutdown starts: every new request is answered ShuttingDown.
     draining: bool = False
+    #: Client connections on every ROUTER against ``max_connections`` (``status`` shows them).
+    connections: ConnectionBudget | None = None

@@ -107,6 +107,8 @@ def status(front: FrontState, session: Session | None, args: ops.Status, peer: s
             "max_reply_bytes": limits.max_reply_bytes,
         },
     }
+    if front.connections is not None:
+        daemon_part["connections"] = front.connections.to_status()
 
     def each(state: DeviceState) -> dict[str, Any]:
         part = device_status(state)

@@ -9,13 +9,14 @@ trust, best first:
   authenticated identity.
 * ``address:<ip>`` — on plaintext tcp://, the ``Peer-Address`` property of the
   frame: every client on one host counts as one peer.
-* ``pid:<n>`` — on plaintext ipc://, nothing in the frames: the pid the client
-  reports in ``hello``, which a client can lie about (the filesystem permissions
-  on the socket are the real barrier there).
+  On ipc:// libzmq reports the kernel's credentials of the connecting process
+  (``SO_PEERCRED``) there, as ``localhost:<uid>:<gid>:<pid>``: one peer per
+  process, and :func:`uid_of` reads the uid (scoped share names, ``lookup``'s
+  publisher).
+* ``pid:<n>`` — only where the frames say nothing: the pid the client reports
+  in ``hello``, which a client can lie about.
 
-On ipc:// libzmq appends the kernel's peer credentials (``SO_PEERCRED``) to
-``Peer-Address`` as ``:<uid>:<gid>:<pid>``; :func:`uid_of` reads the uid from
-there (scoped share names, ``lookup``'s publisher).
+The front reads the frame's properties for ``hello`` only.
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ from typing import Any, cast
 
 import zmq
 
-from cuctxd.daemon.intake.peers import peer_of
-
 log = logging.getLogger(__name__)
 
 #: Requests taken off a ROUTER per wake-up before other work gets a turn.
@@ -35,29 +33,28 @@ def readable(socket: zmq.Socket[Any]) -> bool:
     return bool(cast(int, socket.getsockopt(_EVENTS)) & _POLLIN)
 
 
-def recv_request(router: zmq.Socket[Any], want_peer: bool) -> tuple[bytes, bytes, list[zmq.Frame], str | None] | None:
+def recv_request(router: zmq.Socket[Any]) -> tuple[bytes, bytes, list[zmq.Frame], zmq.Frame] | None:
     """The next whole message as ``(identity, header, payload frames, peer)``; :class:`zmq.Again` when
     none is waiting (one exception per batch costs less than an ``EVENTS`` check per message).
 
     None (logged) for a message of one frame, which has no header to answer.
     Frames are read as :class:`zmq.Frame` (their ``more`` flag is cheaper than
     ``getsockopt(RCVMORE)``); payload frames stay zero-copy all the way to the
-    driver call. ``peer`` (who sent it, :mod:`cuctxd.daemon.intake.peers`) is read only when
-    ``want_peer``.
+    driver call. The header frame comes last, for its properties: who sent it
+    (:func:`cuctxd.daemon.intake.peers.peer_of`, read for ``hello`` only).
     """
     first = router.recv(NOBLOCK, copy=False)
     if not first.more:
         log.warning("dropped a message of 1 frame: no header to answer")
         return None
     header_frame = router.recv(copy=False)
-    peer = peer_of(header_frame) if want_peer else None
     payload = []
     more = header_frame.more
     while more:
         frame = router.recv(copy=False)
         payload.append(frame)
         more = frame.more
-    return first.bytes, header_frame.bytes, payload, peer
+    return first.bytes, header_frame.bytes, payload, header_frame
 
 
 def send_reply(router: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool = True) -> None:

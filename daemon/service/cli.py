@@ -27,6 +27,7 @@ from cuctxd.daemon.device.worker import WorkerStartError
 from cuctxd.daemon.service import keygen
 from cuctxd.daemon.service.config import (
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_MAX_CONTEXTS_PER_SESSION,
     DEFAULT_MAX_OBJECTS_PER_SESSION,
     DEFAULT_MAX_ORPHANED_SHARES,
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-orphaned-shares", type=_flag_type("max_orphaned_shares"), metavar="N",
                           help="most published buffers whose owner left and nobody holds, daemon-wide; beyond "
                                f"it the oldest are freed (default {DEFAULT_MAX_ORPHANED_SHARES}; 0: no limit)")
+    security.add_argument("--max-connections", type=_flag_type("max_connections"), metavar="N",
+                          help="most client connections at once; beyond it new ones are refused until some close "
+                               "(default 0: what the open-file limit leaves, a quarter of it kept for the daemon)")
+    security.add_argument("--handshake-timeout", type=_flag_type("handshake_timeout"), metavar="SECONDS",
+                          help="drop a connection that has not finished its ZeroMQ/CURVE handshake by then "
+                               f"(default {DEFAULT_HANDSHAKE_TIMEOUT:g})")
     return parser
 
 

@@ -44,6 +44,8 @@ DEFAULT_MAX_ORPHANED_SHARES = 4096
 DEFAULT_LEASE_TTL = 5.0
 #: Seconds a SIGTERM/SIGINT drain may take before the daemon gives up on in-flight work.
 DEFAULT_DRAIN_TIMEOUT = 10.0
+#: Seconds a new connection may take to finish its ZeroMQ (and CURVE) handshake before it is dropped.
+DEFAULT_HANDSHAKE_TIMEOUT = 5.0
 #: Where the metrics endpoint listens unless told otherwise: this host only.
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
@@ -135,6 +137,10 @@ class DaemonConfig:
     max_contexts_per_session: int = DEFAULT_MAX_CONTEXTS_PER_SESSION
     max_shares_per_session: int = DEFAULT_MAX_SHARES_PER_SESSION
     max_orphaned_shares: int = DEFAULT_MAX_ORPHANED_SHARES
+    #: Most client connections on all sockets together (0: what the open-file limit leaves,
+    #: :func:`cuctxd.daemon.intake.connections.connection_cap`).
+    max_connections: int = 0
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -194,6 +194,8 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("max_contexts_per_session", _integer(0), _int_text),
     Key("max_shares_per_session", _integer(0), _int_text),
     Key("max_orphaned_shares", _integer(0), _int_text),
+    Key("max_connections", _integer(0), _int_text),
+    Key("handshake_timeout", _seconds, _number_text),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -58,6 +59,13 @@ from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
 from cuctxd.daemon.front.state import FrontConfig, FrontState
+from cuctxd.daemon.intake.connections import (
+    ConnectionBudget,
+    ConnectionWatch,
+    ListenerGuard,
+    connection_cap,
+    listen_backlog,
+)
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
@@ -66,7 +74,7 @@ from cuctxd.daemon.service.liveness import PROBE_ENDPOINT, FrontProbe
 from cuctxd.daemon.service.logs import flush_logs
 from cuctxd.daemon.service.metrics import DaemonMetrics
 from cuctxd.daemon.service.notify import Notifier
-from cuctxd.daemon.service.rlimits import raise_open_file_limit
+from cuctxd.daemon.service.rlimits import NOFILE_CAP, raise_open_file_limit
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
@@ -115,6 +123,9 @@ class Daemon:
         self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
         self._curve: tuple[bytes, bytes] | None = None
         self.bound: list[str] = []
+        self.connections: ConnectionBudget | None = None
+        self._watch: ConnectionWatch | None = None
+        self._backlog = 100
 
     # --- start ----------------------------------------------------------------------------
 
@@ -122,6 +133,11 @@ class Daemon:
         old, new = raise_open_file_limit()
         if new != old:
             log.info("open-file limit raised from %d to %d", old, new)
+        files = NOFILE_CAP if new == resource.RLIM_INFINITY else new
+        self.connections = ConnectionBudget(connection_cap(files, self.config.max_connections))
+        self._backlog = listen_backlog(files)
+        self._watch = ConnectionWatch(self.connections)
+        log.info("at most %d client connections at once (max_connections)", self.connections.cap)
         replies = self._zmq.socket(zmq.PULL)
         replies.bind(_REPLY_ENDPOINT)
         count = self.driver.device_count()
@@ -146,10 +162,11 @@ class Daemon:
             raise
         sessions = ObservedSessions(self.metrics, receivers=1 + count)
         state = FrontState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
-                           endpoints=list(self.bound))
+                           endpoints=list(self.bound), connections=self.connections)
         self._front = Front(state, self._workers, router, replies)
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
+        self._watch.start()
         if self.metrics is not None:
             self.metrics.watch(state, self._workers, self.ordinals)
             try:
@@ -175,7 +192,8 @@ class Daemon:
         return QueueLimits(config.max_queued_requests, config.max_queued_bytes, config.max_reply_bytes)
 
     def _bind_router(self) -> zmq.Socket[Any]:
-        router = self._new_router()
+        """The front's ROUTER, bound to every endpoint (and the liveness probe's)."""
+        router, guard = self._new_router()
         try:
             for endpoint in self.config.endpoints:
                 self.bound.append(self._bind(router, endpoint))
@@ -188,6 +206,7 @@ class Daemon:
         except BaseException:
             router.close()
             raise
+        guard.watch(self.bound)
         return router
 
     def _open_lanes(self, state: FrontState, observer: RequestObserver) -> list[list[str]]:
@@ -196,28 +215,36 @@ class Daemon:
             return []
         lanes = []
         for worker in self._workers:
-            router = self._new_router()
+            router, guard = self._new_router()
             try:
                 bound = [self._bind(router, lane_endpoint(endpoint, worker.device))
                          for endpoint in self.config.endpoints]
             except BaseException:
                 router.close()
                 raise
+            guard.watch(bound)
             worker.open_lane(DeviceLane(worker.device, router, state, observer))
             lanes.append(bound)
         return lanes
 
-    def _new_router(self) -> zmq.Socket[Any]:
+    def _new_router(self) -> tuple[zmq.Socket[Any], ListenerGuard]:
+        """A ROUTER with the daemon's options, and its connection guard (monitoring before any bind),
+        which the connection watch owns from now on."""
+        assert self.connections is not None and self._watch is not None, "start() sets them first"
         router = self._zmq.socket(zmq.ROUTER)
         try:
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload + MAX_HEADER_BYTES)
             router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.HANDSHAKE_IVL, int(self.config.handshake_timeout * 1000))
+            router.setsockopt(zmq.BACKLOG, self._backlog)
             self._secure_router(router)
+            guard = ListenerGuard(router, self.connections)
         except BaseException:
             router.close()
             raise
-        return router
+        self._watch.add(guard)
+        return router, guard
 
     def _bind(self, router: zmq.Socket[Any], endpoint: str) -> str:
         """Bind ``endpoint`` (an ipc:// one private to this user or ``group``); the endpoint bound."""
@@ -400,6 +427,8 @@ class Daemon:
         """
         if self._probe is not None:
             self._probe.stop()
+        if self._watch is not None:
+            self._watch.stop()
         if self.metrics is not None:
             self.metrics.close()
         grace = max(1.0, min(STOP_GRACE, self.config.drain_timeout))

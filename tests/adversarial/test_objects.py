@@ -5,6 +5,7 @@ bystander session keeps its bytes and is served within a stated bound."""
 from __future__ import annotations
 
 import os
+import pwd
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from cuctxd import Client, CudaError, NotFound, Revoked
 from cuctxd.client import requests
 from cuctxd.client.objects import Context
 from cuctxd.protos.errors import LimitExceeded
-from tests.helpers import DaemonProcess, start_daemon
+from tests.helpers import DaemonProcess, start_daemon, tcp_endpoint
 
 #: Longest a bystander's device op may wait while another session's objects are being freed.
 BYSTANDER_BOUND_S = 0.5
@@ -186,7 +187,7 @@ def test_an_owner_revokes_a_share_and_the_holder_is_told(stop_after: list[Daemon
 
 
 def test_lookup_says_who_published(stop_after: list[DaemonProcess]) -> None:
-    daemon = daemon_with(stop_after, "--max-sessions-per-peer", "64")  # the daemon reads peers then
+    daemon = daemon_with(stop_after)  # ipc://: the kernel says which user the publisher runs as
     with Client(daemon.endpoint, name="producer") as producer, Client(daemon.endpoint) as consumer:
         producer.alloc(64, 0, shareable=True).publish("weights")
         publisher = consumer.lookup("weights").publisher
@@ -199,8 +200,16 @@ def test_lookup_says_who_published(stop_after: list[DaemonProcess]) -> None:
 
 
 def test_a_scoped_name_needs_a_known_uid(stop_after: list[DaemonProcess]) -> None:
-    daemon = daemon_with(stop_after)  # no peer reading: the daemon does not know who the session is
-    with Client(daemon.endpoint) as squatter:
+    daemon = daemon_with(stop_after, "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")  # nobody says who
+    with Client(tcp_endpoint(daemon)) as squatter:
         with pytest.raises(Exception, match="NOT_OWNER"):
             squatter.alloc(64, 0, shareable=True).publish("root/weights")
         squatter.alloc(64, 0, shareable=True).publish("unscoped")
+
+
+def test_a_scoped_name_of_ones_own_user_needs_no_option_on_ipc(stop_after: list[DaemonProcess]) -> None:
+    daemon = daemon_with(stop_after)
+    user = pwd.getpwuid(os.getuid()).pw_name
+    with Client(daemon.endpoint, name="owner") as owner, Client(daemon.endpoint) as consumer:
+        owner.alloc(64, 0, shareable=True).publish(f"{user}/weights")
+        assert consumer.lookup(f"{user}/weights").publisher["uid"] == os.getuid()
