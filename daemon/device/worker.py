@@ -6,7 +6,12 @@ device ops straight to its own ROUTER (:mod:`cuctxd.daemon.device.lane`). One po
 both. Jobs from either route wait in :class:`~cuctxd.daemon.device.queues.JobQueues`
 (one FIFO per session, bounded, served round-robin); between two jobs the worker
 takes in whatever has arrived, so a session's long backlog delays another
-session's op by about one op. It runs one item at a time, so its
+session's op by about one op. A lane request without payload that finds nothing
+queued runs at once instead, as it is received: its turn has come, and the trip
+through the queues (a batch received before its first job runs, replies sent in
+a burst) cost small reads a third of their throughput. ZeroMQ fair-queues the
+lane's connections, so a flood on one reaches the worker interleaved with the
+others' requests either way. It runs one item at a time, so its
 :class:`DeviceState` needs no lock, and answers each job where it came from: over
 its inproc PUSH socket to the front, or on its lane; reply payloads are tracked
 until ZeroMQ lets go of them (``max_reply_bytes``). A slow op here delays only this device; a synchronize
@@ -210,7 +215,7 @@ class DeviceWorker:
                     self._run_after(backlog)
                 if self._pending:
                     self._poll_pending()
-                if not self._take_arrivals():
+                if queues and not self._take_arrivals():  # with none left, the poll below takes them
                     return
             if self._pending:
                 self._poll_pending()
@@ -317,8 +322,11 @@ class DeviceWorker:
             log.exception("device %d: background task failed", self.device)
 
     def _queue_received(self, job: Job) -> None:
-        """Queue a job this worker's lane admitted; raises the :class:`LimitExceeded` to answer it with."""
-        self._queues.push(job)
+        """Run or queue a job this worker's lane admitted; raises the :class:`LimitExceeded` to answer it with."""
+        if self._queues.count or job.payload or job.backlog is None or job.backlog.after:
+            self._queues.push(job)
+        else:
+            self._run_job(job)
 
     def _queue_sent(self, job: Job) -> None:
         """Queue a job the front handed on, or answer it with the limit it meets."""
