@@ -73,12 +73,7 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
                   ",".join(map(str, c["sessions"]))] for c in dev["contexts"]],
             ))
         if dev["sessions"]:
-            lines.append(table(
-                ["SESSION", "CONTEXTS", "STACK", "ALLOCATIONS", "BYTES", "HOLDS", "HELD", "QUOTA"],
-                [[s["session"], s["contexts"], s["stack_depth"], s["allocations"], human_size(s["bytes"]),
-                  s["holds"], human_size(s.get("held_bytes", 0)),
-                  human_size(s["quota"]) if s.get("quota") else "-"] for s in dev["sessions"]],
-            ))
+            lines.append(_sessions_table(dev))
         if dev.get("queues"):
             limits = status.get("limits", {})
             lines.append(table(
@@ -95,6 +90,21 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
                   ",".join(map(str, sh["holders"])) or "-"] for sh in dev["shares"]],
             ))
     return "\n".join(lines)
+
+
+def _sessions_table(dev: dict[str, Any]) -> str:
+    """Each session's use of the device, against the per-session limits where the daemon says them
+    (CREATED: contexts it created, the primary not counted; OBJECTS and SHARES as the limits count)."""
+    limits = dev.get("limits", {})
+    return table(
+        ["SESSION", "CONTEXTS", "CREATED", "STACK", "ALLOCATIONS", "OBJECTS", "BYTES", "HOLDS", "HELD", "SHARES",
+         "QUOTA"],
+        [[s["session"], s["contexts"], _of(s.get("created_contexts", 0), limits.get("max_contexts_per_session")),
+          s["stack_depth"], s["allocations"], _of(s.get("objects", 0), limits.get("max_objects_per_session")),
+          human_size(s["bytes"]), s["holds"], human_size(s.get("held_bytes", 0)),
+          _of(s.get("shares", 0), limits.get("max_shares_per_session")),
+          human_size(s["quota"]) if s.get("quota") else "-"] for s in dev["sessions"]],
+    )
 
 
 def _of(used: int, limit: int | None, show: Any = str) -> str:

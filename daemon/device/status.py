@@ -76,6 +76,9 @@ def device_status(state: DeviceState) -> dict[str, Any]:
             "held_bytes": s.bytes_held,
             "quota": state.limits.session_quota or None,
             "exports": s.exports,
+            "created_contexts": s.created_contexts(),
+            "objects": s.object_count(),
+            "shares": s.exports + len(s.holds) + len(s.revoked),
         }
         for s in first(state.sessions.values())
     ]
@@ -97,6 +100,11 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "shares": shares,
         "share_count": len(state.sharing.shares),
         "truncated": truncated,
+        "limits": {
+            "max_objects_per_session": state.limits.max_objects_per_session,
+            "max_contexts_per_session": state.limits.max_contexts_per_session,
+            "max_shares_per_session": state.limits.max_shares_per_session,
+        },
     }
 
 

@@ -384,11 +384,10 @@ class Daemon:
                         [w.queue_depth() for w in self._workers])
             self._drain_expired = True
             self.exit_code = EXIT_FORCED
-            for worker in self._workers:
-                worker.silence()
 
     def _watch_drain(self, deadline: float, drained: list[bool]) -> None:
-        """Drain monitor thread: wake the front (the stop pipe) once idle, or at ``deadline``.
+        """Drain monitor thread: wake the front (the stop pipe) once idle, or at ``deadline`` (silencing the
+        workers first, so that no reply leaves after it however late the front wakes).
 
         Idle is two rounds in a row after which no worker has anything queued and
         every device request the front dispatched has had its reply forwarded: a
@@ -413,6 +412,9 @@ class Daemon:
                 result = True
                 break
             time.sleep(0.005 if idle else 0.02)
+        if not result:  # the deadline is final: silence the workers now, not once the front has woken
+            for worker in self._workers:
+                worker.silence()
         drained.append(result)
         self.stop()
 
