@@ -115,6 +115,12 @@ def test_status(daemon: DaemonProcess, holder: Client) -> None:
     assert "primary context active, 1 reference(s)" in text
     assert "primary context inactive" in text  # device 0: nobody touched it
     assert "3 MiB" in text
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("SESSION") and "OBJECTS" in line)
+    row = next(line for line in lines[at:] if line.startswith(f"{holder.session_id} "))
+    # each session's use against the per-session limits (the daemon's defaults): CREATED, OBJECTS (one
+    # buffer on device 1) and SHARES
+    assert re.search(r" 0/64 .* 1/16384 .* 0/1024 ", row), (lines[at], row)
 
 
 def test_status_json(daemon: DaemonProcess, holder: Client) -> None:
