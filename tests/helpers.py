@@ -180,6 +180,50 @@ def cuctxd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
                           env=client_env(), cwd=REPO, timeout=timeout)
 
 
+def keygen(directory: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``cuctxd keygen DIRECTORY [...]``, the real command."""
+    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", "keygen", str(directory), *extra],
+                          capture_output=True, text=True, env=client_env(), cwd=REPO, timeout=30)
+
+
+@dataclass
+class KeyFiles:
+    """CURVE key files made by :func:`make_key_files` under ``root``."""
+
+    root: Path
+
+    @property
+    def server_public(self) -> Path:
+        return self.root / "server" / "server.key"
+
+    @property
+    def server_secret(self) -> Path:
+        return self.root / "server" / "server.key_secret"
+
+    @property
+    def allow_dir(self) -> Path:
+        return self.root / "allowed"
+
+    def client_secret(self, name: str) -> Path:
+        return self.root / "clients" / f"{name}.key_secret"
+
+    def client(self, name: str = "alice") -> dict[str, Path]:
+        """The ``server_key``/``client_key`` arguments of a client connecting as ``name``."""
+        return {"server_key": self.server_public, "client_key": self.client_secret(name)}
+
+
+def make_key_files(root: Path, allowed: tuple[str, ...] = ("alice",), others: tuple[str, ...] = ()) -> KeyFiles:
+    """A server key pair and client pairs under ``root``; the ``allowed`` clients' public keys in ``allow_dir``."""
+    made = KeyFiles(root)
+    for directory, extra in [(root / "server", ()), *((root / "clients", ("--name", n)) for n in allowed + others)]:
+        done = keygen(directory, *extra)
+        assert done.returncode == 0, done.stderr
+    made.allow_dir.mkdir()
+    for name in allowed:
+        (made.allow_dir / f"{name}.key").write_bytes((root / "clients" / f"{name}.key").read_bytes())
+    return made
+
+
 def pattern(size: int, seed: int = 0) -> bytes:
     """``size`` bytes that differ from a shifted copy of themselves (``seed`` shifts them)."""
     return bytes((i * 7 + seed) % 251 for i in range(size))

@@ -12,8 +12,6 @@ import os
 import re
 import resource
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,8 +23,8 @@ import pytest
 from cuctxd import Client
 from tests.helpers import (
     DaemonProcess,
-    client_env,
     cuctx,
+    make_key_files,
     pattern,
     remove_tempdir,
     short_tempdir,
@@ -229,24 +227,14 @@ def test_an_ipc_flood_is_refused_at_the_cap_and_the_daemon_recovers(ipc_daemon: 
     assert log.count("max_connections reached") == 1 and "Too many open files" not in log
 
 
-def keygen(directory: Path, *extra: str) -> None:
-    subprocess.run([sys.executable, "-m", "cuctxd.daemon", "keygen", str(directory), *extra],
-                   check=True, capture_output=True, env=client_env(), timeout=30)
-
-
 @pytest.fixture
 def curve_daemon() -> Iterator[tuple[DaemonProcess, str, dict[str, Path]]]:
     root = short_tempdir()
-    keygen(root / "server")
-    keygen(root / "clients", "--name", "alice")
-    (root / "allowed").mkdir()
-    (root / "allowed" / "alice.key").write_bytes((root / "clients" / "alice.key").read_bytes())
-    secret = root / "server" / "server.key_secret"
-    process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--server-key", str(secret),
-                           "--allow-dir", str(root / "allowed"), "--sim-devices", "1", "--sim-memory", "64MiB",
+    keys = make_key_files(root)
+    process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--server-key", str(keys.server_secret),
+                           "--allow-dir", str(keys.allow_dir), "--sim-devices", "1", "--sim-memory", "64MiB",
                            "--handshake-timeout", "1", "--max-connections", str(CAP), open_files=OPEN_FILES)
-    keys = {"server_key": root / "server" / "server.key", "client_key": root / "clients" / "alice.key_secret"}
-    yield process, tcp_endpoint(process), keys
+    yield process, tcp_endpoint(process), keys.client()
     code = process.stop()
     remove_tempdir(process.socket_dir)
     remove_tempdir(root)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,10 @@ from cuctxd.protos.errors import DaemonTimeout, LimitExceeded
 from tests.helpers import (
     REPO,
     DaemonProcess,
+    KeyFiles,
     client_env,
+    keygen,
+    make_key_files,
     remove_tempdir,
     short_tempdir,
     start_daemon,
@@ -31,47 +33,16 @@ from tests.helpers import (
 KEYGEN_FAST = 2.0  # timeout for clients expected to be turned away
 
 
-def keygen(directory: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cuctxd.daemon", "keygen", str(directory), *extra],
-                          capture_output=True, text=True, env=client_env(), cwd=REPO, timeout=30)
-
-
-@dataclass
-class Keys:
-    root: Path
-
-    @property
-    def server_public(self) -> Path:
-        return self.root / "server" / "server.key"
-
-    @property
-    def server_secret(self) -> Path:
-        return self.root / "server" / "server.key_secret"
-
-    @property
-    def allow_dir(self) -> Path:
-        return self.root / "allowed"
-
-    def client_secret(self, name: str) -> Path:
-        return self.root / "clients" / f"{name}.key_secret"
-
-
 @pytest.fixture(scope="module")
-def keys() -> Iterator[Keys]:
+def keys() -> Iterator[KeyFiles]:
     """A server pair, client 'alice' (allowed) and 'mallory' (not allowed)."""
     root = short_tempdir()
-    made = Keys(root)
-    assert keygen(root / "server").returncode == 0
-    for name in ("alice", "mallory"):
-        assert keygen(root / "clients", "--name", name).returncode == 0
-    made.allow_dir.mkdir()
-    (made.allow_dir / "alice.key").write_bytes((root / "clients" / "alice.key").read_bytes())
-    yield made
+    yield make_key_files(root, allowed=("alice",), others=("mallory",))
     remove_tempdir(root)
 
 
 @pytest.fixture(scope="module")
-def curve_daemon(keys: Keys) -> Iterator[tuple[DaemonProcess, str]]:
+def curve_daemon(keys: KeyFiles) -> Iterator[tuple[DaemonProcess, str]]:
     process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--server-key", str(keys.server_secret),
                            "--allow-dir", str(keys.allow_dir), "--sim-devices", "1", "--sim-memory", "16MiB")
     yield process, tcp_endpoint(process)
@@ -92,7 +63,7 @@ def test_keygen_writes_a_private_secret_and_prints_the_public_key(tmp_path: Path
     assert again.returncode == 1 and "exists" in again.stderr, "an existing key is never overwritten silently"
 
 
-def test_an_allowed_client_key_works_end_to_end(keys: Keys, curve_daemon: tuple[DaemonProcess, str]) -> None:
+def test_an_allowed_client_key_works_end_to_end(keys: KeyFiles, curve_daemon: tuple[DaemonProcess, str]) -> None:
     _, endpoint = curve_daemon
     with Client(endpoint, timeout=10, server_key=keys.server_public,
                 client_key=keys.client_secret("alice")) as client:
@@ -101,7 +72,7 @@ def test_an_allowed_client_key_works_end_to_end(keys: Keys, curve_daemon: tuple[
         assert client.read(buffer) == b"\x07" * 4096
 
 
-def test_the_async_client_speaks_curve_too(keys: Keys, curve_daemon: tuple[DaemonProcess, str]) -> None:
+def test_the_async_client_speaks_curve_too(keys: KeyFiles, curve_daemon: tuple[DaemonProcess, str]) -> None:
     _, endpoint = curve_daemon
 
     async def main() -> float:
@@ -112,7 +83,7 @@ def test_the_async_client_speaks_curve_too(keys: Keys, curve_daemon: tuple[Daemo
     assert asyncio.run(main()) > 0
 
 
-def test_the_ipc_endpoint_of_a_curve_daemon_needs_keys_too(keys: Keys,
+def test_the_ipc_endpoint_of_a_curve_daemon_needs_keys_too(keys: KeyFiles,
                                                            curve_daemon: tuple[DaemonProcess, str]) -> None:
     process, _ = curve_daemon
     with Client(process.endpoint, timeout=10, server_key=keys.server_public,
@@ -123,7 +94,7 @@ def test_the_ipc_endpoint_of_a_curve_daemon_needs_keys_too(keys: Keys,
 
 
 @pytest.mark.parametrize("who", ["mallory", "no curve", "throwaway key"])
-def test_a_client_not_allowed_in_gets_a_quick_timeout(keys: Keys, curve_daemon: tuple[DaemonProcess, str],
+def test_a_client_not_allowed_in_gets_a_quick_timeout(keys: KeyFiles, curve_daemon: tuple[DaemonProcess, str],
                                                       who: str) -> None:
     _, endpoint = curve_daemon
     started = time.monotonic()
@@ -140,7 +111,7 @@ def test_a_client_not_allowed_in_gets_a_quick_timeout(keys: Keys, curve_daemon: 
         assert "allow_dir" in str(error.value), "a CURVE timeout points at the key setup"
 
 
-def test_cuctx_takes_the_key_flags(keys: Keys, curve_daemon: tuple[DaemonProcess, str]) -> None:
+def test_cuctx_takes_the_key_flags(keys: KeyFiles, curve_daemon: tuple[DaemonProcess, str]) -> None:
     _, endpoint = curve_daemon
     done = subprocess.run([sys.executable, "-m", "cuctxd.client", "--endpoint", endpoint, "--timeout", "10",
                            "--server-key", str(keys.server_public), "--client-key", str(keys.client_secret("alice")),
@@ -180,7 +151,7 @@ def test_max_sessions_per_peer_names_the_limit(stop_after: list[DaemonProcess]) 
         assert client.ping() > 0
 
 
-def test_max_sessions_per_peer_counts_curve_keys(keys: Keys, stop_after: list[DaemonProcess]) -> None:
+def test_max_sessions_per_peer_counts_curve_keys(keys: KeyFiles, stop_after: list[DaemonProcess]) -> None:
     process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--server-key", str(keys.server_secret),
                            "--allow-dir", str(keys.allow_dir), "--max-sessions-per-peer", "1")
     stop_after.append(process)

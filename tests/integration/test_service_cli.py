@@ -16,7 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, DaemonProcess, client_env, cuctx, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import (
+    REPO,
+    DaemonProcess,
+    client_env,
+    cuctx,
+    make_key_files,
+    remove_tempdir,
+    short_tempdir,
+    start_daemon,
+    tcp_endpoint,
+)
 
 CLEAR = "\x1b[H\x1b[2J"
 #: Starts cuctx with SIGINT handled as in an interactive shell, even when this test run ignores it (a
@@ -175,29 +185,15 @@ def test_doctor_warns_about_a_socket_directory_others_can_enter(daemon: DaemonPr
 # --- doctor against a CURVE daemon ---------------------------------------------------------------------
 
 
-def _keygen(directory: Path, *extra: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "cuctxd.daemon", "keygen", str(directory), *extra],
-                          capture_output=True, text=True, env=client_env(), cwd=REPO, timeout=30)
-    assert done.returncode == 0, done.stderr
-
-
 @pytest.fixture(scope="module")
 def curve_daemon() -> Iterator[tuple[str, Path, Path]]:
     """A daemon on tcp:// with CURVE; yields its endpoint, its public key and an allowed client's secret key."""
     root = short_tempdir()
-    _keygen(root / "server")
-    _keygen(root / "clients", "--name", "alice")
-    (root / "allowed").mkdir()
-    (root / "allowed" / "alice.key").write_bytes((root / "clients" / "alice.key").read_bytes())
-    secret = root / "server" / "server.key_secret"
-    process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--server-key", str(secret),
-                           "--allow-dir", str(root / "allowed"), "--sim-devices", "1", "--sim-memory", "16MiB")
+    keys = make_key_files(root)
+    process = start_daemon("--endpoint", "tcp://127.0.0.1:*", "--server-key", str(keys.server_secret),
+                           "--allow-dir", str(keys.allow_dir), "--sim-devices", "1", "--sim-memory", "16MiB")
     try:
-        deadline = time.monotonic() + 10
-        while (match := re.search(r"tcp://127\.0\.0\.1:\d+", process.log())) is None:
-            assert time.monotonic() < deadline, process.log()
-            time.sleep(0.02)
-        yield match.group(0), root / "server" / "server.key", root / "clients" / "alice.key_secret"
+        yield tcp_endpoint(process), keys.server_public, keys.client_secret("alice")
     finally:
         process.stop()
         remove_tempdir(process.socket_dir)
