@@ -9,10 +9,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
-from cuctxd.daemon.intake.connections import ConnectionBudget, connection_cap, fd_reserve, listen_backlog
+from cuctxd.daemon.intake.connections import (
+    ConnectionBudget,
+    ConnectionWatch,
+    ListenerGuard,
+    connection_cap,
+    fd_reserve,
+    listen_backlog,
+)
 from cuctxd.daemon.intake.listeners import IpcListener, TcpListener
-from tests.helpers import remove_tempdir, short_tempdir
+from tests.helpers import remove_tempdir, short_tempdir, wait_until
 
 
 @pytest.mark.parametrize(("files", "cap"), [(256, 128), (1024, 768), (100, 50), (1 << 20, 786432)])
@@ -104,3 +112,36 @@ def test_a_paused_tcp_listener_leaves_new_connections_unanswered() -> None:
         listener.resume()
         with socket.create_connection(address, timeout=2):
             pass
+
+
+def test_the_watch_pauses_at_the_cap_and_a_failed_watch_resumes(directory: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A real ROUTER: its first connection reaches a cap of 1 and the watch thread moves the socket file
+    aside; when the watch then fails, it puts the file back rather than shut new clients out for good."""
+    path = directory / "d.sock"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    budget = ConnectionBudget(1)
+    watch = ConnectionWatch(budget)
+    guard = ListenerGuard(router, budget)
+    watch.add(guard)
+    router.bind(f"ipc://{path}")
+    guard.watch([f"ipc://{path}"])
+    watch.start()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        client.connect(str(path))
+        assert wait_until(lambda: not path.exists(), 5.0), "the listener was not paused at the cap"
+
+        def broken() -> None:
+            raise RuntimeError("monitor went wrong")
+
+        guard.take_events = broken  # type: ignore[method-assign]
+        client.close()  # an event for the broken watch to meet
+        assert wait_until(path.exists, 5.0), "a failed watch left the listener paused"
+        assert "connection watch thread failed" in caplog.text
+    finally:
+        client.close()
+        watch.stop()
+        router.close()
+        context.term()
