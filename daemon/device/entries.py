@@ -169,6 +169,11 @@ class SessionOnDevice:
         buffers, streams, events and distinct shares held open."""
         return self.created_contexts() + len(self.buffers) + len(self.streams) + len(self.events) + len(self.holds)
 
+    def share_count(self) -> int:
+        """What ``max_shares_per_session`` counts: live exports, distinct shares held open, and shares
+        revoked from under it that it has not closed yet."""
+        return self.exports + len(self.holds) + len(self.revoked)
+
     def created_contexts(self) -> int:
         """Contexts this session created here (``max_contexts_per_session``; the primary is not one)."""
         return len(self.contexts) - (1 if self.primary is not None else 0)

@@ -50,8 +50,7 @@ class Sharing:
         self.orphaned: dict[str, Share] = {}
 
     def _check_share_room(self, state: SessionOnDevice) -> None:
-        used = state.exports + len(state.holds) + len(state.revoked)
-        check_limit("max_shares_per_session", self.limits.max_shares_per_session, used,
+        check_limit("max_shares_per_session", self.limits.max_shares_per_session, state.share_count(),
                     "shares (exported, held open, or revoked and not closed yet)", self.device)
 
     @staticmethod

@@ -78,7 +78,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
             "exports": s.exports,
             "created_contexts": s.created_contexts(),
             "objects": s.object_count(),
-            "shares": s.exports + len(s.holds) + len(s.revoked),
+            "shares": s.share_count(),
         }
         for s in first(state.sessions.values())
     ]

@@ -25,6 +25,7 @@ waits for pending frees before trying again (:meth:`~cuctxd.daemon.device.memory
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -210,9 +211,7 @@ class DeviceWorker:
             while queues:
                 job = queues.pop()
                 self._run_job(job)
-                backlog = job.backlog
-                if backlog is not None and backlog.after and not backlog.jobs:
-                    self._run_after(backlog)
+                self._run_after(job.backlog)
                 if self._pending:
                     self._poll_pending()
                 if queues and not self._take_arrivals():  # with none left, the poll below takes them
@@ -293,8 +292,7 @@ class DeviceWorker:
             taken(job)
             if not self._silenced.is_set():
                 self._fail(job, ShuttingDown("cuctxd is shutting down; this request was queued and did not run"))
-            if job.backlog is not None and job.backlog.after and not job.backlog.jobs:
-                self._run_after(job.backlog)
+            self._run_after(job.backlog)
         while self._pending and not self._silenced.is_set():  # answer synchronizes in flight first
             self._poll_pending()
             time.sleep(_POLL_MAX_S)
@@ -410,10 +408,12 @@ class DeviceWorker:
             work()
             return
         backlog.after.append(work)
-        if not backlog.jobs:
-            self._run_after(backlog)
+        self._run_after(backlog)
 
-    def _run_after(self, backlog: DeviceBacklog) -> None:
+    def _run_after(self, backlog: DeviceBacklog | None) -> None:
+        """Run the work waiting for ``backlog``'s queued jobs (:meth:`_after_queued`) once none is left."""
+        if backlog is None or not backlog.after or backlog.jobs:
+            return
         backlog.ended = True
         after, backlog.after = backlog.after, []
         for work in after:
@@ -424,7 +424,7 @@ class DeviceWorker:
         if self._silenced.is_set():
             return
         if fan_out.after is not None:
-            after, fan_out = fan_out.after, FanOut(fan_out.each, fan_out.finish)
+            after, fan_out = fan_out.after, dataclasses.replace(fan_out, after=None)
             self._after_queued(after, lambda: self._run_fan_out(identity, request_id, gather, fan_out))
             return
         try:

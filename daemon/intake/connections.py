@@ -228,8 +228,7 @@ class ConnectionWatch:
     started are closed by :meth:`stop` on the caller's thread.
     """
 
-    def __init__(self, budget: ConnectionBudget) -> None:
-        self.budget = budget
+    def __init__(self) -> None:
         self.guards: list[ListenerGuard] = []
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread = threading.Thread(target=self._run, name="cuctxd-connections", daemon=True)

@@ -136,7 +136,7 @@ class Daemon:
         files = NOFILE_CAP if new == resource.RLIM_INFINITY else new
         self.connections = ConnectionBudget(connection_cap(files, self.config.max_connections))
         self._backlog = listen_backlog(files)
-        self._watch = ConnectionWatch(self.connections)
+        self._watch = ConnectionWatch()
         log.info("at most %d client connections at once (max_connections)", self.connections.cap)
         replies = self._zmq.socket(zmq.PULL)
         replies.bind(_REPLY_ENDPOINT)

@@ -122,7 +122,7 @@ def test_the_watch_pauses_at_the_cap_and_a_failed_watch_resumes(directory: Path,
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     budget = ConnectionBudget(1)
-    watch = ConnectionWatch(budget)
+    watch = ConnectionWatch()
     guard = ListenerGuard(router, budget)
     watch.add(guard)
     router.bind(f"ipc://{path}")
