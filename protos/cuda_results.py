@@ -29,6 +29,8 @@ class CUresult(IntEnum):
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
     CUDA_ERROR_PEER_ACCESS_NOT_ENABLED = 705
     CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE = 708
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
     CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
     CUDA_ERROR_LAUNCH_FAILED = 719
     CUDA_ERROR_NOT_PERMITTED = 800
@@ -61,6 +63,8 @@ DRIVER_MESSAGES: dict[CUresult, str] = {
     CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: "peer access is already enabled",
     CUresult.CUDA_ERROR_PEER_ACCESS_NOT_ENABLED: "peer access has not been enabled",
     CUresult.CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE: "cannot set while device is active in this process",
+    CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
+    CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: "pointer does not correspond to a registered memory region",
     CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED: "context is destroyed",
     CUresult.CUDA_ERROR_LAUNCH_FAILED: "unspecified launch failure",
     CUresult.CUDA_ERROR_NOT_PERMITTED: "operation not permitted",

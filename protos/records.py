@@ -76,7 +76,11 @@ class BufferRecord(_Record):
 class ShareDescriptor(_Record):
     """Everything another process needs to map a shared buffer: plain data, picklable.
 
-    ``ipc_handle`` is the backend's 64-byte handle (``CUipcMemHandle`` for cuda);
+    ``mechanism`` says how to map it. ``"pool"``: the buffer lives in an IPC-capable
+    pool; the opener imports that pool (``pool_id``, unique per daemon run) once per
+    process through the fd channel, then the buffer from ``export_data`` (the 64 bytes
+    of ``cuMemPoolExportPointer``). ``"ipc"``: ``ipc_handle`` is the backend's legacy
+    64-byte handle (``CUipcMemHandle`` for cuda), the fallback where pools cannot export.
     ``host`` and ``device_uuid`` let the opener check it is on the same machine and GPU.
     ``publisher`` (from ``lookup``): who exported it, a map of ``session``, ``client``,
     ``pid`` and ``uid`` (None where the daemon does not know).
@@ -89,5 +93,8 @@ class ShareDescriptor(_Record):
     backend: str
     ipc_handle: bytes
     host: str
+    mechanism: str = "ipc"
+    pool_id: str = ""
+    export_data: bytes = b""
     name: str | None = None
     publisher: dict[str, Any] | None = None

@@ -201,8 +201,26 @@ class Driver(ABC):
     # --- stream-ordered allocation ----------------------------------------------------------
 
     @abstractmethod
-    def mem_pool_create(self, ordinal: int) -> Pool:
-        """A device pool (not IPC-exportable) that keeps freed memory cached for reuse."""
+    def mem_pool_create(self, ordinal: int, *, ipc: bool = False) -> Pool:
+        """A device pool that keeps freed memory cached for reuse (``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD``
+        at its maximum). ``ipc``: exportable to other processes (handle type
+        ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``); ``CUDA_ERROR_NOT_SUPPORTED`` where
+        :meth:`pool_ipc_supported` is False."""
+
+    @abstractmethod
+    def pool_ipc_supported(self, ordinal: int) -> bool:
+        """Whether the device's pools can be exported as POSIX file descriptors
+        (``CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES``); may be called from any thread."""
+
+    @abstractmethod
+    def mem_pool_export_fd(self, pool: Pool) -> int:
+        """``cuMemPoolExportToShareableHandle``: a new file descriptor for an ``ipc`` pool, owned
+        (and to be closed) by the caller; another process imports the pool from it once."""
+
+    @abstractmethod
+    def mem_pool_export_pointer(self, ptr: int) -> bytes:
+        """``cuMemPoolExportPointer``: the 64 bytes (``CUmemPoolPtrExportData``) that name an
+        allocation of an ``ipc`` pool to a process that imported the pool."""
 
     @abstractmethod
     def mem_pool_destroy(self, pool: Pool) -> None: ...
@@ -232,3 +250,14 @@ class Driver(ABC):
     @abstractmethod
     def mem_free_host(self, view: memoryview) -> None:
         """``cuMemFreeHost`` of memory from :meth:`mem_alloc_host`."""
+
+    @abstractmethod
+    def host_register(self, view: memoryview) -> None:
+        """``cuMemHostRegister(..., CU_MEMHOSTREGISTER_PORTABLE)``: page-lock existing host memory (a
+        shared mapping) for DMA from every context; the memory must stay mapped until
+        :meth:`host_unregister`. ``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`` on overlap."""
+
+    @abstractmethod
+    def host_unregister(self, view: memoryview) -> None:
+        """``cuMemHostUnregister`` of memory registered with :meth:`host_register`
+        (``CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`` otherwise)."""
