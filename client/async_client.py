@@ -25,15 +25,17 @@ import time
 from collections.abc import Generator
 from typing import Any, TypeVar
 
-from cuctxd.client import requests
+from cuctxd.client import requests, transfers
 from cuctxd.client.async_transport import AsyncTransport
 from cuctxd.client.client import HELLO_TIMEOUT, Client
 from cuctxd.client.core import Router, SessionState
 from cuctxd.client.lanes import FRONT, Route
+from cuctxd.client.host_buffers import AsyncHostBuffer, host_alloc
 from cuctxd.client.lease import AsyncHeartbeat
-from cuctxd.client.objects import AsyncBuffer, AsyncContext, docs_from
+from cuctxd.client.objects import AsyncBuffer, AsyncContext
+from cuctxd.client.presentation import docs_from
 from cuctxd.client.pipeline import AsyncPipeline, raise_first
-from cuctxd.client.requests import Batch, Plan, Request, Run, Step
+from cuctxd.client.requests import Batch, Local, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.sharing import AsyncOpenedShare, open_share
 from cuctxd.client.streams import AsyncEvent, AsyncStream
 from cuctxd.client.transport import DEFAULT_TIMEOUT, CurveKeys, KeyPath, curve_keys, listening, no_daemon
@@ -54,6 +56,9 @@ class AsyncClient(SessionState):
     exceptions as the sync client's, and a lost session the same
     :class:`~cuctxd.protos.errors.SessionLost` (``await client.reconnect()``).
     """
+
+    #: What ``host_alloc`` (and a staging ring) makes.
+    host_buffer_kind = AsyncHostBuffer
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  hello_timeout: float = HELLO_TIMEOUT, name: str | None = None, heartbeat: bool = True,
@@ -98,6 +103,7 @@ class AsyncClient(SessionState):
             await main.close()  # not open: a later open() may try again
             raise
         self._router = Router(main, self._adopt(answer, self._use_lanes), self._open_lane)
+        self._open_data_plane(answer)
         if self._beats:
             self._heartbeat = AsyncHeartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
 
@@ -126,6 +132,12 @@ class AsyncClient(SessionState):
                                             return_exceptions=True)
             raise_first(outcomes)
             return outcomes
+        if isinstance(step, Send):
+            return asyncio.ensure_future(self._execute(step.request))
+        if isinstance(step, Wait):
+            return await step.sent
+        if isinstance(step, Local):
+            return await asyncio.to_thread(step.run)
         router = self._router
         if router is None:
             raise ConnectionLost("the client is closed", step.op)
@@ -180,6 +192,7 @@ class AsyncClient(SessionState):
             pass  # the daemon is gone or already forgot us: nothing left to free
         finally:
             self._token = None
+            self._close_data_plane()
             for transport in self._router.transports():
                 await transport.close()
 
@@ -258,21 +271,27 @@ class AsyncClient(SessionState):
     async def free(self, buffer: AsyncBuffer) -> None:
         await self.run(requests.free(buffer))
 
+    async def host_alloc(self, size: int, device: int | None = None) -> AsyncHostBuffer:
+        """Host memory shared with the daemon and page-locked there, for copies with ``device``'s buffers
+        (default: the current device) that carry no bytes on the socket; needs the fd channel (ipc://).
+        Counts against the session's ``host_memory_per_session``; :meth:`AsyncHostBuffer.free` gives it back."""
+        return await self.run(host_alloc(self, AsyncHostBuffer, size, device))
+
     async def fill(self, buffer: AsyncBuffer, value: int = 0, offset: int = 0, size: int | None = None, *,
                    stream: AsyncStream | None = None) -> None:
         await self.run(requests.fill(buffer, value, offset, size, stream))
 
     async def write(self, buffer: AsyncBuffer, data: Any, offset: int = 0, *,
                     stream: AsyncStream | None = None) -> int:
-        return await self.run(requests.write(buffer, data, offset, stream, self.limits["max_payload_bytes"]))
+        return await self.run(transfers.write(self, buffer, data, offset, stream))
 
     async def read(self, buffer: AsyncBuffer, size: int | None = None, offset: int = 0, *,
                    stream: AsyncStream | None = None) -> bytes:
-        return await self.run(requests.read(buffer, size, offset, stream))
+        return await self.run(transfers.read(self, buffer, size, offset, stream))
 
     async def read_into(self, buffer: AsyncBuffer, out: Any, offset: int = 0, *,
                         stream: AsyncStream | None = None) -> int:
-        return await self.run(requests.read_into(buffer, out, offset, stream))
+        return await self.run(transfers.read_into(self, buffer, out, offset, stream))
 
     async def copy(self, src: AsyncBuffer, dst: AsyncBuffer, size: int | None = None, src_offset: int = 0,
                    dst_offset: int = 0, *, stream: AsyncStream | None = None) -> int:

@@ -14,12 +14,13 @@ import threading
 import time
 from typing import Any, TypeVar
 
-from cuctxd.client import requests
+from cuctxd.client import requests, transfers
 from cuctxd.client.core import Router, SessionState
+from cuctxd.client.host_buffers import HostBuffer, host_alloc
 from cuctxd.client.lease import Heartbeat
 from cuctxd.client.objects import Buffer, Context
 from cuctxd.client.pipeline import Pipeline
-from cuctxd.client.requests import CHUNK_BYTES, Batch, Plan, Request, Run, Step
+from cuctxd.client.requests import CHUNK_BYTES, Batch, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.sharing import OpenedShare, open_share
 from cuctxd.client.streams import Event, Stream
 from cuctxd.client.transport import (
@@ -75,6 +76,9 @@ class Client(SessionState):
     through the main endpoint.
     """
 
+    #: What ``host_alloc`` (and a staging ring) makes.
+    host_buffer_kind = HostBuffer
+
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  hello_timeout: float = HELLO_TIMEOUT, name: str | None = None, heartbeat: bool = True,
                  server_key: KeyPath | CurveKeys | None = None, client_key: KeyPath | None = None,
@@ -105,6 +109,7 @@ class Client(SessionState):
             main.close()
             raise
         self._router = Router(main, self._adopt(answer, self._use_lanes), self._open_lane)
+        self._open_data_plane(answer)
         if self._beats:
             self._heartbeat = Heartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
 
@@ -128,11 +133,17 @@ class Client(SessionState):
             raise self._lose(exc) from exc
 
     def _execute(self, step: Step) -> Any:
+        if isinstance(step, Request):
+            return self._send(step).result(step.timeout)
         if isinstance(step, Batch):
             with self.pipeline() as batch:
                 calls = [batch.send(request) for request in step.requests]
             return [call.result() for call in calls]
-        return self._send(step).result(step.timeout)
+        if isinstance(step, Send):
+            return self._send(step.request)
+        if isinstance(step, Wait):
+            return step.sent.result()
+        return step.run()
 
     def _send(self, request: Request[T]) -> Call[T]:
         """Send on the request's lane (:mod:`cuctxd.client.lanes`), once what it must follow has been answered."""
@@ -172,6 +183,7 @@ class Client(SessionState):
             pass  # the daemon is gone or already forgot us: nothing left to free
         finally:
             self._token = None
+            self._close_data_plane()
             for transport in self._router.transports():
                 transport.close()
 
@@ -269,6 +281,12 @@ class Client(SessionState):
     def free(self, buffer: Buffer) -> None:
         self.run(requests.free(buffer))
 
+    def host_alloc(self, size: int, device: int | None = None) -> HostBuffer:
+        """Host memory shared with the daemon and page-locked there, for copies with ``device``'s buffers
+        (default: the current device) that carry no bytes on the socket; needs the fd channel (ipc://).
+        Counts against the session's ``host_memory_per_session``; :meth:`HostBuffer.free` gives it back."""
+        return self.run(host_alloc(self, HostBuffer, size, device))
+
     def fill(self, buffer: Buffer, value: int = 0, offset: int = 0, size: int | None = None, *,
              stream: Stream | None = None) -> None:
         self.run(requests.fill(buffer, value, offset, size, stream))
@@ -276,15 +294,15 @@ class Client(SessionState):
     def write(self, buffer: Buffer, data: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
         """Host to device. Large writes go as pipelined chunks, so the transfer of one chunk
         overlaps the device copy of the one before."""
-        return self.run(requests.write(buffer, data, offset, stream, self.limits["max_payload_bytes"]))
+        return self.run(transfers.write(self, buffer, data, offset, stream))
 
     def read(self, buffer: Buffer, size: int | None = None, offset: int = 0, *,
              stream: Stream | None = None) -> bytes:
-        return self.run(requests.read(buffer, size, offset, stream))
+        return self.run(transfers.read(self, buffer, size, offset, stream))
 
     def read_into(self, buffer: Buffer, out: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
         """Device to host straight into ``out`` (``recv_into``), in pipelined chunks when large."""
-        return self.run(requests.read_into(buffer, out, offset, stream))
+        return self.run(transfers.read_into(self, buffer, out, offset, stream))
 
     def copy(self, src: Buffer, dst: Buffer, size: int | None = None, src_offset: int = 0,
              dst_offset: int = 0, *, stream: Stream | None = None) -> int:

@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
+from cuctxd.client.data_plane import DataPlane
 from cuctxd.client.lanes import FRONT, Lanes, Reach, Route, lane_endpoints
 from cuctxd.client.requests import Plan, Request
-from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, SessionLost
+from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, NotShareable, SessionLost
+from cuctxd.protos.host import host_identity
 
 T = TypeVar("T")
 
@@ -51,6 +53,7 @@ class SessionState:
     """
 
     endpoint: str
+    timeout: float
     _token: str | None = None
     _lost: SessionLost | None = None
     _reconnect = False
@@ -68,6 +71,27 @@ class SessionState:
         if not use_lanes:
             return []
         return lane_endpoints(self.endpoint, hello.get("endpoints", ()), hello.get("device_endpoints", ()))
+
+    _plane: DataPlane | None = None
+
+    def _open_data_plane(self, hello: dict[str, Any]) -> None:
+        """Set up the data plane when ``hello`` names an fd channel this process can reach."""
+        path = hello.get("fd_channel")
+        self._plane = DataPlane(path, self.timeout) if path and hello.get("host") in (None, host_identity()) else None
+
+    def _close_data_plane(self) -> None:
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
+
+    def data_plane(self, *, required: bool = True) -> DataPlane | None:
+        """The client's data plane; without one (no fd channel: tcp://, another host) None, or
+        :class:`~cuctxd.protos.errors.NotShareable` when ``required``."""
+        if self._plane is None and required:
+            raise NotShareable(f"the daemon at {self.endpoint} offers no fd channel to this process (it has one "
+                               "only beside an ipc:// endpoint on this host): connect over ipc:// to map "
+                               "pool shares or host buffers")
+        return self._plane
 
     def _check_session(self, op: str | None) -> bool:
         """Called when there is no session token: True when the client should start a new session

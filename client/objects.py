@@ -14,38 +14,12 @@ session protocols, not the client classes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
-from cuctxd.client import requests
+from cuctxd.client import requests, transfers
 from cuctxd.client.core import AsyncSession, Session
+from cuctxd.client.presentation import describe, docs_from
 from cuctxd.protos.records import BufferRecord, ContextRecord, ShareDescriptor
-
-ClassT = TypeVar("ClassT", bound=type)
-
-#: Record fields that hold a session-scoped handle: shown in hex, as the daemon's error messages show them.
-HANDLE_FIELDS = frozenset({"handle", "context"})
-
-
-def docs_from(twin: type) -> Callable[[ClassT], ClassT]:
-    """Give an async class's undocumented methods the docstrings of its sync twin's namesakes."""
-
-    def borrow(cls: ClassT) -> ClassT:
-        for name, member in vars(cls).items():
-            source = getattr(twin, name, None)
-            if callable(member) and member.__doc__ is None and source is not None:
-                member.__doc__ = source.__doc__
-        return cls
-
-    return borrow
-
-
-def describe(kind: str, fields: dict[str, Any]) -> str:
-    """``Kind(handle=0x1f, device=0, ...)``: handles in hex, like the daemon's messages."""
-    shown = ", ".join(f"{name}={value:#x}" if name in HANDLE_FIELDS else f"{name}={value!r}"
-                      for name, value in fields.items())
-    return f"{kind}({shown})"
-
 
 class SessionObject:
     """A session-scoped handle on one device, with the client that made it.
@@ -185,16 +159,17 @@ class Buffer(BufferFields):
     client: Session
 
     def write(self, data: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
-        """Copy host bytes (any buffer-protocol object) to ``self[offset:]``; returns bytes written."""
-        return self.client.run(requests.write(self, data, offset, stream, self.client.limits["max_payload_bytes"]))
+        """Copy host bytes (any buffer-protocol object, or a host buffer by DMA) to ``self[offset:]``;
+        returns bytes written."""
+        return self.client.run(transfers.write(self.client, self, data, offset, stream))
 
     def read(self, size: int | None = None, offset: int = 0, *, stream: requests.OnDevice | None = None) -> bytes:
         """Copy ``size`` bytes (default: to the end) from ``self[offset:]`` to the host."""
-        return self.client.run(requests.read(self, size, offset, stream))
+        return self.client.run(transfers.read(self.client, self, size, offset, stream))
 
     def read_into(self, out: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
         """Read ``len(out)`` bytes straight into a writable host buffer; returns bytes read."""
-        return self.client.run(requests.read_into(self, out, offset, stream))
+        return self.client.run(transfers.read_into(self.client, self, out, offset, stream))
 
     def fill(self, value: int = 0, offset: int = 0, size: int | None = None, *,
              stream: requests.OnDevice | None = None) -> None:
@@ -238,15 +213,14 @@ class AsyncBuffer(BufferFields):
     client: AsyncSession
 
     async def write(self, data: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
-        return await self.client.run(requests.write(self, data, offset, stream,
-                                                    self.client.limits["max_payload_bytes"]))
+        return await self.client.run(transfers.write(self.client, self, data, offset, stream))
 
     async def read(self, size: int | None = None, offset: int = 0, *,
                    stream: requests.OnDevice | None = None) -> bytes:
-        return await self.client.run(requests.read(self, size, offset, stream))
+        return await self.client.run(transfers.read(self.client, self, size, offset, stream))
 
     async def read_into(self, out: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
-        return await self.client.run(requests.read_into(self, out, offset, stream))
+        return await self.client.run(transfers.read_into(self.client, self, out, offset, stream))
 
     async def fill(self, value: int = 0, offset: int = 0, size: int | None = None, *,
                    stream: requests.OnDevice | None = None) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Generic, TypeVar
 
 from cuctxd.client import requests
-from cuctxd.client.objects import docs_from
+from cuctxd.client.presentation import docs_from
 from cuctxd.client.requests import OnDevice, Request
 from cuctxd.client.transport import MAX_IN_FLIGHT, Call
 from cuctxd.protos.errors import CuctxError, DaemonTimeout, NoDaemon

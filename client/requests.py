@@ -62,7 +62,29 @@ class Batch:
     requests: tuple[Request[Any], ...]
 
 
-Step = Request[Any] | Batch
+@dataclass(frozen=True)
+class Send:
+    """Send ``request`` without waiting: the step's result is a handle to give :class:`Wait` later."""
+
+    request: Request[Any]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The result of a request sent with :class:`Send` (its error raised here)."""
+
+    sent: Any
+
+
+@dataclass(frozen=True)
+class Local:
+    """Work in this process between requests (mapping an fd, copying through a host buffer): the sync
+    client calls ``run()`` on its thread, the async one in a worker thread; the step's result is its return."""
+
+    run: Callable[[], Any]
+
+
+Step = Request[Any] | Batch | Send | Wait | Local
 
 #: A call that takes several requests: yields each step, receives its result, returns the answer.
 Plan = Generator[Step, Any, T]
@@ -426,11 +448,14 @@ def list_shared() -> Request[list[dict[str, Any]]]:
     return _request("list_shared", _field("shared", list))
 
 
-def open_shared(descriptor: ShareDescriptor) -> Request[ShareDescriptor]:
-    """Hold the share; the answer is the daemon's fresh descriptor under the name asked for."""
-    return _request("open_shared", lambda result, _: ShareDescriptor.from_wire({**result["share"],
-                                                                                "name": descriptor.name}),
-                    device=descriptor.device, share_id=descriptor.share_id)
+def open_shared(descriptor: ShareDescriptor, pool_fd: bool = False) -> Request[tuple[ShareDescriptor, str | None]]:
+    """Hold the share; the answer is the daemon's fresh descriptor under the name asked for, and with
+    ``pool_fd`` the fd channel ticket of its pool."""
+    def convert(result: dict[str, Any], frames: list[Any]) -> tuple[ShareDescriptor, str | None]:
+        return ShareDescriptor.from_wire({**result["share"], "name": descriptor.name}), result.get("ticket")
+
+    return _request("open_shared", convert, device=descriptor.device, share_id=descriptor.share_id,
+                    pool_fd=pool_fd or None)
 
 
 def close_shared(descriptor: ShareDescriptor) -> Request[None]:
@@ -446,3 +471,27 @@ def revoke_buffer(buffer: OnDevice) -> Plan[None]:
     """Revoke the share of ``buffer`` (its descriptor is what ``export`` answers for it)."""
     descriptor = yield export(buffer)
     yield revoke(descriptor)
+
+
+# --- the data plane: shared host buffers (their mapping: cuctxd.client.host_buffers) --------------
+
+
+def host_alloc(device: int | None, size: int) -> Request[dict[str, Any]]:
+    """Result: ``host`` (handle), ``size``, ``device`` and ``ticket``."""
+    return _request("host_alloc", _result, device=device, size=size)
+
+
+def host_free(host: OnDevice) -> Request[None]:
+    return _request("host_free", _nothing, **_on(host, host=host.handle))
+
+
+def memcpy_htod(buffer: OnDevice, host: OnDevice, offset: int, host_offset: int, size: int | None,
+                stream: OnDevice | None) -> Request[int]:
+    return _request("memcpy_htod", _size, **_on(buffer, buffer=buffer.handle, host=host.handle, offset=offset,
+                                                host_offset=host_offset, size=size, stream=_handle(stream)))
+
+
+def memcpy_dtoh(buffer: OnDevice, host: OnDevice, offset: int, host_offset: int, size: int | None,
+                stream: OnDevice | None) -> Request[int]:
+    return _request("memcpy_dtoh", _size, **_on(buffer, buffer=buffer.handle, host=host.handle, offset=offset,
+                                                host_offset=host_offset, size=size, stream=_handle(stream)))

@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 
 from cuctxd.client import requests
 from cuctxd.client.core import AsyncSession, Session
-from cuctxd.client.objects import docs_from
-from cuctxd.client.requests import Plan
+from cuctxd.client.presentation import docs_from
+from cuctxd.client.pool_imports import POOL_IMPORTS
+from cuctxd.client.requests import Local, Plan
 from cuctxd.protos.errors import NotShareable, WrongBackend
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.records import ShareDescriptor
@@ -112,9 +113,12 @@ class AsyncOpenedShare(MappedShare):
         await self.close()
 
 
-def map_share(descriptor: ShareDescriptor) -> Any:
-    """Map a share in this process with its backend's IPC mechanism."""
+def map_share(descriptor: ShareDescriptor, pool_fd: int | None) -> Any:
+    """Map a share in this process as its ``mechanism`` says: from its pool (imported from ``pool_fd``
+    unless already, :mod:`cuctxd.client.pool_imports`), or with the backend's legacy IPC handle."""
     check_same_host(descriptor)
+    if descriptor.mechanism == "pool":
+        return POOL_IMPORTS.map(descriptor, pool_fd)
     if descriptor.backend == "sim":
         from cuctxd.client.ipc_sim import SimMapping
 
@@ -128,12 +132,15 @@ def map_share(descriptor: ShareDescriptor) -> Any:
 
 def open_share(owner: Any, kind: Callable[[Any, ShareDescriptor, Any], ShareT],
                share: str | ShareDescriptor) -> Plan[ShareT]:
-    """Look the share up (by name), hold it, map it here; a failed mapping drops the hold again."""
+    """Look the share up (by name), hold it, map it here (asking for its pool's fd when this process has
+    not imported that pool yet); a failed mapping drops the hold again."""
     descriptor = (yield requests.lookup(share)) if isinstance(share, str) else share
     check_same_host(descriptor)
-    descriptor = yield requests.open_shared(descriptor)
+    need_pool = descriptor.mechanism == "pool" and not POOL_IMPORTS.has(descriptor.pool_id)
+    plane = owner.data_plane() if need_pool else None
+    descriptor, ticket = yield requests.open_shared(descriptor, pool_fd=need_pool)
     try:
-        mapping = map_share(descriptor)
+        mapping = yield Local(lambda: map_share(descriptor, plane.receive_fd(ticket) if plane and ticket else None))
     except BaseException:
         yield requests.close_shared(descriptor)
         raise

@@ -12,7 +12,8 @@ from typing import Any, ClassVar, Self
 
 from cuctxd.client import requests
 from cuctxd.client.core import AsyncSession, Session
-from cuctxd.client.objects import SessionObject, docs_from
+from cuctxd.client.objects import SessionObject
+from cuctxd.client.presentation import docs_from
 
 
 class HandleFields(SessionObject):

@@ -1,7 +1,7 @@
 """Ops for sharing memory between processes, and the session lease (protocol version 1).
 
-A buffer is shared by *exporting* it (a share descriptor with the backend's IPC
-handle) and, optionally, *publishing* it under a name. Another session *opens*
+A buffer is shared by *exporting* it (a share descriptor naming its pool and
+the pointer's export data, or the backend's legacy IPC handle) and, optionally, *publishing* it under a name. Another session *opens*
 the share (the daemon records the hold) and maps it in its own process with the
 IPC handle; it *closes* it when done. The daemon frees shared memory only once
 its owner has freed it and no session still holds it open.
@@ -63,10 +63,13 @@ class ListShared:
 @op("open_shared", target="device")
 class OpenShared:
     """Hold a share open for this session so the daemon keeps it alive; the client maps it
-    with the descriptor's IPC handle. Result: ``share``."""
+    as the descriptor's ``mechanism`` says. ``pool_fd``: also hand over the fd of the share's
+    pool (a ``"pool"`` share, when this process has not imported that pool yet).
+    Result: ``share``, and ``ticket`` (redeem it on the fd channel) when ``pool_fd``."""
 
     share_id: str = dataclasses.field(metadata={"max_len": 64})
     device: int | None = count_field()
+    pool_fd: bool = False
 
 
 @op("close_shared", target="device")

@@ -8,9 +8,10 @@ session-scoped, so a session can only ever name its own records.
 
 from __future__ import annotations
 
+import mmap
 import secrets
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from cuctxd.daemon.backends.base import Ctx, Event, Stream
 from cuctxd.daemon.registry.sessions import SessionRef
@@ -42,6 +43,9 @@ class DeviceLimits:
     max_shares_per_session: int = 0
     #: Most published shares whose owner is gone and nobody holds, daemon-wide (oldest freed first).
     max_orphaned_shares: int = 0
+    #: Most bytes of host buffers one session may have here, and all sessions together.
+    host_memory_per_session: int = 0
+    max_host_memory: int = 0
 
 
 class HandleTable(dict[int, T], Generic[T]):
@@ -72,6 +76,16 @@ class SessionContext:
     shares: set[str] = field(default_factory=set)
 
 
+class MemoryKind(Protocol):
+    """How a buffer's memory is freed and exported (:mod:`cuctxd.daemon.device.pools`)."""
+
+    exportable: bool
+
+    def free(self, ptr: int) -> None: ...
+
+    def export(self, context: SessionContext, ptr: int) -> dict[str, Any]: ...
+
+
 @dataclass
 class Share:
     """One shared buffer (lifetime rule: :mod:`cuctxd.daemon.registry.shares`). Owned by its device's
@@ -81,6 +95,7 @@ class Share:
     ptr: int
     context: SessionContext
     owner: SessionRef
+    kind: MemoryKind
     owner_present: bool = True
     holders: dict[str, int] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
@@ -108,7 +123,7 @@ class Buffer:
     ptr: int
     size: int
     context: SessionContext
-    shareable: bool
+    kind: MemoryKind
     share: Share | None = None
 
 
@@ -136,6 +151,19 @@ class EventEntry:
 Marker = tuple[SessionContext, Event]
 
 
+@dataclass(eq=False)
+class HostBuffer:
+    """A session's shared host buffer; ``view`` is the daemon's mapping, registered in ``context``."""
+
+    handle: int
+    size: int
+    memory: mmap.mmap
+    view: memoryview
+    context: SessionContext
+    #: Markers of stream-ordered copies that use it, recorded since the last check.
+    busy: list[Marker] = field(default_factory=list)
+
+
 @dataclass
 class SessionOnDevice:
     """A session's view of one device: its context stack, contexts, buffers, streams, events, holds."""
@@ -147,6 +175,7 @@ class SessionOnDevice:
     buffers: HandleTable[Buffer] = field(init=False)
     streams: HandleTable[StreamEntry] = field(init=False)
     events: HandleTable[EventEntry] = field(init=False)
+    host_buffers: HandleTable[HostBuffer] = field(init=False)
     #: Share id -> how many times this session holds it open.
     holds: dict[str, int] = field(default_factory=dict)
     primary: SessionContext | None = None
@@ -157,17 +186,21 @@ class SessionOnDevice:
     exports: int = 0
     #: Shares revoked while this session held them: its next open or close of one answers REVOKED.
     revoked: set[str] = field(default_factory=set)
+    #: Bytes of this session's host buffers here (``host_memory_per_session``).
+    host_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.contexts = HandleTable("context", self.device)
         self.buffers = HandleTable("buffer", self.device)
         self.streams = HandleTable("stream", self.device)
         self.events = HandleTable("event", self.device)
+        self.host_buffers = HandleTable("host buffer", self.device)
 
     def object_count(self) -> int:
         """What ``max_objects_per_session`` counts: created contexts (not the shared primary),
-        buffers, streams, events and distinct shares held open."""
-        return self.created_contexts() + len(self.buffers) + len(self.streams) + len(self.events) + len(self.holds)
+        buffers, streams, events, host buffers and distinct shares held open."""
+        return (self.created_contexts() + len(self.buffers) + len(self.streams) + len(self.events)
+                + len(self.host_buffers) + len(self.holds))
 
     def share_count(self) -> int:
         """What ``max_shares_per_session`` counts: live exports, distinct shares held open, and shares

@@ -1,9 +1,9 @@
 """Device memory of one device: allocations per session, quotas, the device reserve.
 
 Owned by the device's worker thread, as part of its
-:class:`~cuctxd.daemon.device.state.DeviceState`. Private buffers come from
-their context's stream-ordered pool; shareable ones from ``cuMemAlloc``, since
-pool memory cannot be exported.
+:class:`~cuctxd.daemon.device.state.DeviceState`. Buffers come from their
+context's stream-ordered pool, which is exportable where the device allows it;
+elsewhere ``shareable`` buffers come from ``cuMemAlloc`` (:mod:`cuctxd.daemon.device.pools`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,16 @@ from typing import Any
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.current import CurrentContext
-from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionContext, SessionOnDevice, new_handle
+from cuctxd.daemon.device.entries import (
+    Buffer,
+    DeviceLimits,
+    MemoryKind,
+    SessionContext,
+    SessionOnDevice,
+    new_handle,
+)
+from cuctxd.daemon.device.pools import LegacyMemory, PoolMemory, Pools
 from cuctxd.daemon.device.sharing import Sharing
-from cuctxd.daemon.device.streams import Streams
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.records import BufferRecord
@@ -24,13 +31,21 @@ class Memory:
     """Allocating and freeing the sessions' buffers on this device."""
 
     def __init__(self, driver: Driver, device: int, limits: DeviceLimits, current: CurrentContext,
-                 streams: Streams, sharing: Sharing) -> None:
+                 pools: Pools, sharing: Sharing) -> None:
         self.driver = driver
         self.device = device
         self.limits = limits
         self.current = current
-        self.streams = streams
+        self.pools = pools
         self.sharing = sharing
+        self.pool_memory = PoolMemory(driver, pools)
+        self.legacy_memory = LegacyMemory(driver)
+
+    def kind_for(self, shareable: bool) -> MemoryKind:
+        """Pool memory, unless it cannot be exported and the caller needs that (``shareable``)."""
+        if shareable and not self.pool_memory.exportable:
+            return self.legacy_memory
+        return self.pool_memory
 
     def alloc(self, state: SessionOnDevice, context: SessionContext, size: int, shareable: bool) -> Buffer:
         """A buffer of ``size`` bytes in ``context`` (``Contexts.for_new`` checked the
@@ -43,25 +58,21 @@ class Memory:
         """
         self.current.activate(context)
         self._check_quota(state, size)
+        kind = self.kind_for(shareable)
         try:
-            ptr = self._allocate(context, size, shareable)
+            ptr = kind.allocate(context, size)
         except CudaError as exc:
-            if exc.code != CUresult.CUDA_ERROR_OUT_OF_MEMORY or not self.streams.pools:
+            if exc.code != CUresult.CUDA_ERROR_OUT_OF_MEMORY or not self.pools.entries:
                 raise
             self.driver.ctx_synchronize()
-            self.streams.trim_pools()
+            self.pools.trim()
             self.current.activate(context)
-            ptr = self._allocate(context, size, shareable)
-        buffer = Buffer(new_handle(), ptr, size, context, shareable)
+            ptr = kind.allocate(context, size)
+        buffer = Buffer(new_handle(), ptr, size, context, kind)
         state.buffers[buffer.handle] = buffer
         state.bytes_allocated += size
         context.buffers.add(buffer.handle)
         return buffer
-
-    def _allocate(self, context: SessionContext, size: int, shareable: bool) -> int:
-        if shareable:
-            return self.driver.mem_alloc(size)
-        return self.driver.mem_alloc_from_pool(size, self.streams.pool_of(context), None)
 
     def _check_quota(self, state: SessionOnDevice, size: int) -> None:
         state.check_quota(self.limits.session_quota, size, "allocate")
@@ -78,7 +89,7 @@ class Memory:
         """``cuMemGetInfo`` as this session sees it (its current context active): free is capped by its
         quota (less what it allocated and holds in shares) and the reserve."""
         device_free, total = self.driver.mem_get_info()
-        device_free += self.streams.pools_cached()
+        device_free += self.pools.cached()
         free, limited_by = max(0, device_free - self.limits.device_reserve), "device"
         quota = self.limits.session_quota
         if quota and quota - state.bytes_charged() < free:
@@ -97,10 +108,7 @@ class Memory:
         (its published names go too when ``unpublish``)."""
         if buffer.share is None:
             self.current.activate(buffer.context)
-            if buffer.shareable:
-                self.driver.mem_free(buffer.ptr)
-            else:
-                self.driver.mem_free_async(buffer.ptr, None)
+            buffer.kind.free(buffer.ptr)
         else:
             self.sharing.owner_left(state, buffer.share, unpublish=unpublish)
         del state.buffers[buffer.handle]
@@ -109,4 +117,4 @@ class Memory:
 
     def record(self, buffer: Buffer) -> BufferRecord:
         return BufferRecord(handle=buffer.handle, device=self.device, size=buffer.size,
-                            context=buffer.context.handle, shareable=buffer.shareable)
+                            context=buffer.context.handle, shareable=buffer.kind.exportable)

@@ -66,13 +66,13 @@ class Sharing:
                 raise Revoked("this buffer's share was revoked; it cannot be shared again")
             return buffer.share
         self._check_share_room(state)
-        if not buffer.shareable:
+        if not buffer.kind.exportable:
             raise NotShareable(
-                "this buffer comes from the device's stream-ordered pool, which cannot be exported; "
-                "allocate it with shareable=True (cuMemAlloc) to share it"
+                "this buffer comes from the device's stream-ordered pool, which cannot be exported on this "
+                "device; allocate it with shareable=True (cuMemAlloc) to share it"
             )
         self.current.activate(buffer.context)
-        ipc_handle = self.driver.ipc_get_mem_handle(buffer.ptr)
+        how = buffer.kind.export(buffer.context, buffer.ptr)
         if buffer.context.is_primary:
             self.contexts.retain_primary()  # the share's own reference
         descriptor = ShareDescriptor(
@@ -81,10 +81,10 @@ class Sharing:
             device_uuid=self.info.uuid,
             size=buffer.size,
             backend=self.driver.name,
-            ipc_handle=ipc_handle,
             host=host_identity(),
+            **how,
         )
-        share = Share(descriptor, buffer.ptr, buffer.context, state.ref)
+        share = Share(descriptor, buffer.ptr, buffer.context, state.ref, buffer.kind)
         buffer.share = share
         state.exports += 1
         buffer.context.shares.add(share.share_id)
@@ -225,7 +225,7 @@ class Sharing:
             return
         context = share.context
         self.current.activate(context)
-        self.driver.mem_free(share.ptr)
+        share.kind.free(share.ptr)
         del self.shares[share.share_id]
         self._not_orphaned(share)
         context.shares.discard(share.share_id)

@@ -7,10 +7,12 @@ it updates is the one lock-protected exception). Its parts, each given what it
 uses when built:
 
 * :class:`~cuctxd.daemon.device.current.CurrentContext` — the context current on the worker;
-* :class:`~cuctxd.daemon.device.streams.Streams` — streams, events, markers, pools, read staging;
+* :class:`~cuctxd.daemon.device.pools.Pools` — each context's stream-ordered pool, IPC-capable where it can be;
+* :class:`~cuctxd.daemon.device.streams.Streams` — streams, events, markers, read staging;
 * :class:`~cuctxd.daemon.device.contexts.Contexts` — stacks, the primary's references, orphans;
 * :class:`~cuctxd.daemon.device.sharing.Sharing` — exported buffers and holds;
-* :class:`~cuctxd.daemon.device.memory.Memory` — allocations, quota and reserve.
+* :class:`~cuctxd.daemon.device.memory.Memory` — allocations, quota and reserve;
+* :class:`~cuctxd.daemon.device.host.HostBuffers` — shared page-locked host buffers.
 
 Each session gets a :class:`~cuctxd.daemon.device.entries.SessionOnDevice`
 (records in :mod:`cuctxd.daemon.device.entries`). This class ties the parts
@@ -33,11 +35,14 @@ from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import DeviceLimits, SessionContext, SessionOnDevice
+from cuctxd.daemon.device.host import HostBuffers
 from cuctxd.daemon.device.memory import Memory
+from cuctxd.daemon.device.pools import Pools
 from cuctxd.daemon.device.sharing import Sharing
 from cuctxd.daemon.device.streams import Streams
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.records import DeviceInfo
@@ -52,20 +57,24 @@ class DeviceState:
     """Everything device ``device`` holds for every session (module docstring); worker thread only."""
 
     def __init__(self, driver: Driver, device: int, info: DeviceInfo, limits: DeviceLimits,
-                 registry: ShareRegistry) -> None:
+                 registry: ShareRegistry, tickets: TicketBook) -> None:
+        """``tickets``: where the fds this device hands to clients wait for the fd channel."""
         self.driver = driver
         self.device = device
         self.info = info
         self.limits = limits
         self.registry = registry
+        self.tickets = tickets
         self.sessions: dict[str, SessionOnDevice] = {}
         self.current = CurrentContext(driver)
         #: Make a context current on the worker (the bound method itself: handlers call it per request).
         self.activate = self.current.activate
-        self.streams = Streams(driver, device, self.current, self.sessions)
+        self.pools = Pools(driver, device, self.current)
+        self.streams = Streams(driver, device, self.current, self.sessions, self.pools)
         self.contexts = Contexts(driver, device, self.current, self.streams, limits)
         self.sharing = Sharing(driver, info, self.current, self.contexts, registry, limits, self.sessions)
-        self.memory = Memory(driver, device, limits, self.current, self.streams, self.sharing)
+        self.memory = Memory(driver, device, limits, self.current, self.pools, self.sharing)
+        self.host = HostBuffers(driver, device, limits, self.current, self.streams)
         #: The sticky CUDA error that made this device unusable, if one struck.
         self.failure: CudaError | None = None
         self.worker_thread: threading.Thread | None = None
@@ -106,6 +115,9 @@ class DeviceState:
         for share_id in list(state.holds):
             self.sharing.drop_hold(state, share_id, everything=True)
             yield
+        for entry in list(state.host_buffers.values()):
+            self.host.free(state, entry, wait=True)
+            yield
         for handle in list(state.streams):
             self.streams.destroy_stream(state, handle)
             yield
@@ -115,7 +127,7 @@ class DeviceState:
         for buffer in list(state.buffers.values()):
             self.memory.free(state, buffer, unpublish=False)
             yield
-        self.streams.trim_pools()
+        self.pools.trim()
         for context in list(state.contexts.values()):
             if not context.is_primary:
                 self.contexts.detach(state, context)
@@ -140,6 +152,8 @@ class DeviceState:
         """Take a created context from the session with what it holds; it ends unless shares live in it."""
         for handle in list(context.buffers):
             self.memory.free(state, state.buffers[handle], unpublish=False)
+        for entry in [e for e in state.host_buffers.values() if e.context is context]:
+            self.host.free(state, entry, wait=True)
         self.streams.drop(state, context)
         self.contexts.detach(state, context)
 

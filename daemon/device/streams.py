@@ -1,4 +1,4 @@
-"""Streams, events, sync markers, stream-ordered pools and read staging of one device.
+"""Streams, events, sync markers and read staging of one device.
 
 Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`. Synchronize ops never block the
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from cuctxd.daemon.backends.base import Driver, Event, Pool, Stream
+from cuctxd.daemon.backends.base import Driver, Event, Stream
 from cuctxd.daemon.device.current import CurrentContext
+from cuctxd.daemon.device.pools import Pools
 from cuctxd.daemon.device.entries import (
     EventEntry,
     Marker,
@@ -29,20 +30,20 @@ STAGED_READ_MAX = 64 << 10
 
 
 class Streams:
-    """The device's streams and events (per session), markers, pools and staging buffers (per context).
+    """The device's streams and events (per session), markers and staging buffers (per context).
 
     ``sessions`` is the :class:`DeviceState`'s own table, read here to find every
     non-blocking stream of a context.
     """
 
     def __init__(self, driver: Driver, device: int, current: CurrentContext,
-                 sessions: Mapping[str, SessionOnDevice]) -> None:
+                 sessions: Mapping[str, SessionOnDevice], pools: Pools) -> None:
         self.driver = driver
         self.device = device
         self.current = current
         self.sessions = sessions
-        #: Stream-ordered pools and spare marker events, by context id.
-        self.pools: dict[int, Pool] = {}
+        self.pools = pools
+        #: Spare marker events, by context id.
         self.spare_markers: dict[int, list[Event]] = {}
         #: Page-locked buffers for small synchronous reads, by context id (:meth:`staged_read`).
         self.read_staging: dict[int, memoryview] = {}
@@ -147,9 +148,7 @@ class Streams:
         self.current.activate(context)
         for event in self.spare_markers.pop(context.context_id, []):
             self.driver.event_destroy(event)
-        pool = self.pools.pop(context.context_id, None)
-        if pool is not None:
-            self.driver.mem_pool_destroy(pool)
+        self.pools.forget(context)
         staging = self.read_staging.pop(context.context_id, None)
         if staging is not None:
             self.driver.mem_free_host(staging)
@@ -172,21 +171,3 @@ class Streams:
             staging = self.read_staging[context.context_id] = self.driver.mem_alloc_host(STAGED_READ_MAX)
         self.driver.memcpy_dtoh(staging, ptr, size)
         return bytes(staging[:size])
-
-    # --- stream-ordered pools --------------------------------------------------------------
-
-    def pool_of(self, context: SessionContext) -> Pool:
-        pool = self.pools.get(context.context_id)
-        if pool is None:
-            self.current.activate(context)
-            pool = self.pools[context.context_id] = self.driver.mem_pool_create(self.device)
-        return pool
-
-    def trim_pools(self) -> None:
-        """Give cached pool memory back to the device (e.g. after a session ends or on OOM)."""
-        for pool in self.pools.values():
-            self.driver.mem_pool_trim(pool, 0)
-
-    def pools_cached(self) -> int:
-        """Bytes the pools hold for reuse: free for the sessions, though the driver counts them used."""
-        return sum(self.driver.mem_pool_cached(pool) for pool in self.pools.values())

@@ -48,6 +48,7 @@ from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.intake.router_io import TRACK_FROM, readable
 from cuctxd.daemon.registry.sessions import DeviceBacklog, Session
 from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.protos.cuda_results import STICKY_CODES, CUresult
 from cuctxd.protos.errors import CuctxError, CudaError, InternalError, ShuttingDown, UnknownSession
 from cuctxd.protos.messages import encode_error, encode_result
@@ -81,6 +82,7 @@ class DeviceWorker:
         reply_endpoint: str,
         limits: DeviceLimits,
         shares: ShareRegistry,
+        tickets: TicketBook,
         queue_limits: QueueLimits | None = None,
     ) -> None:
         self.device = device
@@ -89,6 +91,7 @@ class DeviceWorker:
         self._reply_endpoint = reply_endpoint
         self._limits = limits
         self._shares = shares
+        self._tickets = tickets
         self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller = zmq.Poller()
@@ -168,7 +171,7 @@ class DeviceWorker:
     def _run(self) -> None:
         try:
             info = self._driver.device_info(self.device)
-            self.state = DeviceState(self._driver, self.device, info, self._limits, self._shares)
+            self.state = DeviceState(self._driver, self.device, info, self._limits, self._shares, self._tickets)
             self.state.worker_thread = self.thread
             self._socket = self._zmq_context.socket(zmq.PUSH)
             self._socket.setsockopt(zmq.SNDHWM, 0)

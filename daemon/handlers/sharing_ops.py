@@ -3,10 +3,11 @@ leases are answered by the front from the daemon-wide :class:`~cuctxd.daemon.reg
 
 from __future__ import annotations
 
+from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers.registry import device_handler, front_handler
-from cuctxd.daemon.handlers.replies import DeviceTask, Reply
+from cuctxd.daemon.handlers.replies import DeviceTask, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.protos import sharing_ops as ops
@@ -18,27 +19,43 @@ def _share_reply(descriptor_wire: dict[str, object]) -> Reply:
     return Reply({"share": descriptor_wire})
 
 
+def _when_written(state: DeviceState, context: SessionContext, reply: Reply) -> Reply | Pending:
+    """``reply`` once the work queued so far on the buffer context's legacy stream (its stream-ordered
+    allocation, writes) has passed, so an opener in another process sees the bytes the owner wrote."""
+    return after_markers(state.streams, [state.streams.marker_on(context, None)], reply)
+
+
 @device_handler(ops.Export)
-def export(state: DeviceState, job: Job) -> Reply:
+def export(state: DeviceState, job: Job) -> Reply | Pending:
     session = state.session(job.session)
     share = state.sharing.export(session, session.buffers[job.args.buffer])
-    return _share_reply(share.descriptor.to_wire())
+    return _when_written(state, share.context, _share_reply(share.descriptor.to_wire()))
 
 
 @device_handler(ops.Publish)
-def publish(state: DeviceState, job: Job) -> Reply:
+def publish(state: DeviceState, job: Job) -> Reply | Pending:
     if not job.args.name:
         raise BadArgument("publish needs a non-empty name")
     session = state.session(job.session)
     share = state.sharing.export(session, session.buffers[job.args.buffer])
     state.registry.publish(job.args.name, share)
-    return _share_reply({**share.descriptor.to_wire(), "name": job.args.name})
+    return _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": job.args.name}))
 
 
 @device_handler(ops.OpenShared)
 def open_shared(state: DeviceState, job: Job) -> Reply:
-    share = state.sharing.open(state.session(job.session), job.args.share_id)
-    return _share_reply(share.descriptor.to_wire())
+    session = state.session(job.session)
+    share = state.sharing.open(session, job.args.share_id)
+    result: dict[str, object] = {"share": share.descriptor.to_wire()}
+    if job.args.pool_fd and share.descriptor.mechanism == "pool":
+        try:
+            fd = state.pools.export_fd(share.context)
+            result["ticket"] = state.tickets.issue(job.session.token, job.session.uid, [fd],
+                                                   {"pool_id": share.descriptor.pool_id})
+        except BaseException:
+            state.sharing.close(session, share.share_id)
+            raise
+    return Reply(result)
 
 
 @device_handler(ops.Revoke)

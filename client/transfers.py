@@ -1,0 +1,181 @@
+"""Host <-> device transfers, choosing the path: a host buffer, the staging ring, or the socket.
+
+* From or to a :class:`~cuctxd.client.host_buffers.HostBuffer`: one small request,
+  the daemon copies by DMA (``memcpy_htod``/``memcpy_dtoh``).
+* Ordinary bytes of at least :data:`RING_MIN_BYTES`, without a stream, over a
+  client with a data plane: through the device's staging ring, a host buffer of
+  :data:`RING_SLOTS` slots of :data:`RING_SLOT_BYTES`. The client copies the next
+  slot (on several threads, :mod:`cuctxd.client.host_copy`) while the daemon DMAs
+  the one before; at most ``RING_SLOTS`` requests are out at once, and a slot is
+  reused only after its request was answered.
+* Otherwise (small transfers, stream-ordered ones, tcp://): payload frames on the
+  socket (:func:`cuctxd.client.requests.write` and friends).
+
+Which thread may call: the client's callers; a ring serves one transfer at a time
+(another one meanwhile takes the socket).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from functools import partial
+from typing import Any
+
+from cuctxd.client import host_copy, requests
+from cuctxd.client.host_buffers import HostBufferFields, host_alloc
+from cuctxd.client.requests import Local, OnDevice, Plan, Request, Send, Sized, Wait
+from cuctxd.protos.errors import BadArgument, CuctxError
+
+#: Bytes per slot of a staging ring, and slots per ring.
+RING_SLOT_BYTES = 4 << 20
+RING_SLOTS = 4
+#: Smallest transfer that goes through the ring (below it, a payload frame costs less; bench figure 4).
+RING_MIN_BYTES = 64 << 10
+
+
+class StagingRing:
+    """A device's staging ring: one host buffer cut into slots."""
+
+    def __init__(self, host: HostBufferFields) -> None:
+        self.host = host
+        self.view = memoryview(host)
+        self.busy = False
+
+    def slot(self, index: int, size: int) -> memoryview:
+        at = (index % RING_SLOTS) * RING_SLOT_BYTES
+        return self.view[at:at + size]
+
+    def unmap(self) -> None:
+        self.view.release()
+        self.host.close()
+
+
+def _check_device(buffer: OnDevice, host: HostBufferFields) -> None:
+    if host.device != buffer.device:
+        raise BadArgument(f"a host buffer made for device {host.device} cannot be copied to or from a buffer "
+                          f"on device {buffer.device}; make one with host_alloc(size, device={buffer.device})")
+
+
+def _ring(owner: Any, device: int) -> Plan[StagingRing | None]:
+    """The device's ring, made on first use; None when there is none to use now (no data plane, busy,
+    or the session may not have one)."""
+    plane = owner.data_plane(required=False)
+    if plane is None:
+        return None
+    if device not in plane.rings:
+        try:
+            host = yield from host_alloc(owner, owner.host_buffer_kind, RING_SLOTS * RING_SLOT_BYTES, device)
+        except (CuctxError, OSError):  # over the session's host memory limit, say: the socket it is
+            plane.rings[device] = None
+            return None
+        plane.rings[device] = StagingRing(host)
+    ring: StagingRing | None = plane.rings[device]
+    if ring is None or ring.busy:
+        return None
+    return ring
+
+
+def _drain(sent: deque[Any]) -> Plan[None]:
+    """Wait for every request still out, ignoring their errors (the first one is being raised)."""
+    while sent:
+        try:
+            yield Wait(sent.popleft())
+        except CuctxError:
+            pass
+
+
+def _ring_write(ring: StagingRing, buffer: OnDevice, view: memoryview, offset: int) -> Plan[int]:
+    sent: deque[Any] = deque()
+    ring.busy = True
+    try:
+        for index, at in enumerate(range(0, view.nbytes, RING_SLOT_BYTES)):
+            size = min(RING_SLOT_BYTES, view.nbytes - at)
+            if len(sent) == RING_SLOTS:
+                yield Wait(sent.popleft())
+            slot = ring.slot(index, size)
+            yield Local(partial(host_copy.copy, slot, view[at:at + size]))
+            host_at = (index % RING_SLOTS) * RING_SLOT_BYTES
+            sent.append((yield Send(requests.memcpy_htod(buffer, ring.host, offset + at, host_at, size, None))))
+        while sent:
+            yield Wait(sent.popleft())
+    except BaseException:
+        yield from _drain(sent)
+        raise
+    finally:
+        ring.busy = False
+    return view.nbytes
+
+
+def _ring_read_into(ring: StagingRing, buffer: OnDevice, out: memoryview, offset: int) -> Plan[int]:
+    chunks = [(index, at, min(RING_SLOT_BYTES, out.nbytes - at))
+              for index, at in enumerate(range(0, out.nbytes, RING_SLOT_BYTES))]
+    sent: deque[Any] = deque()
+    ring.busy = True
+
+    def send(index: int, at: int, size: int) -> Plan[None]:
+        host_at = (index % RING_SLOTS) * RING_SLOT_BYTES
+        call = yield Send(requests.memcpy_dtoh(buffer, ring.host, offset + at, host_at, size, None))
+        sent.append((call, index, at, size))
+
+    try:
+        waiting = iter(chunks)
+        for chunk in itertools.islice(waiting, RING_SLOTS):
+            yield from send(*chunk)
+        while sent:
+            call, index, at, size = sent.popleft()
+            yield Wait(call)
+            yield Local(partial(host_copy.copy, out[at:at + size], ring.slot(index, size)))
+            following = next(waiting, None)
+            if following is not None:
+                yield from send(*following)
+    except BaseException:
+        yield from _drain(deque(call for call, *_ in sent))
+        raise
+    finally:
+        ring.busy = False
+    return out.nbytes
+
+
+def write(owner: Any, buffer: OnDevice, data: Any, offset: int, stream: OnDevice | None) -> Plan[int]:
+    """Host to device by the cheapest path (module docstring)."""
+    if isinstance(data, HostBufferFields):
+        _check_device(buffer, data)
+        written: int = yield requests.memcpy_htod(buffer, data, offset, 0, None, stream)
+        return written
+    view = memoryview(data).cast("B")
+    if stream is None and view.nbytes >= RING_MIN_BYTES:
+        ring = yield from _ring(owner, buffer.device)
+        if ring is not None:
+            return (yield from _ring_write(ring, buffer, view, offset))
+    return (yield from requests.write(buffer, view, offset, stream, owner.limits["max_payload_bytes"]))
+
+
+def read_into(owner: Any, buffer: OnDevice, out: Any, offset: int, stream: OnDevice | None) -> Plan[int]:
+    """Device to host straight into ``out`` by the cheapest path (module docstring)."""
+    if isinstance(out, HostBufferFields):
+        _check_device(buffer, out)
+        read: int = yield requests.memcpy_dtoh(buffer, out, offset, 0, None, stream)
+        return read
+    view = memoryview(out).cast("B")
+    if stream is None and view.nbytes >= RING_MIN_BYTES:
+        ring = yield from _ring(owner, buffer.device)
+        if ring is not None:
+            return (yield from _ring_read_into(ring, buffer, view, offset))
+    step = requests.read_into(buffer, view, offset, stream)
+    if isinstance(step, Request):
+        received: int = yield step
+        return received
+    return (yield from step)
+
+
+def read(owner: Any, buffer: Sized, size: int | None, offset: int, stream: OnDevice | None) -> Plan[bytes]:
+    """Device to host as new bytes; large reads land through the ring."""
+    size = buffer.size - offset if size is None else size
+    if stream is None and RING_MIN_BYTES <= size <= buffer.size - offset:  # out of range: the daemon says why
+        ring = yield from _ring(owner, buffer.device)
+        if ring is not None:
+            out = bytearray(size)
+            yield from _ring_read_into(ring, buffer, memoryview(out), offset)
+            return bytes(out)
+    return (yield from requests.read(buffer, size, offset, stream))

@@ -1,0 +1,107 @@
+"""Shared page-locked host buffers of one device's sessions (``host_alloc``).
+
+Owned by the device's worker thread, as part of its
+:class:`~cuctxd.daemon.device.state.DeviceState`. A host buffer is a memfd the
+daemon maps and registers (``cuMemHostRegister``, portable), and whose fd the
+client maps too (through the fd channel): copies between it and device memory are
+DMA with nothing but a small request on the socket. A copy queued on a stream
+leaves a marker on the buffer, and freeing it waits (without blocking the worker)
+until those markers pass, so the driver never reads memory that is gone.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.device.current import CurrentContext
+from cuctxd.daemon.device.entries import (
+    DeviceLimits,
+    HostBuffer,
+    Marker,
+    SessionContext,
+    SessionOnDevice,
+    new_handle,
+)
+from cuctxd.daemon.device.streams import Streams
+from cuctxd.protos.errors import LimitExceeded
+
+
+class HostBuffers:
+    """Making, using and freeing the sessions' host buffers on this device."""
+
+    def __init__(self, driver: Driver, device: int, limits: DeviceLimits, current: CurrentContext,
+                 streams: Streams) -> None:
+        self.driver = driver
+        self.device = device
+        self.limits = limits
+        self.current = current
+        self.streams = streams
+        #: Bytes of every session's host buffers here (what ``max_host_memory`` bounds).
+        self.total_bytes = 0
+
+    def alloc(self, state: SessionOnDevice, context: SessionContext, size: int) -> tuple[HostBuffer, int]:
+        """A new host buffer and a new fd of it for the client (the caller owns the fd)."""
+        per_session = self.limits.host_memory_per_session
+        if per_session and state.host_bytes + size > per_session:
+            raise LimitExceeded(f"host_memory_per_session: the session has {state.host_bytes} bytes of host "
+                                f"buffers of {per_session} on device {self.device}, asked for {size} more")
+        device_limit = self.limits.max_host_memory
+        if device_limit and self.total_bytes + size > device_limit:
+            raise LimitExceeded(f"max_host_memory: host buffers on device {self.device} already hold "
+                                f"{self.total_bytes} of {device_limit} bytes, asked for {size} more")
+        state.check_room(self.limits.max_objects_per_session, "host buffer")
+        fd = os.memfd_create(f"cuctxd-host-{self.device}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            memory = mmap.mmap(fd, size)
+            view = memoryview(memory)
+            try:
+                self.current.activate(context)
+                self.driver.host_register(view)
+            except BaseException:
+                view.release()
+                memory.close()
+                raise
+        except BaseException:
+            os.close(fd)
+            raise
+        entry = HostBuffer(new_handle(), size, memory, view, context)
+        state.host_buffers[entry.handle] = entry
+        state.host_bytes += size
+        self.total_bytes += size
+        return entry, fd
+
+    def mark_busy(self, entry: HostBuffer, marker: Marker) -> None:
+        """A stream-ordered copy now uses ``entry`` until ``marker`` passes."""
+        if entry.busy and self.streams.markers_done(entry.busy):
+            self.streams.recycle_markers(entry.busy)
+            entry.busy = []
+        entry.busy.append(marker)
+
+    def idle(self, entry: HostBuffer) -> bool:
+        """True once no queued copy uses ``entry`` (a non-blocking query)."""
+        return not entry.busy or self.streams.markers_done(entry.busy)
+
+    def free(self, state: SessionOnDevice, entry: HostBuffer, *, wait: bool = False) -> None:
+        """Unregister and unmap; ``wait``: first block until queued copies using it are done (a session's
+        close, whose streams are gone); otherwise the caller checked :meth:`idle`. Nothing if it is
+        already freed (a ``host_free`` that waited while the session closed)."""
+        if state.host_buffers.get(entry.handle) is not entry:
+            return
+        if wait:
+            for context, event in entry.busy:
+                if context.context_id not in self.streams.ended_contexts:
+                    self.current.activate(context)
+                    self.driver.event_synchronize(event)
+        self.streams.recycle_markers(entry.busy)
+        entry.busy = []
+        if entry.context.context_id not in self.streams.ended_contexts:
+            self.current.activate(entry.context)
+            self.driver.host_unregister(entry.view)
+        entry.view.release()
+        entry.memory.close()
+        del state.host_buffers[entry.handle]
+        state.host_bytes -= entry.size
+        self.total_bytes -= entry.size

@@ -1,0 +1,75 @@
+"""Data-plane ops, run on the device's worker thread: host_alloc, host_free, memcpy_htod, memcpy_dtoh."""
+
+from __future__ import annotations
+
+from cuctxd.daemon.device.entries import check_range
+from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.handlers.registry import device_handler
+from cuctxd.daemon.handlers.replies import Pending, Reply
+from cuctxd.daemon.intake.jobs import Job
+from cuctxd.protos import pinned_ops as ops
+
+
+@device_handler(ops.HostAlloc)
+def host_alloc(state: DeviceState, job: Job) -> Reply:
+    session = state.session(job.session)
+    context = state.contexts.current_or_primary(session)
+    entry, fd = state.host.alloc(session, context, job.args.size)
+    try:
+        ticket = state.tickets.issue(job.session.token, job.session.uid, [fd], {"host": entry.handle})
+    except BaseException:
+        state.host.free(session, entry)
+        raise
+    return Reply({"host": entry.handle, "size": entry.size, "device": job.device, "ticket": ticket})
+
+
+@device_handler(ops.HostFree)
+def host_free(state: DeviceState, job: Job) -> Reply | Pending:
+    session = state.session(job.session)
+    entry = session.host_buffers[job.args.host]
+
+    def free() -> Reply:
+        state.host.free(session, entry)
+        return Reply()
+
+    if state.host.idle(entry):
+        return free()
+    return Pending(lambda: state.host.idle(entry), free)
+
+
+def _copy(state: DeviceState, job: Job, to_device: bool) -> Reply:
+    args = job.args
+    session = state.session(job.session)
+    buffer = session.buffers[args.buffer]
+    entry = session.host_buffers[args.host]
+    size = check_range(entry.size, args.host_offset, args.size)
+    check_range(buffer.size, args.offset, size)
+    stream = state.streams.stream_of(session, args.stream)  # checked even when there is nothing to do
+    if not size:
+        return Reply({"size": 0})
+    host = entry.view[args.host_offset:args.host_offset + size]
+    ptr = buffer.ptr + args.offset
+    if stream is None:
+        state.activate(buffer.context)
+        if to_device:
+            state.driver.memcpy_htod(ptr, host, size)
+        else:
+            state.driver.memcpy_dtoh(host, ptr, size)
+        return Reply({"size": size})
+    if to_device:
+        state.driver.memcpy_htod_async(ptr, host, size, stream)
+    else:
+        state.driver.memcpy_dtoh_async(host, ptr, size, stream)
+    stream_entry = session.streams[args.stream]
+    state.host.mark_busy(entry, state.streams.marker_on(stream_entry.context, stream))
+    return Reply({"size": size})
+
+
+@device_handler(ops.MemcpyHtoD)
+def memcpy_htod(state: DeviceState, job: Job) -> Reply:
+    return _copy(state, job, to_device=True)
+
+
+@device_handler(ops.MemcpyDtoH)
+def memcpy_dtoh(state: DeviceState, job: Job) -> Reply:
+    return _copy(state, job, to_device=False)

@@ -1,0 +1,64 @@
+"""Ops on pinned host memory shared with the daemon (protocol version 1): host buffers, and DMA to and from them.
+
+A *host buffer* is host memory both processes map: the daemon makes a memfd,
+maps and page-locks it (``cuMemHostRegister``, portable), and hands the fd to the
+client through the fd channel (``ticket`` in the reply; PROTOCOL.md, "The fd
+channel"). Copies between a host buffer and a device buffer then carry no bytes on
+the socket: ``memcpy_htod``/``memcpy_dtoh`` name both and the device's worker
+copies by DMA. Host buffers belong to the session on the device they were made
+for, count against ``host_memory_per_session`` there, and are freed with it.
+"""
+
+from __future__ import annotations
+
+from cuctxd.protos.schema import count_field, handle_field, op, required_count
+
+
+@op("host_alloc", target="device")
+class HostAlloc:
+    """Shared page-locked host memory of ``size`` bytes for use with ``device``'s buffers (binds the
+    primary lazily). Result: ``host`` (handle), ``size``, ``device``, ``ticket`` (redeem it on the fd channel for
+    the memfd to map, within ``fd_ticket_ttl``)."""
+
+    size: int = required_count(minimum=1)
+    device: int | None = count_field()
+
+
+@op("host_free", target="device")
+class HostFree:
+    """Unregister and unmap the daemon's side of a host buffer, once copies queued on streams
+    that use it have passed; the handle is invalid afterwards. Result: ``{}``."""
+
+    host: int = handle_field()
+    device: int | None = count_field()
+
+
+@op("memcpy_htod", target="device")
+class MemcpyHtoD:
+    """Like ``cuMemcpyHtoD`` from ``host+host_offset`` to ``buffer+offset``, ``size`` bytes
+    (default: the rest of the host buffer). Without ``stream`` it returns once the host bytes may
+    be reused; with one it returns once the copy is queued (``cuMemcpyHtoDAsync``): the host bytes
+    must not change until the stream passes it. Result: ``size``."""
+
+    buffer: int = handle_field()
+    host: int = handle_field()
+    offset: int = count_field(0)
+    host_offset: int = count_field(0)
+    size: int | None = count_field()
+    device: int | None = count_field()
+    stream: int | None = handle_field(optional=True)
+
+
+@op("memcpy_dtoh", target="device")
+class MemcpyDtoH:
+    """Like ``cuMemcpyDtoH`` from ``buffer+offset`` to ``host+host_offset``, ``size`` bytes (default:
+    the rest of the host buffer). Without ``stream`` the bytes are in the host buffer when the reply
+    comes; with one, once the stream passes the copy (``cuMemcpyDtoHAsync``). Result: ``size``."""
+
+    buffer: int = handle_field()
+    host: int = handle_field()
+    offset: int = count_field(0)
+    host_offset: int = count_field(0)
+    size: int | None = count_field()
+    device: int | None = count_field()
+    stream: int | None = handle_field(optional=True)
