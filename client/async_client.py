@@ -29,12 +29,12 @@ from cuctxd.client import requests, transfers
 from cuctxd.client.async_transport import AsyncTransport
 from cuctxd.client.client import HELLO_TIMEOUT, Client
 from cuctxd.client.core import Router, SessionState
-from cuctxd.client.lanes import FRONT, Route
 from cuctxd.client.host_buffers import AsyncHostBuffer, host_alloc
+from cuctxd.client.lanes import FRONT, Route
 from cuctxd.client.lease import AsyncHeartbeat
 from cuctxd.client.objects import AsyncBuffer, AsyncContext
-from cuctxd.client.presentation import docs_from
 from cuctxd.client.pipeline import AsyncPipeline, raise_first
+from cuctxd.client.presentation import docs_from
 from cuctxd.client.requests import Batch, Local, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.sharing import AsyncOpenedShare, open_share
 from cuctxd.client.streams import AsyncEvent, AsyncStream
@@ -127,6 +127,9 @@ class AsyncClient(SessionState):
             raise self._lose(exc) from exc
 
     async def _execute(self, step: Step) -> Any:
+        if isinstance(step, Request) and self._outbox and step.op != "stream_ordered":
+            for queued in self._outbox.take():  # awaited: a task would not leave before this request
+                await self._execute(queued)
         if isinstance(step, Batch):
             outcomes = await asyncio.gather(*(self._execute(request) for request in step.requests),
                                             return_exceptions=True)
@@ -270,6 +273,21 @@ class AsyncClient(SessionState):
 
     async def free(self, buffer: AsyncBuffer) -> None:
         await self.run(requests.free(buffer))
+
+    def alloc_async(self, size: int, device: int | None = None, *, stream: AsyncStream | None = None) -> AsyncBuffer:
+        """Like ``Client.alloc_async`` (not a coroutine: nothing is sent yet). The queued entries go out,
+        and are waited for, before this client's next request."""
+        if self._router is None:
+            raise ConnectionLost("the client is not open: use `async with AsyncClient(...)`", "stream_ordered")
+        if device is None:
+            device = self._router.lanes.current_device if stream is None else stream.device
+        return AsyncBuffer(self, self._outbox.alloc(device, size, None if stream is None else stream.handle))
+
+    def free_async(self, buffer: AsyncBuffer, *, stream: AsyncStream | None = None) -> None:
+        """Like ``Client.free_async`` (not a coroutine)."""
+        if not buffer.freed:
+            buffer.freed = True
+            self._outbox.free(buffer.device, buffer.handle, None if stream is None else stream.handle)
 
     async def host_alloc(self, size: int, device: int | None = None) -> AsyncHostBuffer:
         """Host memory shared with the daemon and page-locked there, for copies with ``device``'s buffers

@@ -146,7 +146,18 @@ class Client(SessionState):
         return step.run()
 
     def _send(self, request: Request[T]) -> Call[T]:
-        """Send on the request's lane (:mod:`cuctxd.client.lanes`), once what it must follow has been answered."""
+        """Send on the request's lane (:mod:`cuctxd.client.lanes`), once what it must follow has been answered;
+        queued stream-ordered entries go first, without waiting for their replies."""
+        with self._route_lock:
+            self._flush_outbox()
+            return self._send_now(request)
+
+    def _flush_outbox(self) -> None:
+        """Send the queued stream-ordered entries without waiting (under the route lock)."""
+        for queued in self._outbox.take():
+            self._send_now(queued)
+
+    def _send_now(self, request: Request[T]) -> Call[T]:
         with self._route_lock:
             router = self._router
             route, transport = router.pick(request.op, request.args)
@@ -280,6 +291,29 @@ class Client(SessionState):
 
     def free(self, buffer: Buffer) -> None:
         self.run(requests.free(buffer))
+
+    def alloc_async(self, size: int, device: int | None = None, *, stream: Stream | None = None) -> Buffer:
+        """Like ``cuMemAllocAsync``: pool memory ordered on ``stream`` (default: the legacy stream of the
+        current context), returned at once without a round trip (:mod:`cuctxd.client.stream_ordered`). A
+        failure is raised by the next call that uses the buffer, or by the next synchronize; the
+        buffer's ``context`` reads 0."""
+        with self._route_lock:
+            if device is None:
+                device = self._router.lanes.current_device if stream is None else stream.device
+            record = self._outbox.alloc(device, size, None if stream is None else stream.handle)
+            if self._outbox.full():
+                self._flush_outbox()
+        return Buffer(self, record)
+
+    def free_async(self, buffer: Buffer, *, stream: Stream | None = None) -> None:
+        """Like ``cuMemFreeAsync``: queued without a round trip, in order on ``stream``; nothing if freed."""
+        with self._route_lock:
+            if buffer.freed:
+                return
+            buffer.freed = True
+            self._outbox.free(buffer.device, buffer.handle, None if stream is None else stream.handle)
+            if self._outbox.full():
+                self._flush_outbox()
 
     def host_alloc(self, size: int, device: int | None = None) -> HostBuffer:
         """Host memory shared with the daemon and page-locked there, for copies with ``device``'s buffers

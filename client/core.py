@@ -18,6 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from cuctxd.client.data_plane import DataPlane
 from cuctxd.client.lanes import FRONT, Lanes, Reach, Route, lane_endpoints
 from cuctxd.client.requests import Plan, Request
+from cuctxd.client.stream_ordered import Outbox
 from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, NotShareable, SessionLost
 from cuctxd.protos.host import host_identity
 
@@ -62,6 +63,7 @@ class SessionState:
         """Take in ``hello``'s answer; returns the device endpoints to route to ([] for none)."""
         self._token = hello["session"]
         self._lost = None
+        self._outbox = Outbox()
         self.session_id: int = hello["session_id"]
         self.daemon_version: str = hello["daemon_version"]
         self.protocol: int = hello["protocol"]
@@ -73,6 +75,7 @@ class SessionState:
         return lane_endpoints(self.endpoint, hello.get("endpoints", ()), hello.get("device_endpoints", ()))
 
     _plane: DataPlane | None = None
+    _outbox: Outbox
 
     def _open_data_plane(self, hello: dict[str, Any]) -> None:
         """Set up the data plane when ``hello`` names an fd channel this process can reach."""

@@ -21,6 +21,7 @@ from cuctxd.client.core import AsyncSession, Session
 from cuctxd.client.presentation import describe, docs_from
 from cuctxd.protos.records import BufferRecord, ContextRecord, ShareDescriptor
 
+
 class SessionObject:
     """A session-scoped handle on one device, with the client that made it.
 

@@ -495,3 +495,8 @@ def memcpy_dtoh(buffer: OnDevice, host: OnDevice, offset: int, host_offset: int,
                 stream: OnDevice | None) -> Request[int]:
     return _request("memcpy_dtoh", _size, **_on(buffer, buffer=buffer.handle, host=host.handle, offset=offset,
                                                 host_offset=host_offset, size=size, stream=_handle(stream)))
+
+
+def stream_ordered(device: int, stream: int | None, entries: bytes) -> Request[dict[str, Any]]:
+    """A batch of packed stream-ordered entries (:mod:`cuctxd.client.stream_ordered`)."""
+    return _request("stream_ordered", _result, device=device, stream=stream, ops=entries)

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 from cuctxd.client import requests
 from cuctxd.client.core import AsyncSession, Session
-from cuctxd.client.presentation import docs_from
 from cuctxd.client.pool_imports import POOL_IMPORTS
+from cuctxd.client.presentation import docs_from
 from cuctxd.client.requests import Local, Plan
 from cuctxd.protos.errors import NotShareable, WrongBackend
 from cuctxd.protos.host import host_identity

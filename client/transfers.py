@@ -17,6 +17,7 @@ Which thread may call: the client's callers; a ring serves one transfer at a tim
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import deque
 from functools import partial
@@ -79,10 +80,8 @@ def _ring(owner: Any, device: int) -> Plan[StagingRing | None]:
 def _drain(sent: deque[Any]) -> Plan[None]:
     """Wait for every request still out, ignoring their errors (the first one is being raised)."""
     while sent:
-        try:
+        with contextlib.suppress(CuctxError):
             yield Wait(sent.popleft())
-        except CuctxError:
-            pass
 
 
 def _ring_write(ring: StagingRing, buffer: OnDevice, view: memoryview, offset: int) -> Plan[int]:

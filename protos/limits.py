@@ -20,3 +20,17 @@ MAX_HANDLE = (1 << 63) - 1
 
 #: Handles the daemon hands out stay below 2**53, exact even as JavaScript numbers.
 MAX_ISSUED_HANDLE = (1 << 53) - 1
+
+#: ``stream_ordered`` entries: kind (1 alloc, 2 free), 7 zero bytes, handle, size (0 for a free),
+#: little-endian (``struct`` format ``<B7xQQ``: 24 bytes each).
+STREAM_ORDERED_ENTRY = "<B7xQQ"
+
+#: Most entries one ``stream_ordered`` request carries.
+MAX_STREAM_ORDERED_ENTRIES = 4096
+
+#: Handles a client chooses (``stream_ordered`` allocations) lie above those the daemon issues:
+#: MAX_ISSUED_HANDLE < handle <= MAX_HANDLE.
+MIN_CLIENT_HANDLE = (1 << 53)
+
+#: Most failed stream-ordered entries a session's device keeps for later requests to report.
+MAX_DEFERRED_ERRORS = 1024

@@ -219,3 +219,17 @@ class Copy:
     device: int | None = count_field()
     dst_device: int | None = count_field()
     stream: int | None = handle_field(optional=True)
+
+
+@op("stream_ordered", target="device")
+class StreamOrdered:
+    """A batch of stream-ordered allocations and frees (``cuMemAllocFromPoolAsync``/``cuMemFreeAsync``)
+    that the client sends without waiting: ``ops`` packs :data:`~cuctxd.protos.limits.STREAM_ORDERED_ENTRY`
+    entries (alloc: a handle the client chose and a size; free: a handle). They run in order, on
+    ``stream`` (default: the legacy stream of the current context). An entry that fails is
+    recorded against its handle: the session's next request naming it answers that error, and so
+    does its next synchronize on the device. Result: ``done`` (entries run), ``failed``."""
+
+    ops: bytes
+    device: int | None = count_field()
+    stream: int | None = handle_field(optional=True)

@@ -1,9 +1,9 @@
 """Ops for sharing memory between processes, and the session lease (protocol version 1).
 
 A buffer is shared by *exporting* it (a share descriptor naming its pool and
-the pointer's export data, or the backend's legacy IPC handle) and, optionally, *publishing* it under a name. Another session *opens*
-the share (the daemon records the hold) and maps it in its own process with the
-IPC handle; it *closes* it when done. The daemon frees shared memory only once
+the pointer's export data, or the backend's legacy IPC handle) and, optionally,
+*publishing* it under a name. Another session *opens* the share (the daemon
+records the hold) and maps it in its own process; it *closes* it when done. The daemon frees shared memory only once
 its owner has freed it and no session still holds it open.
 """
 

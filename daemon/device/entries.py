@@ -16,8 +16,8 @@ from typing import Any, Generic, Protocol, TypeVar
 from cuctxd.daemon.backends.base import Ctx, Event, Stream
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.protos.cuda_results import CUresult
-from cuctxd.protos.errors import CudaError, LimitExceeded, OutOfRange, UnknownHandle
-from cuctxd.protos.limits import MAX_HANDLE, MAX_ISSUED_HANDLE
+from cuctxd.protos.errors import CuctxError, CudaError, LimitExceeded, OutOfRange, UnknownHandle
+from cuctxd.protos.limits import MAX_DEFERRED_ERRORS, MAX_HANDLE, MAX_ISSUED_HANDLE
 from cuctxd.protos.records import ShareDescriptor
 
 T = TypeVar("T")
@@ -53,12 +53,18 @@ class HandleTable(dict[int, T], Generic[T]):
     does not hold (``get``/``pop``/``in`` behave as for any dict). Indexing stays a C-level dict
     lookup: only a miss reaches Python."""
 
-    def __init__(self, kind: str, device: int) -> None:
+    def __init__(self, kind: str, device: int, failed: dict[int, CuctxError] | None = None) -> None:
+        """``failed``: errors of stream-ordered entries that never made their handle (reported once)."""
         super().__init__()
         self.kind = kind
         self.device = device
+        self.failed = failed
 
     def __missing__(self, handle: int) -> T:
+        if self.failed:
+            error = self.failed.pop(handle, None)
+            if error is not None:
+                raise error
         raise UnknownHandle(f"no {self.kind} {handle:#x} in this session on device {self.device}")
 
 
@@ -81,7 +87,9 @@ class MemoryKind(Protocol):
 
     exportable: bool
 
-    def free(self, ptr: int) -> None: ...
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None) -> int: ...
+
+    def free(self, ptr: int, stream: Stream | None = None) -> None: ...
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]: ...
 
@@ -188,13 +196,32 @@ class SessionOnDevice:
     revoked: set[str] = field(default_factory=set)
     #: Bytes of this session's host buffers here (``host_memory_per_session``).
     host_bytes: int = 0
+    #: Errors of failed stream-ordered entries by their handle (oldest first, at most
+    #: MAX_DEFERRED_ERRORS), and the first one not yet reported by a synchronize.
+    deferred: dict[int, CuctxError] = field(default_factory=dict)
+    first_deferred: CuctxError | None = None
 
     def __post_init__(self) -> None:
         self.contexts = HandleTable("context", self.device)
-        self.buffers = HandleTable("buffer", self.device)
+        self.buffers = HandleTable("buffer", self.device, self.deferred)
         self.streams = HandleTable("stream", self.device)
         self.events = HandleTable("event", self.device)
         self.host_buffers = HandleTable("host buffer", self.device)
+
+    def defer(self, handle: int, error: CuctxError) -> None:
+        """A stream-ordered entry naming ``handle`` failed: keep the error for whoever asks next."""
+        self.deferred.pop(handle, None)
+        self.deferred[handle] = error
+        if len(self.deferred) > MAX_DEFERRED_ERRORS:
+            del self.deferred[next(iter(self.deferred))]
+        if self.first_deferred is None:
+            self.first_deferred = error
+
+    def raise_deferred(self) -> None:
+        """A synchronize reports the first stream-ordered failure since the last one did."""
+        error, self.first_deferred = self.first_deferred, None
+        if error is not None:
+            raise error
 
     def object_count(self) -> int:
         """What ``max_objects_per_session`` counts: created contexts (not the shared primary),

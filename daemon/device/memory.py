@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.backends.base import Driver, Stream
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import (
     Buffer,
@@ -47,7 +47,8 @@ class Memory:
             return self.legacy_memory
         return self.pool_memory
 
-    def alloc(self, state: SessionOnDevice, context: SessionContext, size: int, shareable: bool) -> Buffer:
+    def alloc(self, state: SessionOnDevice, context: SessionContext, size: int, shareable: bool, *,
+              handle: int | None = None, stream: Stream | None = None) -> Buffer:
         """A buffer of ``size`` bytes in ``context`` (``Contexts.for_new`` checked the
         object limit and picked it).
 
@@ -60,15 +61,15 @@ class Memory:
         self._check_quota(state, size)
         kind = self.kind_for(shareable)
         try:
-            ptr = kind.allocate(context, size)
+            ptr = kind.allocate(context, size, stream)
         except CudaError as exc:
             if exc.code != CUresult.CUDA_ERROR_OUT_OF_MEMORY or not self.pools.entries:
                 raise
             self.driver.ctx_synchronize()
             self.pools.trim()
             self.current.activate(context)
-            ptr = kind.allocate(context, size)
-        buffer = Buffer(new_handle(), ptr, size, context, kind)
+            ptr = kind.allocate(context, size, stream)
+        buffer = Buffer(new_handle() if handle is None else handle, ptr, size, context, kind)
         state.buffers[buffer.handle] = buffer
         state.bytes_allocated += size
         context.buffers.add(buffer.handle)
@@ -103,12 +104,13 @@ class Memory:
             "limited_by": limited_by,
         }
 
-    def free(self, state: SessionOnDevice, buffer: Buffer, *, unpublish: bool) -> None:
-        """The owner lets go of a buffer: free it, or leave it to its share's other holders
-        (its published names go too when ``unpublish``)."""
+    def free(self, state: SessionOnDevice, buffer: Buffer, *, unpublish: bool, stream: Stream | None = None) -> None:
+        """The owner lets go of a buffer: free it (in order on ``stream``, pool memory), or leave it to its
+        share's other holders (its published names go too when ``unpublish``)."""
         if buffer.share is None:
-            self.current.activate(buffer.context)
-            buffer.kind.free(buffer.ptr)
+            if stream is None:
+                self.current.activate(buffer.context)
+            buffer.kind.free(buffer.ptr, stream)
         else:
             self.sharing.owner_left(state, buffer.share, unpublish=unpublish)
         del state.buffers[buffer.handle]

@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from cuctxd.daemon.backends.base import Driver, Pool
+from cuctxd.daemon.backends.base import Driver, Pool, Stream
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.protos.errors import NotShareable
@@ -84,11 +84,11 @@ class PoolMemory:
         self.pools = pools
         self.exportable = pools.ipc
 
-    def allocate(self, context: SessionContext, size: int) -> int:
-        return self.driver.mem_alloc_from_pool(size, self.pools.of(context).pool, None)
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None) -> int:
+        return self.driver.mem_alloc_from_pool(size, self.pools.of(context).pool, stream)
 
-    def free(self, ptr: int) -> None:
-        self.driver.mem_free_async(ptr, None)
+    def free(self, ptr: int, stream: Stream | None = None) -> None:
+        self.driver.mem_free_async(ptr, stream)
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
         """Share descriptor fields naming the buffer (its context current; only when :attr:`exportable`)."""
@@ -104,10 +104,11 @@ class LegacyMemory:
     def __init__(self, driver: Driver) -> None:
         self.driver = driver
 
-    def allocate(self, context: SessionContext, size: int) -> int:
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None) -> int:
+        """``cuMemAlloc``: synchronous, so any stream is already in order."""
         return self.driver.mem_alloc(size)
 
-    def free(self, ptr: int) -> None:
+    def free(self, ptr: int, stream: Stream | None = None) -> None:
         self.driver.mem_free(ptr)
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:

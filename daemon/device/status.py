@@ -79,6 +79,8 @@ def device_status(state: DeviceState) -> dict[str, Any]:
             "created_contexts": s.created_contexts(),
             "objects": s.object_count(),
             "shares": s.share_count(),
+            "host_buffers": len(s.host_buffers),
+            "host_bytes": s.host_bytes,
         }
         for s in first(state.sessions.values())
     ]
@@ -99,11 +101,15 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "session_count": len(state.sessions),
         "shares": shares,
         "share_count": len(state.sharing.shares),
+        "host_bytes": state.host.total_bytes,
+        "pools": {"count": len(state.pools.entries), "ipc": state.pools.ipc},
         "truncated": truncated,
         "limits": {
             "max_objects_per_session": state.limits.max_objects_per_session,
             "max_contexts_per_session": state.limits.max_contexts_per_session,
             "max_shares_per_session": state.limits.max_shares_per_session,
+            "host_memory_per_session": state.limits.host_memory_per_session,
+            "max_host_memory": state.limits.max_host_memory,
         },
     }
 

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 
 from cuctxd.daemon.backends.base import Driver, Event, Stream
 from cuctxd.daemon.device.current import CurrentContext
-from cuctxd.daemon.device.pools import Pools
 from cuctxd.daemon.device.entries import (
     EventEntry,
     Marker,
@@ -22,6 +21,7 @@ from cuctxd.daemon.device.entries import (
     StreamEntry,
     new_handle,
 )
+from cuctxd.daemon.device.pools import Pools
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 

@@ -3,4 +3,7 @@
 from cuctxd.daemon.handlers import context_ops, host_ops, memory_ops, session_ops, sharing_ops, stream_ops
 from cuctxd.daemon.handlers.registry import DEVICE_HANDLERS, FRONT_HANDLERS
 
-__all__ = ["DEVICE_HANDLERS", "FRONT_HANDLERS", "context_ops", "host_ops", "memory_ops", "session_ops", "sharing_ops", "stream_ops"]
+__all__ = [
+    "DEVICE_HANDLERS", "FRONT_HANDLERS", "context_ops", "host_ops", "memory_ops", "session_ops", "sharing_ops",
+    "stream_ops",
+]

@@ -73,11 +73,14 @@ def context_info(state: DeviceState, job: Job) -> Reply:
 
 @device_handler(ops.Synchronize)
 def synchronize(state: DeviceState, job: Job) -> Pending:
-    context = state.contexts.current_or_primary(state.session(job.session))
+    session = state.session(job.session)
+    session.raise_deferred()
+    context = state.contexts.current_or_primary(session)
     return after_markers(state.streams, state.streams.context_markers([context]), Reply())
 
 
 @device_handler(ops.DeviceSynchronize)
 def device_synchronize(state: DeviceState, job: Job) -> Pending:
+    state.session(job.session).raise_deferred()
     contexts = state.live_contexts()
     return after_markers(state.streams, state.streams.context_markers(contexts), Reply({"contexts": len(contexts)}))

@@ -1,6 +1,9 @@
-"""Memory ops, run on the device's worker thread: alloc, free, fill, write, read, copy, mem_get_info."""
+"""Memory ops, run on the device's worker thread: alloc, free, fill, write, read, copy, mem_get_info,
+stream_ordered."""
 
 from __future__ import annotations
+
+import struct
 
 from cuctxd.daemon.device.entries import check_range
 from cuctxd.daemon.device.state import DeviceState
@@ -9,7 +12,8 @@ from cuctxd.daemon.handlers.registry import device_handler
 from cuctxd.daemon.handlers.replies import Forward, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.protos import ops
-from cuctxd.protos.errors import BadArgument, TooLarge
+from cuctxd.protos.errors import BadArgument, CuctxError, TooLarge
+from cuctxd.protos.limits import MAX_HANDLE, MAX_STREAM_ORDERED_ENTRIES, MIN_CLIENT_HANDLE, STREAM_ORDERED_ENTRY
 
 
 @device_handler(ops.MemGetInfo)
@@ -134,3 +138,43 @@ def copy(state: DeviceState, job: Job) -> Reply | Forward:
         return Reply({"size": size})
 
     return Forward(dst_device, finish_on_destination)
+
+
+_ALLOC, _FREE = 1, 2
+_ENTRY = struct.Struct(STREAM_ORDERED_ENTRY)
+
+
+@device_handler(ops.StreamOrdered)
+def stream_ordered(state: DeviceState, job: Job) -> Reply:
+    """Run each entry in order; one that fails is deferred to its handle (SessionOnDevice.defer)."""
+    args: ops.StreamOrdered = job.args
+    if len(args.ops) % _ENTRY.size:
+        raise BadArgument(f"stream_ordered ops must be whole {_ENTRY.size}-byte entries, got {len(args.ops)} bytes")
+    if len(args.ops) // _ENTRY.size > MAX_STREAM_ORDERED_ENTRIES:
+        raise TooLarge(f"stream_ordered takes at most {MAX_STREAM_ORDERED_ENTRIES} entries")
+    session = state.session(job.session)
+    stream_entry = None if args.stream is None else session.streams[args.stream]
+    stream = None if stream_entry is None else stream_entry.stream
+    done = failed = 0
+    for kind, handle, size in _ENTRY.iter_unpack(args.ops):
+        try:
+            if kind == _ALLOC:
+                if not MIN_CLIENT_HANDLE <= handle <= MAX_HANDLE or handle in session.buffers:
+                    raise BadArgument(f"stream-ordered allocation handle {handle:#x} is in use or outside "
+                                      f"[{MIN_CLIENT_HANDLE:#x}, {MAX_HANDLE:#x}]")
+                context = state.contexts.for_new(session, "buffer")
+                if stream_entry is not None:
+                    context = stream_entry.context
+                state.memory.alloc(session, context, size, False, handle=handle, stream=stream)
+            elif kind == _FREE:
+                buffer = session.buffers[handle]
+                if stream_entry is not None:
+                    state.activate(stream_entry.context)
+                state.memory.free(session, buffer, unpublish=True, stream=stream)
+            else:
+                raise BadArgument(f"stream_ordered entry kind {kind} is neither 1 (alloc) nor 2 (free)")
+            done += 1
+        except CuctxError as error:
+            session.defer(handle, error)
+            failed += 1
+    return Reply({"done": done, "failed": failed})

@@ -31,7 +31,9 @@ def stream_query(state: DeviceState, job: Job) -> Reply:
 
 @device_handler(ops.StreamSynchronize)
 def stream_synchronize(state: DeviceState, job: Job) -> Pending:
-    entry = state.session(job.session).streams[job.args.stream]
+    session = state.session(job.session)
+    session.raise_deferred()
+    entry = session.streams[job.args.stream]
     return after_markers(state.streams, [state.streams.marker_on(entry.context, entry.stream)], Reply())
 
 
