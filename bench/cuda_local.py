@@ -9,6 +9,7 @@ made them (the bench's main thread): CUDA's current context is per thread.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 
@@ -50,6 +51,7 @@ class LocalCuda:
         self.context = _check(cu.cuDevicePrimaryCtxRetain(self.device))
         _check(cu.cuCtxSetCurrent(self.context))
         self._live: list[int] = []
+        self._pinned: list[int] = []
 
     def _find(self, device_uuid: str | None) -> Any:
         cu = self.cu
@@ -78,7 +80,15 @@ class LocalCuda:
     def synchronize(self) -> None:
         _check(self.cu.cuCtxSynchronize())
 
+    def pinned(self, size: int) -> memoryview:
+        """``cuMemAllocHost`` memory as a writable view (freed with the primary context's release)."""
+        address = int(_check(self.cu.cuMemAllocHost(size)))
+        self._pinned.append(address)
+        return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
     def close(self) -> None:
+        for address in self._pinned:
+            _check(self.cu.cuMemFreeHost(address))
         _check(self.cu.cuCtxSetCurrent(self.cu.CUcontext(0)))
         _check(self.cu.cuDevicePrimaryCtxRelease(self.device))
 

@@ -8,6 +8,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from bench.figures import alloc, bandwidth, ipc_copy, isolation, latency, pipelining, throughput
+from bench.figures import alloc, bandwidth, data_plane, ipc_copy, isolation, latency, pipelining, throughput
 
-GROUPS: tuple[ModuleType, ...] = (latency, throughput, alloc, bandwidth, ipc_copy, isolation, pipelining)
+GROUPS: tuple[ModuleType, ...] = (latency, throughput, alloc, bandwidth, ipc_copy, isolation, pipelining, data_plane)

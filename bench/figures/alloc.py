@@ -90,6 +90,9 @@ def run(bench: Bench) -> Iterator[Figure]:
                    note=note or f"{BATCH} allocs without waiting, then their frees; median of {len(batches)}")
     yield measured(FIGURE, "floor: two bare-echo round trips (ipc)", us(median(samples["floor"])), "us", anchor,
                    anchor_us, note="what any alloc+free pair one by one costs over IPC before the daemon does anything")
+    yield measured(FIGURE, "alloc+free 1 MiB (default alloc), vs the floor", us(median(samples["daemon"])), "us",
+                   "two bare-echo round trips (ipc)", us(median(samples["floor"])),
+                   target=None if note else "<= 1.1", note=note or "what the daemon adds to two round trips")
     if shareable:
         yield measured(FIGURE, "alloc+free 1 MiB (shareable=True)", us(median(samples["shareable"])), "us",
                        anchor, anchor_us, note="exportable cuMemAlloc memory through the daemon")

@@ -1,6 +1,7 @@
 """Figure 4: write and read bandwidth through the daemon for 64 KiB, 1 MiB and 64 MiB.
 
-``Buffer.write(bytes)`` and ``Buffer.read_into(bytearray)`` over ipc://, against
+``Buffer.write(bytes)`` and ``Buffer.read_into(bytearray)`` over ipc:// (through the client's staging
+ring from ``RING_MIN_BYTES`` up: its copy runs on several threads beside the daemon's DMA), against
 (a) pageable ``cuMemcpyHtoD``/``cuMemcpyDtoH`` in this process (cuda only) and
 (b) the same bytes through bare ZeroMQ to the anchor's ``sink``/``source``
 (both backends). GB/s is 10^9 bytes per second over the median transfer.
@@ -77,7 +78,7 @@ def _records(size: int, rate: dict[str, float], local_reason: str | None, reps: 
         ("read", "read", "d2h", "source", "bare ZeroMQ receive of the same bytes from a source process, ipc"),
     ):
         local_anchor = f"in-process pageable {'cuMemcpyHtoD' if direction == 'write' else 'cuMemcpyDtoH'} {label}"
-        target = ">= 0.5" if direction == "write" and size == 64 * _MiB else None
+        target = {"write": ">= 2.0", "read": ">= 1.2"}[direction] if size == 64 * _MiB else None
         name = f"{direction} {label} (ipc), vs in-process copy"
         if local_reason is None:
             yield measured(FIGURE, name, rate[op], "GB/s", local_anchor, rate[anchor_op], target=target, note=note)

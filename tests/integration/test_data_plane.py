@@ -1,0 +1,245 @@
+"""The data plane through a real daemon: every buffer shareable through its pool, host buffers, the
+staging ring, stream-ordered allocation; over real sockets, with real client processes."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from cuctxd.client import Client, CudaError, LimitExceeded, NotShareable, UnknownHandle
+from cuctxd.client.pool_imports import POOL_IMPORTS
+from cuctxd.client.transfers import RING_MIN_BYTES, RING_SLOT_BYTES, RING_SLOTS
+from tests.helpers import (
+    DaemonProcess,
+    pattern,
+    remove_tempdir,
+    run_client,
+    spawn_client,
+    start_daemon,
+    tcp_endpoint,
+    wait_for_line,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB", "--lease-ttl", "2",
+                           "--host-memory-per-session", "64MiB")
+    yield process
+    assert process.stop() == 0, process.log()
+    remove_tempdir(process.socket_dir)
+
+
+def session_on(c: Client, device: int, session_id: int) -> dict[str, object]:
+    return next(s for s in c.status()["devices"][device]["sessions"] if s["session"] == session_id)
+
+
+# --- every buffer can be shared -------------------------------------------------------------------
+
+
+def test_a_default_allocation_is_shared_through_its_pool(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as owner:
+        buf = owner.alloc(8192)
+        assert buf.shareable
+        buf.write(pattern(8192))
+        descriptor = owner.publish(buf, "pool-shared")
+        assert descriptor.mechanism == "pool" and len(descriptor.export_data) == 64 and descriptor.pool_id
+        assert descriptor.ipc_handle == b""
+        consumer = """
+from cuctxd.client import Client
+with Client(ENDPOINT) as c, c.open_shared("pool-shared") as s:
+    print(bytes(s.host_view()[:16]).hex(), s.size)
+    s.host_view()[:4] = b"back"
+"""
+        out = run_client(consumer, daemon.endpoint).split()
+        assert out == [pattern(8192)[:16].hex(), "8192"]
+        assert buf.read(4) == b"back"
+        owner.unpublish("pool-shared")
+
+
+def test_a_pool_is_imported_once_per_process(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as owner, Client(daemon.endpoint) as consumer:
+        first, second = owner.alloc(4096), owner.alloc(4096)
+        first.write(b"a" * 4096)
+        second.write(b"b" * 4096)
+        d1, d2 = owner.export(first), owner.export(second)
+        assert d1.pool_id == d2.pool_id
+        with consumer.open_shared(d1) as s1:
+            assert POOL_IMPORTS.has(d1.pool_id)
+            tickets_before = consumer.status()
+            with consumer.open_shared(d2) as s2:
+                assert bytes(s1.host_view()[:1]) == b"a" and bytes(s2.host_view()[:1]) == b"b"
+            assert consumer.status()["fd_channel"]["tickets"] == tickets_before["fd_channel"]["tickets"]
+
+
+def test_shareable_true_still_works_and_means_exportable(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        buf = c.alloc(4096, shareable=True)
+        assert buf.shareable and c.export(buf).mechanism == "pool"
+
+
+def test_a_tcp_client_cannot_map_a_pool_share_and_says_why(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as owner:
+        descriptor = owner.export(owner.alloc(4096))
+        try:
+            endpoint = tcp_endpoint(daemon)
+        except AssertionError:
+            pytest.skip("the daemon has no tcp endpoint in this fixture")
+        with Client(endpoint) as remote, pytest.raises(NotShareable, match="fd channel"):
+            remote.open_shared(descriptor)
+
+
+# --- host buffers ---------------------------------------------------------------------------------
+
+
+def test_host_buffer_is_shared_memory_numpy_can_view_without_a_copy(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        host = c.host_alloc(1 << 20)
+        array = np.asarray(host)
+        assert array.shape == (1 << 20,) and array.dtype == np.uint8
+        array[:5] = np.frombuffer(b"numpy", dtype=np.uint8)
+        assert bytes(memoryview(host)[:5]) == b"numpy"  # one memory: no copy in between
+        del array
+        buf = c.alloc(1 << 20)
+        memoryview(host)[:] = pattern(1 << 20)
+        assert c.write(buf, host) == 1 << 20
+        assert buf.read() == pattern(1 << 20)
+        buf.fill(7)
+        assert c.read_into(buf, host) == 1 << 20
+        assert bytes(memoryview(host)[:3]) == b"\x07\x07\x07"
+        host.free()
+        host.free()  # nothing the second time
+
+
+def test_stream_ordered_copies_with_a_host_buffer(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        host = c.host_alloc(64 << 10)
+        buf = c.alloc(64 << 10)
+        stream = c.create_stream()
+        memoryview(host)[:] = pattern(64 << 10, seed=3)
+        buf.write(host, stream=stream)
+        buf.fill(0, offset=0, size=16, stream=stream)
+        buf.read_into(host, stream=stream)
+        stream.synchronize()
+        assert bytes(memoryview(host)) == b"\0" * 16 + pattern(64 << 10, seed=3)[16:]
+        host.free()
+
+
+def test_host_buffers_count_against_the_session_limit(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        first = c.host_alloc(48 << 20)
+        with pytest.raises(LimitExceeded, match="host_memory_per_session"):
+            c.host_alloc(32 << 20)
+        assert session_on(c, 0, c.session_id)["host_bytes"] == 48 << 20
+        first.free()
+        c.host_alloc(32 << 20).free()
+        assert session_on(c, 0, c.session_id)["host_bytes"] == 0
+
+
+def test_a_host_buffer_with_live_views_is_not_freed_under_them(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        host = c.host_alloc(4096)
+        view = memoryview(host)
+        with pytest.raises(BufferError, match="release them"):
+            host.free()
+        view.release()
+        host.free()
+
+
+def test_a_host_buffer_serves_only_its_own_device(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        host = c.host_alloc(4096, device=1)
+        buf = c.alloc(4096, device=0)
+        with pytest.raises(Exception, match="device 1"):
+            c.write(buf, host)
+        host.free()
+
+
+HOLDER = """
+from cuctxd.client import Client
+c = Client(ENDPOINT, heartbeat=False)
+host = c.host_alloc(8 << 20)
+memoryview(host)[:4] = b"held"
+buf = c.alloc(1 << 20)
+print("holding", c.session_id, flush=True)
+import time
+time.sleep(60)
+"""
+
+
+def test_a_killed_clients_host_buffers_are_reclaimed_within_the_lease(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as observer, spawn_client(HOLDER, daemon.endpoint) as holder:
+        session = int(wait_for_line(holder, "holding").split()[1])
+        assert session_on(observer, 0, session)["host_bytes"] == 8 << 20
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+        def gone() -> bool:
+            return all(s["session"] != session for s in observer.status()["devices"][0]["sessions"])
+
+        assert wait_until(gone, timeout=10)
+        assert observer.status()["devices"][0]["host_bytes"] == 0
+
+
+# --- the staging ring -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [RING_MIN_BYTES, 1 << 20, RING_SLOTS * RING_SLOT_BYTES + 12345])
+def test_large_transfers_go_through_the_staging_ring_and_arrive_whole(daemon: DaemonProcess, size: int) -> None:
+    with Client(daemon.endpoint) as c:
+        buf = c.alloc(size)
+        data = pattern(size, seed=size)
+        assert buf.write(data) == size
+        assert session_on(c, 0, c.session_id)["host_bytes"] == RING_SLOTS * RING_SLOT_BYTES
+        out = bytearray(size)
+        assert buf.read_into(out) == size
+        assert out == data
+        assert buf.read(size - 1, offset=1) == data[1:]
+
+
+def test_ring_transfers_keep_range_errors(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        buf = c.alloc(1 << 20)
+        with pytest.raises(Exception, match="outside"):
+            buf.write(bytes(2 << 20))
+        assert buf.write(b"x" * (1 << 20)) == 1 << 20  # the ring is usable after the error
+
+
+def test_without_room_for_a_ring_transfers_take_the_socket(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        hog = c.host_alloc(60 << 20)  # the ring (16 MiB) no longer fits in 64 MiB
+        buf = c.alloc(2 << 20)
+        buf.write(pattern(2 << 20))
+        assert buf.read() == pattern(2 << 20)
+        assert session_on(c, 0, c.session_id)["host_bytes"] == 60 << 20
+        hog.free()
+
+
+# --- stream-ordered allocation ----------------------------------------------------------------------
+
+
+def test_alloc_async_buffers_are_usable_at_once(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        buffers = [c.alloc_async(4096) for _ in range(100)]
+        buffers[7].write(b"seven")
+        assert buffers[7].read(5) == b"seven"
+        for buf in buffers:
+            c.free_async(buf)
+        c.synchronize()
+        assert session_on(c, 0, c.session_id)["allocations"] == 0
+
+
+def test_a_failed_alloc_async_is_reported_by_its_next_use_and_by_synchronize(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        huge = c.alloc_async(1 << 40)
+        with pytest.raises(CudaError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+            c.synchronize()
+        c.synchronize()  # reported once
+        with pytest.raises(CudaError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+            huge.write(b"x")
+        with pytest.raises(UnknownHandle):
+            huge.write(b"x")
