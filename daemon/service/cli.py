@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--handshake-timeout", type=_flag_type("handshake_timeout"), metavar="SECONDS",
                           help="drop a connection that has not finished its ZeroMQ/CURVE handshake by then "
                                f"(default {DEFAULT_HANDSHAKE_TIMEOUT:g})")
+    security.add_argument("--host-memory-per-session", type=_flag_type("host_memory_per_session"), metavar="SIZE",
+                          help="bytes of host buffers (host_alloc, staging rings) one session may have on each "
+                               "device (default 4GiB; 0: no limit)")
+    security.add_argument("--max-host-memory", type=_flag_type("max_host_memory"), metavar="SIZE",
+                          help="bytes of host buffers of all sessions on each device, pinned memory "
+                               "(default: a quarter of the host's memory; 0: no limit)")
     return parser
 
 

@@ -8,6 +8,7 @@ before it gets here; :func:`check_config` adds the checks that span keys.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -39,6 +40,19 @@ DEFAULT_MAX_OBJECTS_PER_SESSION = 16384
 DEFAULT_MAX_CONTEXTS_PER_SESSION = 64
 DEFAULT_MAX_SHARES_PER_SESSION = 1024
 DEFAULT_MAX_ORPHANED_SHARES = 4096
+#: Bytes of host buffers (``host_alloc``, staging rings) one session may have on each device.
+DEFAULT_HOST_MEMORY_PER_SESSION = 4 << 30
+
+
+def _quarter_of_memory() -> int:
+    """A quarter of the host's physical memory: what host buffers of all sessions may pin per device."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (OSError, ValueError):
+        return 16 << 30
+
+
+DEFAULT_MAX_HOST_MEMORY = _quarter_of_memory()
 
 #: Seconds a session lives without a request or heartbeat before it is reaped.
 DEFAULT_LEASE_TTL = 5.0
@@ -141,6 +155,9 @@ class DaemonConfig:
     #: :func:`cuctxd.daemon.intake.connections.connection_cap`).
     max_connections: int = 0
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    #: Bytes of host buffers per session and device, and of all sessions' per device (pinned memory).
+    host_memory_per_session: int = DEFAULT_HOST_MEMORY_PER_SESSION
+    max_host_memory: int = DEFAULT_MAX_HOST_MEMORY
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

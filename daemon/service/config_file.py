@@ -196,6 +196,8 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("max_orphaned_shares", _integer(0), _int_text),
     Key("max_connections", _integer(0), _int_text),
     Key("handshake_timeout", _seconds, _number_text),
+    Key("host_memory_per_session", _size(), render=_size_render),
+    Key("max_host_memory", _size(), render=_size_render),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"

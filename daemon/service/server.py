@@ -143,7 +143,8 @@ class Daemon:
         count = self.driver.device_count()
         limits = DeviceLimits(self.config.max_payload, self.config.session_quota, self.config.device_reserve,
                               self.config.max_objects_per_session, self.config.max_contexts_per_session,
-                              self.config.max_shares_per_session, self.config.max_orphaned_shares)
+                              self.config.max_shares_per_session, self.config.max_orphaned_shares,
+                              self.config.host_memory_per_session, self.config.max_host_memory)
         shares = ShareRegistry()
         queue_limits = self._queue_limits()
         self._workers = [
