@@ -21,7 +21,7 @@ from typing import Any
 
 from bench.anchors import RawClient, pattern
 from bench.cuda_local import LocalCuda, LocalDriverUnavailable, LocalSim
-from bench.records import Figure, measured, skipped
+from bench.records import Figure, measured
 from bench.run import Bench
 from bench.stats import gbps, interleaved, median, time_calls, us
 from cuctxd.client import requests as wire
@@ -62,28 +62,9 @@ def _target(note: str | None, target: str) -> str | None:
 
 def _latency(bench: Bench, client: Any, echo: RawClient, local: LocalCuda | LocalSim,
              note: str | None) -> Iterator[Figure]:
-    reps = bench.settings.bandwidth_reps
     for size in (64 << 10, _MiB):
-        count = reps.get(size, 100)
-        payload = pattern(size)
-        out = bytearray(size)
-        buffer = client.alloc(size)
-        ptr = local.alloc(size)
-        calls: dict[str, Callable[[], object]] = {
-            "write": lambda: buffer.write(payload),
-            "read": lambda: buffer.read_into(out),
-            "write frame": lambda: client.run(wire.write_frame(buffer, payload, 0, None)),
-            "read frame": lambda: client.run(wire.read_into(buffer, out, 0, None)),
-            "echo": echo.ping,
-            "h2d": lambda: local.htod(ptr, payload, size),
-            "d2h": lambda: local.dtoh(out, ptr, size),
-        }
-        try:
-            samples = interleaved(calls, count, warmup=5)
-        finally:
-            local.free(ptr)
-            buffer.free()
-        t = {name: us(median(ns)) for name, ns in samples.items()}
+        count = bench.settings.bandwidth_reps.get(size, 100)
+        t = _latency_at(size, count, client, echo, local)
         label = _label(size)
         for direction, copy in (("write", "h2d"), ("read", "d2h")):
             floor = t["echo"] + t[copy]
@@ -93,6 +74,29 @@ def _latency(bench: Bench, client: Any, echo: RawClient, local: LocalCuda | Loca
                            floor, target=_target(note, "<= 1.3"), note=note or f"median of {count}")
             yield measured(FIGURE, f"{direction} {label} latency (ipc, one payload frame)", t[f"{direction} frame"],
                            "us", anchor, floor, note=note or "the socket path, for the break-even point")
+
+
+def _latency_at(size: int, count: int, client: Any, echo: RawClient, local: LocalCuda | LocalSim) -> dict[str, float]:
+    """Median microseconds of each way of moving ``size`` bytes, timed in alternating blocks."""
+    payload = pattern(size)
+    out = bytearray(size)
+    buffer = client.alloc(size)
+    ptr = local.alloc(size)
+    calls: dict[str, Callable[[], object]] = {
+        "write": lambda: buffer.write(payload),
+        "read": lambda: buffer.read_into(out),
+        "write frame": lambda: client.run(wire.write_frame(buffer, payload, 0, None)),
+        "read frame": lambda: client.run(wire.read_into(buffer, out, 0, None)),
+        "echo": echo.ping,
+        "h2d": lambda: local.htod(ptr, payload, size),
+        "d2h": lambda: local.dtoh(out, ptr, size),
+    }
+    try:
+        samples = interleaved(calls, count, warmup=5)
+    finally:
+        local.free(ptr)
+        buffer.free()
+    return {name: us(median(ns)) for name, ns in samples.items()}
 
 
 def _host_buffers(bench: Bench, client: Any, local: LocalCuda | LocalSim, note: str | None) -> Iterator[Figure]:
