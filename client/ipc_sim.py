@@ -1,4 +1,5 @@
-"""Mapping a sim-backend share in this process: the allocation's shared-memory file, mmapped."""
+"""Mapping a sim-backend share in this process: a block of its imported pool's memfd, or (legacy) the
+allocation's own memfd opened by its ``/proc`` path, mmapped."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 
 from cuctxd.protos.errors import NotFound, NotShareable
 from cuctxd.protos.records import ShareDescriptor
-from cuctxd.protos.sim_ipc import decode_handle
+from cuctxd.protos.sim_ipc import decode_handle, decode_pool_pointer
 
 
 class SimMapping:
@@ -33,3 +34,36 @@ class SimMapping:
     def close(self) -> None:
         self.view.release()
         self._map.close()
+
+
+class SimPoolImport:
+    """A sim pool imported into this process: its memfd (from the fd channel; the caller still closes the
+    fd) mapped whole, shared. Each buffer is a slice of it (:meth:`import_pointer`)."""
+
+    def __init__(self, fd: int, device_uuid: str = "") -> None:
+        self._map = mmap.mmap(fd, os.fstat(fd).st_size)
+        self._view = memoryview(self._map)
+
+    def import_pointer(self, export_data: bytes, size: int) -> SimPoolMapping:
+        try:
+            offset, block = decode_pool_pointer(export_data)
+        except ValueError as exc:
+            raise NotShareable(f"a sim pool share: {exc}") from exc
+        if size > block or offset + size > len(self._view):
+            raise NotShareable(f"a sim pool share of {size} bytes does not fit its block ({block} at {offset})")
+        return SimPoolMapping(self._view[offset:offset + size])
+
+    def close(self) -> None:
+        """Unmap; BufferError while a buffer's view is still alive (close the mappings first)."""
+        self._view.release()
+        self._map.close()
+
+
+class SimPoolMapping:
+    """One buffer of an imported sim pool: ``view`` (writable) until :meth:`close`."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def close(self) -> None:
+        self.view.release()

@@ -1,43 +1,45 @@
-"""The sim backend's 64-byte IPC handle: the path of the allocation's shared-memory file.
+"""The sim backend's 64-byte IPC data: a legacy handle (a path to open) and a pool pointer (an offset).
 
-It travels inside share descriptors, so both the daemon's sim backend (which
-creates the file) and the client (which maps it) use these two functions.
+They travel inside share descriptors, so both the daemon's sim backend (which
+makes them) and the client (which maps them) use these functions. A legacy
+handle names ``/proc/<daemon pid>/fd/<n>``, a memfd of the daemon; a pool pointer
+names a block of the pool's memfd, which the client imported through the fd channel.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import struct
 from pathlib import Path
 
 HANDLE_SIZE = 64
 _MAGIC = b"cuctxd-sim:"
+_POOL_MAGIC = b"cuctxd-sim-pool:"
+_POOL_FIELDS = struct.Struct("<QQ")
 
 
-#: Environment variable naming the directory the sim backend exports into (default: see :func:`shm_dir`).
-SHM_DIR_ENV = "CUCTXD_SIM_SHM_DIR"
-
-
-def shm_dir() -> Path:
-    """``$CUCTXD_SIM_SHM_DIR``, else ``/dev/shm`` where the kernel offers it, else the temp directory.
-
-    Only the daemon reads it: a client maps the file a handle names, wherever it is.
-    """
-    chosen = os.environ.get(SHM_DIR_ENV)
-    if chosen:
-        return Path(chosen)
-    return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-
-
-def encode_handle(path: Path) -> bytes:
+def encode_handle(path: str | Path) -> bytes:
     raw = _MAGIC + os.fsencode(path)
     if len(raw) > HANDLE_SIZE:
-        raise ValueError(f"shared-memory path {path} is too long for a {HANDLE_SIZE}-byte handle")
+        raise ValueError(f"path {path} is too long for a {HANDLE_SIZE}-byte handle")
     return raw.ljust(HANDLE_SIZE, b"\0")
 
 
 def decode_handle(handle: bytes) -> Path:
-    """The file a sim handle names; ValueError if it is not a sim handle."""
+    """The path a sim handle names; ValueError if it is not a sim handle."""
     if len(handle) != HANDLE_SIZE or not handle.startswith(_MAGIC):
         raise ValueError("not a cuctxd sim IPC handle")
     return Path(os.fsdecode(handle[len(_MAGIC):].rstrip(b"\0")))
+
+
+def encode_pool_pointer(offset: int, size: int) -> bytes:
+    """A block of a sim pool's shared memory: the magic, then offset and size, 8 bytes each, little-endian."""
+    return (_POOL_MAGIC + _POOL_FIELDS.pack(offset, size)).ljust(HANDLE_SIZE, b"\0")
+
+
+def decode_pool_pointer(data: bytes) -> tuple[int, int]:
+    """(offset, size) of a sim pool pointer; ValueError if ``data`` is not one."""
+    if len(data) != HANDLE_SIZE or not data.startswith(_POOL_MAGIC):
+        raise ValueError("not a cuctxd sim pool pointer")
+    offset, size = _POOL_FIELDS.unpack_from(data, len(_POOL_MAGIC))
+    return offset, size

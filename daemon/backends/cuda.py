@@ -28,6 +28,7 @@ import logging
 from typing import Any
 
 from cuda.bindings.driver import (
+    CU_MEMHOSTREGISTER_PORTABLE,
     CUcontext,
     CUdevice_attribute,
     CUevent_flags,
@@ -83,8 +84,12 @@ from cuda.bindings.driver import (
     cuMemFreeAsync,
     cuMemFreeHost,
     cuMemGetInfo,
+    cuMemHostRegister,
+    cuMemHostUnregister,
     cuMemPoolCreate,
     cuMemPoolDestroy,
+    cuMemPoolExportPointer,
+    cuMemPoolExportToShareableHandle,
     cuMemPoolGetAttribute,
     cuMemPoolSetAttribute,
     cuMemPoolTrimTo,
@@ -114,6 +119,9 @@ except ImportError:  # cuda-bindings before 12.9.1
 log = logging.getLogger(__name__)
 
 _NULL_CONTEXT = CUcontext(0)
+_POSIX_FD = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+_POOLS_SUPPORTED = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED
+_POOL_HANDLE_TYPES = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES
 _CC_MAJOR = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 _CC_MINOR = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
 _SM_COUNT = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
@@ -215,6 +223,8 @@ class CudaDriver(Driver):
 
     def __init__(self) -> None:
         self._devices: dict[int, Any] = {}
+        #: Whether each device's pools can be exported (asked once; any thread may ask).
+        self._pool_ipc: dict[int, bool] = {}
 
     def init(self) -> None:
         check_result(cuInit(0))
@@ -389,10 +399,13 @@ class CudaDriver(Driver):
 
     # --- stream-ordered allocation ------------------------------------------------------------
 
-    def mem_pool_create(self, ordinal: int) -> Pool:
+    def mem_pool_create(self, ordinal: int, *, ipc: bool = False) -> Pool:
+        if ipc and not self.pool_ipc_supported(ordinal):
+            raise CudaError.of(CUresult.CUDA_ERROR_NOT_SUPPORTED,
+                               f"device {ordinal}'s pools cannot be exported as POSIX file descriptors")
         props = CUmemPoolProps()
         props.allocType = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        props.handleTypes = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.handleTypes = _POSIX_FD if ipc else CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
         props.location.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         props.location.id = ordinal
         pool = check_result(cuMemPoolCreate(props))
@@ -400,6 +413,23 @@ class CudaDriver(Driver):
         threshold = cuuint64_t(0xFFFF_FFFF_FFFF_FFFF)
         check_result(cuMemPoolSetAttribute(pool, CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold))
         return pool  # type: ignore[no-any-return]
+
+    def pool_ipc_supported(self, ordinal: int) -> bool:
+        supported = self._pool_ipc.get(ordinal)
+        if supported is None:
+            device = self._device(ordinal)
+            supported = bool(check_result(cuDeviceGetAttribute(_POOLS_SUPPORTED, device))) and bool(
+                int(check_result(cuDeviceGetAttribute(_POOL_HANDLE_TYPES, device))) & int(_POSIX_FD))
+            self._pool_ipc[ordinal] = supported
+        return supported
+
+    def mem_pool_export_fd(self, pool: Pool) -> int:
+        return int(check_result(cuMemPoolExportToShareableHandle(pool, _POSIX_FD, 0)))
+
+    def mem_pool_export_pointer(self, ptr: int) -> bytes:
+        # Copy the 64 bytes through the struct's pointer, as for IPC handles (no field to read them by).
+        data = check_result(cuMemPoolExportPointer(ptr))
+        return ctypes.string_at(data.getPtr(), IPC_HANDLE_SIZE)
 
     def mem_pool_destroy(self, pool: Pool) -> None:
         check_result(cuMemPoolDestroy(pool))
@@ -428,6 +458,12 @@ class CudaDriver(Driver):
         address = int(check_result(cuMemAllocHost(size)))
         return memoryview(_pinned_array(size).from_address(address)).cast("B")
 
+    def host_register(self, view: memoryview) -> None:
+        check_result(cuMemHostRegister(_address(view), view.nbytes, CU_MEMHOSTREGISTER_PORTABLE))
+
+    def host_unregister(self, view: memoryview) -> None:
+        check_result(cuMemHostUnregister(_address(view)))
+
     def mem_free_host(self, view: memoryview) -> None:
         try:
             array: Any = view.obj
@@ -438,6 +474,15 @@ class CudaDriver(Driver):
         address = ctypes.addressof(array)
         view.release()
         check_result(cuMemFreeHost(address))
+
+
+def _address(view: memoryview) -> int:
+    """The address of a writable view (a mapping the caller keeps alive); the probe is dropped at once."""
+    probe = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
 
 
 class _Pinned:

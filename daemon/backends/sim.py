@@ -91,13 +91,14 @@ from cuctxd.daemon.backends.sim_memory import (
     copy_bytes,
     fill_bytes,
     host_view,
-    sweep_stale_exports,
 )
+from cuctxd.daemon.backends.sim_pools import HostRegistrations, PoolArena
 from cuctxd.daemon.backends.sim_streams import StreamScheduler, StreamSet, Work
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
+from cuctxd.protos.host import buffer_address
 from cuctxd.protos.records import DeviceInfo
-from cuctxd.protos.sim_ipc import encode_handle
+from cuctxd.protos.sim_ipc import encode_handle, encode_pool_pointer
 
 log = logging.getLogger(__name__)
 
@@ -172,22 +173,21 @@ class SimDriver(Driver):
     """A faithful in-process CUDA driver; see the module docstring for its rules.
 
     ``device_count`` (0 to 16; 0 makes :meth:`init` raise ``CUDA_ERROR_NO_DEVICE``)
-    devices of ``memory_per_device`` bytes each. Constructing one removes the
-    export files that sim daemons which no longer run left behind (SIGKILL).
+    devices of ``memory_per_device`` bytes each. ``ipc_pools``: whether pools can be
+    made IPC-capable (like a GPU whose ``MEMPOOL_SUPPORTED_HANDLE_TYPES`` has POSIX
+    fds); without, sharing falls back to legacy IPC handles.
     """
 
     name = "sim"
 
-    def __init__(self, device_count: int = 2, memory_per_device: int = 1 << 30) -> None:
+    def __init__(self, device_count: int = 2, memory_per_device: int = 1 << 30, *, ipc_pools: bool = True) -> None:
         if not 0 <= device_count <= MAX_DEVICES:
             raise ValueError(f"device_count must be 0..{MAX_DEVICES}, got {device_count}")
         if not 0 < memory_per_device <= DEVICE_SPAN // 4:
             limit = DEVICE_SPAN // 4
             raise ValueError(f"memory_per_device must be 1..{limit} bytes, got {memory_per_device}")
-        stale = sweep_stale_exports()
-        if stale:
-            log.warning("removed %d shared-memory export file(s) of sim daemons that no longer run (e.g. %s)",
-                        len(stale), stale[0])
+        self._ipc_pools = ipc_pools
+        self._registered = HostRegistrations()
         self._devices = [_Device(ordinal, memory_per_device) for ordinal in range(device_count)]
         self._memory = DeviceMemory(memory_per_device, device_count)
         self._streams = StreamScheduler()
@@ -385,14 +385,14 @@ class SimDriver(Driver):
     # --- sharing ----------------------------------------------------------------------
 
     def ipc_get_mem_handle(self, ptr: int) -> bytes:
-        """The same 64 bytes for any pointer into one live allocation: its shared-memory file.
+        """The same 64 bytes for any pointer into one live allocation: the path of its memfd.
 
-        The first call moves the allocation's bytes into a file in ``/dev/shm``
-        (:mod:`cuctxd.protos.sim_ipc` encodes its path); freeing the allocation removes it.
+        The first call moves the allocation's bytes into a memfd, named by its
+        ``/proc/<pid>/fd/<n>`` path (:mod:`cuctxd.protos.sim_ipc`); freeing the allocation closes it.
         It runs as legacy-stream work, so no queued copy writes to the old bytes.
         Needs a live current context; a pointer outside every live allocation, or
         into pool memory, is ``CUDA_ERROR_INVALID_VALUE``, as on the real driver;
-        ``CUDA_ERROR_MAP_FAILED`` if the file cannot be made.
+        ``CUDA_ERROR_MAP_FAILED`` if the memfd cannot be made.
         """
         context = self._live_current()
         allocation, _ = self._memory.resolve(ptr, 0)
@@ -481,18 +481,44 @@ class SimDriver(Driver):
 
     # --- stream-ordered allocation --------------------------------------------------------
 
-    def mem_pool_create(self, ordinal: int) -> Pool:
-        """A pool of the device; a bad ordinal is ``CUDA_ERROR_INVALID_VALUE`` (a bad pool location)."""
+    def mem_pool_create(self, ordinal: int, *, ipc: bool = False) -> Pool:
+        """A pool of the device; a bad ordinal is ``CUDA_ERROR_INVALID_VALUE`` (a bad pool location).
+        ``ipc``: its blocks live in one shared memfd of twice the device's memory (sparse)."""
         self._check_initialized()
         if not 0 <= ordinal < len(self._devices):
             raise CudaError.of(_INVALID_VALUE, f"no device {ordinal} to place a pool on")
-        return Pool(SimPool(ordinal))
+        if not ipc:
+            return Pool(SimPool(ordinal))
+        if not self._ipc_pools:
+            raise CudaError.of(CUresult.CUDA_ERROR_NOT_SUPPORTED, "this sim driver was made with ipc_pools=False")
+        try:
+            arena = PoolArena(2 * self._memory.capacity)
+        except OSError as failure:
+            raise CudaError.of(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"the pool's shared memory: {failure}") from None
+        return Pool(SimPool(ordinal, arena))
+
+    def pool_ipc_supported(self, ordinal: int) -> bool:
+        return self._ipc_pools
 
     def mem_pool_destroy(self, pool: Pool) -> None:
         """Give the cached memory back now; blocks still in use go back to the device when freed."""
         sim_pool = self._pool(pool)
         sim_pool.alive = False
         self._memory.pool_trim(sim_pool, 0)
+        if sim_pool.arena is not None:
+            sim_pool.arena.close()
+
+    def mem_pool_export_fd(self, pool: Pool) -> int:
+        """A new fd of an IPC-capable pool's memfd; ``CUDA_ERROR_INVALID_VALUE`` for another pool."""
+        arena = self._pool(pool).arena
+        if arena is None:
+            raise CudaError.of(_INVALID_VALUE, "the pool was not made IPC-capable")
+        return arena.export_fd()
+
+    def mem_pool_export_pointer(self, ptr: int) -> bytes:
+        """The block's offset and size in its pool's memfd (:func:`cuctxd.protos.sim_ipc.encode_pool_pointer`)."""
+        self._live_current()
+        return encode_pool_pointer(*self._memory.export_pointer(ptr))
 
     def mem_pool_trim(self, pool: Pool, keep: int) -> None:
         sim_pool = self._pool(pool)
@@ -543,6 +569,17 @@ class SimDriver(Driver):
         """
         self._check_initialized()
         self._memory.unmap_host(view)
+
+    def host_register(self, view: memoryview) -> None:
+        """Record the range (nothing to pin here: the sim's copies take any buffer); needs a context."""
+        self._live_current()
+        with buffer_address(view) as address, self._lock:
+            self._registered.add(address, memoryview(view).nbytes)
+
+    def host_unregister(self, view: memoryview) -> None:
+        self._live_current()
+        with buffer_address(view) as address, self._lock:
+            self._registered.remove(address)
 
     # --- work: a copy or fill, checked when it is issued, run now or on a stream -------------
 

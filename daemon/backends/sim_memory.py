@@ -1,11 +1,13 @@
 """Memory of the sim backend: byte storage, the simulated address space, pools, host buffers.
 
 :class:`Storage` is the only place that knows how an allocation's bytes are
-held (a ``bytearray`` when small, an anonymous ``mmap`` from 1 MiB, a file in
-``/dev/shm`` once exported). :class:`AddressSpace` hands out realistic device
-pointers and maps any pointer inside an allocation back to it. :class:`SimPool`
-is a stream-ordered pool's cache of freed blocks. :func:`host_view` checks the
-host side of a copy as the cuda backend does; :func:`copy_bytes` and
+held (a ``bytearray`` when small, an anonymous ``mmap`` from 1 MiB, a memfd
+once exported, a block of its pool's shared memfd for an IPC-capable pool).
+:class:`AddressSpace` hands out realistic device pointers and maps any pointer
+inside an allocation back to it. :class:`SimPool` is a stream-ordered pool's
+cache of freed blocks (and its shared memory,
+:class:`~cuctxd.daemon.backends.sim_pools.PoolArena`, when it is IPC-capable).
+:func:`host_view` checks the host side of a copy as the cuda backend does; :func:`copy_bytes` and
 :func:`fill_bytes` move the bytes, releasing the GIL for anything above
 :data:`GIL_FREE_SIZE` so that a big copy on one thread never stalls the others.
 
@@ -19,18 +21,15 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import tempfile
 import threading
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
+from cuctxd.daemon.backends.sim_pools import PoolArena
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
-from cuctxd.protos.sim_ipc import shm_dir
+from cuctxd.protos.host import buffer_address
 
 _INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
 _OUT_OF_MEMORY = CUresult.CUDA_ERROR_OUT_OF_MEMORY
@@ -47,41 +46,6 @@ GIL_FREE_SIZE = 64 << 10
 MAPPED_SIZE = 1 << 20
 
 
-#: Export files are named ``cuctxd-sim-<pid of the daemon>-<random>``, so a later daemon can tell whose they are.
-EXPORT_PREFIX = "cuctxd-sim-"
-
-
-def sweep_stale_exports(directory: Path | None = None) -> list[Path]:
-    """Remove this user's export files whose daemon no longer runs (a SIGKILL leaves them); the files removed.
-
-    Files of a live process, of another user, or not named as :meth:`Storage.export` names them are left alone.
-    """
-    directory = directory or shm_dir()
-    removed = []
-    for path in directory.glob(f"{EXPORT_PREFIX}*-*"):
-        pid_text = path.name[len(EXPORT_PREFIX):].partition("-")[0]
-        if not pid_text.isdigit() or _process_runs(int(pid_text)):
-            continue
-        try:
-            if path.lstat().st_uid != os.geteuid():
-                continue
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        removed.append(path)
-    return removed
-
-
-def _process_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def align_up(value: int, alignment: int = ALIGNMENT) -> int:
     return (value + alignment - 1) & ~(alignment - 1)
 
@@ -89,48 +53,67 @@ def align_up(value: int, alignment: int = ALIGNMENT) -> int:
 class Storage:
     """The bytes of one allocation, zero-filled; ``view`` is a writable flat memoryview.
 
-    Private memory until :meth:`export` moves the bytes into a shared-memory file
-    that other processes can map (the sim's IPC); :meth:`release` removes the file.
+    Private memory until :meth:`export` moves the bytes into a memfd that other
+    processes of the daemon's user can open by its ``/proc`` path (the sim's legacy
+    IPC); :meth:`release` closes it. A block of an IPC-capable pool lives in its
+    pool's :class:`PoolArena` from the start (:meth:`in_arena`).
     """
 
-    __slots__ = ("_buffer", "path", "view")
+    __slots__ = ("_arena", "_buffer", "fd", "offset", "view")
 
     def __init__(self, size: int) -> None:
         self._buffer: bytearray | mmap.mmap = mmap.mmap(-1, size) if size >= MAPPED_SIZE else bytearray(size)
         self.view = memoryview(self._buffer)
-        self.path: Path | None = None
+        self.fd = -1
+        self._arena: PoolArena | None = None
+        self.offset = 0
 
-    def export(self) -> Path:
-        """The shared-memory file holding these bytes, created (and filled) on the first call.
+    @classmethod
+    def in_arena(cls, arena: PoolArena, offset: int, size: int) -> Storage:
+        """The block ``[offset, offset + size)`` of a pool's shared memory."""
+        storage = cls.__new__(cls)
+        storage._buffer = bytearray()
+        storage.view = arena.view[offset:offset + size]
+        storage.fd = -1
+        storage._arena = arena
+        storage.offset = offset
+        return storage
 
-        Raises OSError if the file cannot be made. A copy that another thread runs
+    def export(self) -> str:
+        """The ``/proc/<pid>/fd/<n>`` path of the memfd holding these bytes, made (and filled) on the first call.
+
+        Raises OSError if the memfd cannot be made. A copy that another thread runs
         meanwhile on the old view is lost, as in any unsynchronised access.
         """
-        if self.path is None:
+        if self.fd < 0:
             size = len(self.view)
-            fd, name = tempfile.mkstemp(prefix=f"{EXPORT_PREFIX}{os.getpid()}-", dir=shm_dir())
+            fd = os.memfd_create("cuctxd-sim-export", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, size)
                 shared = mmap.mmap(fd, size)
             except OSError:
-                os.unlink(name)
-                raise
-            finally:
                 os.close(fd)
+                raise
             view = memoryview(shared)
             copy_bytes(view, self.view)
             old_view, old_buffer = self.view, self._buffer
-            self._buffer, self.view, self.path = shared, view, Path(name)
+            self._buffer, self.view, self.fd = shared, view, fd
             _unmap(old_view, old_buffer)
-        return self.path
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     def release(self) -> None:
         """Give the bytes back; a copy still running in another thread keeps its own reference."""
         old, self.view = self.view, memoryview(b"")
+        if self._arena is not None:
+            size = old.nbytes
+            old.release()
+            self._arena.give(self.offset, size)
+            self._arena = None
+            return
         buffer, self._buffer = self._buffer, bytearray()
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-            self.path = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         _unmap(old, buffer)
 
 
@@ -183,10 +166,12 @@ class SimPool:
     would otherwise run out of memory). Compared by identity, like the driver's handles.
     """
 
-    __slots__ = ("_cache", "alive", "allocations", "cached_bytes", "device")
+    __slots__ = ("_cache", "alive", "allocations", "arena", "cached_bytes", "device")
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, arena: PoolArena | None = None) -> None:
         self.device = device
+        #: The pool's shared memory, when it is IPC-capable.
+        self.arena = arena
         self.alive = True
         #: Base addresses of every block of the pool, in use, being freed or cached.
         self.allocations: set[int] = set()
@@ -388,8 +373,8 @@ class DeviceMemory:
         for host in hosts:
             host.release()
 
-    def export(self, allocation: Allocation) -> Path:
-        """Move an allocation's bytes to its shared-memory file (see :meth:`Storage.export`)."""
+    def export(self, allocation: Allocation) -> str:
+        """Move an allocation's bytes to a memfd (see :meth:`Storage.export`)."""
         with self._lock:
             return allocation.storage.export()
 
@@ -411,7 +396,7 @@ class DeviceMemory:
         device = pool.device
         if reserved > self.capacity - self._used[device] + pool.cached_bytes:
             raise CudaError.of(_OUT_OF_MEMORY, f"{size} bytes requested from a pool of device {device}")
-        storage = _new_storage(reserved)
+        storage = _new_storage(reserved) if pool.arena is None else None
         trimmed: list[Storage] = []
         try:
             with self._lock:
@@ -419,9 +404,27 @@ class DeviceMemory:
                     raise CudaError.of(_INVALID_VALUE, "the pool was destroyed")
                 if reserved > self.capacity - self._used[device]:
                     trimmed = self._drop(pool.take_cached_above(0))
+                if storage is None:
+                    storage = self._arena_block(pool, reserved)
                 return self._insert(device, size, reserved, pool, storage, pool)
         finally:
             _release_all(trimmed)
+
+    def _arena_block(self, pool: SimPool, reserved: int) -> Storage:
+        arena = pool.arena
+        assert arena is not None
+        offset = arena.take(reserved)
+        if offset is None:
+            raise CudaError.of(_OUT_OF_MEMORY, f"{reserved} bytes: the pool's shared memory is fragmented")
+        return Storage.in_arena(arena, offset, reserved)
+
+    def export_pointer(self, ptr: int) -> tuple[int, int]:
+        """(offset in its pool's shared memory, size) of a usable block of an IPC-capable pool at ``ptr``."""
+        with self._lock:
+            allocation = self._space.get(ptr)
+            if allocation is None or not allocation.usable or allocation.pool is None or allocation.pool.arena is None:
+                raise CudaError.of(_INVALID_VALUE, f"{ptr:#x} is not the start of a live block of an IPC-capable pool")
+            return allocation.storage.offset, allocation.size
 
     def pool_trim(self, pool: SimPool, keep: int) -> None:
         """Give cached blocks back to the device until at most ``keep`` bytes stay cached."""
@@ -538,44 +541,6 @@ def fill_bytes(dst: memoryview, value: int) -> None:
         return
     with buffer_address(dst) as target:
         ctypes.memset(target, value, size)
-
-
-class _PyBuffer(ctypes.Structure):
-    """CPython's ``Py_buffer`` (stable ABI): how the raw address of any buffer is read."""
-
-    _fields_ = (
-        ("buf", ctypes.c_void_p),
-        ("obj", ctypes.c_void_p),
-        ("len", ctypes.c_ssize_t),
-        ("itemsize", ctypes.c_ssize_t),
-        ("readonly", ctypes.c_int),
-        ("ndim", ctypes.c_int),
-        ("format", ctypes.c_char_p),
-        ("shape", ctypes.c_void_p),
-        ("strides", ctypes.c_void_p),
-        ("suboffsets", ctypes.c_void_p),
-        ("internal", ctypes.c_void_p),
-    )
-
-
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
-_get_buffer.argtypes = (ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)
-_get_buffer.restype = ctypes.c_int
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
-_release_buffer.argtypes = (ctypes.POINTER(_PyBuffer),)
-_release_buffer.restype = None
-_PYBUF_SIMPLE = 0
-
-
-@contextmanager
-def buffer_address(buffer: object) -> Iterator[int]:
-    """The address of a contiguous buffer (read-only ones too), pinned by a buffer export meanwhile."""
-    export = _PyBuffer()
-    _get_buffer(buffer, ctypes.byref(export), _PYBUF_SIMPLE)
-    try:
-        yield export.buf or 0
-    finally:
-        _release_buffer(ctypes.byref(export))
 
 
 @dataclass(eq=False)

@@ -95,6 +95,7 @@ class DeviceState:
         leaves :attr:`sessions` at once; the first :data:`CLOSE_CHUNK` objects go now, the
         rest wait in :attr:`closing` for :meth:`close_more`.
         """
+        self.tickets.drop_session(ref.token)
         state = self.sessions.pop(ref.token, None)
         if state is None:
             return

@@ -9,6 +9,7 @@ from cuctxd.daemon.device.queues import QueueLimits
 from cuctxd.daemon.intake.connections import ConnectionBudget
 from cuctxd.daemon.registry.sessions import SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.side_channel.server import SideChannel
 from cuctxd.protos.records import DeviceInfo
 
 
@@ -52,3 +53,5 @@ class FrontState:
     draining: bool = False
     #: Client connections on every ROUTER against ``max_connections`` (``status`` shows them).
     connections: ConnectionBudget | None = None
+    #: The fd channel beside the ipc:// endpoints (None without one): its path goes out in hello.
+    fd_channel: SideChannel | None = None

@@ -17,6 +17,7 @@ from cuctxd.daemon.intake.peers import peer_or_pid, uid_of
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.protos import ops
 from cuctxd.protos.errors import LimitExceeded, VersionMismatch
+from cuctxd.protos.host import host_identity
 from cuctxd.protos.limits import MAX_HEADER_BYTES, MAX_PAYLOAD_FRAMES
 from cuctxd.protos.version import PROTOCOL_VERSION
 
@@ -44,6 +45,8 @@ def hello(front: FrontState, session: Session | None, args: ops.Hello, peer: str
         "lease_ttl": front.config.lease_ttl,
         "endpoints": front.endpoints,
         "device_endpoints": front.device_endpoints,
+        "fd_channel": front.fd_channel.paths[0] if front.fd_channel is not None else None,
+        "host": host_identity(),
         "limits": {
             "max_header_bytes": MAX_HEADER_BYTES,
             "max_payload_bytes": front.config.max_payload,
@@ -109,6 +112,8 @@ def status(front: FrontState, session: Session | None, args: ops.Status, peer: s
     }
     if front.connections is not None:
         daemon_part["connections"] = front.connections.to_status()
+    if front.fd_channel is not None:
+        daemon_part["fd_channel"] = front.fd_channel.stats()
 
     def each(state: DeviceState) -> dict[str, Any]:
         part = device_status(state)

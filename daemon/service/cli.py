@@ -165,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-host-memory", type=_flag_type("max_host_memory"), metavar="SIZE",
                           help="bytes of host buffers of all sessions on each device, pinned memory "
                                "(default: a quarter of the host's memory; 0: no limit)")
+    security.add_argument("--max-fd-connections", type=_flag_type("max_fd_connections"), metavar="N",
+                          help="most connections to the fd channel at once (default 256)")
+    security.add_argument("--fd-ticket-ttl", type=_flag_type("fd_ticket_ttl"), metavar="SECONDS",
+                          help="how long a ticket for the fd channel stays redeemable (default 30)")
+    security.add_argument("--max-tickets-per-session", type=_flag_type("max_tickets_per_session"), metavar="N",
+                          help="fd channel tickets one session may have waiting (default 64; 0: no limit)")
     return parser
 
 

@@ -17,6 +17,8 @@ from cuctxd.daemon.device.queues import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REPLY_BYTES,
 )
+from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
+from cuctxd.daemon.side_channel.server import DEFAULT_MAX_FD_CONNECTIONS
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 
 #: Size suffixes, as docker and systemd read them: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024;
@@ -158,6 +160,11 @@ class DaemonConfig:
     #: Bytes of host buffers per session and device, and of all sessions' per device (pinned memory).
     host_memory_per_session: int = DEFAULT_HOST_MEMORY_PER_SESSION
     max_host_memory: int = DEFAULT_MAX_HOST_MEMORY
+    #: The fd channel (:mod:`cuctxd.daemon.side_channel`): connections at once, a ticket's life, and
+    #: tickets one session may have waiting.
+    max_fd_connections: int = DEFAULT_MAX_FD_CONNECTIONS
+    fd_ticket_ttl: float = DEFAULT_TICKET_TTL
+    max_tickets_per_session: int = DEFAULT_MAX_TICKETS_PER_SESSION
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -68,13 +68,23 @@ from cuctxd.daemon.intake.connections import (
 )
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
-from cuctxd.daemon.service.endpoint import ipc_path, lane_endpoint, open_ipc_socket, prepare_ipc, remove_ipc
+from cuctxd.daemon.service.endpoint import (
+    group_id,
+    ipc_path,
+    lane_endpoint,
+    open_ipc_socket,
+    prepare_ipc,
+    remove_ipc,
+)
 from cuctxd.daemon.service.liveness import PROBE_ENDPOINT, FrontProbe
 from cuctxd.daemon.service.logs import flush_logs
 from cuctxd.daemon.service.metrics import DaemonMetrics
 from cuctxd.daemon.service.notify import Notifier
 from cuctxd.daemon.service.rlimits import NOFILE_CAP, raise_open_file_limit
+from cuctxd.daemon.side_channel.server import SideChannel
+from cuctxd.protos.fd_channel import channel_path
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
@@ -126,6 +136,8 @@ class Daemon:
         self.connections: ConnectionBudget | None = None
         self._watch: ConnectionWatch | None = None
         self._backlog = 100
+        self._tickets: TicketBook | None = None
+        self._side_channel: SideChannel | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -146,9 +158,10 @@ class Daemon:
                               self.config.max_shares_per_session, self.config.max_orphaned_shares,
                               self.config.host_memory_per_session, self.config.max_host_memory)
         shares = ShareRegistry()
+        self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session)
         queue_limits = self._queue_limits()
         self._workers = [
-            DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares, queue_limits)
+            DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares, self._tickets, queue_limits)
             for n in range(count)
         ]
         peers = {w.device: w for w in self._workers}
@@ -161,9 +174,10 @@ class Daemon:
         except BaseException:
             replies.close()
             raise
+        self._side_channel = self._open_side_channel()
         sessions = ObservedSessions(self.metrics, receivers=1 + count)
         state = FrontState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
-                           endpoints=list(self.bound), connections=self.connections)
+                           endpoints=list(self.bound), connections=self.connections, fd_channel=self._side_channel)
         self._front = Front(state, self._workers, router, replies)
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
@@ -181,6 +195,18 @@ class Daemon:
         if self.notifier.enabled:
             self._probe = FrontProbe(self._zmq, self.notifier, self._status_line)
             self._probe.start()
+
+    def _open_side_channel(self) -> SideChannel | None:
+        """The fd channel beside every ipc:// endpoint (bound in the directories the endpoints checked)."""
+        paths = [path for path in map(channel_path, self.config.endpoints) if path is not None]
+        if not paths:
+            return None
+        group = None if self.config.group is None else group_id(self.config.group)
+        channel = SideChannel(paths, self._tickets, handshake_timeout=self.config.handshake_timeout,
+                              max_connections=self.config.max_fd_connections, group_id=group)
+        channel.start()
+        log.info("fd channel on %s", ", ".join(paths))
+        return channel
 
     def _front_config(self) -> FrontConfig:
         config = self.config
@@ -436,6 +462,10 @@ class Daemon:
             self.metrics.close()
         grace = max(1.0, min(STOP_GRACE, self.config.drain_timeout))
         stuck = self._stop_workers(self._workers, grace)
+        if self._side_channel is not None:
+            self._side_channel.stop()
+        elif self._tickets is not None:
+            self._tickets.close()
         if self._front is not None:
             if not self._drain_expired:  # past the drain deadline nothing more is forwarded
                 self._front.flush_replies(20)

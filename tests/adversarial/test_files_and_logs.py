@@ -1,5 +1,5 @@
-"""A hostile local user against the daemon's files and log: planted links, foreign directories, stale
-files of a killed daemon, control characters in client-supplied names. Each runs a real daemon process."""
+"""A hostile local user against the daemon's files and log: planted links, foreign directories, the
+files a killed daemon could leave, control characters in client-supplied names. Each runs a real daemon process."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import os
 import re
 import signal
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from cuctxd import Client
-from cuctxd.protos.sim_ipc import SHM_DIR_ENV, decode_handle
 from tests.adversarial.attacks import Bystander
 from tests.helpers import DaemonProcess, cuctxd, remove_tempdir, short_tempdir, start_daemon, wait_for_log
 
@@ -58,28 +58,35 @@ def test_something_else_at_the_socket_path_is_not_replaced(workdir: Path) -> Non
     assert squatter.read_text() == "not a socket"
 
 
-def test_stale_files_of_a_killed_daemon_are_cleaned_up_at_start(workdir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    # Its own export directory: any sim daemon that starts sweeps the exports of dead daemons it finds.
-    exports = workdir / "shm"
-    exports.mkdir()
-    monkeypatch.setenv(SHM_DIR_ENV, str(exports))
+def _shared_memory_files() -> set[str]:
+    """Names under /dev/shm (and the temp directory) that a sim daemon could have made."""
+    names: set[str] = set()
+    for directory in (Path("/dev/shm"), Path(tempfile.gettempdir())):
+        if directory.is_dir():
+            names |= {entry.name for entry in directory.iterdir() if entry.name.startswith("cuctxd-sim")}
+    return names
+
+
+def test_a_killed_daemon_leaves_no_shared_memory_files_and_its_socket_is_swept(workdir: Path) -> None:
+    before = _shared_memory_files()
     endpoint = f"ipc://{workdir}/d.sock"
     killed = start_daemon(endpoint=endpoint)
     with Client(endpoint, timeout=10, heartbeat=False) as client:
-        buf = client.alloc(4096, device=0, shareable=True)
-        export = decode_handle(buf.export().ipc_handle)
-        assert export.parent == exports
-        assert export.exists()
+        pooled = client.alloc(4096, device=0)
+        client.publish(pooled, "left-behind")
+        with client.open_shared("left-behind") as opened:  # the pool's memfd came over the fd channel
+            opened.host_view()[:4] = b"seen"
+        host = client.host_alloc(8192)
+        assert _shared_memory_files() == before, "sharing made files"
         killed.process.send_signal(signal.SIGKILL)
         killed.process.wait()
+        host.close()
     killed.close_pipes()
-    assert killed.socket_path.exists() and export.exists()
+    assert _shared_memory_files() == before
+    assert killed.socket_path.exists()
     restarted = start_daemon(endpoint=endpoint)
     try:
         wait_for_log(restarted, f"removed the stale socket {re.escape(str(killed.socket_path))}")
-        wait_for_log(restarted, r"removed \d+ shared-memory export file\(s\) of sim daemons that no longer run")
-        assert not export.exists()
         with Client(endpoint, timeout=10) as client:
             assert client.ping() > 0
     finally:

@@ -18,6 +18,7 @@ from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.intake.peers import peer_of, peer_or_pid
 from cuctxd.daemon.registry.sessions import SessionRef, SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.daemon.service.endpoint import open_ipc_socket, prepare_ipc
 from cuctxd.daemon.service.keygen import write_key_pair
 from cuctxd.protos.errors import LimitExceeded
@@ -79,7 +80,7 @@ def test_object_limit_counts_every_kind_and_spares_the_primary() -> None:
     driver = SimDriver(device_count=1, memory_per_device=1 << 20)
     driver.init()
     state = DeviceState(driver, 0, driver.device_info(0), DeviceLimits(4096, max_objects_per_session=2),
-                        ShareRegistry())
+                        ShareRegistry(), TicketBook())
     session = state.session(SessionRef("t", 1, "unit", 1))
     state.contexts.set_device(session)  # the primary is not counted
     state.memory.alloc(session, state.contexts.for_new(session, "buffer"), 64, False)

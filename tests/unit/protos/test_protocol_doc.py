@@ -250,7 +250,7 @@ def test_every_limit_is_documented(doc: str, name: str) -> None:
 
 #: DaemonConfig keys that are limits though their names do not start with ``max_``; every ``max_*`` key is one.
 _OTHER_LIMIT_KEYS = {"lease_ttl", "session_quota", "device_reserve", "drain_timeout", "orphan_ttl", "handshake_timeout",
-                     "host_memory_per_session"}
+                     "host_memory_per_session", "fd_ticket_ttl"}
 
 
 def test_the_daemon_limits_table_lists_every_limit_key_in_config_order(doc: str) -> None:

@@ -9,12 +9,14 @@ with ``launch_host_func``) and the sim's own executor threads.
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import threading
 import time
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -26,13 +28,13 @@ from cuctxd.daemon.backends.sim_memory import (
     AddressSpace,
     Allocation,
     Storage,
-    buffer_address,
     copy_bytes,
     fill_bytes,
 )
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
-from cuctxd.protos.sim_ipc import decode_handle, shm_dir
+from cuctxd.protos.host import buffer_address
+from cuctxd.protos.sim_ipc import decode_handle
 from tests.helpers import raises_cuda
 
 MIB = 1 << 20
@@ -258,12 +260,13 @@ def test_host_buffers_are_checked(sim: SimDriver) -> None:
         sim.mem_free(ptr)
 
 
-def test_ipc_handle_names_a_shared_memory_file_with_the_bytes(sim: SimDriver) -> None:
+def test_ipc_handle_names_a_memfd_of_this_process_with_the_bytes(sim: SimDriver) -> None:
     with created(sim, 1):
         ptr = sim.mem_alloc(1000)
         sim.memcpy_htod(ptr, memoryview(b"before"), 6)
         path = decode_handle(sim.ipc_get_mem_handle(ptr + 10))
-        assert path.parent == shm_dir() and path.stat().st_size == 1000
+        assert path.parent == Path(f"/proc/{os.getpid()}/fd") and path.stat().st_size == 1000
+        assert os.readlink(path).startswith("/memfd:"), "a memfd: no file anywhere outlives the process"
         with path.open("r+b") as file, mmap.mmap(file.fileno(), 1000) as other_process:
             assert other_process[:6] == b"before", "exporting keeps the bytes"
             other_process[:5] = b"after"
@@ -272,10 +275,10 @@ def test_ipc_handle_names_a_shared_memory_file_with_the_bytes(sim: SimDriver) ->
             assert other_process[500:503] == b"\7\7\7"
         assert decode_handle(sim.ipc_get_mem_handle(ptr)) == path
         sim.mem_free(ptr)
-        assert not path.exists(), "freeing removes the file"
+        assert not path.exists(), "freeing closes the memfd"
         kept = sim.mem_alloc(64)
         kept_path = decode_handle(sim.ipc_get_mem_handle(kept))
-    assert not kept_path.exists(), "destroying the context removes its files"
+    assert not kept_path.exists(), "destroying the context closes its memfds"
 
 
 # --- contexts: what the driver leaves undefined, the sim refuses ----------------------------

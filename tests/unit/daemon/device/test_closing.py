@@ -12,12 +12,13 @@ from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.state import CLOSE_CHUNK, DeviceState
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.registry.tickets import TicketBook
 
 
 def _state_with_contexts(count: int) -> tuple[DeviceState, SessionRef]:
     driver = SimDriver(device_count=1, memory_per_device=1 << 20)
     driver.init()
-    state = DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=4096), ShareRegistry())
+    state = DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=4096), ShareRegistry(), TicketBook())
     ref = SessionRef("token", 1, "unit", 1)
     session = state.session(ref)
     for _ in range(count):

@@ -1,0 +1,142 @@
+"""One-time tickets for the fd channel: file descriptors waiting for the client that may take them.
+
+A device worker that hands a client fds (a pool's, a host buffer's memfd)
+*issues* a ticket for them here and puts the ticket in its ZeroMQ reply; the fd
+channel's thread (:mod:`cuctxd.daemon.side_channel`) *redeems* it when the
+client presents it, once, before it expires, from a process of the session's
+user. Shared between threads: every method runs under one lock. Bounded:
+``max_per_session`` outstanding tickets per session, ``max_total`` in all; the
+fds of expired, dropped or refused tickets are closed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cuctxd.protos.errors import LimitExceeded, NotFound
+from cuctxd.protos.fd_channel import TICKET_ID_BYTES
+
+#: Defaults of ``fd_ticket_ttl`` (seconds), ``max_tickets_per_session``, and the daemon-wide bound.
+DEFAULT_TICKET_TTL = 30.0
+DEFAULT_MAX_TICKETS_PER_SESSION = 64
+DEFAULT_MAX_TICKETS = 4096
+
+
+@dataclass
+class _Ticket:
+    session: str
+    uid: int | None
+    fds: list[int]
+    info: dict[str, Any]
+    secret: bytes
+    expires: float
+
+
+def _close(fds: Iterable[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class TicketBook:
+    """Outstanding tickets by public id; see the module docstring."""
+
+    def __init__(self, ttl: float = DEFAULT_TICKET_TTL, max_per_session: int = DEFAULT_MAX_TICKETS_PER_SESSION,
+                 max_total: int = DEFAULT_MAX_TICKETS) -> None:
+        self.ttl = ttl
+        self.max_per_session = max_per_session
+        self.max_total = max_total
+        self._lock = threading.Lock()
+        self._tickets: dict[bytes, _Ticket] = {}
+        self._per_session: dict[str, int] = {}
+
+    def issue(self, session: str, uid: int | None, fds: Sequence[int], info: Mapping[str, Any]) -> str:
+        """A ticket for ``fds`` (owned by the book from now on: closed here if this raises) for ``session``,
+        whose process runs as ``uid`` (None: not known, the ticket alone then proves who may take them)."""
+        try:
+            with self._lock:
+                held = self._per_session.get(session, 0)
+                if self.max_per_session and held >= self.max_per_session:
+                    raise LimitExceeded(f"max_tickets_per_session: the session has {held} fd channel tickets not "
+                                        "redeemed yet; redeem them (or let them expire) first")
+                if self.max_total and len(self._tickets) >= self.max_total:
+                    raise LimitExceeded(f"the daemon holds {len(self._tickets)} fd channel tickets not redeemed "
+                                        "yet, its limit; try again later")
+                public = secrets.token_bytes(TICKET_ID_BYTES)
+                secret = secrets.token_bytes(32)
+                self._tickets[public] = _Ticket(session, uid, list(fds), dict(info), secret,
+                                                time.monotonic() + self.ttl)
+                self._per_session[session] = held + 1
+        except BaseException:
+            _close(fds)
+            raise
+        return (public + secret).hex()
+
+    def redeem(self, ticket: bytes | str, peer_uid: int | None) -> tuple[list[int], dict[str, Any]]:
+        """Take a ticket's fds (the caller owns them now) and info, once. An unknown, used or expired
+        ticket, a wrong secret, or a peer of another user than the session's: :class:`NotFound`, the
+        same for each, and a ticket whose secret or user was wrong is void from then on."""
+        raw = bytes.fromhex(ticket) if isinstance(ticket, str) else ticket
+        public, secret = raw[:TICKET_ID_BYTES], raw[TICKET_ID_BYTES:]
+        with self._lock:
+            entry = self._tickets.pop(public, None)
+            if entry is not None:
+                self._forget(entry)
+        if entry is None:
+            raise NotFound("no such fd channel ticket (never issued, used already, or expired)")
+        valid = hmac.compare_digest(entry.secret, secret) and entry.expires > time.monotonic()
+        if not valid or (entry.uid is not None and peer_uid is not None and entry.uid != peer_uid):
+            _close(entry.fds)
+            raise NotFound("no such fd channel ticket (never issued, used already, or expired)")
+        return entry.fds, entry.info
+
+    def expire(self, now: float | None = None) -> int:
+        """Close the fds of tickets past their time; how many went."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            gone = [public for public, entry in self._tickets.items() if entry.expires <= now]
+            entries = [self._tickets.pop(public) for public in gone]
+            for entry in entries:
+                self._forget(entry)
+        for entry in entries:
+            _close(entry.fds)
+        return len(entries)
+
+    def drop_session(self, session: str) -> None:
+        """The session ended: its tickets go, their fds closed."""
+        with self._lock:
+            if not self._per_session.get(session):
+                return
+            gone = [public for public, entry in self._tickets.items() if entry.session == session]
+            entries = [self._tickets.pop(public) for public in gone]
+            for entry in entries:
+                self._forget(entry)
+        for entry in entries:
+            _close(entry.fds)
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._tickets.values())
+            self._tickets.clear()
+            self._per_session.clear()
+        for entry in entries:
+            _close(entry.fds)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"tickets": len(self._tickets), "fds": sum(len(e.fds) for e in self._tickets.values())}
+
+    def _forget(self, entry: _Ticket) -> None:
+        left = self._per_session[entry.session] - 1
+        if left:
+            self._per_session[entry.session] = left
+        else:
+            del self._per_session[entry.session]

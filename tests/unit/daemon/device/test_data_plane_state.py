@@ -1,0 +1,151 @@
+"""The data plane's device state against a plain SimDriver, the test thread playing the worker: memory
+kinds (IPC pools, legacy fallback), host buffers and their limits, stream-ordered batches."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cuctxd.daemon.backends.sim import SimDriver
+from cuctxd.daemon.device.entries import DeviceLimits
+from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.registry.tickets import TicketBook
+from cuctxd.protos.errors import BadArgument, CudaError, LimitExceeded, NotShareable, TooLarge, UnknownHandle
+from cuctxd.protos.limits import MAX_STREAM_ORDERED_ENTRIES, MIN_CLIENT_HANDLE, STREAM_ORDERED_ENTRY
+from tests.unit.daemon.device.test_device_state import new_ref, run
+
+MEMORY = 1 << 24
+ENTRY = struct.Struct(STREAM_ORDERED_ENTRY)
+
+
+def make_state(ipc_pools: bool = True, **limits: Any) -> DeviceState:
+    driver = SimDriver(device_count=1, memory_per_device=MEMORY, ipc_pools=ipc_pools)
+    driver.init()
+    return DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=4096, **limits),
+                       ShareRegistry(), TicketBook())
+
+
+@pytest.fixture
+def state() -> Iterator[DeviceState]:
+    state = make_state()
+    yield state
+    state.tickets.close()
+
+
+def test_with_ipc_pools_every_allocation_is_exportable_through_its_pool(state: DeviceState) -> None:
+    ref = new_ref()
+    buffer = run(state, ref, "alloc", size=4096).result["buffer"]
+    assert buffer["shareable"]
+    share = run(state, ref, "export", buffer=buffer["handle"]).result["share"]
+    assert share["mechanism"] == "pool" and len(share["export_data"]) == 64 and share["ipc_handle"] == b""
+    other = new_ref()
+    opened = run(state, other, "open_shared", share_id=share["share_id"], pool_fd=True).result
+    fds, info = state.tickets.redeem(opened["ticket"], None)
+    assert info["pool_id"] == share["pool_id"] and len(fds) == 1
+    os.close(fds[0])
+    assert "ticket" not in run(state, other, "open_shared", share_id=share["share_id"]).result
+
+
+def test_without_ipc_pools_shareable_buffers_fall_back_to_legacy_ipc() -> None:
+    state = make_state(ipc_pools=False)
+    ref = new_ref()
+    private = run(state, ref, "alloc", size=4096).result["buffer"]
+    assert not private["shareable"]
+    with pytest.raises(NotShareable, match="shareable=True"):
+        run(state, ref, "export", buffer=private["handle"])
+    legacy = run(state, ref, "alloc", size=4096, shareable=True).result["buffer"]
+    share = run(state, ref, "export", buffer=legacy["handle"]).result["share"]
+    assert share["mechanism"] == "ipc" and len(share["ipc_handle"]) == 64
+    run(state, ref, "free", buffer=legacy["handle"])
+
+
+def test_shared_pool_memory_is_freed_only_after_its_last_holder(state: DeviceState) -> None:
+    owner, holder = new_ref(), new_ref()
+    buffer = run(state, owner, "alloc", size=1 << 20).result["buffer"]
+    share = run(state, owner, "export", buffer=buffer["handle"]).result["share"]
+    run(state, holder, "open_shared", share_id=share["share_id"])
+    run(state, owner, "free", buffer=buffer["handle"])
+    assert share["share_id"] in state.sharing.shares
+    run(state, holder, "close_shared", share_id=share["share_id"])
+    assert share["share_id"] not in state.sharing.shares
+
+
+def test_host_buffer_copies_both_ways(state: DeviceState) -> None:
+    ref = new_ref()
+    host = run(state, ref, "host_alloc", size=8192).result
+    fds, _ = state.tickets.redeem(host["ticket"], None)
+    os.close(fds[0])
+    entry = state.session(ref).host_buffers[host["host"]]
+    entry.view[:5] = b"hello"
+    buffer = run(state, ref, "alloc", size=8192).result["buffer"]
+    assert run(state, ref, "memcpy_htod", buffer=buffer["handle"], host=host["host"]).result["size"] == 8192
+    entry.view[:5] = b"\0" * 5
+    run(state, ref, "memcpy_dtoh", buffer=buffer["handle"], host=host["host"], size=5, host_offset=100)
+    assert bytes(entry.view[100:105]) == b"hello"
+    run(state, ref, "host_free", host=host["host"])
+    assert state.session(ref).host_bytes == 0 and state.host.total_bytes == 0
+    with pytest.raises(UnknownHandle):
+        run(state, ref, "host_free", host=host["host"])
+
+
+def test_host_memory_limits_per_session_and_device() -> None:
+    state = make_state(host_memory_per_session=1 << 20, max_host_memory=(1 << 20) + 4096)
+    first, second = new_ref(), new_ref()
+    run(state, first, "host_alloc", size=1 << 20)
+    with pytest.raises(LimitExceeded, match="host_memory_per_session"):
+        run(state, first, "host_alloc", size=4096)
+    run(state, second, "host_alloc", size=4096)
+    with pytest.raises(LimitExceeded, match="max_host_memory"):
+        run(state, second, "host_alloc", size=4096)
+    state.close_session(first)
+    assert state.host.total_bytes == 4096
+    state.tickets.close()
+
+
+def test_a_host_buffer_in_a_destroyed_context_goes_with_it(state: DeviceState) -> None:
+    ref = new_ref()
+    context = run(state, ref, "create_context").result["context"]
+    run(state, ref, "host_alloc", size=4096)
+    run(state, ref, "destroy_context", context=context["handle"])
+    assert state.session(ref).host_bytes == 0
+
+
+def _entries(*entries: tuple[int, int, int]) -> bytes:
+    return b"".join(ENTRY.pack(*entry) for entry in entries)
+
+
+def test_stream_ordered_runs_entries_in_order_and_defers_failures(state: DeviceState) -> None:
+    ref = new_ref()
+    a, b, huge = MIN_CLIENT_HANDLE, MIN_CLIENT_HANDLE + 1, MIN_CLIENT_HANDLE + 2
+    reply = run(state, ref, "stream_ordered", ops=_entries((1, a, 4096), (1, b, 4096), (2, a, 0), (1, huge, 1 << 40)))
+    assert reply.result == {"done": 3, "failed": 1}
+    session = state.session(ref)
+    assert set(session.buffers) == {b}
+    with pytest.raises(CudaError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        run(state, ref, "fill", buffer=huge)
+    with pytest.raises(UnknownHandle):
+        run(state, ref, "fill", buffer=huge)
+    with pytest.raises(CudaError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        run(state, ref, "synchronize")
+
+
+def test_stream_ordered_refuses_daemon_range_handles_and_reused_ones(state: DeviceState) -> None:
+    ref = new_ref()
+    reply = run(state, ref, "stream_ordered", ops=_entries((1, 5, 4096), (1, MIN_CLIENT_HANDLE, 16),
+                                                           (1, MIN_CLIENT_HANDLE, 16), (9, MIN_CLIENT_HANDLE, 0)))
+    assert reply.result == {"done": 1, "failed": 3}
+    with pytest.raises(BadArgument):
+        run(state, ref, "synchronize")
+
+
+def test_stream_ordered_bounds_its_batch(state: DeviceState) -> None:
+    ref = new_ref()
+    with pytest.raises(BadArgument, match="whole"):
+        run(state, ref, "stream_ordered", ops=b"x" * 10)
+    with pytest.raises(TooLarge):
+        run(state, ref, "stream_ordered", ops=_entries(*[(2, MIN_CLIENT_HANDLE, 0)] * (MAX_STREAM_ORDERED_ENTRIES + 1)))
