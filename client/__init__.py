@@ -2,6 +2,7 @@
 
 from cuctxd.client.async_client import AsyncClient
 from cuctxd.client.client import Client
+from cuctxd.client.host_buffers import AsyncHostBuffer, HostBuffer
 from cuctxd.client.objects import AsyncBuffer, AsyncContext, Buffer, Context
 from cuctxd.client.pipeline import AsyncPipeline, Pipeline
 from cuctxd.client.sharing import AsyncOpenedShare, OpenedShare
@@ -15,6 +16,7 @@ from cuctxd.protos.errors import (
     CudaError,
     DaemonError,
     DaemonTimeout,
+    LimitExceeded,
     NameExists,
     NoDaemon,
     NotFound,
@@ -33,10 +35,10 @@ from cuctxd.protos.errors import (
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 __all__ = [
-    "AsyncBuffer", "AsyncClient", "AsyncContext", "AsyncEvent", "AsyncOpenedShare", "AsyncPipeline",
-    "AsyncStream", "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost", "Context",
-    "CuctxError", "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "Event", "NameExists", "NoDaemon",
-    "NotFound", "NotOwner", "NotShareable", "OpenedShare", "OutOfRange", "Pipeline", "Revoked", "SessionExpired",
-    "SessionLost", "ShareDescriptor", "Stream", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch",
-    "WrongBackend",
+    "AsyncBuffer", "AsyncClient", "AsyncContext", "AsyncEvent", "AsyncHostBuffer", "AsyncOpenedShare",
+    "AsyncPipeline", "AsyncStream", "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost",
+    "Context", "CuctxError", "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "Event", "HostBuffer",
+    "LimitExceeded", "NameExists", "NoDaemon", "NotFound", "NotOwner", "NotShareable", "OpenedShare", "OutOfRange",
+    "Pipeline", "Revoked", "SessionExpired", "SessionLost", "ShareDescriptor", "Stream", "TooLarge",
+    "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend",
 ]

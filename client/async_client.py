@@ -121,7 +121,12 @@ class AsyncClient(SessionState):
         try:
             run = Run(operation)
             while run.step is not None:
-                run.resume(await self._execute(run.step))
+                try:
+                    result = await self._execute(run.step)
+                except Exception as error:
+                    run.throw(error)
+                else:
+                    run.resume(result)
             return run.value
         except (UnknownSession, NoDaemon) as exc:
             raise self._lose(exc) from exc

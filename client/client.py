@@ -127,7 +127,12 @@ class Client(SessionState):
                 return self._send(operation).result(operation.timeout)
             run = Run(operation)
             while run.step is not None:
-                run.resume(self._execute(run.step))
+                try:
+                    result = self._execute(run.step)
+                except Exception as error:
+                    run.throw(error)
+                else:
+                    run.resume(result)
             return run.value
         except (UnknownSession, NoDaemon) as exc:
             raise self._lose(exc) from exc

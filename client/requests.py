@@ -96,8 +96,9 @@ def _single(request: Request[T]) -> Plan[T]:
 
 
 class Run(Generic[T]):
-    """Steps one op: run :attr:`step` (None once done), hand its result to :meth:`resume`,
-    repeat; then :attr:`value` is the answer. A step that raises ends the op with that error."""
+    """Steps one op: run :attr:`step` (None once done), hand its result to :meth:`resume` (or its
+    error to :meth:`throw`: the plan may catch it, else it ends the op), repeat; then :attr:`value`
+    is the answer."""
 
     def __init__(self, operation: Request[T] | Plan[T]) -> None:
         self._plan = _single(operation) if isinstance(operation, Request) else operation
@@ -108,6 +109,14 @@ class Run(Generic[T]):
     def resume(self, result: Any) -> None:
         try:
             self.step = self._plan.send(result)
+        except StopIteration as done:
+            self.step = None
+            self.value = done.value
+
+    def throw(self, error: Exception) -> None:
+        """The step raised ``error``: raise it in the plan, which may handle it and go on."""
+        try:
+            self.step = self._plan.throw(error)
         except StopIteration as done:
             self.step = None
             self.value = done.value

@@ -43,9 +43,21 @@ class StagingRing:
         self.view = memoryview(host)
         self.busy = False
 
-    def slot(self, index: int, size: int) -> memoryview:
-        at = (index % RING_SLOTS) * RING_SLOT_BYTES
-        return self.view[at:at + size]
+    @staticmethod
+    def offset(index: int) -> int:
+        """Where the slot of chunk ``index`` starts in the ring."""
+        return (index % RING_SLOTS) * RING_SLOT_BYTES
+
+    def copy_in(self, index: int, data: memoryview) -> None:
+        """Chunk ``index``'s bytes into its slot (no view of the ring outlives the copy)."""
+        at = self.offset(index)
+        with self.view[at:at + data.nbytes] as slot:
+            host_copy.copy(slot, data)
+
+    def copy_out(self, index: int, out: memoryview) -> None:
+        at = self.offset(index)
+        with self.view[at:at + out.nbytes] as slot:
+            host_copy.copy(out, slot)
 
     def unmap(self) -> None:
         self.view.release()
@@ -92,10 +104,9 @@ def _ring_write(ring: StagingRing, buffer: OnDevice, view: memoryview, offset: i
             size = min(RING_SLOT_BYTES, view.nbytes - at)
             if len(sent) == RING_SLOTS:
                 yield Wait(sent.popleft())
-            slot = ring.slot(index, size)
-            yield Local(partial(host_copy.copy, slot, view[at:at + size]))
-            host_at = (index % RING_SLOTS) * RING_SLOT_BYTES
-            sent.append((yield Send(requests.memcpy_htod(buffer, ring.host, offset + at, host_at, size, None))))
+            yield Local(partial(ring.copy_in, index, view[at:at + size]))
+            sent.append((yield Send(requests.memcpy_htod(buffer, ring.host, offset + at, ring.offset(index), size,
+                                                         None))))
         while sent:
             yield Wait(sent.popleft())
     except BaseException:
@@ -113,8 +124,7 @@ def _ring_read_into(ring: StagingRing, buffer: OnDevice, out: memoryview, offset
     ring.busy = True
 
     def send(index: int, at: int, size: int) -> Plan[None]:
-        host_at = (index % RING_SLOTS) * RING_SLOT_BYTES
-        call = yield Send(requests.memcpy_dtoh(buffer, ring.host, offset + at, host_at, size, None))
+        call = yield Send(requests.memcpy_dtoh(buffer, ring.host, offset + at, ring.offset(index), size, None))
         sent.append((call, index, at, size))
 
     try:
@@ -124,7 +134,7 @@ def _ring_read_into(ring: StagingRing, buffer: OnDevice, out: memoryview, offset
         while sent:
             call, index, at, size = sent.popleft()
             yield Wait(call)
-            yield Local(partial(host_copy.copy, out[at:at + size], ring.slot(index, size)))
+            yield Local(partial(ring.copy_out, index, out[at:at + size]))
             following = next(waiting, None)
             if following is not None:
                 yield from send(*following)

@@ -78,10 +78,11 @@ def short_tempdir() -> Path:
 
 
 def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
-                 endpoint: str | None = None, open_files: int | None = None) -> DaemonProcess:
+                 endpoint: str | None = None, open_files: int | None = None, ipc: bool = True) -> DaemonProcess:
     """Start ``python -m cuctxd.daemon`` and return once it prints that it is listening.
 
     ``endpoint``: an ipc:// endpoint to reuse (a restart on the same socket); default a new one.
+    ``ipc=False``: no ipc:// endpoint at all (``extra`` names the tcp:// one).
     ``open_files``: the daemon's RLIMIT_NOFILE, soft and hard (set in the child before exec, which has
     no threads yet).
     """
@@ -92,7 +93,8 @@ def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
         socket_dir = Path(endpoint[len("ipc://"):]).parent
     env = client_env()
     process = subprocess.Popen(
-        [sys.executable, "-m", "cuctxd.daemon", "--endpoint", endpoint, "--backend", backend, *extra],
+        [sys.executable, "-m", "cuctxd.daemon", *(("--endpoint", endpoint) if ipc else ()), "--backend", backend,
+         *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
         preexec_fn=None if open_files is None else functools.partial(_limit_open_files, open_files),
     )

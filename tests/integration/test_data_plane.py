@@ -28,7 +28,7 @@ from tests.helpers import (
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
     process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB", "--lease-ttl", "2",
-                           "--host-memory-per-session", "64MiB")
+                           "--host-memory-per-session", "64MiB", "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
     yield process
     assert process.stop() == 0, process.log()
     remove_tempdir(process.socket_dir)
@@ -82,15 +82,31 @@ def test_shareable_true_still_works_and_means_exportable(daemon: DaemonProcess) 
         assert buf.shareable and c.export(buf).mechanism == "pool"
 
 
-def test_a_tcp_client_cannot_map_a_pool_share_and_says_why(daemon: DaemonProcess) -> None:
+def test_a_tcp_client_on_this_host_maps_pool_shares_through_the_fd_channel(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as owner:
-        descriptor = owner.export(owner.alloc(4096))
-        try:
-            endpoint = tcp_endpoint(daemon)
-        except AssertionError:
-            pytest.skip("the daemon has no tcp endpoint in this fixture")
-        with Client(endpoint) as remote, pytest.raises(NotShareable, match="fd channel"):
-            remote.open_shared(descriptor)
+        buf = owner.alloc(4096)
+        buf.write(b"over tcp")
+        descriptor = owner.export(buf)
+        with Client(tcp_endpoint(daemon)) as remote, remote.open_shared(descriptor) as share:
+            assert bytes(share.host_view()[:8]) == b"over tcp"
+
+
+def test_without_an_fd_channel_pool_shares_say_why_and_bytes_take_the_socket() -> None:
+    process = start_daemon("--sim-devices", "1", "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp",
+                           ipc=False)
+    try:
+        with Client(tcp_endpoint(process)) as c:
+            descriptor = c.export(c.alloc(4096))
+            with pytest.raises(NotShareable, match="fd channel"):
+                c.open_shared(descriptor)
+            with pytest.raises(NotShareable, match="fd channel"):
+                c.host_alloc(4096)
+            buf = c.alloc(1 << 20)
+            buf.write(pattern(1 << 20))
+            assert buf.read() == pattern(1 << 20)
+            assert session_on(c, 0, c.session_id)["host_bytes"] == 0
+    finally:
+        assert process.stop() == 0, process.log()
 
 
 # --- host buffers ---------------------------------------------------------------------------------
