@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from typing import Any
 
 from cuda.bindings.driver import (
@@ -409,9 +410,18 @@ class CudaDriver(Driver):
         props.location.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         props.location.id = ordinal
         pool = check_result(cuMemPoolCreate(props))
-        # Keep freed memory cached: trimming happens explicitly (mem_pool_trim), not at every sync.
-        threshold = cuuint64_t(0xFFFF_FFFF_FFFF_FFFF)
-        check_result(cuMemPoolSetAttribute(pool, CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold))
+        try:
+            # Keep freed memory cached: trimming happens explicitly (mem_pool_trim), not at every sync.
+            threshold = cuuint64_t(0xFFFF_FFFF_FFFF_FFFF)
+            check_result(cuMemPoolSetAttribute(pool, CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                               threshold))
+            if ipc:
+                # cuMemPoolExportPointer answers CUDA_ERROR_INVALID_VALUE until the pool itself has been
+                # exported once (seen on driver 580): export it now, so every block can be at once.
+                os.close(self.mem_pool_export_fd(pool))
+        except BaseException:
+            cuMemPoolDestroy(pool)
+            raise
         return pool  # type: ignore[no-any-return]
 
     def pool_ipc_supported(self, ordinal: int) -> bool:

@@ -1,0 +1,93 @@
+"""The data plane on a real GPU: pool shares into torch, host buffers by DMA, the staging ring,
+stream-ordered allocation; a real daemon on the cuda backend and real client processes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cuctxd.client import Client
+from cuctxd.client.pool_imports import POOL_IMPORTS
+from tests.helpers import DaemonProcess, pattern, run_client
+
+MIB = 1 << 20
+
+TORCH_CONSUMER = """
+import torch
+from cuctxd.client import Client
+with Client(ENDPOINT) as c, c.open_shared("pool-weights") as s:
+    assert s.descriptor.mechanism == "pool", s.descriptor.mechanism
+    t = torch.as_tensor(s, device="cuda").view(torch.float32)
+    print("sum", float(t.sum()))
+    t[:4] = 2.0
+    torch.cuda.synchronize()
+"""
+
+
+def test_a_default_buffer_is_shared_into_torch_through_its_pool(cuda_daemon: DaemonProcess) -> None:
+    with Client(cuda_daemon.endpoint) as owner:
+        buf = owner.alloc(4 * MIB)
+        buf.write(np.ones(MIB, dtype=np.float32).tobytes())
+        owner.publish(buf, "pool-weights")
+        out = run_client(TORCH_CONSUMER, cuda_daemon.endpoint, timeout=120)
+        assert f"sum {float(MIB)}" in out
+        assert np.frombuffer(buf.read(16), dtype=np.float32).tolist() == [2.0] * 4
+        owner.unpublish("pool-weights")
+
+
+def test_opening_buffers_of_an_imported_pool_in_this_process(cuda_daemon: DaemonProcess) -> None:
+    with Client(cuda_daemon.endpoint) as owner, Client(cuda_daemon.endpoint) as consumer:
+        buffers = [owner.alloc(MIB) for _ in range(3)]
+        for i, buf in enumerate(buffers):
+            buf.fill(i + 1)
+        descriptors = [owner.export(buf) for buf in buffers]
+        shares = [consumer.open_shared(d) for d in descriptors]
+        assert POOL_IMPORTS.has(descriptors[0].pool_id)
+        assert len({s.ptr for s in shares}) == 3
+        for share in shares:
+            share.close()
+
+
+def test_host_buffers_move_bytes_by_dma(cuda_daemon: DaemonProcess) -> None:
+    with Client(cuda_daemon.endpoint) as c:
+        host = c.host_alloc(64 * MIB)
+        view = np.asarray(host)
+        view[:] = np.frombuffer(pattern(64 * MIB), dtype=np.uint8)
+        buf = c.alloc(64 * MIB)
+        assert c.write(buf, host) == 64 * MIB
+        view[:] = 0
+        assert c.read_into(buf, host) == 64 * MIB
+        assert bytes(view[:4096]) == pattern(64 * MIB)[:4096]
+        stream = c.create_stream()
+        buf.fill(5, stream=stream)
+        buf.read_into(host, stream=stream)
+        stream.synchronize()
+        assert int(view[-1]) == 5
+        del view
+        host.free()
+
+
+def test_the_staging_ring_carries_large_transfers_intact(cuda_daemon: DaemonProcess) -> None:
+    with Client(cuda_daemon.endpoint) as c:
+        data = pattern(64 * MIB + 4096)
+        buf = c.alloc(len(data))
+        assert buf.write(data) == len(data)
+        out = bytearray(len(data))
+        assert buf.read_into(out) == len(data)
+        assert out == data
+
+
+def test_alloc_async_in_a_loop_and_a_failure_at_synchronize(cuda_daemon: DaemonProcess) -> None:
+    with Client(cuda_daemon.endpoint) as c:
+        for _ in range(1000):
+            c.free_async(c.alloc_async(MIB))
+        c.synchronize()
+        kept = c.alloc_async(MIB)
+        kept.write(b"async")
+        assert kept.read(5) == b"async"
+        c.alloc_async(1 << 50)
+        try:
+            c.synchronize()
+        except Exception as error:
+            assert "CUDA_ERROR_OUT_OF_MEMORY" in str(error)
+        else:
+            raise AssertionError("a failed alloc_async was not reported at synchronize")
