@@ -279,17 +279,18 @@ class AsyncClient(SessionState):
     async def free(self, buffer: AsyncBuffer) -> None:
         await self.run(requests.free(buffer))
 
-    def alloc_async(self, size: int, device: int | None = None, *, stream: AsyncStream | None = None) -> AsyncBuffer:
-        """Like ``Client.alloc_async`` (not a coroutine: nothing is sent yet). The queued entries go out,
-        and are waited for, before this client's next request."""
+    async def alloc_async(self, size: int, device: int | None = None, *,
+                          stream: AsyncStream | None = None) -> AsyncBuffer:
+        """Like ``Client.alloc_async`` (nothing is sent yet: awaiting it never waits). The queued entries
+        go out, and are waited for, before this client's next request."""
         if self._router is None:
             raise ConnectionLost("the client is not open: use `async with AsyncClient(...)`", "stream_ordered")
         if device is None:
             device = self._router.lanes.current_device if stream is None else stream.device
         return AsyncBuffer(self, self._outbox.alloc(device, size, None if stream is None else stream.handle))
 
-    def free_async(self, buffer: AsyncBuffer, *, stream: AsyncStream | None = None) -> None:
-        """Like ``Client.free_async`` (not a coroutine)."""
+    async def free_async(self, buffer: AsyncBuffer, *, stream: AsyncStream | None = None) -> None:
+        """Like ``Client.free_async`` (nothing is sent yet)."""
         if not buffer.freed:
             buffer.freed = True
             self._outbox.free(buffer.device, buffer.handle, None if stream is None else stream.handle)

@@ -22,7 +22,6 @@ from typing import Any
 
 from cuctxd.client.client import Client
 from cuctxd.client.format import human_duration
-from cuctxd.client.sharing import map_share
 from cuctxd.client.transport import CurveKeys, Transport
 from cuctxd.protos.errors import CuctxError, VersionMismatch
 from cuctxd.protos.host import host_identity
@@ -167,11 +166,8 @@ def _ipc_check(client: Client) -> Check:
         if descriptor.host != here:
             return Check("ipc", FAIL, f"the daemon runs on {descriptor.host}, this process on {here}: "
                                       "shared buffers cannot be mapped across hosts (or reboots)")
-        mapping = map_share(descriptor)
-        try:
-            detail = _round_trip(client, buffer, mapping, backend)
-        finally:
-            mapping.close()
+        with client.open_shared(descriptor) as opened:
+            detail = _round_trip(client, buffer, opened, backend)
     except CuctxError as exc:
         return Check("ipc", FAIL, f"{backend} backend: exporting and mapping a buffer failed: {exc}")
     finally:
@@ -181,13 +177,14 @@ def _ipc_check(client: Client) -> Check:
 
 
 def _round_trip(client: Client, buffer: Any, mapping: Any, backend: str) -> str:
+    how = "its pool imported over the fd channel" if mapping.descriptor.mechanism == "pool" else "a legacy IPC handle"
     if backend != "sim":
-        return "an exported buffer maps into this process (cuIpcOpenMemHandle)"
-    view = mapping.view
+        return f"an exported buffer maps into this process ({how})"
+    view = mapping.host_view()
     view[: len(_PATTERN)] = _PATTERN
     if buffer.read(len(_PATTERN)) != _PATTERN:
         raise _Mismatch()
-    return "an exported buffer maps into this process and shows the same bytes"
+    return f"an exported buffer maps into this process ({how}) and shows the same bytes"
 
 
 class _Mismatch(CuctxError):

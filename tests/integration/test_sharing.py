@@ -103,7 +103,7 @@ def test_descriptor_is_plain_picklable_data(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
         descriptor = c.alloc(512, shareable=True).export()
         assert pickle.loads(pickle.dumps(descriptor)) == descriptor
-        assert len(descriptor.ipc_handle) == 64
+        assert len(descriptor.export_data) == 64 and descriptor.mechanism == "pool"
         assert descriptor.backend == "sim"
         assert descriptor.size == 512
 

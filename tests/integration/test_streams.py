@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cuctxd.client import Client, CudaError, NotShareable, OutOfRange, UnknownHandle
+from cuctxd.client import Client, CudaError, OutOfRange, UnknownHandle
 from tests.helpers import DaemonProcess
 
 
@@ -66,11 +66,9 @@ def test_synchronize_replies_and_the_legacy_stream_sees_stream_work(client: Clie
     client.device_synchronize(0)
 
 
-def test_pool_memory_is_not_shareable_but_shareable_memory_is(client: Client) -> None:
+def test_pool_memory_is_shareable_through_its_pool(client: Client) -> None:
     pooled = client.alloc(4096, 0)
-    with pytest.raises(NotShareable) as refused:
-        pooled.export()
-    assert "shareable=True" in refused.value.message
+    assert pooled.shareable and pooled.export().mechanism == "pool"
     assert client.alloc(4096, 0, shareable=True).export().size == 4096
 
 

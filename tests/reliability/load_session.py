@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cuctxd.client import Buffer, Client, UnknownHandle
+from cuctxd.client.transfers import RING_MIN_BYTES
 
 DEVICES = 3
 KiB = 1 << 10
@@ -38,6 +39,8 @@ class LoadSession:
         self.rng = random.Random(seed)
         self.live: list[Mirrored] = []
         self.requests: Counter[str] = Counter()
+        #: Devices whose staging ring this client has made.
+        self.rings: set[int] = set()
 
     def pattern(self, size: int) -> bytes:
         """Bytes no other process writes: this process's seed, then random bytes."""
@@ -72,13 +75,23 @@ class LoadSession:
         data = self.pattern(size)
         assert target.buffer.write(data, offset) == size
         target.data[offset:offset + size] = data
-        self.requests["write"] += 1
+        self.requests[self._wire_op("write", "memcpy_htod", size, target)] += 1
 
     def read(self) -> None:
         target = self.pick()
         offset, size = self.span(target.buffer.size)
         assert target.buffer.read(size, offset) == target.data[offset:offset + size], "read returned wrong bytes"
-        self.requests["read"] += 1
+        self.requests[self._wire_op("read", "memcpy_dtoh", size, target)] += 1
+
+    def _wire_op(self, frame_op: str, ring_op: str, size: int, target: Mirrored) -> str:
+        """What one transfer sent: a payload frame, or (from RING_MIN_BYTES, through the staging ring)
+        a DMA request, after a ``host_alloc`` for the device's ring the first time."""
+        if size < RING_MIN_BYTES:
+            return frame_op
+        if target.buffer.device not in self.rings:
+            self.rings.add(target.buffer.device)
+            self.requests["host_alloc"] += 1
+        return ring_op
 
     def fill(self) -> None:
         target = self.pick()
@@ -104,7 +117,7 @@ class LoadSession:
         target = self.live.pop(self.rng.randrange(len(self.live)))
         assert target.buffer.read() == target.data, "a buffer's bytes changed before its free"
         target.buffer.free()
-        self.requests.update(["read", "free"])
+        self.requests.update([self._wire_op("read", "memcpy_dtoh", target.buffer.size, target), "free"])
 
     def context(self) -> None:
         device = self.device()
