@@ -199,7 +199,7 @@ class Daemon:
     def _open_side_channel(self) -> SideChannel | None:
         """The fd channel beside every ipc:// endpoint (bound in the directories the endpoints checked)."""
         paths = [path for path in map(channel_path, self.config.endpoints) if path is not None]
-        if not paths:
+        if not paths or self._tickets is None:
             return None
         group = None if self.config.group is None else group_id(self.config.group)
         channel = SideChannel(paths, self._tickets, handshake_timeout=self.config.handshake_timeout,

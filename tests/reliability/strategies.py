@@ -164,7 +164,7 @@ def op_args(spec: OpSpec) -> OpArgs:
     for f in dataclasses.fields(spec.args_type):
         kind = _unwrap(hints[f.name])
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        role = _ROLE_BY_NAME.get(f.name, {bool: "bool", str: "text"}.get(kind, "count"))
+        role = _ROLE_BY_NAME.get(f.name, {bool: "bool", str: "text", bytes: "blob"}.get(kind, "count"))
         if spec.name == "alloc" and f.name == "size":
             role = "alloc_size"
         args.append(Arg(f.name, kind, required, f.metadata.get("min"), f.metadata.get("max"),
@@ -192,6 +192,7 @@ _VALID: dict[str, st.SearchStrategy[Any]] = {
     "text": st.text(max_size=16),
     "count": st.one_of(st.integers(0, 1 << 20), st.just(MAX_HANDLE)),
     "bool": st.booleans(),
+    "blob": st.binary(max_size=72),
     "share_id": st.one_of(st.tuples(st.just("own_share"), st.integers(0, 3)), st.just(("foreign_share",)),
                           st.tuples(st.just("text"), st.text(max_size=40))),
     "share_name": st.one_of(st.tuples(st.just("own_name"), st.integers(0, 3)), st.just(("foreign_name",)),
@@ -213,6 +214,8 @@ def _wrong_type(arg: Arg) -> st.SearchStrategy[Any]:
                                                                                    max_size=1))
     if arg.kind is bool:
         return st.one_of(st.integers(0, 1), st.text(max_size=5), st.floats(), st.binary(max_size=2))
+    if arg.kind is bytes:
+        return st.one_of(packable_ints, st.text(max_size=8), st.booleans(), st.lists(st.text(max_size=3), max_size=2))
     return st.one_of(packable_ints, st.binary(max_size=8), st.booleans(), st.lists(st.text(max_size=3), max_size=2))
 
 
@@ -366,6 +369,8 @@ def _arg_ok(arg: Arg, value: Any) -> bool:
         return (arg.lo is None or value >= arg.lo) and (arg.hi is None or value <= arg.hi)
     if arg.kind is bool:
         return isinstance(value, bool)
+    if arg.kind is bytes:
+        return isinstance(value, bytes)
     return isinstance(value, str) and len(value) <= arg.max_len
 
 
