@@ -34,12 +34,15 @@ def _import_pool(descriptor: ShareDescriptor, fd: int) -> Any:
 
 
 class PoolMapping:
-    """One buffer of an imported pool: ``ptr`` (cuda) or ``view`` (sim), and :meth:`close`."""
+    """One opening of a buffer of an imported pool: ``ptr`` (cuda) or ``view`` (sim), and :meth:`close`.
+    Openings of the same buffer in this process share one import of it (CUDA maps a pointer once per
+    process), which goes with the last of them."""
 
-    def __init__(self, imports: PoolImports, pool_id: str, mapping: Any) -> None:
+    def __init__(self, imports: PoolImports, key: tuple[str, bytes], mapping: Any) -> None:
         self._imports = imports
-        self._pool_id = pool_id
+        self._key = key
         self._mapping = mapping
+        self.closed = False
 
     @property
     def ptr(self) -> int:
@@ -51,10 +54,9 @@ class PoolMapping:
         return view
 
     def close(self) -> None:
-        try:
-            self._mapping.close()
-        finally:
-            self._imports.release(self._pool_id)
+        if not self.closed:
+            self.closed = True
+            self._imports.unmap(self._key)
 
 
 class PoolImports:
@@ -65,6 +67,8 @@ class PoolImports:
         self._keep_idle = keep_idle
         self._pools: dict[str, Any] = {}
         self._users: dict[str, int] = {}
+        #: Imported buffers by (pool id, export data): the mapping and how many openings share it.
+        self._buffers: dict[tuple[str, bytes], list[Any]] = {}
         self._idle: OrderedDict[str, None] = OrderedDict()
 
     def has(self, pool_id: str) -> bool:
@@ -74,7 +78,14 @@ class PoolImports:
     def map(self, descriptor: ShareDescriptor, fd: int | None) -> PoolMapping:
         """Map the share's buffer, importing its pool from ``fd`` (closed here) unless already imported."""
         pool_id = descriptor.pool_id
+        key = (pool_id, descriptor.export_data)
         with self._lock:
+            shared = self._buffers.get(key)
+            if shared is not None:
+                shared[1] += 1
+                if fd is not None:
+                    os.close(fd)
+                return PoolMapping(self, key, shared[0])
             pool = self._pools.get(pool_id)
             try:
                 if pool is None:
@@ -87,26 +98,45 @@ class PoolImports:
                     os.close(fd)
             self._users[pool_id] = self._users.get(pool_id, 0) + 1
             self._idle.pop(pool_id, None)
+            try:  # under the lock: a second opening must find this import, not make its own
+                mapping = pool.import_pointer(descriptor.export_data, descriptor.size)
+            except BaseException:
+                for idle in self._release_locked(pool_id):
+                    idle.close()
+                raise
+            self._buffers[key] = [mapping, 1]
+        return PoolMapping(self, key, mapping)
+
+    def unmap(self, key: tuple[str, bytes]) -> None:
+        """One opening of a buffer fewer; the last one frees its import and releases the pool."""
+        with self._lock:
+            shared = self._buffers[key]
+            shared[1] -= 1
+            if shared[1]:
+                return
+            del self._buffers[key]
         try:
-            mapping = pool.import_pointer(descriptor.export_data, descriptor.size)
-        except BaseException:
-            self.release(pool_id)
-            raise
-        return PoolMapping(self, pool_id, mapping)
+            shared[0].close()
+        finally:
+            self.release(key[0])
 
     def release(self, pool_id: str) -> None:
-        """One mapped buffer of the pool fewer; idle pools beyond :data:`KEEP_IDLE` are closed."""
-        closing = []
+        """One imported buffer of the pool fewer; idle pools beyond :data:`KEEP_IDLE` are closed."""
         with self._lock:
-            self._users[pool_id] -= 1
-            if self._users[pool_id] == 0:
-                del self._users[pool_id]
-                self._idle[pool_id] = None
-                while len(self._idle) > self._keep_idle:
-                    oldest, _ = self._idle.popitem(last=False)
-                    closing.append(self._pools.pop(oldest))
+            closing = self._release_locked(pool_id)
         for pool in closing:
             pool.close()
+
+    def _release_locked(self, pool_id: str) -> list[Any]:
+        closing = []
+        self._users[pool_id] -= 1
+        if self._users[pool_id] == 0:
+            del self._users[pool_id]
+            self._idle[pool_id] = None
+            while len(self._idle) > self._keep_idle:
+                oldest, _ = self._idle.popitem(last=False)
+                closing.append(self._pools.pop(oldest))
+        return closing
 
 
 #: The process's imports: a pool is imported once whichever client opens its buffers.
