@@ -15,8 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from cuctxd.protos.host import buffer_address
 
-#: Smallest piece one thread copies; below twice this, the caller copies alone.
-PIECE_BYTES = 1 << 20
+#: Smallest piece one thread copies; below twice this, the caller copies alone (measured on the H200
+#: host: 4 threads on 1 MiB pieces were no faster than one thread, on 4 MiB pieces twice as fast).
+PIECE_BYTES = 4 << 20
 #: Threads copying at once (the caller included).
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 

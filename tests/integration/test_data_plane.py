@@ -227,7 +227,7 @@ def test_ring_transfers_keep_range_errors(daemon: DaemonProcess) -> None:
 
 def test_without_room_for_a_ring_transfers_take_the_socket(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
-        hog = c.host_alloc(60 << 20)  # the ring (16 MiB) no longer fits in 64 MiB
+        hog = c.host_alloc(60 << 20)  # the ring (32 MiB) no longer fits in 64 MiB
         buf = c.alloc(2 << 20)
         buf.write(pattern(2 << 20))
         assert buf.read() == pattern(2 << 20)
