@@ -259,3 +259,34 @@ def test_a_failed_alloc_async_is_reported_by_its_next_use_and_by_synchronize(dae
             huge.write(b"x")
         with pytest.raises(UnknownHandle):
             huge.write(b"x")
+
+
+IMPORTER = """
+from cuctxd.client import Client
+c = Client(ENDPOINT, heartbeat=False)
+share = c.open_shared("held-by-a-goner")
+print("mapped", c.session_id, bytes(share.host_view()[:4]).decode(), flush=True)
+import time
+time.sleep(60)
+"""
+
+
+def test_an_importers_kill_frees_the_owners_memory_only_when_it_is_reaped(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as owner:
+        buf = owner.alloc(1 << 20)
+        buf.write(b"kept" + bytes((1 << 20) - 4))
+        owner.publish(buf, "held-by-a-goner")
+        with spawn_client(IMPORTER, daemon.endpoint) as importer:
+            line = wait_for_line(importer, "mapped")
+            assert line.split()[2] == "kept"
+            owner.free(buf)  # the owner lets go first: the share lives on for its holder
+            shares = owner.status()["devices"][0]["shares"]
+            assert [s["holders"] for s in shares if s["size"] == 1 << 20] == [[int(line.split()[1])]]
+            importer.send_signal(signal.SIGKILL)
+            importer.wait()
+
+            def freed() -> bool:
+                return all(s["size"] != 1 << 20 for s in owner.status()["devices"][0]["shares"])
+
+            assert not freed()
+            assert wait_until(freed, timeout=10), "the killed importer's hold outlived its lease"
