@@ -85,7 +85,7 @@ def prepare_ipc(path: Path, group: str | None = None) -> None:
                         stat.S_IMODE(info.st_mode))
     finally:
         os.close(fd)
-    _clear_stale_socket(path)
+    clear_stale_socket(path)
 
 
 def _make_private(fd: int, directory: Path, group: str | None) -> None:
@@ -100,7 +100,9 @@ def _make_private(fd: int, directory: Path, group: str | None) -> None:
     os.fchmod(fd, 0o770)
 
 
-def _clear_stale_socket(path: Path) -> None:
+def clear_stale_socket(path: Path) -> None:
+    """Remove a socket file a daemon that did not clean up left at ``path`` (logged); PermissionError for
+    anything else there, :class:`EndpointInUse` if a live process still listens on it."""
     try:
         info = path.lstat()
     except FileNotFoundError:

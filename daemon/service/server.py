@@ -71,7 +71,7 @@ from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
 from cuctxd.daemon.service.endpoint import (
-    group_id,
+    clear_stale_socket,
     ipc_path,
     lane_endpoint,
     open_ipc_socket,
@@ -201,10 +201,14 @@ class Daemon:
         paths = [path for path in map(channel_path, self.config.endpoints) if path is not None]
         if not paths or self._tickets is None:
             return None
-        group = None if self.config.group is None else group_id(self.config.group)
+        files = [Path(path) for path in paths if not path.startswith("@")]
+        for file in files:
+            clear_stale_socket(file)
         channel = SideChannel(paths, self._tickets, handshake_timeout=self.config.handshake_timeout,
-                              max_connections=self.config.max_fd_connections, group_id=group)
+                              max_connections=self.config.max_fd_connections)
         channel.start()
+        for file in files:
+            open_ipc_socket(file, self.config.group)
         log.info("fd channel on %s", ", ".join(paths))
         return channel
 

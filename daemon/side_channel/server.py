@@ -19,12 +19,10 @@ import logging
 import os
 import selectors
 import socket
-import stat
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from cuctxd.daemon.registry.tickets import TicketBook
@@ -55,13 +53,13 @@ class SideChannel:
     """The fd channel's listening sockets and thread; :meth:`start` binds and starts, :meth:`stop` ends both."""
 
     def __init__(self, paths: list[str], tickets: TicketBook, *, handshake_timeout: float,
-                 max_connections: int = DEFAULT_MAX_FD_CONNECTIONS, group_id: int | None = None) -> None:
-        """``paths``: one socket per ipc:// endpoint, in its (already prepared) directory."""
+                 max_connections: int = DEFAULT_MAX_FD_CONNECTIONS) -> None:
+        """``paths``: one socket per ipc:// endpoint, in its directory; whoever assembles the daemon clears
+        stale files there before :meth:`start` and sets the modes after (as for the endpoint itself)."""
         self.paths = paths
         self.tickets = tickets
         self.handshake_timeout = handshake_timeout
         self.max_connections = max_connections
-        self.group_id = group_id
         self._selector = selectors.DefaultSelector()
         self._listeners: list[socket.socket] = []
         self._connections: dict[int, _Connection] = {}
@@ -76,11 +74,7 @@ class SideChannel:
         for path in self.paths:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                if not path.startswith("@"):
-                    _clear_stale(Path(path))
                 listener.bind(socket_address(path))
-                if not path.startswith("@"):
-                    _make_private(Path(path), self.group_id)
                 listener.listen(64)
                 listener.setblocking(False)
             except BaseException:
@@ -220,23 +214,3 @@ class SideChannel:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(connection.sock)
         connection.sock.close()
-
-
-def _clear_stale(path: Path) -> None:
-    """Remove a socket file left by a daemon that did not clean up (its directory is the endpoint's, checked)."""
-    try:
-        info = path.lstat()
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise PermissionError(f"{path} exists and is not a socket: refusing to replace it")
-    path.unlink()
-
-
-def _make_private(path: Path, group_id: int | None) -> None:
-    """0600, or 0660 owned by the daemon's group: the same access as the ipc:// socket beside it."""
-    if group_id is None:
-        path.chmod(0o600)
-        return
-    os.chown(path, -1, group_id, follow_symlinks=False)
-    path.chmod(0o660)

@@ -46,6 +46,8 @@ def test_an_existing_directory_keeps_its_mode_and_group(workdir: Path) -> None:
             assert client.ping() > 0
         assert stat.S_IMODE(workdir.stat().st_mode) == 0o751
         assert stat.S_IMODE(process.socket_path.stat().st_mode) == 0o660
+        fd_channel = process.socket_path.with_name(process.socket_path.name + ".fds")
+        assert stat.S_IMODE(fd_channel.stat().st_mode) == 0o660, "the fd channel is as open as its endpoint"
     finally:
         assert process.stop() == 0, process.log()
 
