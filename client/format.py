@@ -43,6 +43,7 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
         f"pid {status['pid']}, up {status['uptime_s']:.0f} s",
         f"listening on {', '.join(status['endpoints'])}",
         *_connections_line(status),
+        *_fd_channel_line(status),
         *_ordinals_line(status),
         "",
         f"sessions: {len(status['sessions'])}",
@@ -98,11 +99,12 @@ def _sessions_table(dev: dict[str, Any]) -> str:
     limits = dev.get("limits", {})
     return table(
         ["SESSION", "CONTEXTS", "CREATED", "STACK", "ALLOCATIONS", "OBJECTS", "BYTES", "HOLDS", "HELD", "SHARES",
-         "QUOTA"],
+         "HOST", "QUOTA"],
         [[s["session"], s["contexts"], _of(s.get("created_contexts", 0), limits.get("max_contexts_per_session")),
           s["stack_depth"], s["allocations"], _of(s.get("objects", 0), limits.get("max_objects_per_session")),
           human_size(s["bytes"]), s["holds"], human_size(s.get("held_bytes", 0)),
           _of(s.get("shares", 0), limits.get("max_shares_per_session")),
+          _of(s.get("host_bytes", 0), limits.get("host_memory_per_session"), human_size),
           human_size(s["quota"]) if s.get("quota") else "-"] for s in dev["sessions"]],
     )
 
@@ -119,6 +121,15 @@ def _connections_line(status: dict[str, Any]) -> list[str]:
         return []
     refusing = "" if seen["accepting"] else " (at the limit: new connections refused)"
     return [f"connections: {seen['open']} of {seen['max']}{refusing}"]
+
+
+def _fd_channel_line(status: dict[str, Any]) -> list[str]:
+    """The fd channel's connections and the tickets waiting on it (absent without an ipc:// endpoint)."""
+    channel = status.get("fd_channel")
+    if channel is None:
+        return []
+    return [f"fd channel: {channel['connections']} of {channel['max_connections']} connections, "
+            f"{channel['tickets']} ticket(s) waiting ({channel['fds']} fds)"]
 
 
 def _ordinals_line(status: dict[str, Any]) -> list[str]:

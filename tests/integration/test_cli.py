@@ -120,7 +120,8 @@ def test_status(daemon: DaemonProcess, holder: Client) -> None:
     row = next(line for line in lines[at:] if line.startswith(f"{holder.session_id} "))
     # each session's use against the per-session limits (the daemon's defaults): CREATED, OBJECTS (one
     # buffer on device 1) and SHARES
-    assert re.search(r" 0/64 .* 1/16384 .* 0/1024 ", row), (lines[at], row)
+    assert re.search(r" 0/64 .* 1/16384 .* 0/1024 +0 B/4 GiB ", row), (lines[at], row)
+    assert re.search(r"^fd channel: \d+ of 256 connections, 0 ticket\(s\) waiting \(0 fds\)$", text, re.MULTILINE)
 
 
 def test_status_json(daemon: DaemonProcess, holder: Client) -> None:
