@@ -139,3 +139,23 @@ class CudaPoolMapping:
             _check(cu.cuMemFree(self.ptr))
         finally:
             _check(cu.cuCtxPopCurrent())
+
+
+def copy_device_to_device(device_uuid: str, dst: int, src: int, size: int) -> None:
+    """``cuMemcpyDtoD`` in this process's primary context of that GPU, finished before it returns
+    (a layout's tensors copied into a daemon buffer mapped here)."""
+    try:
+        from cuda.bindings import driver as cu
+
+        _check(cu.cuInit(0))
+    except (ImportError, RuntimeError) as exc:
+        raise NotShareable(f"this process cannot load the CUDA driver to copy device memory: {exc}") from exc
+    device = _find_device(cu, device_uuid)
+    context = _check(cu.cuDevicePrimaryCtxRetain(device))
+    _check(cu.cuCtxPushCurrent(context))
+    try:
+        _check(cu.cuMemcpyDtoD(dst, src, size))
+        _check(cu.cuCtxSynchronize())
+    finally:
+        _check(cu.cuCtxPopCurrent())
+        _check(cu.cuDevicePrimaryCtxRelease(device))

@@ -441,8 +441,8 @@ def export(buffer: OnDevice) -> Request[ShareDescriptor]:
     return _request("export", _share, **_on(buffer, buffer=buffer.handle))
 
 
-def publish(buffer: OnDevice, name: str) -> Request[ShareDescriptor]:
-    return _request("publish", _share, **_on(buffer, buffer=buffer.handle, name=name))
+def publish(buffer: OnDevice, name: str, manifest: bytes | None = None) -> Request[ShareDescriptor]:
+    return _request("publish", _share, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest))
 
 
 def unpublish(name: str) -> Request[None]:

@@ -82,6 +82,8 @@ class ShareDescriptor(_Record):
     of ``cuMemPoolExportPointer``). ``"ipc"``: ``ipc_handle`` is the backend's legacy
     64-byte handle (``CUipcMemHandle`` for cuda), the fallback where pools cannot export.
     ``host`` and ``device_uuid`` let the opener check it is on the same machine and GPU.
+    ``manifest`` (from ``lookup`` of a name published with one): the packed layout of the tensors in
+    the buffer (:mod:`cuctxd.protos.layouts`).
     ``publisher`` (from ``lookup``): who exported it, a map of ``session``, ``client``,
     ``pid`` and ``uid`` (None where the daemon does not know).
     """
@@ -96,5 +98,6 @@ class ShareDescriptor(_Record):
     mechanism: str = "ipc"
     pool_id: str = ""
     export_data: bytes = b""
+    manifest: bytes = b""
     name: str | None = None
     publisher: dict[str, Any] | None = None

@@ -31,12 +31,13 @@ class Export:
 
 @op("publish", target="device")
 class Publish:
-    """Export a buffer and publish it under ``name``, visible to every session.
-    Result: ``share``."""
+    """Export a buffer and publish it under ``name``, visible to every session; with ``manifest`` (a
+    packed layout, :mod:`cuctxd.protos.layouts`), as the tensors it lists. Result: ``share``."""
 
     buffer: int = handle_field()
     name: str = dataclasses.field(metadata={"max_len": 256})
     device: int | None = count_field()
+    manifest: bytes | None = None
 
 
 @op("unpublish", target="front")

@@ -12,6 +12,7 @@ from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.protos import sharing_ops as ops
 from cuctxd.protos.errors import BadArgument
+from cuctxd.protos.layouts import check_manifest
 from cuctxd.protos.limits import MAX_LISTED
 
 
@@ -37,8 +38,13 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending:
     if not job.args.name:
         raise BadArgument("publish needs a non-empty name")
     session = state.session(job.session)
-    share = state.sharing.export(session, session.buffers[job.args.buffer])
-    state.registry.publish(job.args.name, share)
+    buffer = session.buffers[job.args.buffer]
+    layout = None
+    if job.args.manifest is not None:  # checked before anything is exported or named
+        manifest = check_manifest(job.args.manifest, buffer.size)
+        layout = (job.args.manifest, len(manifest.tensors))
+    share = state.sharing.export(session, buffer)
+    state.registry.publish(job.args.name, share, layout)
     return _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": job.args.name}))
 
 

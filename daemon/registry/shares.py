@@ -99,6 +99,8 @@ class ShareRegistry:
         self._lock = threading.Lock()
         self._shares: dict[str, _Listing] = {}
         self._names: dict[str, str] = {}
+        #: The layout published with a name, if any: its manifest (packed) and tensor count.
+        self._layouts: dict[str, tuple[bytes, int]] = {}
         #: Ids of published shares kept alive by their names alone, on every device.
         self._orphaned: set[str] = set()
 
@@ -106,8 +108,9 @@ class ShareRegistry:
         with self._lock:
             self._shares[share.share_id] = _Listing(share.descriptor, share.owner)
 
-    def publish(self, name: str, share: ShareRecord) -> None:
-        """Name ``share`` (:func:`check_scope` first); a name is never replaced: unpublish it first."""
+    def publish(self, name: str, share: ShareRecord, layout: tuple[bytes, int] | None = None) -> None:
+        """Name ``share`` (:func:`check_scope` first), with the manifest of the tensors in it (checked by
+        the caller) and their count; a name is never replaced: unpublish it first."""
         check_scope(name, share.owner.uid)
         with self._lock:
             share_id = self._names.get(name)
@@ -116,6 +119,8 @@ class ShareRegistry:
                 raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
                                  f"client {who.client!r}); only its publisher may unpublish it")
             self._names[name] = share.share_id
+            if layout is not None:
+                self._layouts[name] = layout
         share.names.add(name)
 
     def unpublish(self, name: str, caller: SessionRef) -> str:
@@ -131,6 +136,7 @@ class ShareRegistry:
                 raise NotOwner(f"{name!r} was published by session {owner.public_id} ({owner.client!r}); "
                                "only it may unpublish the name (or, once it let the buffer go, its user)")
             del self._names[name]
+            self._layouts.pop(name, None)
             return share_id
 
     def count_orphan(self, share_id: str, orphaned: bool) -> None:
@@ -150,6 +156,7 @@ class ShareRegistry:
         with self._lock:
             for name in share.names:
                 self._names.pop(name, None)
+                self._layouts.pop(name, None)
         share.names.clear()
 
     def update(self, share: ShareRecord) -> None:
@@ -165,6 +172,7 @@ class ShareRegistry:
             self._orphaned.discard(share.share_id)
             for name in share.names:
                 self._names.pop(name, None)
+                self._layouts.pop(name, None)
 
     def lookup(self, name: str) -> ShareDescriptor:
         """The descriptor published as ``name``, with its ``publisher``."""
@@ -173,7 +181,9 @@ class ShareRegistry:
             if share_id is None:
                 raise NotFound(f"no buffer is published as {name!r}")
             listing = self._shares[share_id]
-        return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher()})
+            manifest = self._layouts.get(name, (b"", 0))[0]
+        return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher(),
+                                  "manifest": manifest})
 
     def device_of(self, share_id: str) -> int:
         with self._lock:
@@ -194,6 +204,7 @@ class ShareRegistry:
                     "owner_present": self._shares[share_id].owner_present,
                     "holders": self._shares[share_id].holders,
                     "publisher": self._shares[share_id].publisher(),
+                    "tensors": self._layouts.get(name, (b"", 0))[1],
                 }
                 for name, share_id in sorted(self._names.items())
             ]

@@ -1,0 +1,114 @@
+"""Tensors by name through a real daemon: a layout published by a process that then exits, mapped as
+numpy views by others; bad manifests refused with nothing published."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+
+from cuctxd import BadArgument, Client, NameExists, NotFound
+from cuctxd.client import requests
+from cuctxd.client.tensors import open_tensors, publish_tensors
+from tests.helpers import DaemonProcess, remove_tempdir, run_client, start_daemon
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    process = start_daemon("--sim-devices", "1", "--sim-memory", "64MiB")
+    yield process
+    assert process.stop() == 0, process.log()
+    remove_tempdir(process.socket_dir)
+
+
+PRODUCER = """
+import numpy as np
+from cuctxd import Client
+from cuctxd.client.tensors import publish_tensors
+with Client(ENDPOINT) as c:
+    publish_tensors(c, "toy-model", {
+        "embed.weight": np.arange(4 * 8, dtype=np.float32).reshape(4, 8),
+        "norm.bias": np.full(8, 0.5, dtype=np.float16),
+        "step": np.array([3], dtype=np.int64),
+        "mask": np.array([True, False, True]),
+    }, {"arch": "toy", "layers": 1})
+"""
+
+CONSUMER = """
+import numpy as np
+from cuctxd import Client
+from cuctxd.client.tensors import open_tensors
+with Client(ENDPOINT) as c, open_tensors(c, "toy-model") as ts:
+    w = np.asarray(ts["embed.weight"])
+    print(sorted(ts), ts.metadata["arch"], w.shape, float(w.sum()), np.asarray(ts["norm.bias"]).dtype,
+          np.asarray(ts["mask"]).tolist(), int(np.asarray(ts["step"])[0]))
+"""
+
+
+def test_a_layout_outlives_its_producer_and_maps_as_numpy_views(daemon: DaemonProcess) -> None:
+    run_client(PRODUCER, daemon.endpoint)
+    with Client(daemon.endpoint) as c:
+        (listed,) = [s for s in c.list_shared() if s["name"] == "toy-model"]
+        assert listed["tensors"] == 4 and not listed["owner_present"]
+        with open_tensors(c, "toy-model") as ts:  # held: the consumer process below maps it too
+            first = np.asarray(ts["embed.weight"])
+            assert (first.ctypes.data - ts.host_address) % 256 == 0  # tensors start on 256-byte boundaries
+            with pytest.raises(KeyError, match="no tensor 'missing'"):
+                ts["missing"]
+            del first
+            out = run_client(CONSUMER, daemon.endpoint).strip()
+        assert out == "['embed.weight', 'mask', 'norm.bias', 'step'] toy (4, 8) 496.0 float16 [True, False, True] 3"
+
+
+def test_views_share_the_daemons_bytes(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as owner, Client(daemon.endpoint) as other:
+        publish_tensors(owner, "shared-bytes", {"x": np.zeros(16, dtype=np.int32)})
+        with open_tensors(other, "shared-bytes", writable=True) as ts:
+            np.asarray(ts["x"])[3] = 42
+            with open_tensors(owner, "shared-bytes") as again:
+                assert int(np.asarray(again["x"])[3]) == 42
+        owner.unpublish("shared-bytes")
+
+
+@pytest.mark.parametrize(("manifest", "message"), [
+    ({"tensors": [{"name": "a", "dtype": "float128", "shape": [1], "offset": 0}]}, "unknown dtype"),
+    ({"tensors": [{"name": "a", "dtype": "float32", "shape": [2048], "offset": 0}]}, "past the 4096-byte buffer"),
+    ({"tensors": [{"name": "a", "dtype": "int8", "shape": [1], "offset": 0},
+                  {"name": "a", "dtype": "int8", "shape": [1], "offset": 1}]}, "appears twice"),
+    ({"tensors": [{"name": "a", "dtype": "int32", "shape": [1], "offset": 2}]}, "not a multiple"),
+    ({"tensors": [{"name": "a", "dtype": "int8", "shape": [-1], "offset": 0}]}, "non-negative"),
+    ({"tensors": "nope"}, "a 'tensors' list"),
+])
+def test_a_bad_manifest_publishes_nothing(daemon: DaemonProcess, manifest: object, message: str) -> None:
+    with Client(daemon.endpoint) as c:
+        buf = c.alloc(4096)
+        with pytest.raises(BadArgument, match=message):
+            c.run(requests.publish(buf, "bad-layout", msgpack.packb(manifest)))
+        with pytest.raises(NotFound):
+            c.lookup("bad-layout")
+        assert buf.export().share_id not in {s["share_id"] for s in c.list_shared()}
+
+
+def test_garbage_instead_of_a_manifest_is_refused(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c, pytest.raises(BadArgument, match=r"not msgpack|'tensors' list"):
+        c.run(requests.publish(c.alloc(64), "garbage-layout", b"\xc1\xff\x00"))
+
+
+def test_a_taken_name_leaves_nothing_allocated(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as first, Client(daemon.endpoint) as second:
+        publish_tensors(first, "taken", {"a": np.ones(4, dtype=np.float32)})
+        with pytest.raises(NameExists):
+            publish_tensors(second, "taken", {"a": np.ones(1 << 16, dtype=np.float32)})
+        (mine,) = [s for s in second.status()["devices"][0]["sessions"] if s["session"] == second.session_id]
+        assert mine["bytes"] == 0
+        first.unpublish("taken")
+
+
+def test_a_plain_buffer_is_not_a_layout(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        c.publish(c.alloc(64), "plain")
+        with pytest.raises(BadArgument, match="without a tensor layout"):
+            open_tensors(c, "plain")
+        c.unpublish("plain")
