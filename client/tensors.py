@@ -237,11 +237,12 @@ def open_tensors(client: Any, name: str, *, writable: bool = False) -> TensorSet
     return TensorSet(client.open_shared(descriptor), manifest, writable)
 
 
-def raw_interface(tensor: SharedTensor) -> dict[str, Any]:
-    """The tensor's bytes as a flat uint8 CUDA array interface (for dtypes the interface cannot name)."""
+def raw_interface(tensor: SharedTensor, *, readonly: bool | None = None) -> dict[str, Any]:
+    """The tensor's bytes as a flat uint8 CUDA array interface (for dtypes the interface cannot name);
+    ``readonly`` defaults to the set's own (torch accepts only False)."""
     base = tensor._set.share.ptr + tensor.spec.offset
-    return {"shape": (tensor.nbytes,), "typestr": "|u1", "data": (base, not tensor._set.writable), "version": 3,
-            "strides": None}
+    flag = not tensor._set.writable if readonly is None else readonly
+    return {"shape": (tensor.nbytes,), "typestr": "|u1", "data": (base, flag), "version": 3, "strides": None}
 
 
 __all__ = ["SharedTensor", "TensorSet", "open_tensors", "plan_layout", "publish_tensors", "raw_interface"]

@@ -5,8 +5,9 @@ daemon buffer (device to device from the same GPU; bfloat16 travels as its bytes
 ``load_state_dict(client, name)`` gives a :class:`LoadedState`, whose
 ``state_dict`` holds tensors that alias the daemon's memory (cuda backend: on the
 GPU; sim: CPU tensors over the shared bytes). Keep the :class:`LoadedState` open
-(``with``) while they are used: closing it unmaps them. torch is imported only
-when these are called.
+(``with``) while they are used: closing it unmaps them. torch has no read-only
+tensors, so ``writable=False`` is a promise of the caller there, not enforced.
+torch is imported only when these are called.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class LoadedState:
         for key, shared in tensors.items():
             dtype = getattr(torch, shared.dtype)
             if tensors.share.backend == "cuda":
-                raw = torch.as_tensor(_Interface(raw_interface(shared)), device="cuda")
+                # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
+                raw = torch.as_tensor(_Interface(raw_interface(shared, readonly=False)), device="cuda")
             else:
                 import numpy
 

@@ -51,16 +51,20 @@ def test_workers_compute_with_the_published_weights_zero_copy(cuda_daemon: Daemo
         keeper.unpublish("resnet18-weights")
 
 
+BFLOAT16 = """
+import torch
+from cuctxd import Client
+from cuctxd.client.torch_weights import load_state_dict, publish_state_dict
+weights = {"w": torch.randn(64, 64, device="cuda").to(torch.bfloat16), "b": torch.arange(5, device="cuda")}
+with Client(ENDPOINT) as c:
+    publish_state_dict(c, "bf16", weights)
+    with load_state_dict(c, "bf16") as loaded:
+        print("bf16", loaded.state_dict["w"].dtype, torch.equal(loaded.state_dict["w"], weights["w"]),
+              torch.equal(loaded.state_dict["b"], weights["b"]))
+    c.unpublish("bf16")
+"""
+
+
 def test_bfloat16_travels_as_its_bytes(cuda_daemon: DaemonProcess) -> None:
-    import torch
-
-    from cuctxd.client.torch_weights import publish_state_dict
-
-    weights = {"w": torch.randn(64, 64, device="cuda").to(torch.bfloat16), "b": torch.arange(5, device="cuda")}
-    with Client(cuda_daemon.endpoint) as c:
-        publish_state_dict(c, "bf16", weights)
-        with load_state_dict(c, "bf16") as loaded:
-            assert loaded.state_dict["w"].dtype == torch.bfloat16
-            assert torch.equal(loaded.state_dict["w"], weights["w"])
-            assert torch.equal(loaded.state_dict["b"], weights["b"])
-        c.unpublish("bf16")
+    out = run_client(BFLOAT16, cuda_daemon.endpoint, timeout=300)
+    assert "bf16 torch.bfloat16 True True" in out, out
