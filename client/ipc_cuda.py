@@ -159,3 +159,14 @@ def copy_device_to_device(device_uuid: str, dst: int, src: int, size: int) -> No
     finally:
         _check(cu.cuCtxPopCurrent())
         _check(cu.cuDevicePrimaryCtxRelease(device))
+
+
+def ordinal_of(device_uuid: str) -> int:
+    """This process's CUDA ordinal of the GPU with that UUID."""
+    from cuda.bindings import driver as cu
+
+    _check(cu.cuInit(0))
+    for ordinal in range(_check(cu.cuDeviceGetCount())):
+        if _uuid_of(cu, _check(cu.cuDeviceGet(ordinal))) == device_uuid:
+            return ordinal
+    raise NotShareable(f"GPU {device_uuid} is not visible to this process (check CUDA_VISIBLE_DEVICES)")

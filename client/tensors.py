@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from cuctxd.client import dlpack
 from cuctxd.client.sharing import OpenedShare
 from cuctxd.protos.errors import BadArgument, WrongBackend
 from cuctxd.protos.host import buffer_address
@@ -185,6 +186,26 @@ class SharedTensor:
             raise WrongBackend("a cuda layout lives in device memory; use __cuda_array_interface__")
         return self._interface(self._set.host_address + self.spec.offset)
 
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(kDLCUDA, this process's ordinal of the GPU) on cuda; (kDLCPU, 0) on the sim."""
+        if self._set.share.backend == "cuda":
+            return dlpack.KDL_CUDA, self._set.cuda_ordinal()
+        return dlpack.KDL_CPU, 0
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: bool | None = None) -> Any:
+        """A DLPack capsule of the tensor (zero-copy; ``copy=True`` is refused). ``stream``: the
+        consumer's stream; nothing needs ordering before it, since a layout's bytes were complete
+        when it was published (and ``publish`` waited for them)."""
+        if copy:
+            raise BufferError("a shared tensor is exported without copying; copy it on the consumer's side")
+        if self._set.share.backend == "cuda":
+            data = self._set.share.ptr + self.spec.offset
+        else:
+            data = self._set.host_address + self.spec.offset
+        return dlpack.capsule(data, self.__dlpack_device__(), DTYPES[self.dtype].dlpack, self.shape,
+                              self.spec.strides, self._set)
+
     def __repr__(self) -> str:
         return f"SharedTensor({self.name!r}, {self.dtype}, shape={self.shape})"
 
@@ -215,6 +236,12 @@ class TensorSet(Mapping[str, SharedTensor]):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+    def cuda_ordinal(self) -> int:
+        """This process's ordinal of the layout's GPU (DLPack names devices by it)."""
+        from cuctxd.client.ipc_cuda import ordinal_of
+
+        return ordinal_of(self.share.descriptor.device_uuid)
 
     def close(self) -> None:
         """Unmap the layout and drop the hold; views made from it must not be used afterwards."""

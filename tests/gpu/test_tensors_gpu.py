@@ -68,3 +68,28 @@ with Client(ENDPOINT) as c:
 def test_bfloat16_travels_as_its_bytes(cuda_daemon: DaemonProcess) -> None:
     out = run_client(BFLOAT16, cuda_daemon.endpoint, timeout=300)
     assert "bf16 torch.bfloat16 True True" in out, out
+
+
+INTEROP = """
+import torch, cupy
+from cuctxd import Client
+from cuctxd.client.tensors import open_tensors, publish_tensors
+source = torch.arange(256, dtype=torch.float32, device="cuda").reshape(16, 16)
+with Client(ENDPOINT) as c:
+    publish_tensors(c, "interop", {"x": source, "h": torch.ones(8, dtype=torch.float16, device="cuda")})
+    with open_tensors(c, "interop", writable=True) as ts:
+        by_dlpack = torch.from_dlpack(ts["x"])
+        by_cai = torch.as_tensor(ts["x"], device="cuda")
+        by_cupy = cupy.from_dlpack(ts["h"])
+        ok = (torch.equal(by_dlpack, source), torch.equal(by_cai, source), float(by_cupy.sum()),
+              by_dlpack.data_ptr() == by_cai.data_ptr() != source.data_ptr())
+        by_dlpack[0, 0] = -1.0
+        torch.cuda.synchronize()
+        print("interop", *ok, float(torch.as_tensor(ts["x"], device="cuda")[0, 0]))
+    c.unpublish("interop")
+"""
+
+
+def test_dlpack_and_the_array_interface_into_torch_and_cupy(cuda_daemon: DaemonProcess) -> None:
+    out = run_client(INTEROP, cuda_daemon.endpoint, timeout=300)
+    assert "interop True True 8.0 True -1.0" in out, out

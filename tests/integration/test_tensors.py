@@ -112,3 +112,29 @@ def test_a_plain_buffer_is_not_a_layout(daemon: DaemonProcess) -> None:
         with pytest.raises(BadArgument, match="without a tensor layout"):
             open_tensors(c, "plain")
         c.unpublish("plain")
+
+
+def test_dlpack_views_on_the_sim_are_zero_copy_host_arrays(daemon: DaemonProcess) -> None:
+    import gc
+
+    from cuctxd.client import dlpack
+
+    with Client(daemon.endpoint) as c:
+        publish_tensors(c, "dlpack-model", {"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
+        with open_tensors(c, "dlpack-model", writable=True) as ts:
+            assert ts["w"].__dlpack_device__() == (dlpack.KDL_CPU, 0)
+            view = np.from_dlpack(ts["w"])
+            assert view.tolist() == np.arange(12, dtype=np.float32).reshape(3, 4).tolist()
+            view[0, 0] = 99.0
+            assert float(np.asarray(ts["w"])[0, 0]) == 99.0  # one memory
+            unconsumed = ts["w"].__dlpack__()
+            with pytest.raises(BufferError):
+                ts["w"].__dlpack__(copy=True)
+            kept = len(dlpack._alive)
+            del unconsumed
+            gc.collect()
+            assert len(dlpack._alive) == kept - 1, "a capsule nobody consumed lets its tensor go"
+            del view
+            gc.collect()
+            assert len(dlpack._alive) == kept - 2, "the consumer's deleter lets its tensor go"
+        c.unpublish("dlpack-model")
