@@ -8,6 +8,17 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from bench.figures import alloc, bandwidth, data_plane, ipc_copy, isolation, latency, pipelining, throughput
+from bench.figures import (
+    alloc,
+    bandwidth,
+    data_plane,
+    ipc_copy,
+    isolation,
+    latency,
+    pipelining,
+    tensors,
+    throughput,
+)
 
-GROUPS: tuple[ModuleType, ...] = (latency, throughput, alloc, bandwidth, ipc_copy, isolation, pipelining, data_plane)
+GROUPS: tuple[ModuleType, ...] = (latency, throughput, alloc, bandwidth, ipc_copy, isolation, pipelining, data_plane,
+                                  tensors)
