@@ -37,14 +37,15 @@ else:
 with Client(sys.argv[1]) as c:
     c.ping()
     start = time.perf_counter()
-    with open_tensors(c, "bench-layout") as ts:
+    with open_tensors(c, "bench-layout", writable=True) as ts:  # torch takes only writable CUDA arrays
         if backend == "cuda":
             arrays = [torch.as_tensor(t, device="cuda") for t in ts.values()]
         else:
             arrays = [numpy.asarray(t) for t in ts.values()]
         took = time.perf_counter() - start
         assert len(arrays) == len(ts)
-print(took * 1e3)
+        del arrays
+print(took * 1e3, flush=True)
 """
 
 _LEGACY = """
@@ -68,7 +69,7 @@ def _child(code: str, args: list[str], stdin: str = "") -> float:
     done = subprocess.run([sys.executable, "-c", code, *args], input=stdin, capture_output=True, text=True,
                           timeout=600)
     if done.returncode != 0:
-        raise RuntimeError(f"the timing process failed: {done.stderr[-2000:]}")
+        raise RuntimeError(f"the timing process failed ({done.returncode}): {done.stdout[-500:]} {done.stderr[-2000:]}")
     return float(done.stdout.strip().splitlines()[-1])
 
 
