@@ -1,6 +1,6 @@
 """Figure 9: tensors by name — a fresh process maps a published layout of 1,000 tensors.
 
-A layout of :data:`COUNT` tensors (16 MiB each on cuda: 16 GiB; 64 KiB on sim) is
+A layout of :data:`COUNT` tensors (1 MiB each on cuda: 1 GiB; 64 KiB on sim) is
 published once; then a fresh process times ``open_tensors`` plus a usable array
 for every tensor (``torch.as_tensor`` on the GPU, ``numpy.asarray`` on the sim),
 from the call to the last array, its start and connection not counted. The anchor
@@ -75,7 +75,7 @@ def _child(code: str, args: list[str], stdin: str = "") -> float:
 
 def run(bench: Bench) -> Iterator[Figure]:
     cuda = bench.backend == "cuda"
-    size = (16 << 20) if cuda else (64 << 10)
+    size = (1 << 20) if cuda else (64 << 10)
     name = f"open_tensors of {COUNT} tensors ({COUNT * size >> 20} MiB) to usable arrays, fresh process"
     with bench.client() as client:
         host = memoryview(bytearray(size))
