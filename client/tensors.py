@@ -13,6 +13,7 @@ interface on the sim. Which thread may call: the client's callers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,6 +32,10 @@ class _Source:
         """``value``: a CUDA array or host buffer, or ``(array, dtype name)`` to publish its bytes as another
         dtype of the same size (bfloat16, which the array interfaces cannot name)."""
         self.name = name
+        self.dtype = ""
+        self.shape: tuple[int, ...] = ()
+        self.device_ptr: int | None = None
+        self.host: memoryview | None = None
         dtype = None
         if isinstance(value, tuple):
             value, dtype = value
@@ -39,14 +44,10 @@ class _Source:
             if dtype not in DTYPES or DTYPES[dtype].itemsize != DTYPES[self.dtype].itemsize:
                 raise BadArgument(f"tensor {name!r}: cannot publish {self.dtype} elements as {dtype!r}")
             self.dtype = dtype
-        self.nbytes = DTYPES[self.dtype].itemsize
-        for n in self.shape:
-            self.nbytes *= n
+        self.nbytes = DTYPES[self.dtype].itemsize * math.prod(self.shape)
 
     def _read(self, value: Any) -> None:
         interface = getattr(value, "__cuda_array_interface__", None)
-        self.device_ptr: int | None = None
-        self.host: memoryview | None = None
         if interface is not None:
             self.dtype = _dtype_of(self.name, interface["typestr"])
             self.shape = tuple(interface["shape"])
@@ -73,7 +74,7 @@ def _host_view(name: str, value: Any) -> memoryview:
         except ImportError:
             raise BadArgument(f"tensor {name!r}: {type(value).__name__} is neither a CUDA array nor a "
                               "host buffer") from None
-        view = memoryview(numpy.ascontiguousarray(value))
+        view = numpy.ascontiguousarray(value).data
     if not view.c_contiguous:
         raise BadArgument(f"tensor {name!r} is not C-contiguous: make it contiguous first")
     return view

@@ -66,8 +66,8 @@ print((time.perf_counter() - start) * 1e3)
 
 
 def _child(code: str, args: list[str], stdin: str = "") -> float:
-    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, *args], input=stdin, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, *args], input=stdin,
+                          capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"the timing process failed ({done.returncode}): {done.stdout[-500:]} {done.stderr[-2000:]}")
     return float(done.stdout.strip().splitlines()[-1])
