@@ -27,6 +27,7 @@ from cuctxd.client.format import (
 from cuctxd.client.transport import CurveKeys, curve_keys
 from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
 from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.sizes import human_size
 from cuctxd.protos.version import __version__
 
 #: Exit status for a usage error (what argparse uses too).
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between refreshes with --watch (default 2)")
     status.add_argument("--count", type=_count, metavar="N", help="with --watch: stop after N refreshes")
     command("shared", "published buffers and who holds them")
+    load = command("load", "publish the tensors of a .safetensors file as one layout")
+    load.add_argument("file", metavar="FILE.safetensors", help="the file to load")
+    load.add_argument("--name", required=True, help="the name to publish the layout under")
+    load.add_argument("--device", type=_count, default=None, metavar="N", help="the device (default: 0)")
     command("doctor", "check that this process can use the daemon (exit 1 on any FAIL)")
     help_ = commands.add_parser("help", help="this help, or the help of one command",
                                 description="this help, or the help of one command")
@@ -148,9 +153,34 @@ def run(argv: Sequence[str] | None = None) -> int:
             elif args.command == "shared":
                 shared = client.list_shared()
                 print(json.dumps(shared) if args.json else shared_table(shared))
+            elif args.command == "load":
+                return load_file(client, args)
     except CuctxError as exc:
         print(f"cuctx: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def load_file(client: Client, args: argparse.Namespace) -> int:
+    """``cuctx load``: the file's tensors published as ``--name``, with a progress line on a terminal."""
+    from cuctxd.client.safetensors_load import load_safetensors
+
+    def progress(done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            print(f"\rloading {args.file}: {100 * done // max(total, 1):3d}% ({human_size(done)} of "
+                  f"{human_size(total)})", end="", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    descriptor = load_safetensors(client, args.file, args.name, device=args.device, progress=progress)
+    took = time.perf_counter() - started
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    if args.json:
+        print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took,
+                          "share_id": descriptor.share_id}))
+    else:
+        print(f"published {args.file} as {args.name!r}: {human_size(descriptor.size)} on device "
+              f"{descriptor.device} in {human_duration(took)}")
     return 0
 
 

@@ -144,8 +144,8 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
     if not shared:
         return "no published buffers"
     return table(
-        ["NAME", "DEVICE", "SIZE", "OWNER", "PUBLISHER", "HOLDERS", "SHARE"],
-        [[s["name"], s["device"], human_size(s["size"]),
+        ["NAME", "DEVICE", "SIZE", "TENSORS", "OWNER", "PUBLISHER", "HOLDERS", "SHARE"],
+        [[s["name"], s["device"], human_size(s["size"]), s.get("tensors") or "-",
           s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", _publisher(s.get("publisher")),
           s["holders"], s["share_id"]]
          for s in shared],

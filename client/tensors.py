@@ -14,7 +14,7 @@ interface on the sim. Which thread may call: the client's callers.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from cuctxd.client import dlpack
@@ -23,6 +23,13 @@ from cuctxd.protos.errors import BadArgument, WrongBackend
 from cuctxd.protos.host import buffer_address
 from cuctxd.protos.layouts import ALIGNMENT, BY_TYPESTR, DTYPES, Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
+
+
+class RawBytes:
+    """A tensor given as its bytes (a host buffer), its dtype name and its shape: what a file holds."""
+
+    def __init__(self, data: memoryview, dtype: str, shape: tuple[int, ...]) -> None:
+        self.data, self.dtype, self.shape = data, dtype, shape
 
 
 class _Source:
@@ -47,6 +54,15 @@ class _Source:
         self.nbytes = DTYPES[self.dtype].itemsize * math.prod(self.shape)
 
     def _read(self, value: Any) -> None:
+        if isinstance(value, RawBytes):
+            if value.dtype not in DTYPES:
+                raise BadArgument(f"tensor {self.name!r}: unknown dtype {value.dtype!r}")
+            expected = DTYPES[value.dtype].itemsize * math.prod(value.shape)
+            if value.data.nbytes != expected:
+                raise BadArgument(f"tensor {self.name!r} of shape {value.shape} ({value.dtype}) needs {expected} "
+                                  f"bytes, not {value.data.nbytes}")
+            self.dtype, self.shape, self.host = value.dtype, value.shape, value.data.cast("B")
+            return
         interface = getattr(value, "__cuda_array_interface__", None)
         if interface is not None:
             self.dtype = _dtype_of(self.name, interface["typestr"])
@@ -104,10 +120,11 @@ def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None =
 
 
 def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
-                    *, device: int | None = None) -> ShareDescriptor:
-    """Put ``tensors`` (name -> CUDA array or host buffer) in one buffer on ``device`` and publish it as
-    ``name`` with their manifest; returns the share's descriptor. Nothing stays published or allocated
-    when this raises."""
+                    *, device: int | None = None, progress: Callable[[int, int], None] | None = None
+                    ) -> ShareDescriptor:
+    """Put ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`) in one buffer on ``device``
+    and publish it as ``name`` with their manifest; returns the share's descriptor. ``progress(done,
+    total)``: bytes copied so far. Nothing stays published or allocated when this raises."""
     manifest, sources, size = plan_layout(tensors, metadata)
     packed = manifest.pack()
     check_manifest(packed, size)  # what the daemon will check, said before any memory is taken
@@ -115,9 +132,13 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
     try:
         device_sources = [(spec, source) for spec, source in zip(manifest.tensors, sources, strict=True)
                           if source.device_ptr is not None]
+        done, total = 0, sum(source.nbytes for source in sources)
         for spec, source in zip(manifest.tensors, sources, strict=True):
             if source.host is not None and source.nbytes:
                 buffer.write(source.host.cast("B"), spec.offset)
+                done += source.nbytes
+                if progress is not None:
+                    progress(done, total)
         if device_sources:
             _copy_from_device(client, buffer, device_sources)
         from cuctxd.client import requests
@@ -273,4 +294,5 @@ def raw_interface(tensor: SharedTensor, *, readonly: bool | None = None) -> dict
     return {"shape": (tensor.nbytes,), "typestr": "|u1", "data": (base, flag), "version": 3, "strides": None}
 
 
-__all__ = ["SharedTensor", "TensorSet", "open_tensors", "plan_layout", "publish_tensors", "raw_interface"]
+__all__ = ["RawBytes", "SharedTensor", "TensorSet", "open_tensors", "plan_layout", "publish_tensors",
+           "raw_interface"]

@@ -3,7 +3,11 @@ numpy views by others; bad manifests refused with nothing published."""
 
 from __future__ import annotations
 
+import json
+import re
+import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -11,8 +15,9 @@ import pytest
 
 from cuctxd import BadArgument, Client, NameExists, NotFound
 from cuctxd.client import requests
+from cuctxd.client.safetensors_load import load_safetensors
 from cuctxd.client.tensors import open_tensors, publish_tensors
-from tests.helpers import DaemonProcess, remove_tempdir, run_client, start_daemon
+from tests.helpers import DaemonProcess, cuctx, remove_tempdir, run_client, start_daemon
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +143,51 @@ def test_dlpack_views_on_the_sim_are_zero_copy_host_arrays(daemon: DaemonProcess
             gc.collect()
             assert len(dlpack._alive) == kept - 2, "the consumer's deleter lets its tensor go"
         c.unpublish("dlpack-model")
+
+
+def _safetensors_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    from safetensors.numpy import save_file
+
+    tensors = {"embed": np.arange(64, dtype=np.float32).reshape(8, 8), "bias": np.ones(5, dtype=np.float16),
+               "ids": np.arange(3, dtype=np.int64)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "np"})
+    return path, tensors
+
+
+def test_cuctx_load_publishes_a_safetensors_file(daemon: DaemonProcess, tmp_path: Path) -> None:
+    pytest.importorskip("safetensors", reason="the safetensors package reads the format")
+    path, tensors = _safetensors_file(tmp_path)
+    done = cuctx("--endpoint", daemon.endpoint, "load", str(path), "--name", "from-disk")
+    assert done.returncode == 0, done.stderr
+    assert "published" in done.stdout and "'from-disk'" in done.stdout
+    with Client(daemon.endpoint) as c, open_tensors(c, "from-disk") as ts:
+        assert ts.metadata == {"format": "np"}
+        for key, value in tensors.items():
+            assert np.asarray(ts[key]).tolist() == value.tolist(), key
+        shared = cuctx("--endpoint", daemon.endpoint, "shared")
+        assert re.search(r"from-disk +0 +.* 3 ", shared.stdout), shared.stdout
+        c.unpublish("from-disk")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "lying header"])
+def test_a_damaged_safetensors_file_publishes_nothing(daemon: DaemonProcess, tmp_path: Path, damage: str) -> None:
+    pytest.importorskip("safetensors", reason="the safetensors package reads the format")
+    path, _ = _safetensors_file(tmp_path)
+    raw = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(raw[:-100])
+    else:
+        (length,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + length])
+        header["embed"]["data_offsets"][1] += 4096
+        packed = json.dumps(header).encode().ljust(length)
+        path.write_bytes(raw[:8] + packed[:length] + raw[8 + length:]) if len(packed) == length else \
+            path.write_bytes(struct.pack("<Q", len(packed)) + packed + raw[8 + length:])
+    with Client(daemon.endpoint) as c:
+        with pytest.raises(BadArgument):
+            load_safetensors(c, str(path), "damaged")
+        with pytest.raises(NotFound):
+            c.lookup("damaged")
+        mine = [s for s in c.status()["devices"][0]["sessions"] if s["session"] == c.session_id]
+        assert all(s["bytes"] == 0 for s in mine), "the damaged file left memory allocated"
