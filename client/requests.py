@@ -441,8 +441,10 @@ def export(buffer: OnDevice) -> Request[ShareDescriptor]:
     return _request("export", _share, **_on(buffer, buffer=buffer.handle))
 
 
-def publish(buffer: OnDevice, name: str, manifest: bytes | None = None) -> Request[ShareDescriptor]:
-    return _request("publish", _share, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest))
+def publish(buffer: OnDevice, name: str, manifest: bytes | None = None,
+            persistent: bool = False) -> Request[ShareDescriptor]:
+    return _request("publish", _share, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest,
+                                             persistent=persistent or None))
 
 
 def unpublish(name: str) -> Request[None]:

@@ -120,11 +120,13 @@ def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None =
 
 
 def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
-                    *, device: int | None = None, progress: Callable[[int, int], None] | None = None
-                    ) -> ShareDescriptor:
+                    *, device: int | None = None, progress: Callable[[int, int], None] | None = None,
+                    persistent: bool = True) -> ShareDescriptor:
     """Put ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`) in one buffer on ``device``
     and publish it as ``name`` with their manifest; returns the share's descriptor. ``progress(done,
-    total)``: bytes copied so far. Nothing stays published or allocated when this raises."""
+    total)``: bytes copied so far. ``persistent`` (the default): the layout stays until unpublished, so
+    workers can come and go (``False``: freed once its last consumer closes it, as a plain publish).
+    Nothing stays published or allocated when this raises."""
     manifest, sources, size = plan_layout(tensors, metadata)
     packed = manifest.pack()
     check_manifest(packed, size)  # what the daemon will check, said before any memory is taken
@@ -143,7 +145,7 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
             _copy_from_device(client, buffer, device_sources)
         from cuctxd.client import requests
 
-        return client.run(requests.publish(buffer, name, packed))  # type: ignore[no-any-return]
+        return client.run(requests.publish(buffer, name, packed, persistent))  # type: ignore[no-any-return]
     except BaseException:
         buffer.free()
         raise

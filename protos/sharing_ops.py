@@ -32,12 +32,14 @@ class Export:
 @op("publish", target="device")
 class Publish:
     """Export a buffer and publish it under ``name``, visible to every session; with ``manifest`` (a
-    packed layout, :mod:`cuctxd.protos.layouts`), as the tensors it lists. Result: ``share``."""
+    packed layout, :mod:`cuctxd.protos.layouts`), as the tensors it lists; ``persistent``: the name
+    keeps it alive until unpublished, however often it is opened and closed. Result: ``share``."""
 
     buffer: int = handle_field()
     name: str = dataclasses.field(metadata={"max_len": 256})
     device: int | None = count_field()
     manifest: bytes | None = None
+    persistent: bool = False
 
 
 @op("unpublish", target="front")

@@ -112,6 +112,9 @@ class Share:
     orphaned_at: float | None = None
     #: The owner revoked it: no new opens, and each holder's next use of it answers REVOKED.
     revoked: bool = False
+    #: Published ``persistent``: its names keep it alive however often it is opened and closed
+    #: (model weights that outlive their loader and survive their workers' restarts).
+    persistent: bool = False
 
     @property
     def share_id(self) -> str:
@@ -120,7 +123,7 @@ class Share:
     def keeps_alive(self) -> bool:
         if self.owner_present or self.holders:
             return True
-        return bool(self.names) and not self.opened_since_orphaned
+        return bool(self.names) and (self.persistent or not self.opened_since_orphaned)
 
 
 @dataclass(eq=False)

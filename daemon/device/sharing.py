@@ -188,6 +188,8 @@ class Sharing:
         """Free published buffers whose owner left ``ttl`` seconds ago and nobody has open
         (oldest first: stops at the first younger one)."""
         for share in list(self.orphaned.values()):
+            if share.persistent:
+                continue  # waits for its unpublish (or eviction beyond max_orphaned_shares)
             if share.orphaned_at is None or now - share.orphaned_at <= ttl:
                 break
             self.registry.drop_names(share)
@@ -222,6 +224,11 @@ class Sharing:
         """Free a share's memory once nothing keeps it alive (deferred free)."""
         if share.keeps_alive():
             self.registry.update(share)
+            if share.persistent and not share.owner_present and not share.holders \
+                    and share.share_id not in self.orphaned:  # kept by its names alone again: counted
+                self.orphaned[share.share_id] = share
+                self.registry.count_orphan(share.share_id, True)
+                self._evict_orphans()
             return
         context = share.context
         self.current.activate(context)

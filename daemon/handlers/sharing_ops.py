@@ -45,6 +45,7 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending:
         layout = (job.args.manifest, len(manifest.tensors))
     share = state.sharing.export(session, buffer)
     state.registry.publish(job.args.name, share, layout)
+    share.persistent = share.persistent or job.args.persistent
     return _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": job.args.name}))
 
 

@@ -191,3 +191,23 @@ def test_a_damaged_safetensors_file_publishes_nothing(daemon: DaemonProcess, tmp
             c.lookup("damaged")
         mine = [s for s in c.status()["devices"][0]["sessions"] if s["session"] == c.session_id]
         assert all(s["bytes"] == 0 for s in mine), "the damaged file left memory allocated"
+
+
+def test_a_persistent_layout_survives_its_consumers_until_unpublished(daemon: DaemonProcess) -> None:
+    run_client(PRODUCER.replace("toy-model", "weights-for-restarts"), daemon.endpoint)
+    for _ in range(2):  # a worker that restarts: open, close, open again
+        assert "toy (4, 8)" in run_client(CONSUMER.replace("toy-model", "weights-for-restarts"), daemon.endpoint)
+    with Client(daemon.endpoint) as c:
+        (listed,) = [s for s in c.list_shared() if s["name"] == "weights-for-restarts"]
+        share_prefix = listed["share_id"][:8]
+        c.unpublish("weights-for-restarts")
+        assert all(s["share_id"] != share_prefix for s in c.status()["devices"][0]["shares"])
+
+
+def test_a_plain_publish_is_freed_after_its_first_consumer(daemon: DaemonProcess) -> None:
+    producer = PRODUCER.replace("toy-model", "one-shot").replace("{\"arch\": \"toy\", \"layers\": 1})",
+                                                                 "{\"arch\": \"toy\"}, persistent=False)")
+    run_client(producer, daemon.endpoint)
+    assert "toy (4, 8)" in run_client(CONSUMER.replace("toy-model", "one-shot"), daemon.endpoint)
+    with Client(daemon.endpoint) as c, pytest.raises(NotFound):
+        c.lookup("one-shot")
