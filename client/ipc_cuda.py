@@ -32,6 +32,17 @@ def _uuid_of(cu: Any, device: Any) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
+def _driver(purpose: str) -> Any:
+    """``cuda.bindings.driver``, initialised; :class:`NotShareable` saying why this process cannot."""
+    try:
+        from cuda.bindings import driver as cu
+
+        _check(cu.cuInit(0))
+    except (ImportError, RuntimeError) as exc:
+        raise NotShareable(f"this process cannot load the CUDA driver to {purpose}: {exc}") from exc
+    return cu
+
+
 def _find_device(cu: Any, uuid: str) -> Any:
     """This process's CUDA device with that UUID (ordinals differ between processes)."""
     for ordinal in range(_check(cu.cuDeviceGetCount())):
@@ -45,13 +56,7 @@ class CudaMapping:
     """A device pointer to the shared allocation, valid in this process until :meth:`close`."""
 
     def __init__(self, descriptor: ShareDescriptor) -> None:
-        try:
-            from cuda.bindings import driver as cu
-
-            _check(cu.cuInit(0))
-        except (ImportError, RuntimeError) as exc:
-            raise NotShareable(f"this process cannot load the CUDA driver to map a cuda share: {exc}") from exc
-        self._cu = cu
+        self._cu = cu = _driver("map a cuda share")
         self._device = _find_device(cu, descriptor.device_uuid)
         self._context = _check(cu.cuDevicePrimaryCtxRetain(self._device))
         handle = cu.CUipcMemHandle()
@@ -82,13 +87,7 @@ class CudaPoolImport:
     :meth:`import_pointer`, in this process's primary context of the same GPU."""
 
     def __init__(self, fd: int, device_uuid: str) -> None:
-        try:
-            from cuda.bindings import driver as cu
-
-            _check(cu.cuInit(0))
-        except (ImportError, RuntimeError) as exc:
-            raise NotShareable(f"this process cannot load the CUDA driver to map a cuda share: {exc}") from exc
-        self._cu = cu
+        self._cu = cu = _driver("map a cuda share")
         self._device = _find_device(cu, device_uuid)
         self._context = _check(cu.cuDevicePrimaryCtxRetain(self._device))
         _check(cu.cuCtxPushCurrent(self._context))
@@ -144,12 +143,7 @@ class CudaPoolMapping:
 def copy_device_to_device(device_uuid: str, dst: int, src: int, size: int) -> None:
     """``cuMemcpyDtoD`` in this process's primary context of that GPU, finished before it returns
     (a layout's tensors copied into a daemon buffer mapped here)."""
-    try:
-        from cuda.bindings import driver as cu
-
-        _check(cu.cuInit(0))
-    except (ImportError, RuntimeError) as exc:
-        raise NotShareable(f"this process cannot load the CUDA driver to copy device memory: {exc}") from exc
+    cu = _driver("copy device memory")
     device = _find_device(cu, device_uuid)
     context = _check(cu.cuDevicePrimaryCtxRetain(device))
     _check(cu.cuCtxPushCurrent(context))
@@ -163,9 +157,7 @@ def copy_device_to_device(device_uuid: str, dst: int, src: int, size: int) -> No
 
 def ordinal_of(device_uuid: str) -> int:
     """This process's CUDA ordinal of the GPU with that UUID."""
-    from cuda.bindings import driver as cu
-
-    _check(cu.cuInit(0))
+    cu = _driver("find a GPU")
     for ordinal in range(_check(cu.cuDeviceGetCount())):
         if _uuid_of(cu, _check(cu.cuDeviceGet(ordinal))) == device_uuid:
             return ordinal
