@@ -187,14 +187,19 @@ class SharedTensor:
     def nbytes(self) -> int:
         return self.spec.nbytes
 
-    def _interface(self, data: int) -> dict[str, Any]:
+    def _interface(self, data: int, readonly: bool | None = None) -> dict[str, Any]:
         typestr = DTYPES[self.dtype].typestr
         if typestr is None:
             raise TypeError(f"{self.dtype} has no array-interface type: view the tensor through "
                             "cuctxd.client.tensors.raw_interface and reinterpret its bytes")
         itemsize = DTYPES[self.dtype].itemsize
-        return {"shape": self.shape, "typestr": typestr, "data": (data, not self._set.writable), "version": 3,
+        flag = not self._set.writable if readonly is None else readonly
+        return {"shape": self.shape, "typestr": typestr, "data": (data, flag), "version": 3,
                 "strides": tuple(s * itemsize for s in self.spec.strides)}
+
+    def cuda_interface(self, *, readonly: bool | None = None) -> CudaArray:
+        """The CUDA array interface with the read-only flag given (torch and CuPy take only False)."""
+        return CudaArray(self._interface(self._set.share.ptr + self.spec.offset, readonly))
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -232,6 +237,13 @@ class SharedTensor:
 
     def __repr__(self) -> str:
         return f"SharedTensor({self.name!r}, {self.dtype}, shape={self.shape})"
+
+
+class CudaArray:
+    """An object that carries a CUDA array interface (what ``torch.as_tensor``/``cupy.asarray`` read)."""
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__cuda_array_interface__ = interface
 
 
 class TensorSet(Mapping[str, SharedTensor]):
@@ -296,5 +308,5 @@ def raw_interface(tensor: SharedTensor, *, readonly: bool | None = None) -> dict
     return {"shape": (tensor.nbytes,), "typestr": "|u1", "data": (base, flag), "version": 3, "strides": None}
 
 
-__all__ = ["RawBytes", "SharedTensor", "TensorSet", "open_tensors", "plan_layout", "publish_tensors",
+__all__ = ["CudaArray", "RawBytes", "SharedTensor", "TensorSet", "open_tensors", "plan_layout", "publish_tensors",
            "raw_interface"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cuctxd.client.tensors import TensorSet, open_tensors, publish_tensors, raw_interface
+from cuctxd.client.tensors import CudaArray, TensorSet, open_tensors, publish_tensors, raw_interface
 from cuctxd.protos.records import ShareDescriptor
 
 
@@ -42,13 +42,6 @@ def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metada
     return publish_tensors(client, name, tensors, metadata, device=device)
 
 
-class _Interface:
-    """An object with the CUDA array interface a dict gives (what ``torch.as_tensor`` reads)."""
-
-    def __init__(self, interface: dict[str, Any]) -> None:
-        self.__cuda_array_interface__ = interface
-
-
 class LoadedState:
     """The tensors published as one name, as torch tensors aliasing the daemon's memory."""
 
@@ -61,7 +54,7 @@ class LoadedState:
             dtype = getattr(torch, shared.dtype)
             if tensors.share.backend == "cuda":
                 # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
-                raw = torch.as_tensor(_Interface(raw_interface(shared, readonly=False)), device="cuda")
+                raw = torch.as_tensor(CudaArray(raw_interface(shared, readonly=False)), device="cuda")
             else:
                 import numpy
 

@@ -93,3 +93,22 @@ with Client(ENDPOINT) as c:
 def test_dlpack_and_the_array_interface_into_torch_and_cupy(cuda_daemon: DaemonProcess) -> None:
     out = run_client(INTEROP, cuda_daemon.endpoint, timeout=300)
     assert "interop True True 8.0 True -1.0" in out, out
+
+
+CUPY = """
+import cupy
+from cuctxd import Client
+from cuctxd.client.cupy_arrays import load_arrays, publish_arrays
+with Client(ENDPOINT) as c:
+    source = cupy.arange(1000, dtype=cupy.float32)
+    publish_arrays(c, "cupy-arrays", {"x": source})
+    with load_arrays(c, "cupy-arrays") as loaded:
+        x = loaded.arrays["x"]
+        print("cupy", type(x).__name__, bool((x == source).all()), x.data.ptr != source.data.ptr)
+    c.unpublish("cupy-arrays")
+"""
+
+
+def test_the_cupy_adapter_maps_arrays_zero_copy(cuda_daemon: DaemonProcess) -> None:
+    out = run_client(CUPY, cuda_daemon.endpoint, timeout=300)
+    assert "cupy ndarray True True" in out, out

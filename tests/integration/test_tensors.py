@@ -211,3 +211,19 @@ def test_a_plain_publish_is_freed_after_its_first_consumer(daemon: DaemonProcess
     assert "toy (4, 8)" in run_client(CONSUMER.replace("toy-model", "one-shot"), daemon.endpoint)
     with Client(daemon.endpoint) as c, pytest.raises(NotFound):
         c.lookup("one-shot")
+
+
+def test_the_array_adapter_gives_read_only_numpy_views_on_the_sim(daemon: DaemonProcess) -> None:
+    from cuctxd.client.cupy_arrays import load_arrays, publish_arrays
+
+    with Client(daemon.endpoint) as c:
+        publish_arrays(c, "arrays", {"a": np.arange(6, dtype=np.int32).reshape(2, 3)}, {"v": 1})
+        with load_arrays(c, "arrays") as loaded:
+            assert loaded.arrays["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and loaded.metadata == {"v": 1}
+            with pytest.raises(ValueError, match="read-only"):
+                loaded.arrays["a"][0, 0] = 7
+        with load_arrays(c, "arrays", writable=True) as loaded:
+            loaded.arrays["a"][0, 0] = 7
+        with load_arrays(c, "arrays") as loaded:
+            assert int(loaded.arrays["a"][0, 0]) == 7
+        c.unpublish("arrays")
