@@ -75,14 +75,13 @@ context's queued work before its memory goes.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
-import uuid
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from cuctxd.daemon.backends.base import Ctx, Driver, Event, Pool, Stream
+from cuctxd.daemon.backends.sim_contexts import SimContext, SimDevice, ThreadStacks
 from cuctxd.daemon.backends.sim_memory import (
     DEVICE_SPAN,
     Allocation,
@@ -93,14 +92,12 @@ from cuctxd.daemon.backends.sim_memory import (
     host_view,
 )
 from cuctxd.daemon.backends.sim_pools import HostRegistrations, PoolArena
-from cuctxd.daemon.backends.sim_streams import StreamScheduler, StreamSet, Work
+from cuctxd.daemon.backends.sim_streams import StreamScheduler, Work
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.host import buffer_address
 from cuctxd.protos.records import DeviceInfo
 from cuctxd.protos.sim_ipc import encode_handle, encode_pool_pointer
-
-log = logging.getLogger(__name__)
 
 #: What ``cuCtxGetApiVersion`` reports on current drivers.
 API_VERSION = 3020
@@ -115,58 +112,6 @@ _INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
 _INVALID_CONTEXT = CUresult.CUDA_ERROR_INVALID_CONTEXT
 _CONTEXT_IS_DESTROYED = CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED
 _ILLEGAL_ADDRESS = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
-
-
-class SimContext:
-    """A simulated ``CUcontext``: the opaque :data:`Ctx` the sim backend hands out.
-
-    Compared by identity, like the driver's handles. ``allocations`` holds the base
-    addresses of the memory allocated in it, freed when it is destroyed, as are its
-    streams and events (``stream_set``).
-    """
-
-    __slots__ = ("alive", "allocations", "context_id", "device", "flags", "is_primary", "stream_set")
-
-    def __init__(self, device: int, flags: int, is_primary: bool, context_id: int, alive: bool) -> None:
-        self.device = device
-        self.flags = flags
-        self.is_primary = is_primary
-        self.context_id = context_id
-        self.alive = alive
-        self.allocations: set[int] = set()
-        self.stream_set = StreamSet()
-
-    def __repr__(self) -> str:
-        kind = "primary" if self.is_primary else "created"
-        state = "" if self.alive else ", destroyed"
-        return f"<SimContext {self.context_id} device {self.device}, {kind}{state}>"
-
-
-class _Device:
-    """One simulated GPU: its description and primary context (its memory is in :class:`DeviceMemory`)."""
-
-    __slots__ = ("info", "primary", "primary_refcount")
-
-    def __init__(self, ordinal: int, capacity: int) -> None:
-        self.primary = SimContext(ordinal, 0, is_primary=True, context_id=0, alive=False)
-        self.primary_refcount = 0
-        name = uuid.uuid5(uuid.NAMESPACE_URL, f"cuctxd-sim://device/{ordinal}")
-        self.info = DeviceInfo(
-            index=ordinal,
-            name="cuctxd simulated GPU",
-            uuid=f"GPU-{name}",
-            pci_bus_id=f"0000:{ordinal + 1:02x}:00.0",
-            compute_capability=(9, 0),
-            total_memory=capacity,
-            multiprocessor_count=132,
-        )
-
-
-class _ThreadStacks(threading.local):
-    """The calling host thread's context stack; the top is the current context."""
-
-    def __init__(self) -> None:
-        self.stack: list[SimContext] = []
 
 
 class SimDriver(Driver):
@@ -188,12 +133,12 @@ class SimDriver(Driver):
             raise ValueError(f"memory_per_device must be 1..{limit} bytes, got {memory_per_device}")
         self._ipc_pools = ipc_pools
         self._registered = HostRegistrations()
-        self._devices = [_Device(ordinal, memory_per_device) for ordinal in range(device_count)]
+        self._devices = [SimDevice(ordinal, memory_per_device) for ordinal in range(device_count)]
         self._memory = DeviceMemory(memory_per_device, device_count)
         self._streams = StreamScheduler()
         self._lock = threading.Lock()
         self._lifecycle = threading.Lock()
-        self._threads = _ThreadStacks()
+        self._threads = ThreadStacks()
         self._context_ids = itertools.count(1)
         self._initialized = False
         #: Injected sticky errors by device: (calls left before it strikes, the error).
@@ -612,7 +557,7 @@ class SimDriver(Driver):
         if not self._initialized:
             raise CudaError.of(CUresult.CUDA_ERROR_NOT_INITIALIZED)
 
-    def _device(self, ordinal: int) -> _Device:
+    def _device(self, ordinal: int) -> SimDevice:
         self._check_initialized()
         if not 0 <= ordinal < len(self._devices):
             raise CudaError.of(CUresult.CUDA_ERROR_INVALID_DEVICE, f"device {ordinal}")
