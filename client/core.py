@@ -80,7 +80,7 @@ class SessionState:
     def _open_data_plane(self, hello: dict[str, Any]) -> None:
         """Set up the data plane when ``hello`` names an fd channel this process can reach."""
         path = hello.get("fd_channel")
-        self._plane = DataPlane(path, self.timeout) if path and hello.get("host") in (None, host_identity()) else None
+        self._plane = DataPlane(path, self.timeout) if path and hello.get("host") == host_identity() else None
 
     def _close_data_plane(self) -> None:
         if self._plane is not None:

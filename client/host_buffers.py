@@ -12,7 +12,6 @@ must not be used afterwards, here or in the daemon.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from typing import Any, Self, TypeVar
@@ -21,6 +20,7 @@ from cuctxd.client import requests
 from cuctxd.client.core import AsyncSession, Session
 from cuctxd.client.presentation import describe, docs_from
 from cuctxd.client.requests import Local, Plan
+from cuctxd.protos.host import buffer_address
 
 HostT = TypeVar("HostT", bound="HostBufferFields")
 
@@ -45,9 +45,8 @@ class HostBufferFields(mmap.mmap):
         self.handle = int(result["host"])
         self.device = int(result["device"])
         self.freed = False
-        probe = ctypes.c_char.from_buffer(self)
-        self._address = ctypes.addressof(probe)
-        del probe  # the address stays valid while mapped; the probe must not pin an export
+        with buffer_address(self) as address:  # valid while mapped; the export ends with the block
+            self._address = address
         return self
 
     @property
