@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from cuctxd.client import dlpack
+from cuctxd.client import dlpack, requests, transfers
 from cuctxd.client.sharing import OpenedShare
 from cuctxd.protos.errors import BadArgument, WrongBackend
 from cuctxd.protos.host import buffer_address
@@ -134,21 +134,35 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
     try:
         device_sources = [(spec, source) for spec, source in zip(manifest.tensors, sources, strict=True)
                           if source.device_ptr is not None]
-        done, total = 0, sum(source.nbytes for source in sources)
-        for spec, source in zip(manifest.tensors, sources, strict=True):
-            if source.host is not None and source.nbytes:
-                buffer.write(source.host.cast("B"), spec.offset)
-                done += source.nbytes
-                if progress is not None:
-                    progress(done, total)
+        host_sources = [(spec.offset, source.host) for spec, source in zip(manifest.tensors, sources, strict=True)
+                        if source.host is not None and source.nbytes]
+        _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
         if device_sources:
             _copy_from_device(client, buffer, device_sources)
-        from cuctxd.client import requests
-
         return client.run(requests.publish(buffer, name, packed, persistent))  # type: ignore[no-any-return]
     except BaseException:
         buffer.free()
         raise
+
+
+#: Bytes written between two progress reports of :func:`publish_tensors`.
+PROGRESS_BYTES = 256 << 20
+
+
+def _write_host_sources(client: Any, buffer: Any, pieces: list[tuple[int, memoryview]], total: int,
+                        progress: Callable[[int, int], None] | None) -> None:
+    """The host tensors into the buffer through the staging ring, many per DMA
+    (:func:`~cuctxd.client.transfers.write_pieces`), in batches of :data:`PROGRESS_BYTES` between
+    progress reports."""
+    done, batch, batch_bytes = 0, [], 0
+    for index, (offset, view) in enumerate(pieces):
+        batch.append((offset, view))
+        batch_bytes += view.nbytes
+        if batch_bytes >= PROGRESS_BYTES or index == len(pieces) - 1:
+            done += client.run(transfers.write_pieces(client, buffer, batch))
+            batch, batch_bytes = [], 0
+            if progress is not None:
+                progress(done, total)
 
 
 def _copy_from_device(client: Any, buffer: Any, sources: list[tuple[TensorSpec, _Source]]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -35,6 +36,9 @@ RING_SLOT_BYTES = 16 << 20
 RING_SLOTS = 2
 #: Smallest transfer that goes through the ring (below it, a payload frame costs less; bench figure 4).
 RING_MIN_BYTES = 64 << 10
+#: Largest gap between two pieces of :func:`write_pieces` that one DMA spans (a layout pads each
+#: tensor to 256 bytes).
+GAP_BYTES = 4096
 
 
 class StagingRing:
@@ -50,11 +54,13 @@ class StagingRing:
         """Where the slot of chunk ``index`` starts in the ring."""
         return (index % RING_SLOTS) * RING_SLOT_BYTES
 
-    def copy_in(self, index: int, data: memoryview) -> None:
-        """Chunk ``index``'s bytes into its slot (no view of the ring outlives the copy)."""
+    def copy_in(self, index: int, pieces: Sequence[tuple[int, memoryview]]) -> None:
+        """Chunk ``index``'s pieces into its slot, each at its place in the slot (no view of the ring
+        outlives the copy)."""
         at = self.offset(index)
-        with self.view[at:at + data.nbytes] as slot:
-            host_copy.copy(slot, data)
+        for place, data in pieces:
+            with self.view[at + place:at + place + data.nbytes] as slot:
+                host_copy.copy(slot, data)
 
     def copy_out(self, index: int, out: memoryview) -> None:
         at = self.offset(index)
@@ -101,17 +107,39 @@ def _drain(sent: deque[Any]) -> Plan[None]:
             yield Wait(sent.popleft())
 
 
-def _ring_write(ring: StagingRing, buffer: OnDevice, view: memoryview, offset: int) -> Plan[int]:
+def _slot_chunks(pieces: Iterable[tuple[int, memoryview]]) -> Iterator[tuple[int, int, list[tuple[int, memoryview]]]]:
+    """Pack pieces (device offset, bytes; ascending, not overlapping) into slot-sized chunks
+    ``(device offset, size, [(place in the slot, bytes)])``; pieces less than :data:`GAP_BYTES` apart share
+    a chunk, so many small ones cost one request; a piece longer than a slot spans chunks."""
+    start, end = 0, 0
+    placed: list[tuple[int, memoryview]] = []
+    for offset, data in pieces:
+        done = 0
+        while done < data.nbytes:
+            at = offset + done
+            if placed and (at - end > GAP_BYTES or at >= start + RING_SLOT_BYTES):
+                yield start, end - start, placed
+                placed = []
+            if not placed:
+                start = at
+            size = min(data.nbytes - done, start + RING_SLOT_BYTES - at)
+            placed.append((at - start, data[done:done + size]))
+            end, done = at + size, done + size
+    if placed:
+        yield start, end - start, placed
+
+
+def _ring_write(ring: StagingRing, buffer: OnDevice, pieces: Iterable[tuple[int, memoryview]]) -> Plan[int]:
     sent: deque[Any] = deque()
+    written = 0
     ring.busy = True
     try:
-        for index, at in enumerate(range(0, view.nbytes, RING_SLOT_BYTES)):
-            size = min(RING_SLOT_BYTES, view.nbytes - at)
+        for index, (offset, size, placed) in enumerate(_slot_chunks(pieces)):
             if len(sent) == RING_SLOTS:
                 yield Wait(sent.popleft())
-            yield Local(partial(ring.copy_in, index, view[at:at + size]))
-            sent.append((yield Send(requests.memcpy_htod(buffer, ring.host, offset + at, ring.offset(index), size,
-                                                         None))))
+            yield Local(partial(ring.copy_in, index, placed))
+            sent.append((yield Send(requests.memcpy_htod(buffer, ring.host, offset, ring.offset(index), size, None))))
+            written += sum(data.nbytes for _, data in placed)
         while sent:
             yield Wait(sent.popleft())
     except BaseException:
@@ -119,7 +147,7 @@ def _ring_write(ring: StagingRing, buffer: OnDevice, view: memoryview, offset: i
         raise
     finally:
         ring.busy = False
-    return view.nbytes
+    return written
 
 
 def _ring_read_into(ring: StagingRing, buffer: OnDevice, out: memoryview, offset: int) -> Plan[int]:
@@ -161,8 +189,24 @@ def write(owner: Any, buffer: OnDevice, data: Any, offset: int, stream: OnDevice
     if stream is None and view.nbytes >= RING_MIN_BYTES:
         ring = yield from _ring(owner, buffer.device)
         if ring is not None:
-            return (yield from _ring_write(ring, buffer, view, offset))
+            return (yield from _ring_write(ring, buffer, [(offset, view)]))
     return (yield from requests.write(buffer, view, offset, stream, owner.limits["max_payload_bytes"]))
+
+
+def write_pieces(owner: Any, buffer: OnDevice, pieces: Sequence[tuple[int, Any]]) -> Plan[int]:
+    """Many host byte ranges into ``buffer`` at their offsets (ascending, not overlapping; a layout's
+    tensors): through the ring, pieces close together share one DMA, and **the bytes between them (gaps
+    under** :data:`GAP_BYTES` **) are overwritten** with whatever the slot held. Without a ring, one
+    ``write`` per piece. Returns the bytes of the pieces."""
+    views = [(offset, memoryview(data).cast("B")) for offset, data in pieces]
+    if sum(view.nbytes for _, view in views) >= RING_MIN_BYTES:
+        ring = yield from _ring(owner, buffer.device)
+        if ring is not None:
+            return (yield from _ring_write(ring, buffer, views))
+    written = 0
+    for offset, view in views:
+        written += yield from write(owner, buffer, view, offset, None)
+    return written
 
 
 def read_into(owner: Any, buffer: OnDevice, out: Any, offset: int, stream: OnDevice | None) -> Plan[int]:

@@ -34,3 +34,9 @@ MIN_CLIENT_HANDLE = (1 << 53)
 
 #: Most failed stream-ordered entries a session's device keeps for later requests to report.
 MAX_DEFERRED_ERRORS = 1024
+
+#: The largest buffer taken from a pool (section 8): every larger one is a legacy ``cuMemAlloc`` buffer,
+#: shared by IPC handle. Measured on an H200 (driver 580): an importer's ``cuMemPoolImportPointer`` costs
+#: about 1.3 ms per GiB of the buffer, against 0.05-0.3 ms for a ``cuIpcOpenMemHandle`` at any size (they
+#: cross near 32 MiB), and kills the importing process with SIGSEGV for one allocation of 6 GiB or more.
+POOL_BUFFER_MAX = 32 << 20

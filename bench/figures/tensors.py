@@ -1,30 +1,43 @@
-"""Figure 9: tensors by name — a fresh process maps a published layout of 1,000 tensors.
+"""Figure 9: tensors by name — opening a published layout, its GPU memory with consumers, loading from disk.
 
-A layout of :data:`COUNT` tensors (1 MiB each on cuda: 1 GiB; 64 KiB on sim) is
-published once; then a fresh process times ``open_tensors`` plus a usable array
-for every tensor (``torch.as_tensor`` on the GPU, ``numpy.asarray`` on the sim),
-from the call to the last array, its start and connection not counted. The anchor
-(cuda): the same number and sizes of allocations opened in a fresh process one
-legacy ``cuIpcOpenMemHandle`` each, timed the same way.
+* ``open_tensors`` of a layout of :data:`COUNT` tensors (16 MiB each on cuda: 16 GiB; 64 KiB on sim) in
+  a fresh process, from the call to a usable array for every tensor (``torch.as_tensor`` on the GPU,
+  ``numpy.asarray`` on the sim), its start and connection not counted. Anchor (cuda): the same number and
+  sizes of allocations opened one legacy ``cuIpcOpenMemHandle`` each, timed the same way.
+* GPU memory (``cuMemGetInfo``) while :data:`CONSUMERS` processes hold that layout as torch tensors,
+  against the layout's bytes plus :data:`CONSUMERS` times what one process's CUDA context takes
+  (measured here by a process that starts torch and connects, without opening the layout).
+* ``load_safetensors`` (``cuctx load``) of a file of :data:`LOAD_TENSORS` in the page cache, against reading
+  the same file into pinned memory and ``cuMemcpyHtoD`` of it, in this process.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 
 from bench.cuda_local import LocalCuda, LocalDriverUnavailable, _check
 from bench.records import Figure, measured, skipped
 from bench.run import Bench
+from bench.stats import median
+from cuctxd.client.safetensors_load import load_safetensors
 from cuctxd.client.tensors import publish_tensors
 
 FIGURE = 9
 TITLE = "tensors by name"
 COUNT = 1000
+CONSUMERS = 4
+#: The safetensors file loaded: 250 tensors of 4 MiB and 250 of 4 KiB (25 of 4 MiB with ``--quick``).
+LOAD_TENSORS = ((250, 4 << 20), (250, 4 << 10))
+QUICK_LOAD_TENSORS = ((25, 4 << 20), (250, 4 << 10))
+_LAYOUT = "bench-layout"
 
-_OPEN = """
+_START = """
 import sys, time
 from cuctxd import Client
 from cuctxd.client.tensors import open_tensors
@@ -34,6 +47,9 @@ if backend == "cuda":
     torch.zeros(1, device="cuda")  # the process's own CUDA start is not what is measured
 else:
     import numpy
+"""
+
+_OPEN = _START + """
 with Client(sys.argv[1]) as c:
     c.ping()
     start = time.perf_counter()
@@ -46,6 +62,21 @@ with Client(sys.argv[1]) as c:
         assert len(arrays) == len(ts)
         del arrays
 print(took * 1e3, flush=True)
+"""
+
+#: Holds the layout as torch tensors (or holds nothing, with ``bare``) until a line arrives on stdin.
+_HOLD = _START + """
+with Client(sys.argv[1]) as c:
+    if sys.argv[3] == "bare":
+        print("ready", flush=True)
+        sys.stdin.readline()
+    else:
+        with open_tensors(c, "bench-layout", writable=True) as ts:
+            arrays = [torch.as_tensor(t, device="cuda") for t in ts.values()]
+            checksum = float(sum(a[:1].float().sum() for a in arrays[:8]))  # the memory is really used
+            print("ready", checksum, flush=True)
+            sys.stdin.readline()
+            del arrays
 """
 
 _LEGACY = """
@@ -75,29 +106,143 @@ def _child(code: str, args: list[str], stdin: str = "") -> float:
 
 def run(bench: Bench) -> Iterator[Figure]:
     cuda = bench.backend == "cuda"
-    size = (1 << 20) if cuda else (64 << 10)
+    size = (16 << 20) if cuda else (64 << 10)
     name = f"open_tensors of {COUNT} tensors ({COUNT * size >> 20} MiB) to usable arrays, fresh process"
-    with bench.client() as client:
-        host = memoryview(bytearray(size))
-        publish_tensors(client, "bench-layout", {f"layer{i}.weight": host for i in range(COUNT)})
-        try:
-            times = [_child(_OPEN, [bench.endpoint(), bench.backend]) for _ in range(3)]
-        finally:
-            client.unpublish("bench-layout")
-    ours = sorted(times)[1]
-    if not cuda:
-        yield skipped(FIGURE, name, "ms", "the same tensors opened one legacy IPC handle each",
-                      f"legacy IPC handles need the cuda backend ({ours:.1f} ms measured on {bench.backend})")
-        return
+    local: LocalCuda | None = None
+    reason = ""
     try:
         local = bench.local_cuda()
     except LocalDriverUnavailable as unavailable:
-        yield skipped(FIGURE, name, "ms", "legacy IPC handles", str(unavailable))
-        return
-    anchor = _legacy_anchor(local, size)
-    yield measured(FIGURE, name, ours, "ms", f"the same {COUNT} allocations opened one cuIpcOpenMemHandle each, "
-                   "fresh process", anchor, target=None,
-                   note=f"median of 3 fresh processes; the issue's bound is < 50 ms absolute: {ours:.1f} ms")
+        reason = str(unavailable)
+    with bench.client() as client:
+        used_before = _used(local) if local else 0
+        host = memoryview(bytearray(size))
+        descriptor = publish_tensors(client, _LAYOUT, {f"layer{i}.weight": host for i in range(COUNT)})
+        try:
+            times = [_child(_OPEN, [bench.endpoint(), bench.backend]) for _ in range(3)]
+            ours = sorted(times)[1]
+            if local is None:
+                yield skipped(FIGURE, name, "ms", "the same tensors opened one legacy IPC handle each",
+                              f"{reason} ({ours:.1f} ms measured on {bench.backend})")
+            else:
+                anchor = _legacy_anchor(local, size)
+                yield measured(FIGURE, name, ours, "ms", f"the same {COUNT} allocations opened one "
+                               "cuIpcOpenMemHandle each, fresh process", anchor, target=None,
+                               note=f"median of 3 fresh processes; the issue's bound is < 50 ms absolute: "
+                                    f"{ours:.1f} ms")
+            yield _consumer_memory(bench, local, reason, used_before, descriptor.size)
+        finally:
+            client.unpublish(_LAYOUT)
+        yield _load(bench, client, local, reason)
+
+
+def _used(local: LocalCuda) -> int:
+    """GPU memory in use (``cuMemGetInfo``), once two readings 0.1 s apart agree: a context torn down is
+    given back a little after its process exits."""
+    used = -1
+    for _ in range(50):
+        free, total = _check(local.cu.cuMemGetInfo())
+        now = int(total) - int(free)
+        if now == used:
+            break
+        used = now
+        time.sleep(0.1)
+    return used
+
+
+def _holders(bench: Bench, how: str, count: int) -> list[subprocess.Popen[str]]:
+    processes = [subprocess.Popen([sys.executable, "-c", _HOLD, bench.endpoint(), bench.backend, how],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(count)]
+    for process in processes:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if not line.startswith("ready"):
+            raise RuntimeError(f"a consumer process did not start (exit {process.wait()})")
+    return processes
+
+
+def _release(processes: list[subprocess.Popen[str]]) -> None:
+    for process in processes:
+        assert process.stdin is not None
+        process.stdin.write("\n")
+        process.stdin.flush()
+    for process in processes:
+        if process.wait(timeout=60) != 0:
+            raise RuntimeError(f"a consumer process failed (exit {process.returncode})")
+
+
+def _consumer_memory(bench: Bench, local: LocalCuda | None, reason: str, used_before: int, layout: int) -> Figure:
+    name = f"GPU memory with {CONSUMERS} processes holding the layout as torch tensors"
+    anchor_name = f"the layout's bytes + {CONSUMERS} bare CUDA contexts"
+    if local is None:
+        return skipped(FIGURE, name, "MiB", anchor_name, reason)
+    with_layout = _used(local)
+    bare = _holders(bench, "bare", 1)
+    context = _used(local) - with_layout
+    _release(bare)
+    holders = _holders(bench, "open", CONSUMERS)
+    try:
+        held = _used(local)
+    finally:
+        _release(holders)
+    value = (held - used_before) / (1 << 20)
+    anchor = (layout + CONSUMERS * context) / (1 << 20)
+    return measured(FIGURE, name, value, "MiB", anchor_name, anchor, target="<= 1.05",
+                    note=f"cuMemGetInfo, from before the publish; one context {context >> 20} MiB; the layout "
+                         f"{layout >> 20} MiB; private copies would add {CONSUMERS * layout >> 20} MiB")
+
+
+def _write_safetensors(path: str, shapes: tuple[tuple[int, int], ...]) -> None:
+    import numpy
+    from safetensors.numpy import save_file
+
+    rng = numpy.random.default_rng(0)
+    tensors = {f"block{kind}.{i}.weight": rng.integers(0, 255, size=size, dtype=numpy.uint8)
+               for kind, (count, size) in enumerate(shapes) for i in range(count)}
+    save_file(tensors, path)
+
+
+def _load(bench: Bench, client: object, local: LocalCuda | None, reason: str) -> Figure:
+    shapes = QUICK_LOAD_TENSORS if bench.settings.quick else LOAD_TENSORS
+    load_bytes = sum(count * size for count, size in shapes)
+    name = f"cuctx load of a {load_bytes >> 20} MiB safetensors file in the page cache"
+    anchor_name = "read into pinned memory + cuMemcpyHtoD, in process"
+    with tempfile.TemporaryDirectory(prefix="cuctxd-bench-") as directory:
+        path = os.path.join(directory, "model.safetensors")
+        try:
+            _write_safetensors(path, shapes)
+        except ImportError as missing:
+            return skipped(FIGURE, name, "GB/s", anchor_name, f"needs numpy and safetensors: {missing}")
+        with open(path, "rb") as file:  # into the page cache
+            while file.read(64 << 20):
+                pass
+
+        def load() -> float:
+            start = time.perf_counter()
+            load_safetensors(client, path, "bench-load")
+            took = time.perf_counter() - start
+            client.unpublish("bench-load")  # type: ignore[attr-defined]
+            return took
+
+        ours = load_bytes / median([load() for _ in range(3)]) / 1e9
+        if local is None:
+            return skipped(FIGURE, name, "GB/s", anchor_name, f"{reason} ({ours:.2f} GB/s measured on {bench.backend})")
+        size = os.path.getsize(path)
+        pinned = local.pinned(size)
+        device = local.alloc(size)
+        try:
+            def anchor_once() -> float:
+                start = time.perf_counter()
+                with open(path, "rb", buffering=0) as file:
+                    file.readinto(pinned)
+                local.htod(device, pinned, size)
+                return time.perf_counter() - start
+
+            anchor = size / median([anchor_once() for _ in range(3)]) / 1e9
+        finally:
+            local.free(device)
+    return measured(FIGURE, name, ours, "GB/s", anchor_name, anchor, target=">= 0.8",
+                    note="median of 3; ours publishes the layout too")
 
 
 def _legacy_anchor(local: LocalCuda, size: int) -> float:

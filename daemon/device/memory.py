@@ -24,6 +24,7 @@ from cuctxd.daemon.device.pools import LegacyMemory, PoolMemory, Pools
 from cuctxd.daemon.device.sharing import Sharing
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
+from cuctxd.protos.limits import POOL_BUFFER_MAX
 from cuctxd.protos.records import BufferRecord
 
 
@@ -41,9 +42,10 @@ class Memory:
         self.pool_memory = PoolMemory(driver, pools)
         self.legacy_memory = LegacyMemory(driver)
 
-    def kind_for(self, shareable: bool) -> MemoryKind:
-        """Pool memory, unless it cannot be exported and the caller needs that (``shareable``)."""
-        if shareable and not self.pool_memory.exportable:
+    def kind_for(self, size: int, shareable: bool) -> MemoryKind:
+        """Pool memory, unless the buffer is larger than :data:`POOL_BUFFER_MAX`, or pools cannot be
+        exported and the caller needs that (``shareable``)."""
+        if size > POOL_BUFFER_MAX or (shareable and not self.pool_memory.exportable):
             return self.legacy_memory
         return self.pool_memory
 
@@ -59,7 +61,7 @@ class Memory:
         """
         self.current.activate(context)
         self._check_quota(state, size)
-        kind = self.kind_for(shareable)
+        kind = self.kind_for(size, shareable)
         try:
             ptr = kind.allocate(context, size, stream)
         except CudaError as exc:

@@ -7,7 +7,8 @@ every context's pool is made IPC-capable, so every buffer can be shared: a
 consumer imports the pool once (its fd goes out through the fd channel) and then
 each buffer from 64 bytes of ``cuMemPoolExportPointer``. Elsewhere pools are
 private and ``shareable=True`` buffers come from ``cuMemAlloc`` (legacy
-``cuIpcGetMemHandle``). One object per kind of memory pairs allocate with free and
+``cuIpcGetMemHandle``). So do buffers above :data:`~cuctxd.protos.limits.POOL_BUFFER_MAX`, on every
+backend (why: that constant's comment). One object per kind of memory pairs allocate with free and
 export (:class:`PoolMemory`, :class:`LegacyMemory`), instead of branches on a flag.
 """
 

@@ -77,6 +77,21 @@ def test_views_share_the_daemons_bytes(daemon: DaemonProcess) -> None:
         owner.unpublish("shared-bytes")
 
 
+def test_many_small_tensors_land_intact_through_the_staging_ring(daemon: DaemonProcess) -> None:
+    """Hundreds of tensors share ring slots (one DMA spans many), and one of 20 MiB spans two slots."""
+    rng = np.random.default_rng(7)
+    tensors = {f"t{i}": rng.integers(0, 255, size=int(rng.integers(1, 9000)), dtype=np.uint8) for i in range(300)}
+    tensors["big"] = rng.integers(0, 255, size=20 << 20, dtype=np.uint8)
+    with Client(daemon.endpoint) as c:
+        reports: list[tuple[int, int]] = []
+        publish_tensors(c, "many-small", tensors, progress=lambda done, total: reports.append((done, total)))
+        total = sum(t.nbytes for t in tensors.values())
+        assert reports[-1] == (total, total)
+        with open_tensors(c, "many-small") as ts:
+            assert all(np.array_equal(np.asarray(ts[key]), value) for key, value in tensors.items())
+        c.unpublish("many-small")
+
+
 @pytest.mark.parametrize(("manifest", "message"), [
     ({"tensors": [{"name": "a", "dtype": "float128", "shape": [1], "offset": 0}]}, "unknown dtype"),
     ({"tensors": [{"name": "a", "dtype": "float32", "shape": [2048], "offset": 0}]}, "past the 4096-byte buffer"),

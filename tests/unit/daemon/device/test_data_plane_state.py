@@ -16,15 +16,15 @@ from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.protos.errors import BadArgument, CudaError, LimitExceeded, NotShareable, TooLarge, UnknownHandle
-from cuctxd.protos.limits import MAX_STREAM_ORDERED_ENTRIES, MIN_CLIENT_HANDLE, STREAM_ORDERED_ENTRY
+from cuctxd.protos.limits import MAX_STREAM_ORDERED_ENTRIES, MIN_CLIENT_HANDLE, POOL_BUFFER_MAX, STREAM_ORDERED_ENTRY
 from tests.unit.daemon.device.test_device_state import new_ref, run
 
 MEMORY = 1 << 24
 ENTRY = struct.Struct(STREAM_ORDERED_ENTRY)
 
 
-def make_state(ipc_pools: bool = True, **limits: Any) -> DeviceState:
-    driver = SimDriver(device_count=1, memory_per_device=MEMORY, ipc_pools=ipc_pools)
+def make_state(ipc_pools: bool = True, memory: int = MEMORY, **limits: Any) -> DeviceState:
+    driver = SimDriver(device_count=1, memory_per_device=memory, ipc_pools=ipc_pools)
     driver.init()
     return DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=4096, **limits),
                        ShareRegistry(), TicketBook())
@@ -62,6 +62,19 @@ def test_without_ipc_pools_shareable_buffers_fall_back_to_legacy_ipc() -> None:
     share = run(state, ref, "export", buffer=legacy["handle"]).result["share"]
     assert share["mechanism"] == "ipc" and len(share["ipc_handle"]) == 64
     run(state, ref, "free", buffer=legacy["handle"])
+
+
+def test_buffers_above_the_pool_maximum_are_legacy_allocations_shared_by_ipc_handle() -> None:
+    state = make_state(memory=4 * POOL_BUFFER_MAX)
+    ref = new_ref()
+    largest = run(state, ref, "alloc", size=POOL_BUFFER_MAX).result["buffer"]
+    above = run(state, ref, "alloc", size=POOL_BUFFER_MAX + 1).result["buffer"]
+    assert run(state, ref, "export", buffer=largest["handle"]).result["share"]["mechanism"] == "pool"
+    share = run(state, ref, "export", buffer=above["handle"]).result["share"]
+    assert above["shareable"] and share["mechanism"] == "ipc" and len(share["ipc_handle"]) == 64
+    assert "ticket" not in run(state, new_ref(), "open_shared", share_id=share["share_id"], pool_fd=True).result
+    run(state, ref, "free", buffer=above["handle"])
+    state.tickets.close()
 
 
 def test_shared_pool_memory_is_freed_only_after_its_last_holder(state: DeviceState) -> None:
