@@ -334,8 +334,8 @@ class AsyncClient(SessionState):
     async def export(self, buffer: AsyncBuffer) -> ShareDescriptor:
         return await self.run(requests.export(buffer))
 
-    async def publish(self, buffer: AsyncBuffer, name: str) -> ShareDescriptor:
-        return await self.run(requests.publish(buffer, name))
+    async def publish(self, buffer: AsyncBuffer, name: str, *, read_only: bool = False) -> ShareDescriptor:
+        return await self.run(requests.publish(buffer, name, read_only=read_only))
 
     async def unpublish(self, name: str) -> None:
         await self.run(requests.unpublish(name))

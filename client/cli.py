@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("file", metavar="FILE.safetensors", help="the file to load")
     load.add_argument("--name", required=True, help="the name to publish the layout under")
     load.add_argument("--device", type=_count, default=None, metavar="N", help="the device (default: 0)")
+    load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
     command("doctor", "check that this process can use the daemon (exit 1 on any FAIL)")
     help_ = commands.add_parser("help", help="this help, or the help of one command",
                                 description="this help, or the help of one command")
@@ -171,7 +172,8 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
                   f"{human_size(total)})", end="", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    descriptor = load_safetensors(client, args.file, args.name, device=args.device, progress=progress)
+    descriptor = load_safetensors(client, args.file, args.name, device=args.device, progress=progress,
+                                  read_only=args.read_only)
     took = time.perf_counter() - started
     if sys.stderr.isatty():
         print(file=sys.stderr)

@@ -362,9 +362,10 @@ class Client(SessionState):
         """Make ``buffer`` shareable; the descriptor is plain data another process can open."""
         return self.run(requests.export(buffer))
 
-    def publish(self, buffer: Buffer, name: str) -> ShareDescriptor:
-        """Export ``buffer`` and publish it under ``name`` for every session to look up."""
-        return self.run(requests.publish(buffer, name))
+    def publish(self, buffer: Buffer, name: str, *, read_only: bool = False) -> ShareDescriptor:
+        """Export ``buffer`` and publish it under ``name`` for every session to look up; ``read_only``:
+        openers map it without write access (advisory: section 9 of PROTOCOL.md says where it holds)."""
+        return self.run(requests.publish(buffer, name, read_only=read_only))
 
     def unpublish(self, name: str) -> None:
         self.run(requests.unpublish(name))

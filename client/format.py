@@ -144,8 +144,8 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
     if not shared:
         return "no published buffers"
     return table(
-        ["NAME", "DEVICE", "SIZE", "TENSORS", "OWNER", "PUBLISHER", "HOLDERS", "SHARE"],
-        [[s["name"], s["device"], human_size(s["size"]), s.get("tensors") or "-",
+        ["NAME", "DEVICE", "SIZE", "TENSORS", "MODE", "OWNER", "PUBLISHER", "HOLDERS", "SHARE"],
+        [[s["name"], s["device"], human_size(s["size"]), s.get("tensors") or "-", "ro" if s.get("read_only") else "rw",
           s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", _publisher(s.get("publisher")),
           s["holders"], s["share_id"]]
          for s in shared],

@@ -441,10 +441,10 @@ def export(buffer: OnDevice) -> Request[ShareDescriptor]:
     return _request("export", _share, **_on(buffer, buffer=buffer.handle))
 
 
-def publish(buffer: OnDevice, name: str, manifest: bytes | None = None,
-            persistent: bool = False) -> Request[ShareDescriptor]:
+def publish(buffer: OnDevice, name: str, manifest: bytes | None = None, persistent: bool = False,
+            read_only: bool = False) -> Request[ShareDescriptor]:
     return _request("publish", _share, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest,
-                                             persistent=persistent or None))
+                                             persistent=persistent or None, read_only=read_only or None))
 
 
 def unpublish(name: str) -> Request[None]:

@@ -51,8 +51,9 @@ def _read_header(path: str) -> tuple[dict[str, Any], dict[str, Any], int]:
 
 
 def load_safetensors(client: Any, path: str, name: str, *, device: int | None = None,
-                     progress: Callable[[int, int], None] | None = None) -> ShareDescriptor:
-    """Publish the tensors of ``path`` as ``name`` (on ``device``); ``progress(done, total)`` in bytes."""
+                     progress: Callable[[int, int], None] | None = None, read_only: bool = False) -> ShareDescriptor:
+    """Publish the tensors of ``path`` as ``name`` (on ``device``; ``read_only``: consumers may open it
+    only read-only); ``progress(done, total)`` in bytes."""
     header, metadata, start = _read_header(path)
     data_bytes = os.path.getsize(path) - start
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
@@ -68,7 +69,8 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
                     raise BadArgument(f"{path}: tensor {key!r} claims bytes {begin}..{end} of {data_bytes}: "
                                       "the file is truncated or its header lies")
                 sources[key] = RawBytes(data[start + begin:start + end], dtype, tuple(entry["shape"]))
-            return publish_tensors(client, name, sources, metadata, device=device, progress=progress)
+            return publish_tensors(client, name, sources, metadata, device=device, progress=progress,
+                                   read_only=read_only)
         finally:
             sources.clear()
             data.release()

@@ -10,6 +10,7 @@ daemon's hold are requests, so :meth:`AsyncOpenedShare.close` is a coroutine
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -69,15 +70,15 @@ class MappedShare:
         only: on others ``hasattr(share, "__cuda_array_interface__")`` is False)."""
         if self.backend != "cuda":
             raise WrongBackend(f"a {self.backend} share is host memory, not a CUDA array; use host_view()")
-        return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
-                "strides": None}
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, self.descriptor.read_only),
+                "version": 3, "strides": None}
 
     def host_view(self) -> memoryview:
-        """The shared bytes themselves (sim backend only)."""
+        """The shared bytes themselves (sim backend only); read-only for a share published read-only."""
         if self.backend != "sim":
             raise NotShareable("a cuda share lives in device memory; use ptr or __cuda_array_interface__")
         view: memoryview = self._mapping.view
-        return view
+        return view.toreadonly() if self.descriptor.read_only else view
 
 
 class OpenedShare(MappedShare):
@@ -138,7 +139,10 @@ def open_share(owner: Any, kind: Callable[[Any, ShareDescriptor, Any], ShareT],
     check_same_host(descriptor)
     need_pool = descriptor.mechanism == "pool" and not POOL_IMPORTS.has(descriptor.pool_id)
     plane = owner.data_plane() if need_pool else None
-    descriptor, ticket = yield requests.open_shared(descriptor, pool_fd=need_pool)
+    opened, ticket = yield requests.open_shared(descriptor, pool_fd=need_pool)
+    # the daemon's descriptor, with what the name said (open_shared knows the share, not the name)
+    descriptor = dataclasses.replace(opened, name=descriptor.name, publisher=descriptor.publisher,
+                                     manifest=descriptor.manifest, read_only=descriptor.read_only)
     try:
         mapping = yield Local(lambda: map_share(descriptor, plane.receive_fd(ticket) if plane and ticket else None))
     except BaseException:

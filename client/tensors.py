@@ -121,12 +121,13 @@ def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None =
 
 def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
                     *, device: int | None = None, progress: Callable[[int, int], None] | None = None,
-                    persistent: bool = True) -> ShareDescriptor:
+                    persistent: bool = True, read_only: bool = False) -> ShareDescriptor:
     """Put ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`) in one buffer on ``device``
     and publish it as ``name`` with their manifest; returns the share's descriptor. ``progress(done,
     total)``: bytes copied so far. ``persistent`` (the default): the layout stays until unpublished, so
     workers can come and go (``False``: freed once its last consumer closes it, as a plain publish).
-    Nothing stays published or allocated when this raises."""
+    ``read_only``: consumers may open it only read-only. Nothing stays published or allocated when this
+    raises."""
     manifest, sources, size = plan_layout(tensors, metadata)
     packed = manifest.pack()
     check_manifest(packed, size)  # what the daemon will check, said before any memory is taken
@@ -139,7 +140,7 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
         _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
         if device_sources:
             _copy_from_device(client, buffer, device_sources)
-        return client.run(requests.publish(buffer, name, packed, persistent))  # type: ignore[no-any-return]
+        return client.run(requests.publish(buffer, name, packed, persistent, read_only))  # type: ignore[no-any-return]
     except BaseException:
         buffer.free()
         raise
@@ -305,11 +306,14 @@ class TensorSet(Mapping[str, SharedTensor]):
 
 
 def open_tensors(client: Any, name: str, *, writable: bool = False) -> TensorSet:
-    """Map the tensors published as ``name`` (read-only views unless ``writable``; the flag is advisory:
-    a mapping of device memory cannot be made read-only)."""
+    """Map the tensors published as ``name`` (read-only views unless ``writable``, which a layout
+    published ``read_only`` refuses; both are advisory: a mapping of device memory cannot be made
+    read-only)."""
     descriptor = client.lookup(name)
     if not descriptor.manifest:
         raise BadArgument(f"{name!r} was published as a plain buffer, without a tensor layout")
+    if writable and descriptor.read_only:
+        raise BadArgument(f"{name!r} was published read-only: open it with writable=False")
     manifest = check_manifest(descriptor.manifest, descriptor.size)
     return TensorSet(client.open_shared(descriptor), manifest, writable)
 

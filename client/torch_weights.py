@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cuctxd.client.tensors import CudaArray, TensorSet, open_tensors, publish_tensors, raw_interface
+from cuctxd.client.tensors import CudaArray, TensorSet, open_tensors, publish_tensors
 from cuctxd.protos.records import ShareDescriptor
 
 
@@ -43,24 +43,29 @@ def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metada
 
 
 class LoadedState:
-    """The tensors published as one name, as torch tensors aliasing the daemon's memory."""
+    """The tensors published as one name, as torch tensors aliasing the daemon's memory: views of one
+    uint8 tensor over the whole buffer (one ``torch.as_tensor``, then a slice and a view per tensor,
+    which costs a fraction of an array-interface import each)."""
 
     def __init__(self, tensors: TensorSet) -> None:
         torch = _torch()
         self.tensors = tensors
         self.metadata = tensors.metadata
+        share = tensors.share
+        if share.backend == "cuda":
+            # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
+            interface = {"shape": (share.size,), "typestr": "|u1", "data": (share.ptr, False), "version": 3,
+                         "strides": None}
+            base = torch.as_tensor(CudaArray(interface), device="cuda")
+        else:
+            import numpy
+
+            base = torch.from_numpy(numpy.frombuffer(share.host_view(), numpy.uint8, share.size))
         self.state_dict: dict[str, Any] = {}
         for key, shared in tensors.items():
-            dtype = getattr(torch, shared.dtype)
-            if tensors.share.backend == "cuda":
-                # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
-                raw = torch.as_tensor(CudaArray(raw_interface(shared, readonly=False)), device="cuda")
-            else:
-                import numpy
-
-                raw = torch.from_numpy(numpy.frombuffer(tensors.share.host_view(), numpy.uint8, shared.nbytes,
-                                                        shared.spec.offset))
-            self.state_dict[key] = raw.view(dtype).view(shared.shape)
+            spec = shared.spec
+            typed = base[spec.offset:spec.extent()].view(getattr(torch, spec.dtype))
+            self.state_dict[key] = typed.as_strided(spec.shape, spec.strides)
 
     def close(self) -> None:
         """Unmap: the tensors in ``state_dict`` must not be used afterwards."""

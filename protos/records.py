@@ -86,6 +86,7 @@ class ShareDescriptor(_Record):
     the buffer (:mod:`cuctxd.protos.layouts`).
     ``publisher`` (from ``lookup``): who exported it, a map of ``session``, ``client``,
     ``pid`` and ``uid`` (None where the daemon does not know).
+    ``read_only`` (from ``lookup``): the name was published read-only: map it without write access.
     """
 
     share_id: str
@@ -101,3 +102,4 @@ class ShareDescriptor(_Record):
     manifest: bytes = b""
     name: str | None = None
     publisher: dict[str, Any] | None = None
+    read_only: bool = False

@@ -33,13 +33,15 @@ class Export:
 class Publish:
     """Export a buffer and publish it under ``name``, visible to every session; with ``manifest`` (a
     packed layout, :mod:`cuctxd.protos.layouts`), as the tensors it lists; ``persistent``: the name
-    keeps it alive until unpublished, however often it is opened and closed. Result: ``share``."""
+    keeps it alive until unpublished, however often it is opened and closed; ``read_only``: openers
+    are told to map it without write access (``read_only`` in the descriptor). Result: ``share``."""
 
     buffer: int = handle_field()
     name: str = dataclasses.field(metadata={"max_len": 256})
     device: int | None = count_field()
     manifest: bytes | None = None
     persistent: bool = False
+    read_only: bool = False
 
 
 @op("unpublish", target="front")
@@ -60,7 +62,7 @@ class Lookup:
 @op("list_shared", target="front")
 class ListShared:
     """Every published name. Result: ``shared`` (list of maps: name, share_id, device,
-    size, owner, owner_present, holders, publisher)."""
+    size, owner, owner_present, holders, publisher, tensors, read_only)."""
 
 
 @op("open_shared", target="device")

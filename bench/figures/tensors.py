@@ -1,9 +1,10 @@
 """Figure 9: tensors by name — opening a published layout, its GPU memory with consumers, loading from disk.
 
-* ``open_tensors`` of a layout of :data:`COUNT` tensors (16 MiB each on cuda: 16 GiB; 64 KiB on sim) in
-  a fresh process, from the call to a usable array for every tensor (``torch.as_tensor`` on the GPU,
-  ``numpy.asarray`` on the sim), its start and connection not counted. Anchor (cuda): the same number and
-  sizes of allocations opened one legacy ``cuIpcOpenMemHandle`` each, timed the same way.
+* Opening a layout of :data:`COUNT` tensors (16 MiB each on cuda: 16 GiB; 64 KiB on sim) in a fresh
+  process, from the call to a usable array for every tensor (``torch_weights.load_state_dict`` on the
+  GPU, ``open_tensors`` and ``numpy.asarray`` on the sim), its start and connection not counted.
+  Anchor (cuda): the same number and sizes of allocations opened one legacy ``cuIpcOpenMemHandle``
+  each, timed the same way.
 * GPU memory (``cuMemGetInfo``) while :data:`CONSUMERS` processes hold that layout as torch tensors,
   against the layout's bytes plus :data:`CONSUMERS` times what one process's CUDA context takes
   (measured here by a process that starts torch and connects, without opening the layout).
@@ -41,6 +42,7 @@ _START = """
 import sys, time
 from cuctxd import Client
 from cuctxd.client.tensors import open_tensors
+from cuctxd.client.torch_weights import load_state_dict
 backend = sys.argv[2]
 if backend == "cuda":
     import torch
@@ -53,14 +55,17 @@ _OPEN = _START + """
 with Client(sys.argv[1]) as c:
     c.ping()
     start = time.perf_counter()
-    with open_tensors(c, "bench-layout", writable=True) as ts:  # torch takes only writable CUDA arrays
-        if backend == "cuda":
-            arrays = [torch.as_tensor(t, device="cuda") for t in ts.values()]
-        else:
+    if backend == "cuda":
+        with load_state_dict(c, "bench-layout") as loaded:
+            arrays = list(loaded.state_dict.values())
+            took = time.perf_counter() - start
+            assert arrays[-1].is_cuda and len(arrays) == len(loaded.tensors)
+            del arrays
+    else:
+        with open_tensors(c, "bench-layout") as ts:
             arrays = [numpy.asarray(t) for t in ts.values()]
-        took = time.perf_counter() - start
-        assert len(arrays) == len(ts)
-        del arrays
+            took = time.perf_counter() - start
+            del arrays
 print(took * 1e3, flush=True)
 """
 
@@ -71,8 +76,8 @@ with Client(sys.argv[1]) as c:
         print("ready", flush=True)
         sys.stdin.readline()
     else:
-        with open_tensors(c, "bench-layout", writable=True) as ts:
-            arrays = [torch.as_tensor(t, device="cuda") for t in ts.values()]
+        with load_state_dict(c, "bench-layout") as loaded:
+            arrays = list(loaded.state_dict.values())
             checksum = float(sum(a[:1].float().sum() for a in arrays[:8]))  # the memory is really used
             print("ready", checksum, flush=True)
             sys.stdin.readline()

@@ -10,6 +10,7 @@ from cuctxd.daemon.handlers.registry import device_handler, front_handler
 from cuctxd.daemon.handlers.replies import DeviceTask, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.sessions import Session
+from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
 from cuctxd.protos.errors import BadArgument
 from cuctxd.protos.layouts import check_manifest
@@ -39,14 +40,15 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending:
         raise BadArgument("publish needs a non-empty name")
     session = state.session(job.session)
     buffer = session.buffers[job.args.buffer]
-    layout = None
+    naming = Naming(read_only=job.args.read_only)
     if job.args.manifest is not None:  # checked before anything is exported or named
         manifest = check_manifest(job.args.manifest, buffer.size)
-        layout = (job.args.manifest, len(manifest.tensors))
+        naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only)
     share = state.sharing.export(session, buffer)
-    state.registry.publish(job.args.name, share, layout)
+    state.registry.publish(job.args.name, share, naming)
     share.persistent = share.persistent or job.args.persistent
-    return _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": job.args.name}))
+    return _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": job.args.name,
+                                                             "read_only": job.args.read_only}))
 
 
 @device_handler(ops.OpenShared)

@@ -69,6 +69,16 @@ class _Listing:
                 "uid": self.owner.uid}
 
 
+@dataclass(frozen=True)
+class Naming:
+    """What a published name carries besides its share: the tensor layout's manifest (packed) and
+    tensor count, and whether openers are to map it read-only."""
+
+    manifest: bytes = b""
+    tensors: int = 0
+    read_only: bool = False
+
+
 def check_scope(name: str, uid: int | None) -> None:
     """Refuse a scoped name ``user/...`` unless ``uid`` is that user's, the daemon's own, or root's."""
     scope, slash, _ = name.partition("/")
@@ -99,8 +109,8 @@ class ShareRegistry:
         self._lock = threading.Lock()
         self._shares: dict[str, _Listing] = {}
         self._names: dict[str, str] = {}
-        #: The layout published with a name, if any: its manifest (packed) and tensor count.
-        self._layouts: dict[str, tuple[bytes, int]] = {}
+        #: What each name was published with (absent: a plain name, :class:`Naming`'s defaults).
+        self._namings: dict[str, Naming] = {}
         #: Ids of published shares kept alive by their names alone, on every device.
         self._orphaned: set[str] = set()
 
@@ -108,9 +118,9 @@ class ShareRegistry:
         with self._lock:
             self._shares[share.share_id] = _Listing(share.descriptor, share.owner)
 
-    def publish(self, name: str, share: ShareRecord, layout: tuple[bytes, int] | None = None) -> None:
-        """Name ``share`` (:func:`check_scope` first), with the manifest of the tensors in it (checked by
-        the caller) and their count; a name is never replaced: unpublish it first."""
+    def publish(self, name: str, share: ShareRecord, naming: Naming = Naming()) -> None:
+        """Name ``share`` (:func:`check_scope` first), with its layout (checked by the caller) and
+        flags; a name is never replaced: unpublish it first."""
         check_scope(name, share.owner.uid)
         with self._lock:
             share_id = self._names.get(name)
@@ -119,8 +129,8 @@ class ShareRegistry:
                 raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
                                  f"client {who.client!r}); only its publisher may unpublish it")
             self._names[name] = share.share_id
-            if layout is not None:
-                self._layouts[name] = layout
+            if naming != Naming():
+                self._namings[name] = naming
         share.names.add(name)
 
     def unpublish(self, name: str, caller: SessionRef) -> str:
@@ -136,7 +146,7 @@ class ShareRegistry:
                 raise NotOwner(f"{name!r} was published by session {owner.public_id} ({owner.client!r}); "
                                "only it may unpublish the name (or, once it let the buffer go, its user)")
             del self._names[name]
-            self._layouts.pop(name, None)
+            self._namings.pop(name, None)
             return share_id
 
     def count_orphan(self, share_id: str, orphaned: bool) -> None:
@@ -156,7 +166,7 @@ class ShareRegistry:
         with self._lock:
             for name in share.names:
                 self._names.pop(name, None)
-                self._layouts.pop(name, None)
+                self._namings.pop(name, None)
         share.names.clear()
 
     def update(self, share: ShareRecord) -> None:
@@ -172,7 +182,7 @@ class ShareRegistry:
             self._orphaned.discard(share.share_id)
             for name in share.names:
                 self._names.pop(name, None)
-                self._layouts.pop(name, None)
+                self._namings.pop(name, None)
 
     def lookup(self, name: str) -> ShareDescriptor:
         """The descriptor published as ``name``, with its ``publisher``."""
@@ -181,9 +191,9 @@ class ShareRegistry:
             if share_id is None:
                 raise NotFound(f"no buffer is published as {name!r}")
             listing = self._shares[share_id]
-            manifest = self._layouts.get(name, (b"", 0))[0]
+            naming = self._namings.get(name, Naming())
         return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher(),
-                                  "manifest": manifest})
+                                  "manifest": naming.manifest, "read_only": naming.read_only})
 
     def device_of(self, share_id: str) -> int:
         with self._lock:
@@ -204,7 +214,8 @@ class ShareRegistry:
                     "owner_present": self._shares[share_id].owner_present,
                     "holders": self._shares[share_id].holders,
                     "publisher": self._shares[share_id].publisher(),
-                    "tensors": self._layouts.get(name, (b"", 0))[1],
+                    "tensors": self._namings.get(name, Naming()).tensors,
+                    "read_only": self._namings.get(name, Naming()).read_only,
                 }
                 for name, share_id in sorted(self._names.items())
             ]

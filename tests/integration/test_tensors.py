@@ -181,8 +181,35 @@ def test_cuctx_load_publishes_a_safetensors_file(daemon: DaemonProcess, tmp_path
         for key, value in tensors.items():
             assert np.asarray(ts[key]).tolist() == value.tolist(), key
         shared = cuctx("--endpoint", daemon.endpoint, "shared")
-        assert re.search(r"from-disk +0 +.* 3 ", shared.stdout), shared.stdout
+        assert re.search(r"from-disk +0 +.* 3 +rw ", shared.stdout), shared.stdout
         c.unpublish("from-disk")
+
+
+def test_a_read_only_layout_is_mapped_read_only_and_refuses_writable_opens(daemon: DaemonProcess,
+                                                                           tmp_path: Path) -> None:
+    pytest.importorskip("safetensors", reason="the safetensors package reads the format")
+    path, tensors = _safetensors_file(tmp_path)
+    done = cuctx("--endpoint", daemon.endpoint, "load", str(path), "--name", "frozen", "--read-only")
+    assert done.returncode == 0, done.stderr
+    with Client(daemon.endpoint) as c:
+        descriptor = c.lookup("frozen")
+        assert descriptor.read_only
+        (listed,) = [s for s in c.list_shared() if s["name"] == "frozen"]
+        assert listed["read_only"] and listed["tensors"] == 3
+        assert re.search(r"frozen +0 +.* 3 +ro ", cuctx("--endpoint", daemon.endpoint, "shared").stdout)
+        with pytest.raises(BadArgument, match="published read-only"):
+            open_tensors(c, "frozen", writable=True)
+        with open_tensors(c, "frozen") as ts:
+            embed = np.asarray(ts["embed"])
+            assert embed.tolist() == tensors["embed"].tolist() and not embed.flags.writeable
+        with c.open_shared(descriptor) as share:
+            assert share.host_view().readonly
+        c.unpublish("frozen")
+        buf = c.alloc(64)
+        assert not c.publish(buf, "plain").read_only and not c.lookup("plain").read_only
+        assert c.publish(buf, "plain-ro", read_only=True).read_only and c.lookup("plain-ro").read_only
+        c.unpublish("plain")
+        c.unpublish("plain-ro")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "lying header"])
