@@ -10,6 +10,7 @@ here; :class:`~cuctxd.client.async_client.AsyncClient` awaits the very same ones
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, TypeVar
@@ -17,11 +18,13 @@ from typing import Any, TypeVar
 from cuctxd.client import requests, transfers
 from cuctxd.client.core import Router, SessionState
 from cuctxd.client.host_buffers import HostBuffer, host_alloc
+from cuctxd.client.lanes import Route
 from cuctxd.client.lease import Heartbeat
 from cuctxd.client.objects import Buffer, Context
 from cuctxd.client.pipeline import Pipeline
 from cuctxd.client.requests import CHUNK_BYTES, Batch, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.sharing import OpenedShare, open_share
+from cuctxd.client.shm_lane import ShmLanes, ShmTransport, eligible, lane_id
 from cuctxd.client.streams import Event, Stream
 from cuctxd.client.transport import (
     DEFAULT_TIMEOUT,
@@ -110,11 +113,36 @@ class Client(SessionState):
             raise
         self._router = Router(main, self._adopt(answer, self._use_lanes), self._open_lane)
         self._open_data_plane(answer)
+        # shm lanes are admitted by the device endpoints' workers: only with those and a data plane
+        self._shm = ShmLanes(self._open_shm) if self._plane is not None and self._router.lanes.endpoints else None
         if self._beats:
             self._heartbeat = Heartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
 
     def _open_lane(self, endpoint: str) -> Transport:
         return Transport(endpoint, self.timeout, self.curve, daemon=self.endpoint)
+
+    def _open_shm(self, device: int) -> ShmTransport | None:
+        """The shm lane to ``device`` (under the route lock), or None when the daemon or this process
+        cannot give one: its requests then take the socket."""
+        assert self._plane is not None
+        request = requests.shm_lane(device)
+        try:
+            opened = self._send_now(request).result()
+            fds, _ = self._plane.channel.fetch(opened["ticket"])
+        except (CuctxError, OSError):
+            return None
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            return None
+        _, socket = self._router.pick(request.op, request.args)
+        return ShmTransport(fds, self.endpoint, self.timeout, socket)
+
+    @property
+    def shm_lanes(self) -> tuple[int, ...]:
+        """The devices this session's shm lanes reach (PROTOCOL.md, "The shm lane"): each opened on the
+        session's first single device call there, when the client has the fd channel."""
+        return () if self._shm is None else self._shm.devices()
 
     def run(self, operation: Request[T] | Plan[T]) -> T:
         """Run one request, or every step of a plan, built by :mod:`cuctxd.client.requests`, on this thread;
@@ -150,22 +178,31 @@ class Client(SessionState):
             return step.sent.result()
         return step.run()
 
-    def _send(self, request: Request[T]) -> Call[T]:
+    def _send(self, request: Request[T], shm: bool = True) -> Call[T]:
         """Send on the request's lane (:mod:`cuctxd.client.lanes`), once what it must follow has been answered;
-        queued stream-ordered entries go first, without waiting for their replies."""
+        queued stream-ordered entries go first, without waiting for their replies. ``shm``: the shm lane
+        may carry it (a pipeline's requests take the socket, which has room for many at once)."""
         with self._route_lock:
             self._flush_outbox()
-            return self._send_now(request)
+            return self._send_now(request, shm)
 
     def _flush_outbox(self) -> None:
         """Send the queued stream-ordered entries without waiting (under the route lock)."""
         for queued in self._outbox.take():
             self._send_now(queued)
 
-    def _send_now(self, request: Request[T]) -> Call[T]:
+    def _send_now(self, request: Request[T], shm: bool = True) -> Call[T]:
         with self._route_lock:
             router = self._router
             route, transport = router.pick(request.op, request.args)
+            if self._shm is not None:
+                if shm and route.lane >= 0 and eligible(request.op, request.args, route.lane, route.reach):
+                    call = self._send_shm(route, request)
+                    if call is not None:
+                        return call
+                for lane in self._shm.busy(route.reach):  # the socket's request goes after the lane's
+                    for call in lane.in_flight():
+                        lane.wait(call)
             if router.lane_transports:
                 for busy in router.conflicts(route):
                     for call in busy.in_flight():
@@ -173,9 +210,22 @@ class Client(SessionState):
             return transport.send(request.op, request.args, self._token, request.payload, into=request.into,
                                   convert=request.convert, reach=route.reach)
 
+    def _send_shm(self, route: Route, request: Request[T]) -> Call[T] | None:
+        """Send on the shm lane to the route's device, after what the sockets still have out there;
+        None when there is no lane or the request does not fit it."""
+        assert self._shm is not None
+        lane = self._shm.for_device(route.lane)
+        if lane is None:
+            return None
+        for busy in self._router.conflicts(Route(lane_id(route.lane), route.reach)):
+            for call in busy.in_flight():
+                busy.wait(call)
+        return lane.try_send(request.op, request.args, self._token, request.payload, into=request.into,
+                             convert=request.convert, reach=route.reach)
+
     def pipeline(self) -> Pipeline:
         """Send memory ops without waiting for each reply (see :mod:`cuctxd.client.pipeline`)."""
-        return Pipeline(self._send)
+        return Pipeline(lambda request: self._send(request, shm=False))
 
     def reconnect(self) -> None:
         """Start a new session on this client, on fresh sockets: after
@@ -199,6 +249,9 @@ class Client(SessionState):
             pass  # the daemon is gone or already forgot us: nothing left to free
         finally:
             self._token = None
+            if self._shm is not None:
+                self._shm.close()
+                self._shm = None
             self._close_data_plane()
             for transport in self._router.transports():
                 transport.close()

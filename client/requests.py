@@ -170,7 +170,8 @@ def _size(result: dict[str, Any], frames: list[Any]) -> int:
 
 
 def _bytes(result: dict[str, Any], frames: list[Any]) -> bytes:
-    return frames[0].bytes if frames else b""
+    """The reply's payload frame (a ``zmq.Frame``, or bytes from an shm lane) as bytes."""
+    return bytes(frames[0]) if frames else b""
 
 
 def _field(name: str, kind: Callable[[Any], T]) -> Convert[T]:
@@ -490,6 +491,11 @@ def revoke_buffer(buffer: OnDevice) -> Plan[None]:
 def host_alloc(device: int | None, size: int) -> Request[dict[str, Any]]:
     """Result: ``host`` (handle), ``size``, ``device`` and ``ticket``."""
     return _request("host_alloc", _result, device=device, size=size)
+
+
+def shm_lane(device: int) -> Request[dict[str, Any]]:
+    """Result: ``ticket`` (three fds on the fd channel) and ``size``."""
+    return _request("shm_lane", _result, device=device)
 
 
 def host_free(host: OnDevice) -> Request[None]:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import zmq
 import zmq.auth
@@ -178,13 +178,21 @@ def read_payload(socket: zmq.Socket[Any], into: Any, more: bool) -> list[Any]:
     return frames
 
 
+class Waits(Protocol):
+    """What a :class:`Call` waits on: a :class:`Transport`, or an shm lane (:mod:`cuctxd.client.shm_lane`)."""
+
+    def wait(self, call: Call[Any], timeout: float | None = None) -> None: ...
+
+    def abandon(self, call: Call[Any]) -> None: ...
+
+
 class Call(Generic[T]):
     """A request in flight; :meth:`result` waits for its reply (and reads others on the way)."""
 
     __slots__ = ("_convert", "_error", "_frames", "_result", "done", "into", "op", "reach", "request_id",
                  "transport")
 
-    def __init__(self, transport: Transport, request_id: int, op: str, into: Any,
+    def __init__(self, transport: Waits, request_id: int, op: str, into: Any,
                  convert: Callable[[dict[str, Any], list[Any]], T], reach: Reach = None) -> None:
         self.transport = transport
         self.request_id = request_id

@@ -7,6 +7,9 @@ channel"). Copies between a host buffer and a device buffer then carry no bytes 
 the socket: ``memcpy_htod``/``memcpy_dtoh`` name both and the device's worker
 copies by DMA. Host buffers belong to the session on the device they were made
 for, count against ``host_memory_per_session`` there, and are freed with it.
+
+An *shm lane* (``shm_lane``) carries a session's device ops to one device
+through shared memory instead of the socket (:mod:`cuctxd.protos.shm_lane`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,15 @@ class HostAlloc:
     the memfd to map, within ``fd_ticket_ttl``)."""
 
     size: int = required_count(minimum=1)
+    device: int | None = count_field()
+
+
+@op("shm_lane", target="device")
+class ShmLane:
+    """Open this session's shm lane to ``device`` (one per session and device, closed with the
+    session). Result: ``ticket`` (redeem it on the fd channel for three fds: the region's memfd, the
+    request eventfd, the reply eventfd) and ``size`` (the region's bytes)."""
+
     device: int | None = count_field()
 
 

@@ -24,7 +24,7 @@ from cuctxd.daemon.intake.admission import admit, device_job, refusal
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.router_io import BATCH, recv_request, send_parts
-from cuctxd.protos.errors import BadRequest
+from cuctxd.protos.errors import BadRequest, CuctxError
 from cuctxd.protos.messages import encode_error, parse_request, unpack
 
 
@@ -59,6 +59,15 @@ class DeviceLane:
                queue: Callable[[Job], None]) -> None:
         """Admit the request and queue it as a job, or answer it with its error."""
         received = time.perf_counter()
+        refused = self.admit(identity, header_bytes, payload, queue, received)
+        if refused is not None:
+            request_id, op_name, error = refused
+            self.reply(identity, request_id, op_name, encode_error(request_id, error), (), error.name, received)
+
+    def admit(self, identity: bytes, header_bytes: bytes, payload: Sequence[Any], queue: Callable[[Job], None],
+              received: float, shm: Any = None) -> tuple[int, str, CuctxError] | None:
+        """Admit a request that came here or through ``shm`` (a session's shm lane to this device) and queue it
+        as a job; or ``(request id, op, error)`` to answer it with."""
         header: Any = None
         op_name = "?"
         try:
@@ -69,20 +78,26 @@ class DeviceLane:
                 raise BadRequest(f"{op_name} is not a device op: send it to the daemon's main endpoint, "
                                  f"not to device {self.device}'s")
             admitted = admit(self.front, request, payload, self.receiver)
-            queue(device_job(admitted, identity, payload, len(self.front.devices), received, self.device))
-            return
+            if shm is not None and (admitted.session is None or admitted.session.ref.token != shm.session.token):
+                raise BadRequest("a request on an shm lane must be of the session the lane was opened for")
+            queue(device_job(admitted, identity, payload, len(self.front.devices), received, self.device, shm))
+            return None
         except Exception as exc:
             request_id, error = refusal(header, op_name, exc, self.where)
-        self.reply(identity, request_id, op_name, encode_error(request_id, error), (), error.name, received)
+            return request_id, op_name, error
 
     def reply(self, identity: bytes, request_id: int, op: str, header: bytes, payload: Sequence[Any],
               outcome: str, received: float, track: bool = False) -> list[tuple[Any, int]]:
         """Answer a request that came in here; the observer hears of it as the front's requests.
         ``track``: return the payload frames' trackers (:func:`~cuctxd.daemon.intake.router_io.send_parts`)."""
         trackers = send_parts(self.router, identity, header, payload, track=track)
+        self.finished(op, outcome, received, request_id)
+        return trackers
+
+    def finished(self, op: str, outcome: str, received: float, request_id: int) -> None:
+        """Tell the observer a request that came here, or through an shm lane, was answered."""
         if self.observer is not None:
             self.observer.finished(op, outcome, received, request_id)
-        return trackers
 
     def close(self) -> None:
         self.router.close()

@@ -12,7 +12,8 @@ uses when built:
 * :class:`~cuctxd.daemon.device.contexts.Contexts` — stacks, the primary's references, orphans;
 * :class:`~cuctxd.daemon.device.sharing.Sharing` — exported buffers and holds;
 * :class:`~cuctxd.daemon.device.memory.Memory` — allocations, quota and reserve;
-* :class:`~cuctxd.daemon.device.host.HostBuffers` — shared page-locked host buffers.
+* :class:`~cuctxd.daemon.device.host.HostBuffers` — shared page-locked host buffers;
+* :class:`~cuctxd.daemon.device.shm_lanes.ShmLanes` — the sessions' shm lanes (device ops through shared memory).
 
 Each session gets a :class:`~cuctxd.daemon.device.entries.SessionOnDevice`
 (records in :mod:`cuctxd.daemon.device.entries`). This class ties the parts
@@ -39,6 +40,7 @@ from cuctxd.daemon.device.host import HostBuffers
 from cuctxd.daemon.device.memory import Memory
 from cuctxd.daemon.device.pools import Pools
 from cuctxd.daemon.device.sharing import Sharing
+from cuctxd.daemon.device.shm_lanes import ShmLanes
 from cuctxd.daemon.device.streams import Streams
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import ShareRegistry
@@ -75,6 +77,7 @@ class DeviceState:
         self.sharing = Sharing(driver, info, self.current, self.contexts, registry, limits, self.sessions)
         self.memory = Memory(driver, device, limits, self.current, self.pools, self.sharing)
         self.host = HostBuffers(driver, device, limits, self.current, self.streams)
+        self.shm_lanes = ShmLanes()
         #: The sticky CUDA error that made this device unusable, if one struck.
         self.failure: CudaError | None = None
         self.worker_thread: threading.Thread | None = None
@@ -96,6 +99,7 @@ class DeviceState:
         rest wait in :attr:`closing` for :meth:`close_more`.
         """
         self.tickets.drop_session(ref.token)
+        self.shm_lanes.close(ref.token)
         state = self.sessions.pop(ref.token, None)
         if state is None:
             return

@@ -103,6 +103,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "share_count": len(state.sharing.shares),
         "host_bytes": state.host.total_bytes,
         "pools": {"count": len(state.pools.entries), "ipc": state.pools.ipc},
+        "shm_lanes": len(state.shm_lanes),
         "truncated": truncated,
         "limits": {
             "max_objects_per_session": state.limits.max_objects_per_session,

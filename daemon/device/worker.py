@@ -50,7 +50,7 @@ from cuctxd.daemon.registry.sessions import DeviceBacklog, Session
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.protos.cuda_results import STICKY_CODES, CUresult
-from cuctxd.protos.errors import CuctxError, CudaError, InternalError, ShuttingDown, UnknownSession
+from cuctxd.protos.errors import BadRequest, CuctxError, CudaError, InternalError, ShuttingDown, UnknownSession
 from cuctxd.protos.messages import encode_error, encode_result
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,8 @@ class DeviceWorker:
                         return
                 elif lane is not None and source is lane.router:
                     lane.take_requests(self._queue_received)
+                elif isinstance(source, int):
+                    self._take_shm(source)
             idle_polls = 0 if ready else idle_polls + 1
             while queues:
                 job = queues.pop()
@@ -264,10 +266,42 @@ class DeviceWorker:
         self._pending = []
         if self._lane is not None and self._lane.router in self._poller:
             self._poller.unregister(self._lane.router)
+        if self.state is not None:
+            for fd in list(self.state.shm_lanes.by_fd):
+                self._watch_shm(fd, False)
 
     def _adopt_lane(self, lane: DeviceLane) -> None:
         self._lane = lane
         self._poller.register(lane.router, _POLLIN)
+        if self.state is not None:  # shm lanes are admitted as this lane admits its requests
+            self.state.shm_lanes.watch = self._watch_shm
+
+    def _watch_shm(self, fd: int, on: bool) -> None:
+        if on:
+            self._poller.register(fd, _POLLIN)
+        elif fd in self._poller:
+            self._poller.unregister(fd)
+
+    def _take_shm(self, fd: int) -> None:
+        """A session rang its shm lane: admit and run (or queue) its request, or answer it with its error."""
+        assert self.state is not None and self._lane is not None
+        lanes = self.state.shm_lanes
+        received = time.perf_counter()
+        try:
+            taken = lanes.take(fd)
+        except BadRequest as exc:  # a message that does not fit its area: answered there
+            lane = lanes.by_fd[fd]
+            lanes.reply(lane, 0, encode_error(0, exc), ())
+            return
+        if taken is None:
+            return
+        lane, header, payload = taken
+        refused = self._lane.admit(b"", header, () if payload is None else (payload,), self._queue_received,
+                                   received, lane)
+        if refused is not None:
+            request_id, op_name, error = refused
+            lanes.reply(lane, request_id, encode_error(request_id, error), ())
+            self._lane.finished(op_name, error.name, received, request_id)
 
     def _poll_pending(self) -> None:
         still: list[tuple[Job, Pending]] = []
@@ -311,6 +345,7 @@ class DeviceWorker:
             self.state.sharing.drop_all()
         except CuctxError as exc:
             log.warning("device %d: freeing shared buffers at shutdown: %s", self.device, exc)
+        self.state.shm_lanes.close_all()
         self._socket.close()
         if self._lane is not None:
             self._lane.close()
@@ -449,6 +484,10 @@ class DeviceWorker:
         backlog = job.backlog if frames and job.device == self.device else None
         if job.lane is None:
             trackers = self.send(job.identity, header, frames, backlog is not None)
+        elif job.lane == self.device and job.shm is not None and self._lane is not None and self.state is not None:
+            self.state.shm_lanes.reply(job.shm, job.request_id, header, frames)  # copied into the region
+            self._lane.finished(job.spec.name, outcome, job.received, job.request_id)
+            return
         elif job.lane == self.device and self._lane is not None:
             trackers = self._lane.reply(job.identity, job.request_id, job.spec.name, header, frames, outcome,
                                         job.received, backlog is not None)

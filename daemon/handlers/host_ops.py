@@ -1,4 +1,5 @@
-"""Data-plane ops, run on the device's worker thread: host_alloc, host_free, memcpy_htod, memcpy_dtoh."""
+"""Data-plane ops, run on the device's worker thread: host_alloc, host_free, memcpy_htod, memcpy_dtoh,
+shm_lane."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from cuctxd.daemon.handlers.registry import device_handler
 from cuctxd.daemon.handlers.replies import Pending, Reply
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.protos import pinned_ops as ops
+from cuctxd.protos.shm_lane import REGION_BYTES
 
 
 @device_handler(ops.HostAlloc)
@@ -21,6 +23,18 @@ def host_alloc(state: DeviceState, job: Job) -> Reply:
         state.host.free(session, entry)
         raise
     return Reply({"host": entry.handle, "size": entry.size, "device": job.device, "ticket": ticket})
+
+
+@device_handler(ops.ShmLane)
+def shm_lane(state: DeviceState, job: Job) -> Reply:
+    state.session(job.session)  # the lane closes with the session's state here
+    fds = state.shm_lanes.open(job.session)
+    try:
+        ticket = state.tickets.issue(job.session.token, job.session.uid, fds, {"shm_lane": job.device})
+    except BaseException:
+        state.shm_lanes.close(job.session.token)
+        raise
+    return Reply({"ticket": ticket, "size": REGION_BYTES})
 
 
 @device_handler(ops.HostFree)

@@ -61,7 +61,7 @@ def admit(state: FrontState, request: RequestHeader, payload: Sequence[Any], rec
 
 
 def device_job(admitted: Admitted, identity: bytes, payload: Sequence[Any], device_count: int,
-               received: float, lane: int | None = None) -> Job:
+               received: float, lane: int | None = None, shm: Any = None) -> Job:
     """The job for an admitted device op, on the device it runs on: its ``device`` argument, else the
     session's current device.
 
@@ -85,7 +85,7 @@ def device_job(admitted: Admitted, identity: bytes, payload: Sequence[Any], devi
     if spec.name == "set_device":  # cudaSetDevice changes the session's current device
         session.current_device = device
     backlog = session.backlogs[device] if device < len(session.backlogs) else None
-    return Job(identity, request.id, spec, args, session.ref, device, payload, lane, received, backlog)
+    return Job(identity, request.id, spec, args, session.ref, device, payload, lane, received, backlog, shm)
 
 
 def refusal(header: Any, op_name: str, exc: Exception, where: str = "") -> tuple[int, CuctxError]:

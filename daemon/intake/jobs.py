@@ -18,6 +18,8 @@ class Job(NamedTuple):
     reply (:mod:`cuctxd.daemon.device.lane`); None when it came through the front.
     ``received``: ``time.perf_counter()`` on arrival, for the request's latency.
     ``backlog``: the session's :class:`DeviceBacklog` on ``device`` (queue and reply limits).
+    ``shm``: the session's shm lane (:mod:`cuctxd.daemon.device.shm_lanes`) the request came through and
+    the reply goes to, instead of ``lane``'s ROUTER.
     """
 
     identity: bytes
@@ -30,6 +32,7 @@ class Job(NamedTuple):
     lane: int | None = None
     received: float = 0.0
     backlog: DeviceBacklog | None = None
+    shm: Any = None
 
 
 def payload_bytes(job: Job) -> int:

@@ -192,6 +192,7 @@ class LoadSession:
             getattr(self, name)()
         while self.live:
             self.free()
+        self.requests["shm_lane"] += len(self.client.shm_lanes)  # one per device, opened by the client
 
 
 def load_process(endpoint: str, seed: int, ops: int) -> dict[str, Any]:

@@ -69,6 +69,7 @@ def test_many_processes_of_mixed_ops_lose_nothing_and_leave_nothing(load_daemon:
         with spawn.Pool(PROCESSES) as pool:
             pending = pool.starmap_async(load_process, [(load_daemon.endpoint, seed, ops) for seed in range(PROCESSES)])
             results = pending.get(timeout=None if soak_mode() else 90)
+        observer_sent["shm_lane"] += len(observer.shm_lanes)
         sent = sum((Counter(r["requests"]) for r in results), observer_sent)
         INPUTS["load: requests from client processes"] += sum(sum(r["requests"].values()) for r in results)
         assert sorted(r["seed"] for r in results) == list(range(PROCESSES))

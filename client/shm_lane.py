@@ -1,0 +1,232 @@
+"""The client's end of an shm lane (PROTOCOL.md, "The shm lane"): small device ops without ZeroMQ.
+
+A lane to device N is opened on the session's first device op there, when the
+client has a data plane (ipc:// on the daemon's host): ``shm_lane`` over the
+socket, then three fds through the fd channel. From then on a request that fits
+(:func:`eligible`, :meth:`ShmTransport.try_send`) is written into the shared
+region and rung with an eventfd; the reply comes back the same way, at about half
+the cost of a ZeroMQ round trip. One request is out at a time; the client's
+router (:mod:`cuctxd.client.lanes`) keeps it in order with the socket's, as for
+any other lane. A lane that timed out is not used again (a late reply must not
+meet the next request). Which thread may call: the sync client's callers, under
+its route lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cuctxd.client.lanes import Reach
+from cuctxd.client.transport import PROBE_EVERY, Call, Transport, listening, no_daemon, no_reply
+from cuctxd.protos.errors import CuctxError, error_from_wire
+from cuctxd.protos.messages import encode_request, parse_reply
+from cuctxd.protos.schema import OPS
+from cuctxd.protos.shm_lane import (
+    MAX_MESSAGE_BYTES,
+    REGION_BYTES,
+    REPLY_AT,
+    REQUEST_AT,
+    fits,
+    is_closed,
+    read_message,
+    write_message,
+)
+
+#: Room left for the reply header of a ``read`` sent on a lane.
+_REPLY_HEADER_ROOM = 1024
+
+
+def lane_id(device: int) -> int:
+    """The router's lane number of the shm lane to ``device`` (below the main endpoint's -1)."""
+    return -2 - device
+
+
+def eligible(op: str, args: dict[str, Any], device: int, reach: Reach) -> bool:
+    """Whether a request may take the shm lane to ``device``: a device op there alone, whose reply fits an
+    area (only ``read`` replies with bytes)."""
+    spec = OPS.get(op)
+    if spec is None or spec.target != "device" or reach != frozenset((device,)):
+        return False
+    if spec.payload_out:
+        size = args.get("size")
+        return op == "read" and isinstance(size, int) and size <= MAX_MESSAGE_BYTES - _REPLY_HEADER_ROOM
+    return True
+
+
+def _raw(result: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    return result, frames
+
+
+class ShmTransport:
+    """One shm lane: the region mapped here, the request and reply eventfds; the interface of
+    :class:`~cuctxd.client.transport.Transport` that the router and calls use."""
+
+    def __init__(self, fds: Sequence[int], daemon: str, timeout: float, socket: Transport) -> None:
+        """``socket``: where a request goes instead once the daemon closed the lane under it (its session
+        ended, the daemon stops); the reply, an error saying why, is the call's."""
+        memfd, self._requests, self._replies = fds
+        try:
+            self._region = mmap.mmap(memfd, REGION_BYTES)
+        finally:
+            os.close(memfd)
+        self._view = memoryview(self._region)
+        self._poll = select.poll()
+        self._poll.register(self._replies, select.POLLIN)
+        self.daemon = daemon
+        self.timeout = timeout
+        self._socket = socket
+        #: The request out on the lane: what it would take to send it on the socket instead.
+        self._request: tuple[str, dict[str, Any], str | None, Sequence[Any]] = ("", {}, None, ())
+        self._ids = itertools.count(1)
+        self._seq = 0
+        self._call: Call[Any] | None = None
+        #: False once a call timed out or the lane closed: requests take the socket from then on.
+        self.usable = True
+        self._closed = False
+        self._lock = threading.RLock()
+
+    def try_send(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any] = (), *,
+                 into: Any = None, convert: Callable[[dict[str, Any], list[Any]], Any] = _raw,
+                 reach: Reach = None) -> Call[Any] | None:
+        """Send on the lane (after the call still out there, if any); None when the request does not fit."""
+        if len(payload) > 1:
+            return None
+        data = memoryview(payload[0]).cast("B") if payload else None
+        request_id = next(self._ids)
+        header = encode_request(request_id, op, session, args)
+        if not fits(len(header), 0 if data is None else data.nbytes):
+            return None
+        with self._lock:
+            if self._call is not None:
+                self.wait(self._call)
+            call: Call[Any] = Call(self, request_id, op, into, convert, reach)
+            if not self.usable:  # closed by the daemon while the last call was out
+                return self._resend(call, op, args, session, payload)
+            self._seq += 1
+            write_message(self._view, REQUEST_AT, self._seq, header, data)
+            os.eventfd_write(self._requests, 1)
+            self._call, self._request = call, (op, args, session, payload)
+            return call
+
+    @property
+    def busy(self) -> bool:
+        return self._call is not None
+
+    def in_flight(self) -> list[Call[Any]]:
+        return [] if self._call is None else [self._call]
+
+    def abandon(self, call: Call[Any]) -> None:
+        if self._call is call:
+            self._call = None
+            self.usable = False
+
+    def wait(self, call: Call[Any], timeout: float | None = None) -> None:
+        """Until ``call``'s reply is in the region; :class:`DaemonTimeout` after ``timeout`` s (the lane is
+        then given up), :class:`NoDaemon` as soon as an ipc:// daemon is found gone. Threads wait one at a
+        time: whoever reads the reply resolves the call."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._lock:
+            while not call.done:
+                left = deadline - time.monotonic()
+                if left > 0 and self._poll.poll(max(1, int(min(left, PROBE_EVERY) * 1000))):
+                    os.eventfd_read(self._replies)
+                    seq, header, payload = read_message(self._view, REPLY_AT)
+                    if seq == self._seq and self._call is call:
+                        self._resolve(call, header, payload)
+                    elif is_closed(self._view):  # the daemon let the lane go without answering
+                        self._call, self.usable = None, False
+                        self._resend(call, *self._request)
+                    continue  # else a ring for an earlier reply
+                if left > 0 and listening(self.daemon):
+                    continue
+                self._call, self.usable = None, False
+                if listening(self.daemon):
+                    raise no_reply(self.daemon, limit, call.op)
+                raise no_daemon(self.daemon, call.op)
+
+    def _resend(self, call: Call[Any], op: str, args: dict[str, Any], session: str | None,
+                payload: Sequence[Any]) -> Call[Any]:
+        """Send ``call``'s request on the socket and resolve ``call`` with that reply (the daemon closes a
+        lane only when the session ends or it stops: the reply says so)."""
+        sent = self._socket.send(op, args, session, payload, into=call.into, reach=call.reach)
+        try:
+            result, frames = sent.result()
+        except CuctxError as error:
+            call._resolve(None, [], error)
+        else:
+            call._resolve(result, frames, None)
+        return call
+
+    def _resolve(self, call: Call[Any], header: bytes, payload: bytes | None) -> None:
+        self._call = None
+        reply = parse_reply(header)
+        frames: list[Any] = []
+        if payload is not None:
+            if call.into is not None:
+                view = memoryview(call.into).cast("B")
+                size = min(len(payload), view.nbytes)
+                view[:size] = payload[:size]
+                frames.append(size)
+            else:
+                frames.append(payload)
+        error = None if reply.error is None else error_from_wire(reply.error, call.op)
+        call._resolve(reply.result, frames, error)
+
+    def close(self) -> None:
+        """Unmap and close the eventfds (the daemon closes its side with the session)."""
+        if self._closed:
+            return
+        self._closed = True  # under the client's route lock: no call is being sent
+        self.usable = False
+        self._call = None
+        self._poll.unregister(self._replies)
+        self._view.release()
+        self._region.close()
+        os.close(self._requests)
+        os.close(self._replies)
+
+
+class ShmLanes:
+    """A session's shm lanes by device, each opened on first use by ``open_lane(device)`` (None: none to
+    be had there; not asked again)."""
+
+    def __init__(self, open_lane: Callable[[int], ShmTransport | None]) -> None:
+        self._open_lane = open_lane
+        self._lanes: dict[int, ShmTransport | None] = {}
+        self._opening = False
+
+    def for_device(self, device: int) -> ShmTransport | None:
+        """The usable lane to ``device``, opened now if need be (None while one is being opened: the
+        request that opens it takes the socket)."""
+        if device not in self._lanes:
+            if self._opening:
+                return None
+            self._opening = True
+            try:
+                self._lanes[device] = self._open_lane(device)
+            finally:
+                self._opening = False
+        lane = self._lanes[device]
+        return lane if lane is not None and lane.usable else None
+
+    def devices(self) -> tuple[int, ...]:
+        return tuple(sorted(device for device, lane in self._lanes.items() if lane is not None))
+
+    def busy(self, reach: Reach) -> list[ShmTransport]:
+        """The lanes with a call out to a device in ``reach`` (None: any device)."""
+        return [lane for device, lane in self._lanes.items()
+                if lane is not None and lane.busy and (reach is None or device in reach)]
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            if lane is not None:
+                lane.close()
+        self._lanes.clear()

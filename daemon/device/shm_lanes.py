@@ -1,0 +1,153 @@
+"""The sessions' shm lanes to this device: device ops through shared memory, woken by eventfds.
+
+A round trip over ZeroMQ costs about twice what an eventfd's does between two
+processes, and a small device op is little more than its round trip. A session
+with a data plane may ask for a lane (``shm_lane``): a memfd region of
+:data:`~cuctxd.protos.shm_lane.REGION_BYTES` and two eventfds, handed over the fd
+channel. The worker polls the request eventfd beside its ROUTER, takes the
+request from the region, admits and runs it as any other (same checks, same
+queues, same order: the client sends on one path at a time), and answers in the
+region. Layout: :mod:`cuctxd.protos.shm_lane`. Owned by the device's worker thread, as part of its
+:class:`~cuctxd.daemon.device.state.DeviceState`; one lane per session, closed with the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.protos.errors import BadRequest, TooLarge
+from cuctxd.protos.messages import encode_error
+from cuctxd.protos.shm_lane import (
+    MESSAGE_HEAD,
+    REGION_BYTES,
+    REPLY_AT,
+    REQUEST_AT,
+    fits,
+    mark_closed,
+    read_message,
+    write_message,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ShmLane:
+    """One session's lane: the region mapped here, its memfd and eventfds (daemon's copies)."""
+
+    session: SessionRef
+    memfd: int
+    requests: int
+    replies: int
+    region: mmap.mmap
+    view: memoryview = field(init=False)
+    #: The sequence number of the last request taken, and whether its reply is still to come.
+    seq: int = 0
+    busy: bool = False
+
+    def __post_init__(self) -> None:
+        self.view = memoryview(self.region)
+
+    def close(self) -> None:
+        """Tell the client (the closed flag, one more ring: a request it still waits for will not be
+        answered here), then let go of everything."""
+        mark_closed(self.view)
+        os.eventfd_write(self.replies, 1)
+        self.view.release()
+        with contextlib.suppress(BufferError):
+            self.region.close()
+        for fd in (self.memfd, self.requests, self.replies):
+            os.close(fd)
+
+
+class ShmLanes:
+    """Every session's lane to this device, by session token and by request eventfd.
+
+    ``watch(fd, on)``: how the worker starts (``on``) or stops polling a lane's
+    request eventfd; set by the worker before any lane opens.
+    """
+
+    def __init__(self) -> None:
+        self.by_session: dict[str, ShmLane] = {}
+        self.by_fd: dict[int, ShmLane] = {}
+        self.watch: Callable[[int, bool], None] | None = None
+
+    def open(self, session: SessionRef) -> list[int]:
+        """A new lane for ``session`` (one each): fds for the client (memfd, request and reply eventfds;
+        the caller owns them)."""
+        if session.token in self.by_session:
+            raise BadRequest("this session already has an shm lane to this device")
+        if self.watch is None:
+            raise BadRequest("this device takes no shm lanes (its worker has no endpoint of its own)")
+        memfd = os.memfd_create("cuctxd-shm-lane", os.MFD_CLOEXEC)
+        fds = [memfd]
+        try:
+            os.ftruncate(memfd, REGION_BYTES)
+            fds.append(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+            fds.append(os.eventfd(0, os.EFD_CLOEXEC))
+            region = mmap.mmap(memfd, REGION_BYTES)
+            client = [os.dup(fd) for fd in fds]
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        lane = ShmLane(session, memfd, fds[1], fds[2], region)
+        self.by_session[session.token] = self.by_fd[lane.requests] = lane
+        self.watch(lane.requests, True)
+        return client
+
+    def take(self, fd: int) -> tuple[ShmLane, bytes, bytes | None] | None:
+        """The request the lane polled on ``fd`` rang for: ``(lane, header, payload)``; None when there is
+        none to take (a ring while the last one is still being answered, or a number already taken).
+        A message that does not fit its area raises :class:`BadRequest` (answered on the lane)."""
+        lane = self.by_fd.get(fd)
+        if lane is None:
+            return None
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(fd)
+        if lane.busy:
+            return None  # the client broke the one-at-a-time rule: its request waits for this reply
+        seq = MESSAGE_HEAD.unpack_from(lane.view, REQUEST_AT)[0]
+        if seq == lane.seq:
+            return None
+        lane.seq, lane.busy = seq, True  # from here on, even garbage is answered, under its number
+        _, header, payload = read_message(lane.view, REQUEST_AT)
+        return lane, header, payload
+
+    def reply(self, lane: ShmLane, request_id: int, header: bytes, frames: Sequence[Any]) -> None:
+        """Answer the lane's request (a lane closed meanwhile is skipped); a reply that does not fit its area
+        is answered with ``CUCTXD_ERROR_TOO_LARGE`` instead."""
+        if self.by_session.get(lane.session.token) is not lane:
+            return
+        payload: Any = memoryview(frames[0]).cast("B") if frames else None
+        if len(frames) > 1 or not fits(len(header), 0 if payload is None else len(payload)):
+            error = TooLarge(f"the reply ({len(header)} header bytes and {len(frames)} frame(s)) does not fit the "
+                             "shm lane's area; send this request over the socket")
+            header, payload = encode_error(request_id, error), None
+        write_message(lane.view, REPLY_AT, lane.seq, header, payload)
+        lane.busy = False
+        os.eventfd_write(lane.replies, 1)
+
+    def close(self, token: str) -> None:
+        """Close the session's lane, if it has one (its session ended)."""
+        lane = self.by_session.pop(token, None)
+        if lane is None:
+            return
+        del self.by_fd[lane.requests]
+        if self.watch is not None:
+            self.watch(lane.requests, False)
+        lane.close()
+
+    def close_all(self) -> None:
+        for token in list(self.by_session):
+            self.close(token)
+
+    def __len__(self) -> int:
+        return len(self.by_session)

@@ -1,0 +1,160 @@
+"""A hostile local process on its own shm lane: garbage lengths, another session's token, rings without a
+request, a flood of rings, a second lane. Each runs against a real daemon process; the bystander (a
+session using its own lane) must not notice, and the lane's fds go when the session ends."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+
+from cuctxd import BadRequest, Client
+from cuctxd.client import requests
+from cuctxd.client.fd_channel import FdChannel
+from cuctxd.protos.messages import encode_request, parse_reply
+from cuctxd.protos.shm_lane import (
+    CLOSED_AT,
+    MESSAGE_HEAD,
+    REGION_BYTES,
+    REPLY_AT,
+    REQUEST_AT,
+    read_message,
+    write_message,
+)
+from tests.adversarial.attacks import Bystander
+from tests.adversarial.test_fd_channel import fd_count
+from tests.helpers import DaemonProcess, wait_until
+
+
+@dataclass
+class RawLane:
+    """A lane opened by hand: the session's raw client (on the main endpoint only) and the three fds."""
+
+    client: Client
+    region: mmap.mmap
+    requests: int
+    replies: int
+
+    def ring(self) -> None:
+        os.eventfd_write(self.requests, 1)
+
+    def reply(self, timeout: float = 5.0) -> tuple[int, dict[str, object]] | None:
+        """``(seq, reply header)`` once the daemon answered, or None after ``timeout`` s."""
+        poll = select.poll()
+        poll.register(self.replies, select.POLLIN)
+        if not poll.poll(int(timeout * 1000)):
+            return None
+        os.eventfd_read(self.replies)
+        seq, header, _ = read_message(memoryview(self.region), REPLY_AT)
+        return seq, msgpack.unpackb(header)
+
+    def close(self) -> None:
+        self.region.close()
+        os.close(self.requests)
+        os.close(self.replies)
+
+
+@pytest.fixture
+def raw_lane(attack_daemon: DaemonProcess) -> Iterator[RawLane]:
+    # device_endpoints=False: the client opens no lane of its own, so this one is the session's
+    with Client(attack_daemon.endpoint, timeout=10, device_endpoints=False) as client:
+        ticket = client.run(requests.shm_lane(0))["ticket"]
+        channel = FdChannel(attack_daemon.endpoint[len("ipc://"):] + ".fds", 10)
+        fds, info = channel.fetch(ticket)
+        channel.close()
+        assert info == {"shm_lane": 0} and len(fds) == 3
+        region = mmap.mmap(fds[0], REGION_BYTES)
+        os.close(fds[0])
+        lane = RawLane(client, region, fds[1], fds[2])
+        yield lane
+        lane.close()
+
+
+def _request(lane: RawLane, seq: int, op: str, args: dict[str, object], token: str | None = None) -> None:
+    header = encode_request(seq, op, lane.client._token if token is None else token, args)
+    write_message(memoryview(lane.region), REQUEST_AT, seq, header, None)
+    lane.ring()
+
+
+def test_a_raw_lane_answers_requests_in_its_region(raw_lane: RawLane, bystander: Bystander) -> None:
+    _request(raw_lane, 1, "mem_get_info", {"device": 0})
+    answer = raw_lane.reply()
+    assert answer is not None and answer[0] == 1
+    reply = parse_reply(msgpack.packb(answer[1]))
+    assert reply.error is None and reply.result["total"] > 0
+    bystander.check()
+
+
+def test_lengths_that_do_not_fit_are_answered_with_bad_request(raw_lane: RawLane, bystander: Bystander) -> None:
+    MESSAGE_HEAD.pack_into(raw_lane.region, REQUEST_AT, 1, 1 << 30, 1, 1 << 30)
+    raw_lane.ring()
+    answer = raw_lane.reply()
+    assert answer is not None and answer[0] == 1
+    assert answer[1]["error"]["name"] == "CUCTXD_ERROR_BAD_REQUEST"  # type: ignore[index]
+    _request(raw_lane, 2, "mem_get_info", {"device": 0})  # the lane still works
+    answer = raw_lane.reply()
+    assert answer is not None and answer[0] == 2 and "error" not in answer[1]
+    bystander.check()
+
+
+def test_garbage_headers_and_another_sessions_token_are_refused(raw_lane: RawLane, bystander: Bystander) -> None:
+    write_message(memoryview(raw_lane.region), REQUEST_AT, 1, b"\xc1 not msgpack", None)
+    raw_lane.ring()
+    answer = raw_lane.reply()
+    assert answer is not None and answer[1]["error"]["name"] == "CUCTXD_ERROR_BAD_REQUEST"  # type: ignore[index]
+    other = bystander.client._token
+    assert other is not None
+    _request(raw_lane, 2, "mem_get_info", {"device": 0}, token=other)
+    answer = raw_lane.reply()
+    assert answer is not None and answer[0] == 2
+    assert "session the lane was opened for" in answer[1]["error"]["message"]  # type: ignore[index]
+    bystander.check()
+
+
+def test_rings_without_a_new_request_are_ignored_and_a_flood_costs_nothing(raw_lane: RawLane,
+                                                                           bystander: Bystander) -> None:
+    _request(raw_lane, 1, "mem_get_info", {"device": 0})
+    assert raw_lane.reply() is not None
+    raw_lane.ring()  # the same sequence number again
+    assert raw_lane.reply(timeout=0.5) is None
+    for ring in range(10_000):
+        raw_lane.ring()
+        if ring % 2500 == 0:
+            bystander.check()
+    assert raw_lane.reply(timeout=0.5) is None
+    _request(raw_lane, 2, "mem_get_info", {"device": 0})
+    answer = raw_lane.reply()
+    assert answer is not None and answer[0] == 2
+
+
+def test_a_second_lane_is_refused(raw_lane: RawLane) -> None:
+    with pytest.raises(BadRequest, match="already has an shm lane"):
+        raw_lane.client.run(requests.shm_lane(0))
+
+
+def test_the_lanes_fds_go_with_the_session(attack_daemon: DaemonProcess) -> None:
+    before = fd_count(attack_daemon)
+    with Client(attack_daemon.endpoint, timeout=10) as client:
+        client.alloc(64).free()  # the first device op opens the client's lane
+        assert client.status()["devices"][0]["shm_lanes"] == 1
+        assert fd_count(attack_daemon) > before
+    assert wait_until(lambda: fd_count(attack_daemon) <= before, timeout=5)
+
+
+def test_a_reply_too_large_for_the_area_is_an_error_not_a_crash(raw_lane: RawLane, bystander: Bystander) -> None:
+    buffer = raw_lane.client.alloc(1 << 20, 0)
+    _request(raw_lane, 1, "read", {"device": 0, "buffer": buffer.handle, "size": 1 << 20})
+    answer = raw_lane.reply()
+    assert answer is not None and answer[1]["error"]["name"] == "CUCTXD_ERROR_TOO_LARGE"  # type: ignore[index]
+    bystander.check()
+
+
+def test_head_layout_is_what_the_spec_says() -> None:
+    assert MESSAGE_HEAD.size == 20 and struct.calcsize("<QIII") == 20
+    assert (REPLY_AT, CLOSED_AT, REGION_BYTES) == (65536, 131072, 131136)

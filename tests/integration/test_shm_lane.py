@@ -1,0 +1,110 @@
+"""Device ops through shm lanes, against a real daemon: which calls take a lane, that they keep their
+order with the socket's, that errors and bytes come back as over ZeroMQ, and that lanes end with their
+sessions."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from cuctxd import Client, UnknownHandle
+from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB")
+    yield process
+    assert process.stop() == 0, process.log()
+    remove_tempdir(process.socket_dir)
+
+
+def lanes(observer: Client) -> list[int]:
+    return [device["shm_lanes"] for device in observer.status()["devices"]]
+
+
+def test_a_sessions_first_device_op_opens_its_lane_to_that_device(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as observer:
+        with Client(daemon.endpoint) as c:
+            assert lanes(observer) == [0, 0]
+            buf = c.alloc(4096)
+            buf.write(b"through the lane")
+            assert buf.read(16) == b"through the lane"
+            assert lanes(observer) == [1, 0]
+            other = c.alloc(64, device=1)
+            other.fill(7)
+            assert other.read(4) == b"\x07" * 4
+            assert lanes(observer) == [1, 1]
+        assert wait_until(lambda: lanes(observer) == [0, 0], timeout=5)
+
+
+def test_errors_come_back_typed(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        buf = c.alloc(64)
+        buf.free()
+        with pytest.raises(UnknownHandle):
+            buf.read(8)
+        assert c.alloc(64).read(8) is not None  # the lane goes on after an error
+
+
+def test_the_lane_and_a_pipeline_keep_the_order_they_were_sent_in(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        buf = c.alloc(4096)
+        buf.read(1)  # the lane is open from here on
+        with c.pipeline() as p:
+            for value in range(50):
+                p.write(buf, bytes([value]) * 64)
+        assert buf.read(64) == bytes([49]) * 64  # the lane's read waited for the pipeline's writes
+        buf.write(b"\xaa" * 64)
+        with c.pipeline() as p:
+            read = p.read(buf, 64)
+        assert read.result() == b"\xaa" * 64
+
+
+@pytest.mark.parametrize("size", [1, 60 << 10, 63 << 10 | 512])
+def test_reads_near_the_area_size_land_whole(daemon: DaemonProcess, size: int) -> None:
+    """Up to about 63 KiB a read's reply fits the lane's area; just above, it takes the socket."""
+    data = bytes(range(256)) * (size // 256 + 1)
+    with Client(daemon.endpoint) as c:
+        buf = c.alloc(size)
+        buf.write(data[:size])
+        assert buf.read() == data[:size]
+        out = bytearray(size)
+        assert buf.read_into(out) == size and bytes(out) == data[:size]
+
+
+def test_stream_ordered_allocation_through_the_lane(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        buffers = [c.alloc_async(4096) for _ in range(100)]
+        for buf in buffers:
+            c.free_async(buf)
+        c.synchronize()
+        assert c.alloc(64).read(1) is not None
+
+
+def test_threads_sharing_a_client_each_get_their_own_replies(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        buffers = [c.alloc(64) for _ in range(4)]
+        for index, buf in enumerate(buffers):
+            buf.write(bytes([index]) * 64)
+        wrong: list[int] = []
+
+        def reader(index: int) -> None:
+            for _ in range(200):
+                if buffers[index].read(64) != bytes([index]) * 64:
+                    wrong.append(index)
+
+        threads = [threading.Thread(target=reader, args=(index,)) for index in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not wrong and not any(thread.is_alive() for thread in threads)
+
+
+def test_a_client_without_device_endpoints_opens_no_lane(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as observer, Client(daemon.endpoint, device_endpoints=False) as c:
+        c.alloc(64).write(b"socket only")
+        assert lanes(observer) == [0, 0]
