@@ -100,11 +100,14 @@ class Manifest:
         return packed
 
 
-def _ints(value: Any, what: str, *, negative: bool = False) -> tuple[int, ...]:
+def _counts(value: Any, name: str, field: str) -> tuple[int, ...]:
+    """Tensor ``name``'s ``field``, a list of at most MAX_DIMS non-negative ints (not bools), as a tuple
+    (checked in a plain loop: a layout may list 100,000 tensors)."""
     if not isinstance(value, list | tuple) or len(value) > MAX_DIMS:
-        raise BadArgument(f"{what} must be a list of at most {MAX_DIMS} integers")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and (negative or v >= 0) for v in value):
-        raise BadArgument(f"{what} must hold {'integers' if negative else 'non-negative integers'}, got {value!r}")
+        raise BadArgument(f"tensor {name!r}: {field} must be a list of at most {MAX_DIMS} integers")
+    for v in value:
+        if type(v) is not int or v < 0:
+            raise BadArgument(f"tensor {name!r}: {field} must hold non-negative integers, got {value!r}")
     return tuple(value)
 
 
@@ -138,9 +141,8 @@ def check_manifest(raw: bytes, size: int) -> Manifest:
         dtype = entry.get("dtype")
         if dtype not in DTYPES:
             raise BadArgument(f"tensor {name!r}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-        shape = _ints(entry.get("shape"), f"tensor {name!r}: shape")
-        strides = c_strides(shape) if entry.get("strides") is None else _ints(
-            entry["strides"], f"tensor {name!r}: strides")
+        shape = _counts(entry.get("shape"), name, "shape")
+        strides = c_strides(shape) if entry.get("strides") is None else _counts(entry["strides"], name, "strides")
         if len(strides) != len(shape):
             raise BadArgument(f"tensor {name!r}: {len(shape)} dimensions but {len(strides)} strides")
         offset = entry.get("offset")
@@ -149,7 +151,8 @@ def check_manifest(raw: bytes, size: int) -> Manifest:
         if offset % DTYPES[dtype].itemsize:
             raise BadArgument(f"tensor {name!r}: offset {offset} is not a multiple of its item size")
         spec = TensorSpec(name, dtype, shape, strides, offset)
-        if spec.extent() > size:
-            raise BadArgument(f"tensor {name!r} ends at byte {spec.extent()}, past the {size}-byte buffer")
+        end = spec.extent()
+        if end > size:
+            raise BadArgument(f"tensor {name!r} ends at byte {end}, past the {size}-byte buffer")
         specs.append(spec)
     return Manifest(tuple(specs), metadata)
