@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from cuctxd.client import Client, CudaError, DaemonTimeout, SessionLost
+from cuctxd.client import Client, CudaError, DaemonTimeout, SessionExpired, SessionLost
 from tests.helpers import DaemonProcess, remove_tempdir, session_ids, short_tempdir, start_daemon, wait_until
 from tests.reliability.victims import transfer_forever
 
@@ -193,6 +195,59 @@ def test_a_large_transfer_to_a_dead_daemon_fails_within_the_clients_timeout() ->
         client.close()
         kill(daemon)
         remove_tempdir(socket_dir)
+
+
+def test_a_call_waiting_on_an_shm_lane_learns_of_a_killed_daemon_within_a_probe() -> None:
+    """A call on an shm lane has no socket to see the daemon go: the client probes the endpoint while
+    it waits (every PROBE_EVERY s), so a killed daemon is found gone in about a second, not the timeout."""
+    daemon = start_daemon("--sim-devices", "1", "--sim-memory", "16MiB")
+    client = Client(daemon.endpoint, timeout=30, name="lane-waiter", heartbeat=False)
+    try:
+        buffer = client.alloc(64)
+        buffer.read(1)
+        assert client.shm_lanes == (0,)
+        os.kill(daemon.process.pid, signal.SIGSTOP)  # the request is taken by nobody
+        outcome: list[BaseException | bytes] = []
+
+        def read() -> None:
+            try:
+                outcome.append(buffer.read(8))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=read)
+        started = time.monotonic()
+        waiter.start()
+        time.sleep(0.3)
+        kill(daemon)
+        waiter.join(10)
+        assert not waiter.is_alive() and len(outcome) == 1, outcome
+        assert isinstance(outcome[0], SessionLost) and "no cuctxd is listening" in str(outcome[0]), outcome
+        assert time.monotonic() - started < 5
+        assert client.shm_lanes == (0,)
+    finally:
+        client.close()
+        kill(daemon)
+        remove_tempdir(daemon.socket_dir)
+
+
+def test_a_daemon_that_closes_a_lane_under_a_waiting_call_answers_it_on_the_socket() -> None:
+    """A session reaped while its call waits on the lane: the daemon marks the lane closed and rings it,
+    the client sends the call again on the socket, and the reply says why (the session is gone)."""
+    daemon = start_daemon("--sim-devices", "1", "--sim-memory", "16MiB", "--lease-ttl", "1")
+    client = Client(daemon.endpoint, timeout=30, name="reaped", heartbeat=False)
+    try:
+        buffer = client.alloc(64)
+        buffer.read(1)
+        time.sleep(2.5)  # reaped: the daemon closed the lane
+        started = time.monotonic()
+        with pytest.raises(SessionExpired):
+            buffer.read(8)
+        assert time.monotonic() - started < 5
+    finally:
+        client.close()
+        kill(daemon)
+        remove_tempdir(daemon.socket_dir)
 
 
 def test_a_stopped_daemon_frees_published_and_exported_buffers() -> None:
