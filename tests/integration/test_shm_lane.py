@@ -108,3 +108,18 @@ def test_a_client_without_device_endpoints_opens_no_lane(daemon: DaemonProcess) 
     with Client(daemon.endpoint) as observer, Client(daemon.endpoint, device_endpoints=False) as c:
         c.alloc(64).write(b"socket only")
         assert lanes(observer) == [0, 0]
+
+
+def test_beyond_max_shm_lanes_a_session_keeps_to_the_socket() -> None:
+    process = start_daemon("--sim-devices", "1", "--sim-memory", "16MiB", "--max-shm-lanes", "1")
+    try:
+        with Client(process.endpoint) as first, Client(process.endpoint) as second:
+            first.alloc(64).read(1)
+            buf = second.alloc(64)
+            buf.write(b"by socket")
+            assert buf.read(9) == b"by socket"
+            assert (first.shm_lanes, second.shm_lanes) == ((0,), ())
+            assert lanes(first) == [1]
+    finally:
+        assert process.stop() == 0, process.log()
+        remove_tempdir(process.socket_dir)
