@@ -67,6 +67,8 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
         ]
         if dev.get("failed"):
             lines.append(f"  FAILED: {dev['failed']} (this device refuses all work until the daemon restarts)")
+        if dev.get("shm_lanes"):
+            lines.append(f"  shm lanes: {dev['shm_lanes']} open")
         if dev["contexts"]:
             lines.append(table(
                 ["CONTEXT", "KIND", "FLAGS", "SESSIONS"],

@@ -60,10 +60,6 @@ def eligible(op: str, args: dict[str, Any], device: int, reach: Reach) -> bool:
     return True
 
 
-def _raw(result: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
-    return result, frames
-
-
 class ShmTransport:
     """One shm lane: the region mapped here, the request and reply eventfds; the interface of
     :class:`~cuctxd.client.transport.Transport` that the router and calls use."""
@@ -93,7 +89,7 @@ class ShmTransport:
         self._lock = threading.RLock()
 
     def try_send(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any] = (), *,
-                 into: Any = None, convert: Callable[[dict[str, Any], list[Any]], Any] = _raw,
+                 into: Any, convert: Callable[[dict[str, Any], list[Any]], Any],
                  reach: Reach = None) -> Call[Any] | None:
         """Send on the lane (after the call still out there, if any); None when the request does not fit."""
         if len(payload) > 1:

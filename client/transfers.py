@@ -197,15 +197,15 @@ def write_pieces(owner: Any, buffer: OnDevice, pieces: Sequence[tuple[int, Any]]
     """Many host byte ranges into ``buffer`` at their offsets (ascending, not overlapping; a layout's
     tensors): through the ring, pieces close together share one DMA, and **the bytes between them (gaps
     under** :data:`GAP_BYTES` **) are overwritten** with whatever the slot held. Without a ring, one
-    ``write`` per piece. Returns the bytes of the pieces."""
+    payload frame per piece. Returns the bytes of the pieces."""
     views = [(offset, memoryview(data).cast("B")) for offset, data in pieces]
     if sum(view.nbytes for _, view in views) >= RING_MIN_BYTES:
         ring = yield from _ring(owner, buffer.device)
         if ring is not None:
             return (yield from _ring_write(ring, buffer, views))
     written = 0
-    for offset, view in views:
-        written += yield from write(owner, buffer, view, offset, None)
+    for offset, view in views:  # the ring was asked for above: the socket it is
+        written += yield from requests.write(buffer, view, offset, None, owner.limits["max_payload_bytes"])
     return written
 
 

@@ -46,6 +46,8 @@ class DeviceLimits:
     #: Most bytes of host buffers one session may have here, and all sessions together.
     host_memory_per_session: int = 0
     max_host_memory: int = 0
+    #: Most shm lanes open to this device at once.
+    max_shm_lanes: int = 0
 
 
 class HandleTable(dict[int, T], Generic[T]):

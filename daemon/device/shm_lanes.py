@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.protos.errors import BadRequest, TooLarge
+from cuctxd.protos.errors import BadRequest, LimitExceeded, TooLarge
 from cuctxd.protos.messages import encode_error
 from cuctxd.protos.shm_lane import (
     MESSAGE_HEAD,
@@ -36,6 +36,9 @@ from cuctxd.protos.shm_lane import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Default of ``max_shm_lanes``: lanes open to one device at once (each holds a 128 KiB memfd and 3 fds).
+DEFAULT_MAX_SHM_LANES = 1024
 
 
 @dataclass(eq=False)
@@ -71,10 +74,11 @@ class ShmLanes:
     """Every session's lane to this device, by session token and by request eventfd.
 
     ``watch(fd, on)``: how the worker starts (``on``) or stops polling a lane's
-    request eventfd; set by the worker before any lane opens.
+    request eventfd; set by the worker before any lane opens. ``limit``: ``max_shm_lanes`` (0: none).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
         self.by_session: dict[str, ShmLane] = {}
         self.by_fd: dict[int, ShmLane] = {}
         self.watch: Callable[[int, bool], None] | None = None
@@ -86,6 +90,9 @@ class ShmLanes:
             raise BadRequest("this session already has an shm lane to this device")
         if self.watch is None:
             raise BadRequest("this device takes no shm lanes (its worker has no endpoint of its own)")
+        if self.limit and len(self.by_session) >= self.limit:
+            raise LimitExceeded(f"max_shm_lanes: {len(self.by_session)} shm lanes are open to this device; "
+                                "this session's requests take the socket")
         memfd = os.memfd_create("cuctxd-shm-lane", os.MFD_CLOEXEC)
         fds = [memfd]
         try:

@@ -77,7 +77,7 @@ class DeviceState:
         self.sharing = Sharing(driver, info, self.current, self.contexts, registry, limits, self.sessions)
         self.memory = Memory(driver, device, limits, self.current, self.pools, self.sharing)
         self.host = HostBuffers(driver, device, limits, self.current, self.streams)
-        self.shm_lanes = ShmLanes()
+        self.shm_lanes = ShmLanes(limits.max_shm_lanes)
         #: The sticky CUDA error that made this device unusable, if one struck.
         self.failure: CudaError | None = None
         self.worker_thread: threading.Thread | None = None

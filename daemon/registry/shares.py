@@ -78,6 +78,14 @@ class Naming:
     tensors: int = 0
     read_only: bool = False
 
+    def listed(self) -> dict[str, Any]:
+        """What ``list_shared`` says of the name's layout and mode."""
+        return {"tensors": self.tensors, "read_only": self.read_only}
+
+
+#: A name published with nothing but its share.
+PLAIN = Naming()
+
 
 def check_scope(name: str, uid: int | None) -> None:
     """Refuse a scoped name ``user/...`` unless ``uid`` is that user's, the daemon's own, or root's."""
@@ -118,7 +126,7 @@ class ShareRegistry:
         with self._lock:
             self._shares[share.share_id] = _Listing(share.descriptor, share.owner)
 
-    def publish(self, name: str, share: ShareRecord, naming: Naming = Naming()) -> None:
+    def publish(self, name: str, share: ShareRecord, naming: Naming = PLAIN) -> None:
         """Name ``share`` (:func:`check_scope` first), with its layout (checked by the caller) and
         flags; a name is never replaced: unpublish it first."""
         check_scope(name, share.owner.uid)
@@ -129,7 +137,7 @@ class ShareRegistry:
                 raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
                                  f"client {who.client!r}); only its publisher may unpublish it")
             self._names[name] = share.share_id
-            if naming != Naming():
+            if naming != PLAIN:
                 self._namings[name] = naming
         share.names.add(name)
 
@@ -191,7 +199,7 @@ class ShareRegistry:
             if share_id is None:
                 raise NotFound(f"no buffer is published as {name!r}")
             listing = self._shares[share_id]
-            naming = self._namings.get(name, Naming())
+            naming = self._namings.get(name, PLAIN)
         return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher(),
                                   "manifest": naming.manifest, "read_only": naming.read_only})
 
@@ -206,6 +214,7 @@ class ShareRegistry:
         with self._lock:
             return [
                 {
+                    **self._namings.get(name, PLAIN).listed(),
                     "name": name,
                     "share_id": share_id,
                     "device": self._shares[share_id].descriptor.device,
@@ -214,8 +223,6 @@ class ShareRegistry:
                     "owner_present": self._shares[share_id].owner_present,
                     "holders": self._shares[share_id].holders,
                     "publisher": self._shares[share_id].publisher(),
-                    "tensors": self._namings.get(name, Naming()).tensors,
-                    "read_only": self._namings.get(name, Naming()).read_only,
                 }
                 for name, share_id in sorted(self._names.items())
             ]

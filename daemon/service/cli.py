@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="how long a ticket for the fd channel stays redeemable (default 30)")
     security.add_argument("--max-tickets-per-session", type=_flag_type("max_tickets_per_session"), metavar="N",
                           help="fd channel tickets one session may have waiting (default 64; 0: no limit)")
+    security.add_argument("--max-shm-lanes", type=_flag_type("max_shm_lanes"), metavar="N",
+                          help="shm lanes open to each device at once; beyond, sessions use the socket "
+                               "(default 1024; 0: no limit)")
     return parser
 
 

@@ -17,6 +17,7 @@ from cuctxd.daemon.device.queues import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REPLY_BYTES,
 )
+from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
 from cuctxd.daemon.side_channel.server import DEFAULT_MAX_FD_CONNECTIONS
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
@@ -165,6 +166,8 @@ class DaemonConfig:
     max_fd_connections: int = DEFAULT_MAX_FD_CONNECTIONS
     fd_ticket_ttl: float = DEFAULT_TICKET_TTL
     max_tickets_per_session: int = DEFAULT_MAX_TICKETS_PER_SESSION
+    #: Shm lanes open to one device at once (:mod:`cuctxd.daemon.device.shm_lanes`).
+    max_shm_lanes: int = DEFAULT_MAX_SHM_LANES
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

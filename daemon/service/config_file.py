@@ -201,6 +201,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("max_fd_connections", _integer(0), _int_text),
     Key("fd_ticket_ttl", _seconds, _number_text),
     Key("max_tickets_per_session", _integer(0), _int_text),
+    Key("max_shm_lanes", _integer(0), _int_text),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"

@@ -117,6 +117,7 @@ def device_snapshot(state: DeviceState) -> dict[str, Any]:
         "allocations": sum(len(s.buffers) for s in state.sessions.values()),
         "allocated_bytes": sum(s.bytes_allocated for s in state.sessions.values()),
         "shares": len(state.sharing.shares),
+        "shm_lanes": len(state.shm_lanes),
         "memory_total": state.info.total_memory,
     }
     if contexts:
@@ -183,6 +184,7 @@ class _StateCollector:
                 ("allocations", "Allocations held by sessions."),
                 ("allocated_bytes", "Bytes allocated by sessions through the daemon."),
                 ("shares", "Exported allocations alive on the device."),
+                ("shm_lanes", "Sessions' shm lanes open to the device."),
                 ("memory_total_bytes", "Device memory."),
                 ("memory_free_bytes", "cuMemGetInfo free memory (whole device; only while a context lives)."),
                 ("memory_used_bytes", "Total minus free memory (whole device; only while a context lives)."),
@@ -200,7 +202,7 @@ class _StateCollector:
             families["up"].add_metric(label, 0 if snapshot is None else 1)
             if snapshot is None:
                 continue
-            for name in ("contexts", "sessions", "allocations", "allocated_bytes", "shares"):
+            for name in ("contexts", "sessions", "allocations", "allocated_bytes", "shares", "shm_lanes"):
                 families[name].add_metric(label, snapshot[name])
             if "memory_free" in snapshot:
                 families["memory_free_bytes"].add_metric(label, snapshot["memory_free"])

@@ -156,7 +156,8 @@ class Daemon:
         limits = DeviceLimits(self.config.max_payload, self.config.session_quota, self.config.device_reserve,
                               self.config.max_objects_per_session, self.config.max_contexts_per_session,
                               self.config.max_shares_per_session, self.config.max_orphaned_shares,
-                              self.config.host_memory_per_session, self.config.max_host_memory)
+                              self.config.host_memory_per_session, self.config.max_host_memory,
+                              self.config.max_shm_lanes)
         shares = ShareRegistry()
         self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session)
         queue_limits = self._queue_limits()

@@ -122,6 +122,8 @@ def test_status(daemon: DaemonProcess, holder: Client) -> None:
     # buffer on device 1) and SHARES
     assert re.search(r" 0/64 .* 1/16384 .* 0/1024 +0 B/4 GiB ", row), (lines[at], row)
     assert re.search(r"^fd channel: \d+ of 256 connections, 0 ticket\(s\) waiting \(0 fds\)$", text, re.MULTILINE)
+    device_1 = text[text.index("device 1 cuctxd simulated GPU"):]
+    assert "shm lanes: 1 open" in device_1 and "shm lanes" not in text[:text.index("device 1 cuctxd")]
 
 
 def test_status_json(daemon: DaemonProcess, holder: Client) -> None:

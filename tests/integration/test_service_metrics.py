@@ -98,6 +98,7 @@ def test_devices_and_sessions_are_shown(metrics_daemon: tuple[DaemonProcess, str
         assert value(samples, "cuctxd_device_allocations", device="1") == 2
         assert value(samples, "cuctxd_device_allocated_bytes", device="1") == 4 * MiB
         assert value(samples, "cuctxd_device_contexts", device="1") == 1
+        assert value(samples, "cuctxd_device_shm_lanes", device="1") == 1  # the client's, opened by its alloc
         assert value(samples, "cuctxd_device_memory_total_bytes", device="1") == 64 * MiB
         used = value(samples, "cuctxd_device_memory_used_bytes", device="1")
         free = value(samples, "cuctxd_device_memory_free_bytes", device="1")

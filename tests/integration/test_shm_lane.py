@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from cuctxd import Client, UnknownHandle
+from cuctxd import Client, LimitExceeded, UnknownHandle
+from cuctxd.client import requests
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
 
 
@@ -108,3 +109,21 @@ def test_a_client_without_device_endpoints_opens_no_lane(daemon: DaemonProcess) 
     with Client(daemon.endpoint) as observer, Client(daemon.endpoint, device_endpoints=False) as c:
         c.alloc(64).write(b"socket only")
         assert lanes(observer) == [0, 0]
+
+
+def test_beyond_max_shm_lanes_a_session_keeps_to_the_socket() -> None:
+    process = start_daemon("--sim-devices", "1", "--sim-memory", "16MiB", "--max-shm-lanes", "1")
+    try:
+        with Client(process.endpoint) as first, Client(process.endpoint) as second:
+            first.alloc(64).read(1)
+            buf = second.alloc(64)
+            buf.write(b"by socket")
+            assert buf.read(9) == b"by socket"
+            assert (first.shm_lanes, second.shm_lanes) == ((0,), ())
+            assert lanes(first) == [1]
+            with pytest.raises(LimitExceeded, match="max_shm_lanes"):  # what the client fell back from
+                second.run(requests.shm_lane(0))
+            assert first.alloc(64).read(1) is not None  # the lane's session is still served
+    finally:
+        assert process.stop() == 0, process.log()
+        remove_tempdir(process.socket_dir)
