@@ -91,3 +91,31 @@ def test_alloc_async_in_a_loop_and_a_failure_at_synchronize(cuda_daemon: DaemonP
             assert "CUDA_ERROR_OUT_OF_MEMORY" in str(error)
         else:
             raise AssertionError("a failed alloc_async was not reported at synchronize")
+
+
+def test_the_ctypes_driver_maps_a_large_legacy_buffer_and_names_cuda_errors(cuda_daemon: DaemonProcess) -> None:
+    """A buffer above POOL_BUFFER_MAX is a legacy allocation: mapped with cuIpcOpenMemHandle through
+    ctypes, its bytes seen; a forged handle fails with CUDA's own error name."""
+    import dataclasses
+
+    from cuctxd.client.ipc_cuda import CudaMapping
+    from cuctxd.protos.errors import CudaError
+    from cuctxd.protos.limits import POOL_BUFFER_MAX
+
+    with Client(cuda_daemon.endpoint) as owner, Client(cuda_daemon.endpoint) as other:
+        buf = owner.alloc(POOL_BUFFER_MAX + 4096)
+        buf.write(b"large and legacy", POOL_BUFFER_MAX)
+        descriptor = owner.export(buf)
+        assert descriptor.mechanism == "ipc"
+        with other.open_shared(descriptor) as share:
+            import torch
+
+            mapped = torch.as_tensor(share, device="cuda")
+            assert bytes(mapped[POOL_BUFFER_MAX:POOL_BUFFER_MAX + 16].cpu().numpy()) == b"large and legacy"
+        forged = dataclasses.replace(descriptor, ipc_handle=bytes(64))
+        try:
+            CudaMapping(forged)
+        except CudaError as error:
+            assert error.name.startswith("CUDA_ERROR_"), error.name
+        else:
+            raise AssertionError("a forged IPC handle mapped")

@@ -1,0 +1,173 @@
+"""The few CUDA driver calls a client process makes to map shares, through ctypes on ``libcuda.so.1``.
+
+A worker opening its first share used to import ``cuda.bindings.driver``: 20-30 ms on
+the H200 host, 80-110 ms on a small VM, most of a fresh process's ``open_tensors``.
+Loading libcuda itself takes about a millisecond. Names and signatures are
+``cuda.h``'s (the ``_v2`` symbols its macros select). Which thread may call: any;
+each call that needs a context pushes the primary one (:meth:`Driver.current`)
+and pops it again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from cuctxd.protos.errors import CudaError, NotShareable
+
+#: ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`` and ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``.
+IPC_LAZY_ENABLE_PEER_ACCESS = 1
+HANDLE_TYPE_POSIX_FD = 1
+
+_CUresult = ctypes.c_int
+_CUdevice = ctypes.c_int
+_CUcontext = ctypes.c_void_p
+_CUdeviceptr = ctypes.c_uint64
+_CUmemoryPool = ctypes.c_void_p
+
+
+class IpcMemHandle(ctypes.Structure):
+    """``CUipcMemHandle``: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class PoolPtrExportData(ctypes.Structure):
+    """``CUmemPoolPtrExportData``: 64 opaque bytes, passed by pointer."""
+
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_char * 16)]
+
+
+#: symbol -> argument types (every call returns CUresult).
+_SIGNATURES: dict[str, list[type]] = {
+    "cuInit": [ctypes.c_uint],
+    "cuGetErrorName": [_CUresult, ctypes.POINTER(ctypes.c_char_p)],
+    "cuGetErrorString": [_CUresult, ctypes.POINTER(ctypes.c_char_p)],
+    "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
+    "cuDeviceGet": [ctypes.POINTER(_CUdevice), ctypes.c_int],
+    "cuDeviceGetUuid_v2": [ctypes.POINTER(_Uuid), _CUdevice],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_CUcontext), _CUdevice],
+    "cuDevicePrimaryCtxRelease_v2": [_CUdevice],
+    "cuCtxPushCurrent_v2": [_CUcontext],
+    "cuCtxPopCurrent_v2": [ctypes.POINTER(_CUcontext)],
+    "cuCtxSynchronize": [],
+    "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_CUdeviceptr), IpcMemHandle, ctypes.c_uint],
+    "cuIpcCloseMemHandle": [_CUdeviceptr],
+    "cuMemPoolImportFromShareableHandle": [ctypes.POINTER(_CUmemoryPool), ctypes.c_void_p, ctypes.c_int,
+                                           ctypes.c_ulonglong],
+    "cuMemPoolImportPointer": [ctypes.POINTER(_CUdeviceptr), _CUmemoryPool, ctypes.POINTER(PoolPtrExportData)],
+    "cuMemPoolDestroy": [_CUmemoryPool],
+    "cuMemFree_v2": [_CUdeviceptr],
+    "cuMemcpyDtoD_v2": [_CUdeviceptr, _CUdeviceptr, ctypes.c_size_t],
+}
+
+
+class Driver:
+    """libcuda's calls, checked: each raises :class:`CudaError` with CUDA's own name for a failure."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(lib, name)
+            function.argtypes = argtypes
+            function.restype = _CUresult
+        self.call("cuInit", 0)
+
+    def call(self, name: str, *args: object) -> None:
+        result = getattr(self._lib, name)(*args)
+        if result:
+            raise self.error(result, name)
+
+    def error(self, result: int, call: str) -> CudaError:
+        name, text = ctypes.c_char_p(), ctypes.c_char_p()
+        self._lib.cuGetErrorName(result, ctypes.byref(name))
+        self._lib.cuGetErrorString(result, ctypes.byref(text))
+        return CudaError(result, (name.value or b"CUDA_ERROR_UNKNOWN").decode(),
+                         f"{call}: {(text.value or b'').decode()}")
+
+    def find_device(self, uuid: str) -> int:
+        """This process's ordinal of the GPU with that UUID (ordinals differ between processes)."""
+        count = ctypes.c_int()
+        self.call("cuDeviceGetCount", ctypes.byref(count))
+        for ordinal in range(count.value):
+            device, raw = _CUdevice(), _Uuid()
+            self.call("cuDeviceGet", ctypes.byref(device), ordinal)
+            self.call("cuDeviceGetUuid_v2", ctypes.byref(raw), device)
+            h = ctypes.string_at(ctypes.addressof(raw), 16).hex()  # the field itself stops at a NUL
+            if f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}" == uuid:
+                return device.value
+        raise NotShareable(f"GPU {uuid} is not visible to this process (check CUDA_VISIBLE_DEVICES)")
+
+    def retain_primary(self, device: int) -> int:
+        context = _CUcontext()
+        self.call("cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
+        return context.value or 0
+
+    def release_primary(self, device: int) -> None:
+        self.call("cuDevicePrimaryCtxRelease_v2", device)
+
+    @contextmanager
+    def current(self, context: int) -> Iterator[None]:
+        """``context`` current on this thread for the block (pushed, then popped whatever happens)."""
+        self.call("cuCtxPushCurrent_v2", _CUcontext(context))
+        try:
+            yield
+        finally:
+            popped = _CUcontext()
+            self.call("cuCtxPopCurrent_v2", ctypes.byref(popped))
+
+    def ipc_open(self, handle: bytes) -> int:
+        raw = IpcMemHandle()
+        ctypes.memmove(ctypes.addressof(raw), handle, len(handle))
+        ptr = _CUdeviceptr()
+        self.call("cuIpcOpenMemHandle_v2", ctypes.byref(ptr), raw, IPC_LAZY_ENABLE_PEER_ACCESS)
+        return ptr.value
+
+    def ipc_close(self, ptr: int) -> None:
+        self.call("cuIpcCloseMemHandle", _CUdeviceptr(ptr))
+
+    def pool_import(self, fd: int) -> int:
+        pool = _CUmemoryPool()
+        self.call("cuMemPoolImportFromShareableHandle", ctypes.byref(pool), ctypes.c_void_p(fd),
+                  HANDLE_TYPE_POSIX_FD, 0)
+        return pool.value or 0
+
+    def pool_import_pointer(self, pool: int, export_data: bytes) -> int:
+        data = PoolPtrExportData()
+        ctypes.memmove(ctypes.addressof(data), export_data, len(export_data))
+        ptr = _CUdeviceptr()
+        self.call("cuMemPoolImportPointer", ctypes.byref(ptr), _CUmemoryPool(pool), ctypes.byref(data))
+        return ptr.value
+
+    def pool_destroy(self, pool: int) -> None:
+        self.call("cuMemPoolDestroy", _CUmemoryPool(pool))
+
+    def free(self, ptr: int) -> None:
+        self.call("cuMemFree_v2", _CUdeviceptr(ptr))
+
+    def copy_device_to_device(self, dst: int, src: int, size: int) -> None:
+        self.call("cuMemcpyDtoD_v2", _CUdeviceptr(dst), _CUdeviceptr(src), size)
+        self.call("cuCtxSynchronize")
+
+
+_driver: Driver | None = None
+_lock = threading.Lock()
+
+
+def driver(purpose: str) -> Driver:
+    """The process's :class:`Driver`, loaded and initialised once; :class:`NotShareable` saying why this
+    process cannot (no libcuda, or ``cuInit`` fails)."""
+    global _driver
+    with _lock:
+        if _driver is None:
+            try:
+                _driver = Driver(ctypes.CDLL("libcuda.so.1"))
+            except (OSError, AttributeError, CudaError) as exc:
+                raise NotShareable(f"this process cannot load the CUDA driver to {purpose}: {exc}") from exc
+        return _driver
