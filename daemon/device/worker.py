@@ -14,7 +14,8 @@ lane's connections, so a flood on one reaches the worker interleaved with the
 others' requests either way. It runs one item at a time, so its
 :class:`DeviceState` needs no lock, and answers each job where it came from: over
 its inproc PUSH socket to the front, or on its lane; reply payloads are tracked
-until ZeroMQ lets go of them (``max_reply_bytes``). A slow op here delays only this device; a synchronize
+until ZeroMQ lets go of them (``max_reply_bytes``). After a request it polls
+without sleeping for ``busy_poll_us`` before it blocks again. A slow op here delays only this device; a synchronize
 op does not even delay this device: it becomes a :class:`~cuctxd.daemon.handlers.replies.Pending`
 that the loop polls between requests. Driver calls that do block the worker:
 synchronous copies (``write``/``read``/``copy`` without a stream, which return
@@ -84,7 +85,10 @@ class DeviceWorker:
         shares: ShareRegistry,
         tickets: TicketBook,
         queue_limits: QueueLimits | None = None,
+        busy_poll: float = 0.0,
     ) -> None:
+        """``busy_poll``: seconds the thread keeps polling without sleeping after its last request
+        (``busy_poll_us``)."""
         self.device = device
         self._driver = driver
         self._zmq_context = zmq_context
@@ -99,6 +103,8 @@ class DeviceWorker:
         self._lane: DeviceLane | None = None
         self._pending: list[tuple[Job, Pending]] = []
         self._queues = JobQueues(queue_limits or QueueLimits())
+        self._busy_poll = busy_poll
+        self._busy_until = 0.0
         self._started = threading.Event()
         self._silenced = threading.Event()
         self._start_error: BaseException | None = None
@@ -199,7 +205,7 @@ class DeviceWorker:
                 # Poll soon after new work, then back off to at most 1 ms between queries.
                 ready = self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
             else:
-                ready = self._wait(None)
+                ready = self._poll_busily() or self._wait(None)
             if self._silenced.is_set():
                 self._mute()
             lane = self._lane
@@ -225,6 +231,21 @@ class DeviceWorker:
                 self._poll_pending()
             if closing:
                 self._run_quietly(DeviceState.close_more)
+            elif self._busy_poll and any(source != self._doorbell for source, _ in ready):
+                self._busy_until = time.perf_counter() + self._busy_poll  # a client's request came in
+
+    def _poll_busily(self) -> list[tuple[Any, int]]:
+        """What became ready while polling without sleeping, until ``busy_poll`` after the last request on
+        the lane or an shm lane (not after a task, which the front queues on its own schedule too):
+        a client's next request often follows its reply within microseconds, and waking a sleeping
+        thread costs tens of them (more in a virtual machine)."""
+        until = self._busy_until
+        poll = self._poller.poll
+        while time.perf_counter() < until:
+            ready = poll(0)
+            if ready:
+                return ready
+        return []
 
     def _take_arrivals(self) -> bool:
         """Between two jobs: take in what has come meanwhile (cheap checks, no poll), so that a new

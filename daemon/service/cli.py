@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device-endpoints", action=argparse.BooleanOptionalAction,
         help="give each device its own socket next to each endpoint, so device ops skip a thread hand-off "
              "(default on; --no-device-endpoints when only the one socket or port may be used)")
+    add("--busy-poll-us", type=_flag_type("busy_poll_us"), metavar="US",
+        help="microseconds each device worker keeps polling, without sleeping, after a request: a "
+             "client's next one is then taken at once, at the cost of that CPU time (default 300 on "
+             "hosts with 8 or more CPUs, else 0)")
     add("--metrics-port", type=_flag_type("metrics_port"), metavar="PORT",
         help="serve Prometheus metrics on this port (default 0: off; needs the 'metrics' extra)")
     add("--metrics-host", type=_flag_type("metrics_host"), metavar="ADDRESS",

@@ -57,6 +57,16 @@ def _quarter_of_memory() -> int:
 
 DEFAULT_MAX_HOST_MEMORY = _quarter_of_memory()
 
+
+def _busy_poll_for_host() -> int:
+    """Microseconds a device worker polls without sleeping after a request: 300 on hosts with 8 CPUs or
+    more, 0 on smaller ones, where a polling thread takes the CPU a client needs (CUDA's
+    ``CU_CTX_SCHED_AUTO`` spins or yields by the same reasoning)."""
+    return 300 if (os.cpu_count() or 1) >= 8 else 0
+
+
+DEFAULT_BUSY_POLL_US = _busy_poll_for_host()
+
 #: Seconds a session lives without a request or heartbeat before it is reaped.
 DEFAULT_LEASE_TTL = 5.0
 #: Seconds a SIGTERM/SIGINT drain may take before the daemon gives up on in-flight work.
@@ -168,6 +178,8 @@ class DaemonConfig:
     max_tickets_per_session: int = DEFAULT_MAX_TICKETS_PER_SESSION
     #: Shm lanes open to one device at once (:mod:`cuctxd.daemon.device.shm_lanes`).
     max_shm_lanes: int = DEFAULT_MAX_SHM_LANES
+    #: Microseconds each device worker keeps polling without sleeping after its last request.
+    busy_poll_us: int = DEFAULT_BUSY_POLL_US
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

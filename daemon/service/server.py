@@ -162,7 +162,8 @@ class Daemon:
         self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session)
         queue_limits = self._queue_limits()
         self._workers = [
-            DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares, self._tickets, queue_limits)
+            DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares, self._tickets, queue_limits,
+                         self.config.busy_poll_us / 1e6)
             for n in range(count)
         ]
         peers = {w.device: w for w in self._workers}

@@ -54,13 +54,14 @@ def test_every_key_is_read_from_the_file(tmp_path: Path) -> None:
         allow_dir = "{allow}"
         max_sessions_per_peer = 4
         max_objects_per_session = 1000
+        busy_poll_us = 50
     """)
     assert config == DaemonConfig(
         endpoints=("ipc:///tmp/x/a.sock", "tcp://127.0.0.1:5555"), backend="sim", sim_devices=3,
         sim_memory=8 << 30, devices=(2, 0), max_payload=4096, lease_ttl=2.5, session_quota=512 * MiB,
         device_reserve=1 << 30, drain_timeout=3.0, log_level="DEBUG", log_format="json", metrics_port=9400,
         metrics_host="0.0.0.0", group=group, insecure_tcp=True, server_key=str(key_file), allow_dir=str(allow),
-        max_sessions_per_peer=4, max_objects_per_session=1000,
+        max_sessions_per_peer=4, max_objects_per_session=1000, busy_poll_us=50,
     )
 
 
@@ -116,6 +117,7 @@ def test_defaults_without_a_file() -> None:
     ("server_key = '/nonexistent/key'", "server_key", "not a readable file"),
     ("allow_dir = '/nonexistent/dir'", "allow_dir", "not a directory"),
     ("max_objects_per_session = -3", "max_objects_per_session", ">= 0"),
+    ("busy_poll_us = 2000000", "busy_poll_us", "0..1000000"),
     ("[metrics]\nport = 1", "metrics", "unknown key"),
 ])
 def test_a_bad_value_names_its_key(tmp_path: Path, text: str, key: str, says: str) -> None:
