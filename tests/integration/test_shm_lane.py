@@ -4,13 +4,16 @@ sessions."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from cuctxd import Client, LimitExceeded, UnknownHandle
-from cuctxd.client import requests
+from cuctxd.client import requests, shm_lane
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
 
 
@@ -124,6 +127,35 @@ def test_beyond_max_shm_lanes_a_session_keeps_to_the_socket() -> None:
             with pytest.raises(LimitExceeded, match="max_shm_lanes"):  # what the client fell back from
                 second.run(requests.shm_lane(0))
             assert first.alloc(64).read(1) is not None  # the lane's session is still served
+    finally:
+        assert process.stop() == 0, process.log()
+        remove_tempdir(process.socket_dir)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_busy_polling_answers_as_usual_polls_for_its_window_then_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_lane, "BUSY_POLL_S", 500e-6)
+    process = start_daemon("--busy-poll-us", "400000")
+    try:
+        with Client(process.endpoint) as c:
+            buf = c.alloc(1 << 20)
+            for value in range(200):
+                buf.write(bytes([value]) * 100)
+                assert buf.read(100) == bytes([value]) * 100
+            assert c.shm_lanes == (0,)
+            before = _cpu_seconds(process.process.pid)
+            time.sleep(0.3)  # within the 0.4 s window after the last request: the worker polls
+            polling = _cpu_seconds(process.process.pid) - before
+            time.sleep(0.2)
+            before = _cpu_seconds(process.process.pid)
+            time.sleep(1.0)  # long after it: the worker sleeps
+            idle = _cpu_seconds(process.process.pid) - before
+        assert polling > 0.1, f"the worker used {polling:.2f} s of CPU in its first 0.3 s of busy polling"
+        assert idle < 0.15, f"the daemon used {idle:.2f} s of CPU in 1 s with nothing to do"
     finally:
         assert process.stop() == 0, process.log()
         remove_tempdir(process.socket_dir)
