@@ -11,6 +11,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,24 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped (a thread busy on another CPU
+    may otherwise still take a request sent right after the signal)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+            except FileNotFoundError:  # a thread that just ended
+                continue
+        return all(state in ("T", "t") for state in states)
+
+    if not wait_until(stopped, timeout=5, interval=0.001):
+        raise AssertionError(f"process {pid} did not stop within 5 s of SIGSTOP")
 
 
 def session_ids(observer: Client) -> set[int]:

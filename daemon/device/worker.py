@@ -202,8 +202,12 @@ class DeviceWorker:
             if closing:  # a session's close goes on between requests: look for work, never wait
                 ready = self._poller.poll(0)
             elif self._pending:
-                # Poll soon after new work, then back off to at most 1 ms between queries.
-                ready = self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
+                # Poll soon after new work, then back off to at most 1 ms between queries; within the
+                # busy-poll window, without sleeping (a request meanwhile is taken at once).
+                if time.perf_counter() < self._busy_until:
+                    ready = self._poller.poll(0)
+                else:
+                    ready = self._wait(min(_POLL_MAX_S, _POLL_MIN_S * (1 << min(idle_polls, 10))))
             else:
                 ready = self._poll_busily() or self._wait(None)
             if self._silenced.is_set():

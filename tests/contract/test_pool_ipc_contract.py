@@ -34,7 +34,9 @@ else:
     from cuctxd.client.ipc_cuda import CudaPoolImport
     pool = CudaPoolImport(fd, uuid)
     mapping = pool.import_pointer(export, size)
-    ctx = cu.cuDevicePrimaryCtxRetain(pool._device)[1]
+    from cuctxd.client.ipc_cuda import ordinal_of
+    device = ordinal_of(uuid)
+    ctx = cu.cuDevicePrimaryCtxRetain(device)[1]
     cu.cuCtxPushCurrent(ctx)
     out = bytearray(8)
     assert cu.cuMemcpyDtoH(out, mapping.ptr, 8)[0] == 0
@@ -42,7 +44,7 @@ else:
     assert cu.cuMemcpyHtoD(mapping.ptr + 8, b"fromkid!", 8)[0] == 0
     assert cu.cuCtxSynchronize()[0] == 0
     cu.cuCtxPopCurrent()
-    cu.cuDevicePrimaryCtxRelease(pool._device)
+    cu.cuDevicePrimaryCtxRelease(device)
 mapping.close()
 pool.close()
 print(seen.hex())

@@ -44,7 +44,7 @@ from cuctxd.client import (
 )
 from cuctxd.client.lease import AsyncHeartbeat
 from cuctxd.protos.version import PROTOCOL_VERSION
-from tests.helpers import DaemonProcess, pattern, remove_tempdir, start_daemon
+from tests.helpers import DaemonProcess, freeze, pattern, remove_tempdir, start_daemon
 
 T = TypeVar("T")
 MiB = 1 << 20
@@ -365,7 +365,7 @@ def test_a_call_to_a_stopped_daemon_times_out_and_its_late_reply_is_dropped(shor
     async def body(c: AsyncClient) -> None:
         buffer = await c.alloc(64)
         await buffer.fill(7)
-        os.kill(short_lease.process.pid, signal.SIGSTOP)
+        freeze(short_lease.process.pid)
         try:
             start = time.monotonic()
             with pytest.raises(DaemonTimeout):

@@ -17,7 +17,7 @@ from cuctxd.client import (
     SessionLost,
     UnknownHandle,
 )
-from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import DaemonProcess, freeze, remove_tempdir, short_tempdir, start_daemon
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_client_side_errors_print_their_name_without_a_code() -> None:
 
 
 def test_the_handshake_has_its_own_short_timeout(lone_daemon: DaemonProcess) -> None:
-    lone_daemon.process.send_signal(19)  # SIGSTOP: the socket listens, nobody answers
+    freeze(lone_daemon.process.pid)  # the socket listens, nobody answers
     try:
         started = time.monotonic()
         with pytest.raises(DaemonTimeout) as info:

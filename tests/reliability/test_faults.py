@@ -18,8 +18,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +26,15 @@ from pathlib import Path
 import pytest
 
 from cuctxd.client import Client, CudaError, DaemonTimeout, SessionExpired, SessionLost
-from tests.helpers import DaemonProcess, remove_tempdir, session_ids, short_tempdir, start_daemon, wait_until
+from tests.helpers import (
+    DaemonProcess,
+    freeze,
+    remove_tempdir,
+    session_ids,
+    short_tempdir,
+    start_daemon,
+    wait_until,
+)
 from tests.reliability.victims import transfer_forever
 
 MiB = 1 << 20
@@ -206,7 +212,7 @@ def test_a_call_waiting_on_an_shm_lane_learns_of_a_killed_daemon_within_a_probe(
         buffer = client.alloc(64)
         buffer.read(1)
         assert client.shm_lanes == (0,)
-        os.kill(daemon.process.pid, signal.SIGSTOP)  # the request is taken by nobody
+        freeze(daemon.process.pid)  # the request is taken by nobody
         outcome: list[BaseException | bytes] = []
 
         def read() -> None:
