@@ -11,7 +11,7 @@ import pytest
 
 from cuctxd.client import Client, CudaError, LimitExceeded, NotShareable, UnknownHandle
 from cuctxd.client.pool_imports import POOL_IMPORTS
-from cuctxd.client.transfers import RING_MIN_BYTES, RING_SLOT_BYTES, RING_SLOTS
+from cuctxd.client.transfers import EDGE_BYTES, RING_MIN_BYTES, RING_SLOT_BYTES, RING_SLOTS
 from tests.helpers import (
     DaemonProcess,
     pattern,
@@ -204,7 +204,8 @@ def test_a_killed_clients_host_buffers_are_reclaimed_within_the_lease(daemon: Da
 # --- the staging ring -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [RING_MIN_BYTES, 1 << 20, RING_SLOTS * RING_SLOT_BYTES + 12345])
+@pytest.mark.parametrize("size", [RING_MIN_BYTES, 1 << 20, RING_SLOTS * RING_SLOT_BYTES + 12345,
+                                  2 * RING_SLOT_BYTES + 3 * EDGE_BYTES + 7])  # the last: its tail is split
 def test_large_transfers_go_through_the_staging_ring_and_arrive_whole(daemon: DaemonProcess, size: int) -> None:
     with Client(daemon.endpoint) as c:
         buf = c.alloc(size)

@@ -1,9 +1,9 @@
 """How the staging ring packs a scatter write: pieces close together share a DMA, far ones do not,
-and nothing is split except at a slot's end."""
+and nothing is split except at a slot's end and before a long write's last EDGE_BYTES."""
 
 from __future__ import annotations
 
-from cuctxd.client.transfers import GAP_BYTES, RING_SLOT_BYTES, _slot_chunks
+from cuctxd.client.transfers import EDGE_BYTES, GAP_BYTES, RING_SLOT_BYTES, _slot_chunks, _split_tail
 
 
 def _pieces(*spans: tuple[int, int]) -> list[tuple[int, memoryview]]:
@@ -38,3 +38,29 @@ def test_no_chunk_outgrows_a_slot() -> None:
     assert all(size <= RING_SLOT_BYTES for _, size, _ in chunks)
     assert sum(data.nbytes for _, _, placed in chunks for _, data in placed) == 60 << 20
     assert [offset for offset, _, _ in chunks] == sorted(offset for offset, _, _ in chunks)
+
+
+def test_a_long_writes_last_chunk_leaves_a_short_final_dma() -> None:
+    chunks = list(_split_tail(_slot_chunks(_pieces((0, 64 << 20)))))
+    assert [size for _, size, _ in chunks] == [16 << 20] * 3 + [(16 << 20) - EDGE_BYTES, EDGE_BYTES]
+    assert [offset for offset, _, _ in chunks] == [0, 16 << 20, 32 << 20, 48 << 20, (64 << 20) - EDGE_BYTES]
+
+
+def test_the_tail_split_cuts_a_piece_in_two_and_keeps_every_byte_in_place() -> None:
+    data = bytes(range(256)) * ((3 * EDGE_BYTES) // 256)
+    pieces = [(0, memoryview(data[:100])), (256, memoryview(data[256:]))]
+    chunks = list(_split_tail(_slot_chunks(pieces)))
+    assert len(chunks) == 2
+    rebuilt = bytearray(len(data))
+    for start, size, placed in chunks:
+        assert all(place + piece.nbytes <= size for place, piece in placed)
+        for place, piece in placed:
+            rebuilt[start + place:start + place + piece.nbytes] = piece
+    assert rebuilt[:100] == data[:100] and rebuilt[256:] == data[256:]
+    assert chunks[1][1] == EDGE_BYTES
+
+
+def test_short_transfers_are_left_whole() -> None:
+    assert _shape(list(_split_tail(_slot_chunks(_pieces((0, 2 * EDGE_BYTES)))))) == [
+        (0, 2 * EDGE_BYTES, [(0, 2 * EDGE_BYTES)])]
+    assert list(_split_tail(iter([]))) == []
