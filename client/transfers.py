@@ -187,7 +187,26 @@ def _ring_write(ring: StagingRing, buffer: OnDevice, pieces: Iterable[tuple[int,
     return written
 
 
+def _ring_write_one(ring: StagingRing, buffer: OnDevice, offset: int, view: memoryview) -> Plan[int]:
+    """A write of one chunk: copy, then one request (64 KiB - 8 MiB, without the chunking's steps)."""
+    ring.busy = True
+    try:
+        yield Local(partial(ring.copy_in, 0, [(0, view)]))
+        written: int = yield requests.memcpy_htod(buffer, ring.host, offset, 0, view.nbytes, None)
+    finally:
+        ring.busy = False
+    return written
+
+
 def _ring_read_into(ring: StagingRing, buffer: OnDevice, out: memoryview, offset: int) -> Plan[int]:
+    if out.nbytes <= 2 * EDGE_BYTES:  # one chunk: one request, then the copy out
+        ring.busy = True
+        try:
+            yield requests.memcpy_dtoh(buffer, ring.host, offset, 0, out.nbytes, None)
+            yield Local(partial(ring.copy_out, 0, out))
+        finally:
+            ring.busy = False
+        return out.nbytes
     first = EDGE_BYTES if out.nbytes > 2 * EDGE_BYTES else 0  # a short first DMA, that nothing overlaps
     starts = [*([0] if first else []), *range(first, out.nbytes, RING_SLOT_BYTES)]
     ends = [*starts[1:], out.nbytes]
@@ -228,6 +247,8 @@ def write(owner: Any, buffer: OnDevice, data: Any, offset: int, stream: OnDevice
     if stream is None and view.nbytes >= RING_MIN_BYTES:
         ring = yield from _ring(owner, buffer.device)
         if ring is not None:
+            if view.nbytes <= 2 * EDGE_BYTES:  # one chunk, not split: one request
+                return (yield from _ring_write_one(ring, buffer, offset, view))
             return (yield from _ring_write(ring, buffer, [(offset, view)]))
     return (yield from requests.write(buffer, view, offset, stream, owner.limits["max_payload_bytes"]))
 
