@@ -60,8 +60,9 @@ class BusyPoll:
         return self.window > 0 and self.typical < self.window
 
     def observe(self, seconds: float) -> None:
-        """A reply came ``seconds`` after its request was sent."""
-        self.typical += (seconds - self.typical) / 4
+        """A reply came ``seconds`` after its request was sent (counted as at most four windows, so that
+        one long synchronize does not keep the lane from polling for the many short ops after it)."""
+        self.typical += (min(seconds, 4 * self.window) - self.typical) / 4
 
 
 def lane_id(device: int) -> int:

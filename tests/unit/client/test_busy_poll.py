@@ -34,3 +34,12 @@ def test_one_slow_reply_among_fast_ones_does_not_stop_it() -> None:
 def test_a_window_of_zero_never_polls() -> None:
     poll = BusyPoll(0.0)
     assert not poll.worth_it()
+
+
+def test_one_long_synchronize_stops_polling_for_two_replies_at_most() -> None:
+    poll = BusyPoll(200e-6)
+    poll.observe(30.0)  # a synchronize that waited half a minute
+    assert not poll.worth_it()
+    poll.observe(40e-6)
+    poll.observe(40e-6)
+    assert poll.worth_it()
