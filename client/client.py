@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from cuctxd.client import requests, transfers
@@ -47,6 +48,13 @@ T = TypeVar("T")
 #: Seconds the handshake (``hello``) waits at most, whatever the per-call ``timeout``: a daemon that
 #: is there answers it at once, so a long wait only hides a wrong endpoint or key.
 HELLO_TIMEOUT = 5.0
+
+
+def _wait_out(transports: Iterable[Any]) -> None:
+    """Wait for every call these transports (sockets or shm lanes) have in flight (under the route lock)."""
+    for transport in transports:
+        for call in transport.in_flight():
+            transport.wait(call)
 
 
 class Client(SessionState):
@@ -200,13 +208,9 @@ class Client(SessionState):
                     call = self._send_shm(route, request)
                     if call is not None:
                         return call
-                for lane in self._shm.busy(route.reach):  # the socket's request goes after the lane's
-                    for call in lane.in_flight():
-                        lane.wait(call)
+                _wait_out(self._shm.busy(route.reach))  # the socket's request goes after the lane's
             if router.lane_transports:
-                for busy in router.conflicts(route):
-                    for call in busy.in_flight():
-                        busy.wait(call)
+                _wait_out(router.conflicts(route))
             return transport.send(request.op, request.args, self._token, request.payload, into=request.into,
                                   convert=request.convert, reach=route.reach)
 
@@ -217,9 +221,7 @@ class Client(SessionState):
         lane = self._shm.for_device(route.lane)
         if lane is None:
             return None
-        for busy in self._router.conflicts(Route(lane_id(route.lane), route.reach)):
-            for call in busy.in_flight():
-                busy.wait(call)
+        _wait_out(self._router.conflicts(Route(lane_id(route.lane), route.reach)))
         return lane.try_send(request.op, request.args, self._token, request.payload, into=request.into,
                              convert=request.convert, reach=route.reach)
 

@@ -42,6 +42,7 @@ from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
 from cuctxd.daemon.device.queues import JobQueues, QueueLimits, check_reply_room, taken, track_reply
+from cuctxd.daemon.device.shm_lanes import ShmLane
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Pending, Reply
@@ -315,8 +316,7 @@ class DeviceWorker:
         try:
             taken = lanes.take(fd)
         except BadRequest as exc:  # a message that does not fit its area: answered there
-            lane = lanes.by_fd[fd]
-            lanes.reply(lane, 0, encode_error(0, exc), ())
+            self._answer_shm(lanes.by_fd[fd], 0, "?", encode_error(0, exc), (), exc.name, received)
             return
         if taken is None:
             return
@@ -325,8 +325,15 @@ class DeviceWorker:
                                    received, lane)
         if refused is not None:
             request_id, op_name, error = refused
-            lanes.reply(lane, request_id, encode_error(request_id, error), ())
-            self._lane.finished(op_name, error.name, received, request_id)
+            self._answer_shm(lane, request_id, op_name, encode_error(request_id, error), (), error.name, received)
+
+    def _answer_shm(self, lane: ShmLane, request_id: int, op: str, header: bytes, frames: Sequence[Any], outcome: str,
+                    received: float) -> None:
+        """Answer a request that came through ``lane`` (copied into its region); the observer hears of it
+        as of the ROUTER's requests."""
+        assert self.state is not None and self._lane is not None
+        self.state.shm_lanes.reply(lane, request_id, header, frames)
+        self._lane.finished(op, outcome, received, request_id)
 
     def _poll_pending(self) -> None:
         still: list[tuple[Job, Pending]] = []
@@ -510,8 +517,7 @@ class DeviceWorker:
         if job.lane is None:
             trackers = self.send(job.identity, header, frames, backlog is not None)
         elif job.lane == self.device and job.shm is not None and self._lane is not None and self.state is not None:
-            self.state.shm_lanes.reply(job.shm, job.request_id, header, frames)  # copied into the region
-            self._lane.finished(job.spec.name, outcome, job.received, job.request_id)
+            self._answer_shm(job.shm, job.request_id, job.spec.name, header, frames, outcome, job.received)
             return
         elif job.lane == self.device and self._lane is not None:
             trackers = self._lane.reply(job.identity, job.request_id, job.spec.name, header, frames, outcome,
