@@ -35,6 +35,11 @@ def check_same_host(descriptor: ShareDescriptor) -> None:
         )
 
 
+def byte_interface(ptr: int, size: int, readonly: bool) -> dict[str, Any]:
+    """CUDA array interface v3 of ``size`` bytes at ``ptr``, as a flat ``uint8`` array."""
+    return {"shape": (size,), "typestr": "|u1", "data": (ptr, readonly), "version": 3, "strides": None}
+
+
 class MappedShare:
     """What both flavours of an opened share hold and show: the descriptor and this process's mapping."""
 
@@ -70,8 +75,7 @@ class MappedShare:
         only: on others ``hasattr(share, "__cuda_array_interface__")`` is False)."""
         if self.backend != "cuda":
             raise WrongBackend(f"a {self.backend} share is host memory, not a CUDA array; use host_view()")
-        return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, self.descriptor.read_only),
-                "version": 3, "strides": None}
+        return byte_interface(self.ptr, self.size, self.descriptor.read_only)
 
     def host_view(self) -> memoryview:
         """The shared bytes themselves (sim backend only); read-only for a share published read-only."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from cuctxd.client import dlpack, requests, transfers
-from cuctxd.client.sharing import OpenedShare
+from cuctxd.client.sharing import OpenedShare, byte_interface
 from cuctxd.protos.errors import BadArgument, WrongBackend
 from cuctxd.protos.host import buffer_address
 from cuctxd.protos.layouts import ALIGNMENT, BY_TYPESTR, DTYPES, Manifest, TensorSpec, c_strides, check_manifest
@@ -208,9 +208,12 @@ class SharedTensor:
             raise TypeError(f"{self.dtype} has no array-interface type: view the tensor through "
                             "cuctxd.client.tensors.raw_interface and reinterpret its bytes")
         itemsize = DTYPES[self.dtype].itemsize
-        flag = not self._set.writable if readonly is None else readonly
-        return {"shape": self.shape, "typestr": typestr, "data": (data, flag), "version": 3,
+        return {"shape": self.shape, "typestr": typestr, "data": (data, self.readonly_flag(readonly)), "version": 3,
                 "strides": tuple(s * itemsize for s in self.spec.strides)}
+
+    def readonly_flag(self, asked: bool | None) -> bool:
+        """The array interfaces' read-only flag: ``asked``, else the set's own (not ``writable``)."""
+        return not self._set.writable if asked is None else asked
 
     def cuda_interface(self, *, readonly: bool | None = None) -> CudaArray:
         """The CUDA array interface with the read-only flag given (torch and CuPy take only False)."""
@@ -321,9 +324,7 @@ def open_tensors(client: Any, name: str, *, writable: bool = False) -> TensorSet
 def raw_interface(tensor: SharedTensor, *, readonly: bool | None = None) -> dict[str, Any]:
     """The tensor's bytes as a flat uint8 CUDA array interface (for dtypes the interface cannot name);
     ``readonly`` defaults to the set's own (torch accepts only False)."""
-    base = tensor._set.share.ptr + tensor.spec.offset
-    flag = not tensor._set.writable if readonly is None else readonly
-    return {"shape": (tensor.nbytes,), "typestr": "|u1", "data": (base, flag), "version": 3, "strides": None}
+    return byte_interface(tensor._set.share.ptr + tensor.spec.offset, tensor.nbytes, tensor.readonly_flag(readonly))
 
 
 __all__ = ["CudaArray", "RawBytes", "SharedTensor", "TensorSet", "open_tensors", "plan_layout", "publish_tensors",

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from cuctxd.client.sharing import byte_interface
 from cuctxd.client.tensors import CudaArray, TensorSet, open_tensors, publish_tensors
 from cuctxd.protos.records import ShareDescriptor
 
@@ -54,9 +55,7 @@ class LoadedState:
         share = tensors.share
         if share.backend == "cuda":
             # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
-            interface = {"shape": (share.size,), "typestr": "|u1", "data": (share.ptr, False), "version": 3,
-                         "strides": None}
-            base = torch.as_tensor(CudaArray(interface), device="cuda")
+            base = torch.as_tensor(CudaArray(byte_interface(share.ptr, share.size, False)), device="cuda")
         else:
             import numpy
 
