@@ -69,19 +69,8 @@ class FdChannel:
                 raise EOFError
             if flags & socket.MSG_CTRUNC:
                 raise BadRequest("the fd channel's reply carried more fds than it may")
-            while len(header) < 4:
-                more = sock.recv(4 - len(header))
-                if not more:
-                    raise EOFError
-                header += more
-            length = reply_length(header)
-            body = b""
-            while len(body) < length:
-                more = sock.recv(length - len(body))
-                if not more:
-                    raise EOFError
-                body += more
-            reply = decode_reply(body)
+            header = _receive_exactly(sock, 4, header)
+            reply = decode_reply(_receive_exactly(sock, reply_length(header)))
         except ValueError as error:
             _close_all(fds)
             raise BadRequest(f"the fd channel sent something that is not a reply: {error}") from None
@@ -104,6 +93,17 @@ class FdChannel:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+
+def _receive_exactly(sock: socket.socket, size: int, start: bytes = b"") -> bytes:
+    """``start`` completed to ``size`` bytes from ``sock``; EOFError if it closes first."""
+    data = start
+    while len(data) < size:
+        more = sock.recv(size - len(data))
+        if not more:
+            raise EOFError
+        data += more
+    return data
 
 
 def _close_all(fds: list[int]) -> None:

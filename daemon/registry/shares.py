@@ -153,8 +153,7 @@ class ShareRegistry:
             if owner.token != caller.token and not same_user:
                 raise NotOwner(f"{name!r} was published by session {owner.public_id} ({owner.client!r}); "
                                "only it may unpublish the name (or, once it let the buffer go, its user)")
-            del self._names[name]
-            self._namings.pop(name, None)
+            self._forget_name(name)
             return share_id
 
     def count_orphan(self, share_id: str, orphaned: bool) -> None:
@@ -173,8 +172,7 @@ class ShareRegistry:
     def drop_names(self, share: ShareRecord) -> None:
         with self._lock:
             for name in share.names:
-                self._names.pop(name, None)
-                self._namings.pop(name, None)
+                self._forget_name(name)
         share.names.clear()
 
     def update(self, share: ShareRecord) -> None:
@@ -189,8 +187,12 @@ class ShareRegistry:
             self._shares.pop(share.share_id, None)
             self._orphaned.discard(share.share_id)
             for name in share.names:
-                self._names.pop(name, None)
-                self._namings.pop(name, None)
+                self._forget_name(name)
+
+    def _forget_name(self, name: str) -> None:
+        """The name and what it was published with go (under the lock)."""
+        self._names.pop(name, None)
+        self._namings.pop(name, None)
 
     def lookup(self, name: str) -> ShareDescriptor:
         """The descriptor published as ``name``, with its ``publisher``."""

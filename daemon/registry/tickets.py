@@ -17,7 +17,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,10 +102,7 @@ class TicketBook:
         """Close the fds of tickets past their time; how many went."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            gone = [public for public, entry in self._tickets.items() if entry.expires <= now]
-            entries = [self._tickets.pop(public) for public in gone]
-            for entry in entries:
-                self._forget(entry)
+            entries = self._take_where(lambda entry: entry.expires <= now)
         for entry in entries:
             _close(entry.fds)
         return len(entries)
@@ -115,10 +112,7 @@ class TicketBook:
         with self._lock:
             if not self._per_session.get(session):
                 return
-            gone = [public for public, entry in self._tickets.items() if entry.session == session]
-            entries = [self._tickets.pop(public) for public in gone]
-            for entry in entries:
-                self._forget(entry)
+            entries = self._take_where(lambda entry: entry.session == session)
         for entry in entries:
             _close(entry.fds)
 
@@ -133,6 +127,14 @@ class TicketBook:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"tickets": len(self._tickets), "fds": sum(len(e.fds) for e in self._tickets.values())}
+
+    def _take_where(self, predicate: Callable[[_Ticket], bool]) -> list[_Ticket]:
+        """Remove the tickets ``predicate`` picks (under the lock); the caller closes their fds outside it."""
+        gone = [public for public, entry in self._tickets.items() if predicate(entry)]
+        entries = [self._tickets.pop(public) for public in gone]
+        for entry in entries:
+            self._forget(entry)
+        return entries
 
     def _forget(self, entry: _Ticket) -> None:
         left = self._per_session[entry.session] - 1
