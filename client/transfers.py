@@ -54,6 +54,15 @@ class StagingRing:
         self.view = memoryview(host)
         self.busy = False
 
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Marks the ring busy for one transfer (another one meanwhile takes the socket)."""
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
+
     @staticmethod
     def offset(index: int) -> int:
         """Where the slot of chunk ``index`` starts in the ring."""
@@ -169,71 +178,61 @@ def _split_tail(chunks: Iterable[tuple[int, int, list[tuple[int, memoryview]]]]
 def _ring_write(ring: StagingRing, buffer: OnDevice, pieces: Iterable[tuple[int, memoryview]]) -> Plan[int]:
     sent: deque[Any] = deque()
     written = 0
-    ring.busy = True
-    try:
-        for index, (offset, size, placed) in enumerate(_split_tail(_slot_chunks(pieces))):
-            if len(sent) == RING_SLOTS:
+    with ring.in_use():
+        try:
+            for index, (offset, size, placed) in enumerate(_split_tail(_slot_chunks(pieces))):
+                if len(sent) == RING_SLOTS:
+                    yield Wait(sent.popleft())
+                yield Local(partial(ring.copy_in, index, placed))
+                sent.append((yield Send(requests.memcpy_htod(buffer, ring.host, offset, ring.offset(index), size,
+                                                             None))))
+                written += sum(data.nbytes for _, data in placed)
+            while sent:
                 yield Wait(sent.popleft())
-            yield Local(partial(ring.copy_in, index, placed))
-            sent.append((yield Send(requests.memcpy_htod(buffer, ring.host, offset, ring.offset(index), size, None))))
-            written += sum(data.nbytes for _, data in placed)
-        while sent:
-            yield Wait(sent.popleft())
-    except BaseException:
-        yield from _drain(sent)
-        raise
-    finally:
-        ring.busy = False
+        except BaseException:
+            yield from _drain(sent)
+            raise
     return written
 
 
 def _ring_write_one(ring: StagingRing, buffer: OnDevice, offset: int, view: memoryview) -> Plan[int]:
     """A write of one chunk: copy, then one request (64 KiB - 8 MiB, without the chunking's steps)."""
-    ring.busy = True
-    try:
+    with ring.in_use():
         yield Local(partial(ring.copy_in, 0, [(0, view)]))
         written: int = yield requests.memcpy_htod(buffer, ring.host, offset, 0, view.nbytes, None)
-    finally:
-        ring.busy = False
     return written
 
 
 def _ring_read_into(ring: StagingRing, buffer: OnDevice, out: memoryview, offset: int) -> Plan[int]:
     if out.nbytes <= 2 * EDGE_BYTES:  # one chunk: one request, then the copy out
-        ring.busy = True
-        try:
+        with ring.in_use():
             yield requests.memcpy_dtoh(buffer, ring.host, offset, 0, out.nbytes, None)
             yield Local(partial(ring.copy_out, 0, out))
-        finally:
-            ring.busy = False
         return out.nbytes
-    first = EDGE_BYTES if out.nbytes > 2 * EDGE_BYTES else 0  # a short first DMA, that nothing overlaps
-    starts = [*([0] if first else []), *range(first, out.nbytes, RING_SLOT_BYTES)]
+    starts = [0, *range(EDGE_BYTES, out.nbytes, RING_SLOT_BYTES)]  # a short first DMA, that nothing overlaps
     ends = [*starts[1:], out.nbytes]
     chunks = [(index, at, end - at) for index, (at, end) in enumerate(zip(starts, ends, strict=True))]
     sent: deque[Any] = deque()
-    ring.busy = True
 
     def send(index: int, at: int, size: int) -> Plan[None]:
         call = yield Send(requests.memcpy_dtoh(buffer, ring.host, offset + at, ring.offset(index), size, None))
         sent.append((call, index, at, size))
 
-    try:
-        waiting = iter(chunks)
-        for chunk in itertools.islice(waiting, RING_SLOTS):
-            yield from send(*chunk)
-        while sent:
-            call, index, at, size = sent.popleft()
-            yield Wait(call)
-            yield Local(partial(ring.copy_out, index, out[at:at + size]))
-            following = next(waiting, None)
-            if following is not None:
-                yield from send(*following)
-    except BaseException:
-        yield from _drain(deque(call for call, *_ in sent))
-        raise
-    finally:
-        ring.busy = False
+    with ring.in_use():
+        try:
+            waiting = iter(chunks)
+            for chunk in itertools.islice(waiting, RING_SLOTS):
+                yield from send(*chunk)
+            while sent:
+                call, index, at, size = sent.popleft()
+                yield Wait(call)
+                yield Local(partial(ring.copy_out, index, out[at:at + size]))
+                following = next(waiting, None)
+                if following is not None:
+                    yield from send(*following)
+        except BaseException:
+            yield from _drain(deque(call for call, *_ in sent))
+            raise
     return out.nbytes
 
 
