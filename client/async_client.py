@@ -140,8 +140,8 @@ class AsyncClient(SessionState):
                                             return_exceptions=True)
             raise_first(outcomes)
             return outcomes
-        if isinstance(step, Send):
-            return asyncio.ensure_future(self._execute(step.request))
+        if isinstance(step, Send):  # never early: this client keeps to the sockets
+            return None if step.early else asyncio.ensure_future(self._execute(step.request))
         if isinstance(step, Wait):
             return await step.sent
         if isinstance(step, Local):

@@ -165,7 +165,7 @@ class Client(SessionState):
             while run.step is not None:
                 try:
                     result = self._execute(run.step)
-                except Exception as error:
+                except BaseException as error:  # a KeyboardInterrupt too: the plan's cleanup steps still run
                     run.throw(error)
                 else:
                     run.resume(result)
@@ -181,7 +181,7 @@ class Client(SessionState):
                 calls = [batch.send(request) for request in step.requests]
             return [call.result() for call in calls]
         if isinstance(step, Send):
-            return self._send(step.request)
+            return self._send_early(step.request) if step.early else self._send(step.request)
         if isinstance(step, Wait):
             return step.sent.result()
         return step.run()
@@ -214,7 +214,18 @@ class Client(SessionState):
             return transport.send(request.op, request.args, self._token, request.payload, into=request.into,
                                   convert=request.convert, reach=route.reach)
 
-    def _send_shm(self, route: Route, request: Request[T]) -> Call[T] | None:
+    def _send_early(self, request: Request[T]) -> Call[T] | None:
+        """Send early on the shm lane the request may take (PROTOCOL.md, "Early requests"); None when
+        there is none."""
+        with self._route_lock:
+            self._flush_outbox()
+            route, _ = self._router.pick(request.op, request.args)
+            if self._shm is None or route.lane < 0 or not eligible(request.op, request.args, route.lane,
+                                                                  route.reach):
+                return None
+            return self._send_shm(route, request, early=True)
+
+    def _send_shm(self, route: Route, request: Request[T], early: bool = False) -> Call[T] | None:
         """Send on the shm lane to the route's device, after what the sockets still have out there;
         None when there is no lane or the request does not fit it."""
         assert self._shm is not None
@@ -223,7 +234,7 @@ class Client(SessionState):
             return None
         _wait_out(self._router.conflicts(Route(lane_id(route.lane), route.reach)))
         return lane.try_send(request.op, request.args, self._token, request.payload, into=request.into,
-                             convert=request.convert, reach=route.reach)
+                             convert=request.convert, reach=route.reach, early=early)
 
     def pipeline(self) -> Pipeline:
         """Send memory ops without waiting for each reply (see :mod:`cuctxd.client.pipeline`)."""

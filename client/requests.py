@@ -64,9 +64,14 @@ class Batch:
 
 @dataclass(frozen=True)
 class Send:
-    """Send ``request`` without waiting: the step's result is a handle to give :class:`Wait` later."""
+    """Send ``request`` without waiting: the step's result is a handle to give :class:`Wait` later.
+
+    ``early``: before the bytes it copies from are in place (PROTOCOL.md, "Early requests"), so that its
+    trip overlaps the copy; only an shm lane takes it so, else the result is None (send it again once
+    they are). Once they are, even if the copy failed, call ``sent.transport.source_ready(sent)``."""
 
     request: Request[Any]
+    early: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ class Run(Generic[T]):
             self.step = None
             self.value = done.value
 
-    def throw(self, error: Exception) -> None:
+    def throw(self, error: BaseException) -> None:
         """The step raised ``error``: raise it in the plan, which may handle it and go on."""
         try:
             self.step = self._plan.throw(error)

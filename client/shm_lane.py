@@ -35,6 +35,7 @@ from cuctxd.protos.shm_lane import (
     REQUEST_AT,
     fits,
     is_closed,
+    mark_early,
     read_message,
     write_message,
 )
@@ -114,8 +115,9 @@ class ShmTransport:
 
     def try_send(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any] = (), *,
                  into: Any, convert: Callable[[dict[str, Any], list[Any]], Any],
-                 reach: Reach = None) -> Call[Any] | None:
-        """Send on the lane (after the call still out there, if any); None when the request does not fit."""
+                 reach: Reach = None, early: bool = False) -> Call[Any] | None:
+        """Send on the lane (after the call still out there, if any); None when the request does not fit.
+        ``early``: before the bytes it copies from are in place; :meth:`source_ready` once they are."""
         if len(payload) > 1:
             return None
         data = memoryview(payload[0]).cast("B") if payload else None
@@ -131,10 +133,21 @@ class ShmTransport:
                 return self._resend(call, op, args, session, payload)
             self._seq += 1
             write_message(self._view, REQUEST_AT, self._seq, header, data)
+            if early:
+                mark_early(self._view, self._seq)
             self._sent_at = time.perf_counter()
             os.eventfd_write(self._requests, 1)
             self._call, self._request = call, (op, args, session, payload)
             return call
+
+    def source_ready(self, call: Call[Any]) -> None:
+        """The bytes early ``call`` copies from are in place: ring once more (the daemon waits for this
+        ring to copy, and to answer; a lane closed or given up meanwhile gets it too, harmlessly)."""
+        with self._lock:
+            if not self._closed:
+                os.eventfd_write(self._requests, 1)
+            if self._call is call:
+                self._sent_at = time.perf_counter()  # the reply's wait for the copy is not the daemon's
 
     @property
     def busy(self) -> bool:

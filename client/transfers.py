@@ -8,7 +8,9 @@
   slot (on several threads, :mod:`cuctxd.client.host_copy`) while the daemon DMAs
   the one before; at most ``RING_SLOTS`` requests are out at once, and a slot is
   reused only after its request was answered. The chunk nothing overlaps (a
-  write's last, a read's first) is kept short (:data:`EDGE_BYTES`).
+  write's last, a read's first) is kept short (:data:`EDGE_BYTES`). A write of
+  one chunk (from :data:`EARLY_MIN_BYTES`) sends its request early on the shm
+  lane, before its copy.
 * Otherwise (small transfers, stream-ordered ones, tcp://): payload frames on the
   socket (:func:`cuctxd.client.requests.write` and friends).
 
@@ -44,6 +46,9 @@ GAP_BYTES = 4096
 #: DMA), when a transfer is more than twice this: on the H200 host the last 16 MiB DMA of a 64 MiB
 #: write, 0.6 of its 4 ms, ran while the client had nothing left to copy.
 EDGE_BYTES = 4 << 20
+#: Smallest one-chunk write whose request goes early, before its copy: below it the copy is shorter than
+#: the extra wake-up the data ring can cost a daemon that does not busy-poll.
+EARLY_MIN_BYTES = 256 << 10
 
 
 class StagingRing:
@@ -196,10 +201,22 @@ def _ring_write(ring: StagingRing, buffer: OnDevice, pieces: Iterable[tuple[int,
 
 
 def _ring_write_one(ring: StagingRing, buffer: OnDevice, offset: int, view: memoryview) -> Plan[int]:
-    """A write of one chunk: copy, then one request (64 KiB - 8 MiB, without the chunking's steps)."""
+    """A write of one chunk (64 KiB - 8 MiB, without the chunking's steps): its request sent early on the
+    shm lane, so that its trip and checks overlap the copy (from :data:`EARLY_MIN_BYTES`); else the copy,
+    then the request."""
+    request = requests.memcpy_htod(buffer, ring.host, offset, 0, view.nbytes, None)
+    copy = Local(partial(ring.copy_in, 0, [(0, view)]))
     with ring.in_use():
-        yield Local(partial(ring.copy_in, 0, [(0, view)]))
-        written: int = yield requests.memcpy_htod(buffer, ring.host, offset, 0, view.nbytes, None)
+        early = (yield Send(request, early=True)) if view.nbytes >= EARLY_MIN_BYTES else None
+        if early is None:
+            yield copy
+            written: int = yield request
+            return written
+        try:
+            yield copy
+        finally:  # the daemon copies, and answers, only after this ring
+            yield Local(partial(early.transport.source_ready, early))
+        written = yield Wait(early)
     return written
 
 

@@ -3,7 +3,9 @@ shared memory, woken by eventfds instead of ZeroMQ.
 
 A region of :data:`REGION_BYTES` (a memfd): the request area at 0, the reply area at
 :data:`AREA_BYTES`, then :data:`CONTROL_BYTES` whose first 4 (:data:`CLOSED_AT`) the daemon
-sets to 1 when it closes the lane (it then rings the reply eventfd once more). Each area
+sets to 1 when it closes the lane (it then rings the reply eventfd once more), and whose
+u64 at :data:`EARLY_AT` the client sets to the sequence number of an **early** request
+(sent before the bytes it copies from are in place; it rings once more when they are). Each area
 holds one message: :data:`MESSAGE_HEAD` (``<QIII``: sequence number, header length, payload
 frames (0 or 1), payload length), the msgpack header, the payload. A client writes a request
 (sequence numbers 1, 2, 3, ...), then adds 1 to the request eventfd; the daemon answers in
@@ -23,7 +25,9 @@ REGION_BYTES = 2 * AREA_BYTES + CONTROL_BYTES
 REQUEST_AT = 0
 REPLY_AT = AREA_BYTES
 CLOSED_AT = 2 * AREA_BYTES
+EARLY_AT = CLOSED_AT + 8
 _FLAG = struct.Struct("<I")
+_SEQ = struct.Struct("<Q")
 MESSAGE_HEAD = struct.Struct("<QIII")
 #: Most header + payload bytes one message carries.
 MAX_MESSAGE_BYTES = AREA_BYTES - MESSAGE_HEAD.size
@@ -50,6 +54,15 @@ def mark_closed(region: memoryview) -> None:
 
 def is_closed(region: memoryview) -> bool:
     return bool(_FLAG.unpack_from(region, CLOSED_AT)[0])
+
+
+def mark_early(region: memoryview, seq: int) -> None:
+    """Say that request ``seq`` is early (written before the request itself is rung)."""
+    _SEQ.pack_into(region, EARLY_AT, seq)
+
+
+def is_early(region: memoryview, seq: int) -> bool:
+    return bool(_SEQ.unpack_from(region, EARLY_AT)[0] == seq)
 
 
 def read_message(region: memoryview, at: int) -> tuple[int, bytes, bytes | None]:

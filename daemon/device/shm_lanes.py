@@ -7,7 +7,10 @@ with a data plane may ask for a lane (``shm_lane``): a memfd region of
 channel. The worker polls the request eventfd beside its ROUTER, takes the
 request from the region, admits and runs it as any other (same checks, same
 queues, same order: the client sends on one path at a time), and answers in the
-region. Layout: :mod:`cuctxd.protos.shm_lane`. Owned by the device's worker thread, as part of its
+region. An **early** request (sent before the bytes it copies from are in place) is checked at once,
+but its copy waits in :attr:`ShmLane.parked` for the lane's next ring, and its reply, even an error,
+is rung only after that ring: so no ring the client owes can meet a later request. Layout:
+:mod:`cuctxd.protos.shm_lane`. Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`; one lane per session, closed with the session.
 """
 
@@ -30,6 +33,7 @@ from cuctxd.protos.shm_lane import (
     REPLY_AT,
     REQUEST_AT,
     fits,
+    is_early,
     mark_closed,
     read_message,
     write_message,
@@ -54,6 +58,13 @@ class ShmLane:
     #: The sequence number of the last request taken, and whether its reply is still to come.
     seq: int = 0
     busy: bool = False
+    #: Whether that request is early, and the rings since it was taken (its data ring among them).
+    early: bool = False
+    rung: int = 0
+    #: An early request's reply is in the area, its ring waits for the data ring.
+    owing: bool = False
+    #: ``(job, pending)`` of an early copy that runs on the data ring (the worker's to run).
+    parked: tuple[Any, Any] | None = None
 
     def __post_init__(self) -> None:
         self.view = memoryview(self.region)
@@ -63,6 +74,7 @@ class ShmLane:
         answered here), then let go of everything."""
         mark_closed(self.view)
         os.eventfd_write(self.replies, 1)
+        self.parked = None
         self.view.release()
         with contextlib.suppress(BufferError):
             self.region.close()
@@ -112,25 +124,44 @@ class ShmLanes:
 
     def take(self, fd: int) -> tuple[ShmLane, bytes, bytes | None] | None:
         """The request the lane polled on ``fd`` rang for: ``(lane, header, payload)``; None when there is
-        none to take (a ring while the last one is still being answered, or a number already taken).
-        A message that does not fit its area raises :class:`BadRequest` (answered on the lane)."""
+        none to take (a ring while the last one is still being answered, an early request's data ring, or a
+        number already taken). A message that does not fit its area raises :class:`BadRequest` (answered on
+        the lane)."""
         lane = self.by_fd.get(fd)
         if lane is None:
             return None
+        count = 0
         with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(fd)
-        if lane.busy:
-            return None  # the client broke the one-at-a-time rule: its request waits for this reply
+            count = os.eventfd_read(fd)
+        if lane.busy:  # an early request's data ring; else the client broke the one-at-a-time rule (its
+            lane.rung += count  # request waits for this reply)
+            return None
+        if lane.owing and count:  # the data ring an early request's reply waited for
+            count -= 1
+            lane.owing = False
+            os.eventfd_write(lane.replies, 1)
+            if not count:
+                return None
         seq = MESSAGE_HEAD.unpack_from(lane.view, REQUEST_AT)[0]
         if seq == lane.seq:
             return None
         lane.seq, lane.busy = seq, True  # from here on, even garbage is answered, under its number
+        lane.early, lane.rung = is_early(lane.view, seq), max(0, count - 1)
         _, header, payload = read_message(lane.view, REQUEST_AT)
         return lane, header, payload
 
+    def unpark(self, fd: int) -> tuple[Any, Any] | None:
+        """The early copy parked on the lane polled on ``fd``, once its data ring has come."""
+        lane = self.by_fd.get(fd)
+        if lane is None or lane.parked is None or not lane.rung:
+            return None
+        parked, lane.parked = lane.parked, None
+        return parked
+
     def reply(self, lane: ShmLane, request_id: int, header: bytes, frames: Sequence[Any]) -> None:
         """Answer the lane's request (a lane closed meanwhile is skipped); a reply that does not fit its area
-        is answered with ``CUCTXD_ERROR_TOO_LARGE`` instead."""
+        is answered with ``CUCTXD_ERROR_TOO_LARGE`` instead. An early request's reply is rung only once its
+        data ring has come."""
         if self.by_session.get(lane.session.token) is not lane:
             return
         payload: Any = memoryview(frames[0]).cast("B") if frames else None
@@ -140,7 +171,11 @@ class ShmLanes:
             header, payload = encode_error(request_id, error), None
         write_message(lane.view, REPLY_AT, lane.seq, header, payload)
         lane.busy = False
-        os.eventfd_write(lane.replies, 1)
+        if lane.early and not lane.rung:
+            lane.owing = True  # rung with the data ring still to come
+        else:
+            os.eventfd_write(lane.replies, 1)
+        lane.early, lane.rung = False, 0
 
     def close(self, token: str) -> None:
         """Close the session's lane, if it has one (its session ended)."""

@@ -319,6 +319,9 @@ class DeviceWorker:
             self._answer_shm(lanes.by_fd[fd], 0, "?", encode_error(0, exc), (), exc.name, received)
             return
         if taken is None:
+            parked = lanes.unpark(fd)
+            if parked is not None:  # its data ring: the loop runs it next
+                self._pending.append(parked)
             return
         lane, header, payload = taken
         refused = self._lane.admit(b"", header, () if payload is None else (payload,), self._queue_received,
@@ -437,7 +440,10 @@ class DeviceWorker:
             self._answer(job, encode_result(job.request_id, outcome.result), outcome.frames, _OK)
             return
         if isinstance(outcome, Pending):
-            self._pending.append((job, outcome))
+            if outcome.on_ring is not None:
+                outcome.on_ring.parked = (job, outcome)
+            else:
+                self._pending.append((job, outcome))
             return
         peer = self.peers.get(outcome.device)
         if peer is None:

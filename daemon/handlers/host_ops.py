@@ -3,7 +3,8 @@ shm_lane."""
 
 from __future__ import annotations
 
-from cuctxd.daemon.device.entries import check_range
+from cuctxd.daemon.backends.base import Stream
+from cuctxd.daemon.device.entries import Buffer, HostBuffer, SessionOnDevice, check_range
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers.registry import device_handler
 from cuctxd.daemon.handlers.replies import Pending, Reply
@@ -51,7 +52,8 @@ def host_free(state: DeviceState, job: Job) -> Reply | Pending:
     return Pending(lambda: state.host.idle(entry), free)
 
 
-def _copy(state: DeviceState, job: Job, to_device: bool) -> Reply:
+def _checked(state: DeviceState, job: Job) -> tuple[SessionOnDevice, Buffer, HostBuffer, int, Stream | None]:
+    """The copy's session, buffer, host buffer, size and stream, each checked."""
     args = job.args
     session = state.session(job.session)
     buffer = session.buffers[args.buffer]
@@ -59,6 +61,12 @@ def _copy(state: DeviceState, job: Job, to_device: bool) -> Reply:
     size = check_range(entry.size, args.host_offset, args.size)
     check_range(buffer.size, args.offset, size)
     stream = state.streams.stream_of(session, args.stream)  # checked even when there is nothing to do
+    return session, buffer, entry, size, stream
+
+
+def _copy(state: DeviceState, job: Job, to_device: bool) -> Reply:
+    args = job.args
+    session, buffer, entry, size, stream = _checked(state, job)
     if not size:
         return Reply({"size": 0})
     host = entry.view[args.host_offset:args.host_offset + size]
@@ -80,7 +88,11 @@ def _copy(state: DeviceState, job: Job, to_device: bool) -> Reply:
 
 
 @device_handler(ops.MemcpyHtoD)
-def memcpy_htod(state: DeviceState, job: Job) -> Reply:
+def memcpy_htod(state: DeviceState, job: Job) -> Reply | Pending:
+    lane = job.shm
+    if lane is not None and lane.early and not lane.rung:  # its bytes are still being copied in
+        _checked(state, job)  # errors now; the copy, checked again, on the lane's data ring
+        return Pending(lambda: True, lambda: _copy(state, job, to_device=True), on_ring=lane)
     return _copy(state, job, to_device=True)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cuctxd.daemon.device.entries import Marker
+from cuctxd.daemon.device.shm_lanes import ShmLane
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.streams import Streams
 from cuctxd.daemon.registry.sessions import Session
@@ -43,10 +44,12 @@ class Reply:
 
 @dataclass
 class Pending:
-    """Reply with ``then()`` once ``done()`` (a non-blocking query) returns True."""
+    """Reply with ``then()`` once ``done()`` (a non-blocking query) returns True. With ``on_ring``, not
+    polled: it waits on that shm lane until the lane's next ring (an early request's data ring)."""
 
     done: Callable[[], bool]
     then: Callable[[], Reply]
+    on_ring: ShmLane | None = None
 
 
 def after_markers(streams: Streams, markers: list[Marker], reply: Reply) -> Pending:

@@ -1,6 +1,7 @@
 """A hostile local process on its own shm lane: garbage lengths, another session's token, rings without a
-request, a flood of rings, a second lane. Each runs against a real daemon process; the bystander (a
-session using its own lane) must not notice, and the lane's fds go when the session ends."""
+request, a flood of rings, a second lane, early requests whose data ring comes late, never, or at once.
+Each runs against a real daemon process; the bystander (a session using its own lane) must not notice,
+and the lane's fds go when the session ends."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import select
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import pytest
@@ -20,10 +22,12 @@ from cuctxd.client.fd_channel import FdChannel
 from cuctxd.protos.messages import encode_request, parse_reply
 from cuctxd.protos.shm_lane import (
     CLOSED_AT,
+    EARLY_AT,
     MESSAGE_HEAD,
     REGION_BYTES,
     REPLY_AT,
     REQUEST_AT,
+    mark_early,
     read_message,
     write_message,
 )
@@ -76,10 +80,106 @@ def raw_lane(attack_daemon: DaemonProcess) -> Iterator[RawLane]:
         lane.close()
 
 
-def _request(lane: RawLane, seq: int, op: str, args: dict[str, object], token: str | None = None) -> None:
+def _request(lane: RawLane, seq: int, op: str, args: dict[str, object], token: str | None = None,
+             early: bool = False) -> None:
     header = encode_request(seq, op, lane.client._token if token is None else token, args)
     write_message(memoryview(lane.region), REQUEST_AT, seq, header, None)
+    if early:
+        mark_early(memoryview(lane.region), seq)
     lane.ring()
+
+
+_EARLY_BYTES = 1 << 16
+
+
+@pytest.fixture
+def early_copy(raw_lane: RawLane) -> Iterator[tuple[Any, Any]]:
+    """A device buffer and a host buffer of :data:`_EARLY_BYTES` in the raw lane's session."""
+    buffer = raw_lane.client.alloc(_EARLY_BYTES, 0)
+    host = raw_lane.client.host_alloc(_EARLY_BYTES, device=0)
+    yield buffer, host
+    host.free()
+
+
+def _htod(buffer: Any, host: Any) -> dict[str, object]:
+    return {"device": 0, "buffer": buffer.handle, "host": host.handle}
+
+
+def test_an_early_copy_waits_for_its_data_ring_and_copies_what_is_there_then(
+        raw_lane: RawLane, early_copy: tuple[Any, Any], bystander: Bystander) -> None:
+    buffer, host = early_copy
+    host[:] = b"a" * _EARLY_BYTES
+    _request(raw_lane, 1, "memcpy_htod", _htod(buffer, host), early=True)
+    assert raw_lane.reply(timeout=0.5) is None  # checked, parked: no reply before the data ring
+    bystander.check()  # the device goes on for everyone else meanwhile
+    host[:] = b"b" * _EARLY_BYTES
+    raw_lane.ring()
+    answer = raw_lane.reply()
+    assert answer is not None and answer[0] == 1 and answer[1]["result"] == {"size": _EARLY_BYTES}
+    assert buffer.read() == b"b" * _EARLY_BYTES
+
+
+def test_a_data_ring_that_came_with_the_request_counts(raw_lane: RawLane, early_copy: tuple[Any, Any]) -> None:
+    buffer, host = early_copy
+    host[:] = b"c" * _EARLY_BYTES
+    _request(raw_lane, 1, "memcpy_htod", _htod(buffer, host), early=True)
+    raw_lane.ring()  # at once: the daemon may read both rings as one count
+    answer = raw_lane.reply()
+    assert answer is not None and answer[0] == 1 and "error" not in answer[1]
+    assert buffer.read() == b"c" * _EARLY_BYTES
+
+
+def test_an_early_requests_error_waits_for_the_data_ring_which_then_cannot_meet_the_next_request(
+        raw_lane: RawLane, early_copy: tuple[Any, Any], bystander: Bystander) -> None:
+    buffer, host = early_copy
+    _request(raw_lane, 1, "memcpy_htod", {**_htod(buffer, host), "buffer": 999_999}, early=True)
+    assert raw_lane.reply(timeout=0.5) is None  # answered already, rung only after the data ring
+    raw_lane.ring()
+    answer = raw_lane.reply()
+    assert answer is not None and answer[0] == 1
+    assert answer[1]["error"]["name"] == "CUCTXD_ERROR_UNKNOWN_HANDLE"  # type: ignore[index]
+    host[:] = b"d" * _EARLY_BYTES
+    _request(raw_lane, 2, "memcpy_htod", _htod(buffer, host), early=True)
+    assert raw_lane.reply(timeout=0.5) is None  # the ring owed for request 1 was not taken for this one
+    host[:] = b"e" * _EARLY_BYTES
+    raw_lane.ring()
+    answer = raw_lane.reply()
+    assert answer is not None and answer[0] == 2 and "error" not in answer[1]
+    assert buffer.read() == b"e" * _EARLY_BYTES
+    bystander.check()
+
+
+def test_an_early_copy_whose_host_buffer_went_meanwhile_is_an_error(
+        raw_lane: RawLane, early_copy: tuple[Any, Any], bystander: Bystander) -> None:
+    buffer, host = early_copy
+    _request(raw_lane, 1, "memcpy_htod", _htod(buffer, host), early=True)
+    assert raw_lane.reply(timeout=0.3) is None
+    host.free()  # on the socket, breaking the lane's order
+    raw_lane.ring()
+    answer = raw_lane.reply()
+    assert answer is not None and answer[1]["error"]["name"] == "CUCTXD_ERROR_UNKNOWN_HANDLE"  # type: ignore[index]
+    bystander.check()
+
+
+def test_a_session_that_never_rings_its_data_ring_ends_cleanly(attack_daemon: DaemonProcess,
+                                                               bystander: Bystander) -> None:
+    before = fd_count(attack_daemon)
+    with Client(attack_daemon.endpoint, timeout=10, device_endpoints=False) as client:
+        ticket = client.run(requests.shm_lane(0))["ticket"]
+        channel = FdChannel(attack_daemon.endpoint[len("ipc://"):] + ".fds", 10)
+        fds, _ = channel.fetch(ticket)
+        channel.close()
+        region = mmap.mmap(fds[0], REGION_BYTES)
+        os.close(fds[0])
+        lane = RawLane(client, region, fds[1], fds[2])
+        buffer = client.alloc(_EARLY_BYTES, 0)
+        host = client.host_alloc(_EARLY_BYTES, device=0)
+        _request(lane, 1, "memcpy_htod", _htod(buffer, host), early=True)
+        bystander.check()
+        host.close()
+        lane.close()
+    assert wait_until(lambda: fd_count(attack_daemon) <= before, timeout=5)
+    bystander.check()
 
 
 def test_a_raw_lane_answers_requests_in_its_region(raw_lane: RawLane, bystander: Bystander) -> None:
@@ -157,4 +257,4 @@ def test_a_reply_too_large_for_the_area_is_an_error_not_a_crash(raw_lane: RawLan
 
 def test_head_layout_is_what_the_spec_says() -> None:
     assert MESSAGE_HEAD.size == 20 and struct.calcsize("<QIII") == 20
-    assert (REPLY_AT, CLOSED_AT, REGION_BYTES) == (65536, 131072, 131136)
+    assert (REPLY_AT, CLOSED_AT, EARLY_AT, REGION_BYTES) == (65536, 131072, 131080, 131136)

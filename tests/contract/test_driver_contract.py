@@ -85,8 +85,11 @@ def test_fresh_thread_has_no_current_context(driver: Driver) -> None:
 
 
 def test_pop_on_empty_stack_is_invalid_context(driver: Driver) -> None:
-    with raises_cuda("CUDA_ERROR_INVALID_CONTEXT"):
-        driver.ctx_pop()
+    def body() -> None:  # a fresh thread's stack is empty (this one may hold a framework's context)
+        with raises_cuda("CUDA_ERROR_INVALID_CONTEXT"):
+            driver.ctx_pop()
+
+    in_thread(body)
 
 
 def test_primary_context_refcount_and_state(driver: Driver) -> None:

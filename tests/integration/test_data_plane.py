@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from cuctxd.client import Client, CudaError, LimitExceeded, NotShareable, UnknownHandle
 from cuctxd.client.pool_imports import POOL_IMPORTS
-from cuctxd.client.transfers import EDGE_BYTES, RING_MIN_BYTES, RING_SLOT_BYTES, RING_SLOTS
+from cuctxd.client.shm_lane import ShmTransport
+from cuctxd.client.transfers import EDGE_BYTES, RING_MIN_BYTES, RING_SLOT_BYTES, RING_SLOTS, StagingRing
 from tests.helpers import (
     DaemonProcess,
     pattern,
@@ -224,6 +226,45 @@ def test_ring_transfers_keep_range_errors(daemon: DaemonProcess) -> None:
         with pytest.raises(Exception, match="outside"):
             buf.write(bytes(2 << 20))
         assert buf.write(b"x" * (1 << 20)) == 1 << 20  # the ring is usable after the error
+
+
+def test_a_one_chunk_write_sends_its_request_before_its_copy(daemon: DaemonProcess,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    rung: list[str] = []
+    source_ready = ShmTransport.source_ready
+
+    def spy(lane: ShmTransport, call: Any) -> None:
+        rung.append(call.op)
+        source_ready(lane, call)
+
+    monkeypatch.setattr(ShmTransport, "source_ready", spy)
+    with Client(daemon.endpoint) as c:
+        buf = c.alloc(1 << 20)
+        data = pattern(1 << 20, seed=1)
+        buf.write(data)
+        assert rung == ["memcpy_htod"]
+        assert buf.read() == data
+        buf.write(data[:RING_MIN_BYTES - 1])  # a payload frame: nothing to send early
+        assert rung == ["memcpy_htod"]
+
+
+def test_an_interrupted_copy_still_rings_and_the_lane_goes_on(daemon: DaemonProcess,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    with Client(daemon.endpoint, timeout=5) as c:  # a reply held for a ring never sent: DaemonTimeout
+        buf = c.alloc(1 << 20)
+        buf.write(bytes(1 << 20))
+
+        def interrupted(ring: StagingRing, index: int, pieces: Any) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(StagingRing, "copy_in", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            buf.write(pattern(1 << 20))
+        monkeypatch.undo()
+        data = pattern(1 << 20, seed=2)
+        buf.write(data)
+        assert buf.read() == data
+        assert c.shm_lanes == (0,)
 
 
 def test_without_room_for_a_ring_transfers_take_the_socket(daemon: DaemonProcess) -> None:
