@@ -200,6 +200,7 @@ def test_push_pop_and_set_current_order(driver: Driver) -> None:
 
 
 def test_context_stacks_are_per_thread(driver: Driver) -> None:
+    mine = driver.ctx_get_current()  # None, or a framework's context (torch's, say)
     first_has_context = threading.Event()
     second_done = threading.Event()
 
@@ -225,7 +226,7 @@ def test_context_stacks_are_per_thread(driver: Driver) -> None:
     thread_two = HostThread(second)
     thread_two.join()
     thread_one.join()
-    assert driver.ctx_get_current() is None
+    assert driver.ctx_get_current() == mine, "the other threads' stacks left this one's alone"
 
 
 def test_concurrent_threads_keep_their_own_stack_and_data(driver: Driver) -> None:
