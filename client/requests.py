@@ -466,10 +466,13 @@ def list_shared() -> Request[list[dict[str, Any]]]:
 
 
 def open_shared(descriptor: ShareDescriptor, pool_fd: bool = False) -> Request[tuple[ShareDescriptor, str | None]]:
-    """Hold the share; the answer is the daemon's fresh descriptor under the name asked for, and with
+    """Hold the share; the answer is the daemon's fresh descriptor with what the name said (its name,
+    publisher, manifest, read-only flag: ``open_shared`` knows the share, not the name), and with
     ``pool_fd`` the fd channel ticket of its pool."""
     def convert(result: dict[str, Any], frames: list[Any]) -> tuple[ShareDescriptor, str | None]:
-        return ShareDescriptor.from_wire({**result["share"], "name": descriptor.name}), result.get("ticket")
+        named = {"name": descriptor.name, "publisher": descriptor.publisher, "manifest": descriptor.manifest,
+                 "read_only": descriptor.read_only}
+        return ShareDescriptor.from_wire({**result["share"], **named}), result.get("ticket")
 
     return _request("open_shared", convert, device=descriptor.device, share_id=descriptor.share_id,
                     pool_fd=pool_fd or None)

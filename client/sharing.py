@@ -10,7 +10,6 @@ daemon's hold are requests, so :meth:`AsyncOpenedShare.close` is a coroutine
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -143,10 +142,7 @@ def open_share(owner: Any, kind: Callable[[Any, ShareDescriptor, Any], ShareT],
     check_same_host(descriptor)
     need_pool = descriptor.mechanism == "pool" and not POOL_IMPORTS.has(descriptor.pool_id)
     plane = owner.data_plane() if need_pool else None
-    opened, ticket = yield requests.open_shared(descriptor, pool_fd=need_pool)
-    # the daemon's descriptor, with what the name said (open_shared knows the share, not the name)
-    descriptor = dataclasses.replace(opened, name=descriptor.name, publisher=descriptor.publisher,
-                                     manifest=descriptor.manifest, read_only=descriptor.read_only)
+    descriptor, ticket = yield requests.open_shared(descriptor, pool_fd=need_pool)
     try:
         mapping = yield Local(lambda: map_share(descriptor, plane.receive_fd(ticket) if plane and ticket else None))
     except BaseException:
