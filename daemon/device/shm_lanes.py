@@ -74,7 +74,6 @@ class ShmLane:
         answered here), then let go of everything."""
         mark_closed(self.view)
         os.eventfd_write(self.replies, 1)
-        self.parked = None
         self.view.release()
         with contextlib.suppress(BufferError):
             self.region.close()
@@ -94,6 +93,8 @@ class ShmLanes:
         self.by_session: dict[str, ShmLane] = {}
         self.by_fd: dict[int, ShmLane] = {}
         self.watch: Callable[[int, bool], None] | None = None
+        #: Early copies parked on their lanes (an int: other threads read it for the worker's queue depth).
+        self.parked = 0
 
     def open(self, session: SessionRef) -> list[int]:
         """A new lane for ``session`` (one each): fds for the client (memfd, request and reply eventfds;
@@ -150,12 +151,18 @@ class ShmLanes:
         _, header, payload = read_message(lane.view, REQUEST_AT)
         return lane, header, payload
 
+    def park(self, lane: ShmLane, job: Any, pending: Any) -> None:
+        """Keep an early copy on its lane until the lane's data ring (:meth:`unpark`)."""
+        lane.parked = (job, pending)
+        self.parked += 1
+
     def unpark(self, fd: int) -> tuple[Any, Any] | None:
         """The early copy parked on the lane polled on ``fd``, once its data ring has come."""
         lane = self.by_fd.get(fd)
         if lane is None or lane.parked is None or not lane.rung:
             return None
         parked, lane.parked = lane.parked, None
+        self.parked -= 1
         return parked
 
     def reply(self, lane: ShmLane, request_id: int, header: bytes, frames: Sequence[Any]) -> None:
@@ -185,6 +192,9 @@ class ShmLanes:
         del self.by_fd[lane.requests]
         if self.watch is not None:
             self.watch(lane.requests, False)
+        if lane.parked is not None:  # its copy will not run: the session that sent it is gone
+            lane.parked = None
+            self.parked -= 1
         lane.close()
 
     def close_all(self) -> None:

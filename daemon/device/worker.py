@@ -170,8 +170,10 @@ class DeviceWorker:
             self._doorbell = -1
 
     def queue_depth(self) -> int:
-        """Work not answered yet: queued tasks and jobs, and pending synchronizations."""
-        return self._tasks.qsize() + len(self._queues) + len(self._pending)
+        """Work not answered yet: queued tasks and jobs, pending synchronizations and early copies parked
+        on their shm lanes."""
+        parked = self.state.shm_lanes.parked if self.state is not None else 0
+        return self._tasks.qsize() + len(self._queues) + len(self._pending) + parked
 
     # --- on the worker thread -----------------------------------------------------------
 
@@ -441,7 +443,8 @@ class DeviceWorker:
             return
         if isinstance(outcome, Pending):
             if outcome.on_ring is not None:
-                outcome.on_ring.parked = (job, outcome)
+                assert self.state is not None
+                self.state.shm_lanes.park(outcome.on_ring, job, outcome)
             else:
                 self._pending.append((job, outcome))
             return

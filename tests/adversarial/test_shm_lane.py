@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 import select
+import signal
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from cuctxd.protos.shm_lane import (
 )
 from tests.adversarial.attacks import Bystander
 from tests.adversarial.test_fd_channel import fd_count
-from tests.helpers import DaemonProcess, wait_until
+from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_for_log, wait_until
 
 
 @dataclass
@@ -64,18 +65,23 @@ class RawLane:
         os.close(self.replies)
 
 
+def open_raw_lane(daemon: DaemonProcess, client: Client) -> RawLane:
+    """The session's lane to device 0, opened by hand (``client`` has ``device_endpoints=False``, so it
+    opens no lane of its own)."""
+    ticket = client.run(requests.shm_lane(0))["ticket"]
+    channel = FdChannel(daemon.endpoint[len("ipc://"):] + ".fds", 10)
+    fds, info = channel.fetch(ticket)
+    channel.close()
+    assert info == {"shm_lane": 0} and len(fds) == 3
+    region = mmap.mmap(fds[0], REGION_BYTES)
+    os.close(fds[0])
+    return RawLane(client, region, fds[1], fds[2])
+
+
 @pytest.fixture
 def raw_lane(attack_daemon: DaemonProcess) -> Iterator[RawLane]:
-    # device_endpoints=False: the client opens no lane of its own, so this one is the session's
     with Client(attack_daemon.endpoint, timeout=10, device_endpoints=False) as client:
-        ticket = client.run(requests.shm_lane(0))["ticket"]
-        channel = FdChannel(attack_daemon.endpoint[len("ipc://"):] + ".fds", 10)
-        fds, info = channel.fetch(ticket)
-        channel.close()
-        assert info == {"shm_lane": 0} and len(fds) == 3
-        region = mmap.mmap(fds[0], REGION_BYTES)
-        os.close(fds[0])
-        lane = RawLane(client, region, fds[1], fds[2])
+        lane = open_raw_lane(attack_daemon, client)
         yield lane
         lane.close()
 
@@ -161,17 +167,36 @@ def test_an_early_copy_whose_host_buffer_went_meanwhile_is_an_error(
     bystander.check()
 
 
+def test_a_drain_waits_for_a_parked_early_copy_and_answers_it() -> None:
+    daemon = start_daemon("--drain-timeout", "20")
+    try:
+        client = Client(daemon.endpoint, timeout=10, device_endpoints=False)
+        lane = open_raw_lane(daemon, client)
+        buffer = client.alloc(_EARLY_BYTES, 0)
+        host = client.host_alloc(_EARLY_BYTES, device=0)
+        _request(lane, 1, "memcpy_htod", _htod(buffer, host), early=True)
+        assert lane.reply(timeout=0.3) is None
+        daemon.process.send_signal(signal.SIGTERM)
+        wait_for_log(daemon, "draining: ")
+        assert daemon.process.poll() is None  # the parked copy counts as work not answered yet
+        host[:] = b"f" * _EARLY_BYTES
+        lane.ring()
+        answer = lane.reply()
+        assert answer is not None and answer[0] == 1 and answer[1]["result"] == {"size": _EARLY_BYTES}
+        assert daemon.process.wait(20) == 0
+        assert "drained in" in daemon.log()
+        lane.close()
+        client.close()  # its goodbye finds no daemon, and says nothing
+    finally:
+        daemon.stop()
+        remove_tempdir(daemon.socket_dir)
+
+
 def test_a_session_that_never_rings_its_data_ring_ends_cleanly(attack_daemon: DaemonProcess,
                                                                bystander: Bystander) -> None:
     before = fd_count(attack_daemon)
     with Client(attack_daemon.endpoint, timeout=10, device_endpoints=False) as client:
-        ticket = client.run(requests.shm_lane(0))["ticket"]
-        channel = FdChannel(attack_daemon.endpoint[len("ipc://"):] + ".fds", 10)
-        fds, _ = channel.fetch(ticket)
-        channel.close()
-        region = mmap.mmap(fds[0], REGION_BYTES)
-        os.close(fds[0])
-        lane = RawLane(client, region, fds[1], fds[2])
+        lane = open_raw_lane(attack_daemon, client)
         buffer = client.alloc(_EARLY_BYTES, 0)
         host = client.host_alloc(_EARLY_BYTES, device=0)
         _request(lane, 1, "memcpy_htod", _htod(buffer, host), early=True)
