@@ -112,12 +112,16 @@ class ShmTransport:
         self.usable = True
         self._closed = False
         self._lock = threading.RLock()
+        #: Held only to ring or close the request eventfd, never while waiting: a thread waiting on an early
+        #: call (under :attr:`_lock`) must not keep its sender from ringing the data ring it waits for.
+        self._fd_lock = threading.Lock()
 
     def try_send(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any] = (), *,
                  into: Any, convert: Callable[[dict[str, Any], list[Any]], Any],
                  reach: Reach = None, early: bool = False) -> Call[Any] | None:
         """Send on the lane (after the call still out there, if any); None when the request does not fit.
-        ``early``: before the bytes it copies from are in place; :meth:`source_ready` once they are."""
+        ``early``: before the bytes it copies from are in place, :meth:`source_ready` once they are (None
+        if the lane was given up meanwhile: the socket must not have it before its bytes)."""
         if len(payload) > 1:
             return None
         data = memoryview(payload[0]).cast("B") if payload else None
@@ -129,8 +133,8 @@ class ShmTransport:
             if self._call is not None:
                 self.wait(self._call)
             call: Call[Any] = Call(self, request_id, op, into, convert, reach)
-            if not self.usable:  # closed by the daemon while the last call was out
-                return self._resend(call, op, args, session, payload)
+            if not self.usable:  # closed by the daemon, or given up, while the last call was out
+                return None if early else self._resend(call, op, args, session, payload)
             self._seq += 1
             write_message(self._view, REQUEST_AT, self._seq, header, data)
             if early:
@@ -143,11 +147,11 @@ class ShmTransport:
     def source_ready(self, call: Call[Any]) -> None:
         """The bytes early ``call`` copies from are in place: ring once more (the daemon waits for this
         ring to copy, and to answer; a lane closed or given up meanwhile gets it too, harmlessly)."""
-        with self._lock:
+        with self._fd_lock:
             if not self._closed:
                 os.eventfd_write(self._requests, 1)
-            if self._call is call:
-                self._sent_at = time.perf_counter()  # the reply's wait for the copy is not the daemon's
+        if self._call is call:
+            self._sent_at = time.perf_counter()  # the reply's wait for the copy is not the daemon's
 
     @property
     def busy(self) -> bool:
@@ -226,9 +230,10 @@ class ShmTransport:
 
     def close(self) -> None:
         """Unmap and close the eventfds (the daemon closes its side with the session)."""
-        if self._closed:
-            return
-        self._closed = True  # under the client's route lock: no call is being sent
+        with self._fd_lock:
+            if self._closed:
+                return
+            self._closed = True  # under the client's route lock: no call is being sent
         self.usable = False
         self._call = None
         self._poll.unregister(self._replies)

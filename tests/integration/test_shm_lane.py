@@ -108,6 +108,40 @@ def test_threads_sharing_a_client_each_get_their_own_replies(daemon: DaemonProce
         assert not wrong and not any(thread.is_alive() for thread in threads)
 
 
+def test_a_thread_waiting_on_an_early_write_does_not_hold_up_its_data_ring(daemon: DaemonProcess) -> None:
+    """One thread's 8 MiB writes go early (their copy waits on copy threads, letting the others run);
+    another thread's small reads on the same lane wait for them (the daemon answers an early request
+    only after its data ring) and must not keep the writer from ringing it."""
+    size = 8 << 20
+    with Client(daemon.endpoint, timeout=5) as c:  # a deadlock would end in DaemonTimeout
+        big, small = c.alloc(size), c.alloc(64)
+        small.write(b"s" * 64)
+        failures: list[BaseException] = []
+
+        def writer() -> None:
+            try:
+                for index in range(20):
+                    big.write(bytes([index]) * size)
+            except BaseException as error:
+                failures.append(error)
+
+        def reader() -> None:
+            try:
+                for _ in range(500):
+                    assert small.read(64) == b"s" * 64
+            except BaseException as error:
+                failures.append(error)
+
+        threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not failures and not any(thread.is_alive() for thread in threads)
+        assert big.read(size) == bytes([19]) * size
+        assert c.shm_lanes == (0,)
+
+
 def test_a_client_without_device_endpoints_opens_no_lane(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as observer, Client(daemon.endpoint, device_endpoints=False) as c:
         c.alloc(64).write(b"socket only")
