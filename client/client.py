@@ -204,7 +204,7 @@ class Client(SessionState):
             router = self._router
             route, transport = router.pick(request.op, request.args)
             if self._shm is not None:
-                if shm and route.lane >= 0 and eligible(request.op, request.args, route.lane, route.reach):
+                if shm:
                     call = self._send_shm(route, request)
                     if call is not None:
                         return call
@@ -219,16 +219,17 @@ class Client(SessionState):
         there is none."""
         with self._route_lock:
             self._flush_outbox()
-            route, _ = self._router.pick(request.op, request.args)
-            if self._shm is None or route.lane < 0 or not eligible(request.op, request.args, route.lane,
-                                                                  route.reach):
+            if self._shm is None:
                 return None
+            route, _ = self._router.pick(request.op, request.args)
             return self._send_shm(route, request, early=True)
 
     def _send_shm(self, route: Route, request: Request[T], early: bool = False) -> Call[T] | None:
         """Send on the shm lane to the route's device, after what the sockets still have out there;
-        None when there is no lane or the request does not fit it."""
+        None when the request may not take a lane (:func:`eligible`), there is none, or it does not fit."""
         assert self._shm is not None
+        if route.lane < 0 or not eligible(request.op, request.args, route.lane, route.reach):
+            return None
         lane = self._shm.for_device(route.lane)
         if lane is None:
             return None
