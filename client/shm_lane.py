@@ -36,6 +36,7 @@ from cuctxd.protos.shm_lane import (
     fits,
     is_closed,
     mark_early,
+    polls_busily,
     read_message,
     write_message,
 )
@@ -45,7 +46,7 @@ _REPLY_HEADER_ROOM = 1024
 #: Seconds a caller polls for its reply without sleeping before it blocks: a small op's reply comes
 #: within tens of microseconds, and being woken from sleep costs about as much again (more in a virtual
 #: machine). Only on hosts with 8 CPUs or more, where the polling does not take the daemon's CPU.
-BUSY_POLL_S = 200e-6 if (os.cpu_count() or 1) >= 8 else 0.0
+BUSY_POLL_S = 200e-6 if polls_busily() else 0.0
 
 
 class BusyPoll:

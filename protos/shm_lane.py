@@ -14,6 +14,7 @@ the reply area under the same number, then adds 1 to the reply eventfd. One requ
 
 from __future__ import annotations
 
+import os
 import struct
 
 from cuctxd.protos.errors import BadRequest
@@ -31,6 +32,14 @@ _SEQ = struct.Struct("<Q")
 MESSAGE_HEAD = struct.Struct("<QIII")
 #: Most header + payload bytes one message carries.
 MAX_MESSAGE_BYTES = AREA_BYTES - MESSAGE_HEAD.size
+#: Fewest CPUs on which a waiting thread polls before it sleeps (PROTOCOL.md, "Polling before sleeping"):
+#: on smaller hosts the polling would take the CPU the other side needs.
+BUSY_POLL_MIN_CPUS = 8
+
+
+def polls_busily() -> bool:
+    """Whether this host has the CPUs for the daemon's workers and the client to poll before sleeping."""
+    return (os.cpu_count() or 1) >= BUSY_POLL_MIN_CPUS
 
 
 def fits(header: int, payload: int) -> bool:

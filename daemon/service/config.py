@@ -21,6 +21,7 @@ from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
 from cuctxd.daemon.side_channel.server import DEFAULT_MAX_FD_CONNECTIONS
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
+from cuctxd.protos.shm_lane import polls_busily
 
 #: Size suffixes, as docker and systemd read them: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024;
 #: only an explicit KB/MB/GB/TB is decimal. Case does not matter.
@@ -62,7 +63,7 @@ def _busy_poll_for_host() -> int:
     """Microseconds a device worker polls without sleeping after a request: 300 on hosts with 8 CPUs or
     more, 0 on smaller ones, where a polling thread takes the CPU a client needs (CUDA's
     ``CU_CTX_SCHED_AUTO`` spins or yields by the same reasoning)."""
-    return 300 if (os.cpu_count() or 1) >= 8 else 0
+    return 300 if polls_busily() else 0
 
 
 DEFAULT_BUSY_POLL_US = _busy_poll_for_host()
