@@ -1,0 +1,93 @@
+"""Multi-threaded host copies (the staging ring's copies): exact bytes at every size, one copy per gang at
+a time, a failed piece reported to its caller and the gang still usable after."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from cuctxd.client import host_copy
+from cuctxd.protos.host import buffer_address
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def four_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A gang of four whatever this host's CPUs, and small pieces so that small copies use it."""
+    monkeypatch.setattr(host_copy, "COPY_THREADS", 4)
+    monkeypatch.setattr(host_copy, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(host_copy, "_gang", None)
+    yield
+
+
+@pytest.mark.parametrize("size", [0, 1, 64 << 10, (128 << 10) - 1, 128 << 10, (256 << 10) + 3, 3 * MiB + 17])
+def test_every_size_is_copied_exactly(four_threads: None, size: int) -> None:
+    source = os.urandom(size)
+    target = bytearray(size)
+    host_copy.copy(memoryview(target), memoryview(source))
+    assert target == source
+
+
+def test_unequal_lengths_are_refused() -> None:
+    with pytest.raises(ValueError, match="copy of 4 bytes into 3"):
+        host_copy.copy(memoryview(bytearray(3)), memoryview(b"abcd"))
+
+
+def test_a_copy_while_the_gang_is_busy_runs_on_its_caller(four_threads: None) -> None:
+    source = os.urandom(MiB)
+    target = bytearray(MiB)
+    gang = host_copy._the_gang()
+    with buffer_address(target) as to, buffer_address(source) as start:
+        assert gang._busy.acquire(blocking=False)  # as if another thread's copy held it
+        try:
+            assert not gang.run([(to, start, MiB)])
+            assert target == bytes(MiB)  # refused: nothing copied
+            host_copy.copy(memoryview(target), memoryview(source))
+        finally:
+            gang._busy.release()
+    assert target == source
+
+
+def test_threads_copying_at_once_each_get_their_bytes(four_threads: None) -> None:
+    sources = [os.urandom(2 * MiB + index) for index in range(6)]
+    targets = [bytearray(len(source)) for source in sources]
+
+    def copy(index: int) -> None:
+        for _ in range(20):
+            host_copy.copy(memoryview(targets[index]), memoryview(sources[index]))
+
+    threads = [threading.Thread(target=copy, args=(index,)) for index in range(len(sources))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert targets == sources
+
+
+def test_a_failed_piece_reaches_the_caller_and_the_gang_goes_on(four_threads: None) -> None:
+    gang = host_copy.Gang(3)
+    source = os.urandom(3 * 4096)
+    target = bytearray(len(source))
+    with buffer_address(target) as to, buffer_address(source) as start:
+        with pytest.raises(ctypes.ArgumentError):
+            gang.run([(to, start, 4096), (to + 4096, start + 4096, None), (to + 8192, start + 8192, 4096)])
+        assert target[:4096] == source[:4096] and target[8192:] == source[8192:]  # the others finished
+        assert gang.run([(to + at, start + at, 4096) for at in (0, 4096, 8192)])
+    assert target == source
+
+
+def test_a_failed_first_piece_still_waits_for_the_others(four_threads: None) -> None:
+    gang = host_copy.Gang(2)
+    source = os.urandom(2 * MiB)
+    target = bytearray(len(source))
+    with buffer_address(target) as to, buffer_address(source) as start:
+        with pytest.raises(ctypes.ArgumentError):
+            gang.run([(to, start, None), (to + MiB, start + MiB, MiB)])
+        assert target[MiB:] == source[MiB:]  # the gang thread's piece was done before run returned
+        assert gang.run([(to, start, MiB), (to + MiB, start + MiB, MiB)])
+    assert target == source
