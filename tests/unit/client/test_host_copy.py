@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import threading
+import time
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -91,3 +94,24 @@ def test_a_failed_first_piece_still_waits_for_the_others(four_threads: None) -> 
         assert target[MiB:] == source[MiB:]  # the gang thread's piece was done before run returned
         assert gang.run([(to, start, MiB), (to + MiB, start + MiB, MiB)])
     assert target == source
+
+
+def test_a_forked_child_copies_without_the_parents_gang(four_threads: None) -> None:
+    """The gang's threads stay in the parent: a child waiting on them would hang, so it makes its own."""
+    source = os.urandom(4 * MiB)
+    host_copy.copy(memoryview(bytearray(len(source))), memoryview(source))  # the parent's gang exists
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: forking with threads (the point here)
+        child = os.fork()
+    if child == 0:
+        target = bytearray(len(source))
+        host_copy.copy(memoryview(target), memoryview(source))
+        os._exit(0 if target == source else 1)
+    deadline = time.monotonic() + 30
+    while (waited := os.waitpid(child, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if waited == (0, 0):
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child's copy hung")
+    assert os.waitstatus_to_exitcode(waited[1]) == 0
