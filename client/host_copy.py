@@ -12,15 +12,39 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
+from collections.abc import Mapping
 
 from cuctxd.protos.host import buffer_address
 
 #: Smallest piece one thread copies; below twice this, the caller copies alone. On the H200 host a
 #: 1 MiB copy took 31 us alone and no less in pieces; 2 MiB 152 us alone, 73 us in two pieces.
 PIECE_BYTES = 1 << 20
-#: Threads copying at once (the caller included). On the H200 host (16 CPUs) a 16 MiB copy inside a
-#: 64 MiB write took 0.67 ms on 4 and 0.50 ms on 8.
-COPY_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+#: The environment variable that sets :data:`COPY_THREADS` (1: every copy stays on its caller).
+COPY_THREADS_ENV = "CUCTXD_COPY_THREADS"
+#: The most :data:`COPY_THREADS_ENV` may ask for.
+MAX_COPY_THREADS = 64
+
+
+def copy_threads(environ: Mapping[str, str] = os.environ) -> int:
+    """Threads copying at once, the caller included: :data:`COPY_THREADS_ENV` when set, else as many as
+    this process may run on, up to 8 (on the H200 host, 16 CPUs, a 16 MiB copy inside a 64 MiB write
+    took 0.67 ms on 4 and 0.50 ms on 8). A value that is not a whole number from 1 to
+    :data:`MAX_COPY_THREADS` is ignored with a warning."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    default = max(1, min(8, cpus))
+    text = environ.get(COPY_THREADS_ENV, "").strip()
+    if not text:
+        return default
+    if text.isdigit() and 1 <= int(text) <= MAX_COPY_THREADS:
+        return int(text)
+    warnings.warn(f"{COPY_THREADS_ENV}={text!r} is not a whole number from 1 to {MAX_COPY_THREADS}; "
+                  f"copying on {default} threads", RuntimeWarning, stacklevel=2)
+    return default
+
+
+#: Threads copying at once (the caller included), read once, when this module is imported.
+COPY_THREADS = copy_threads()
 
 
 class Gang:

@@ -115,3 +115,26 @@ def test_a_forked_child_copies_without_the_parents_gang(four_threads: None) -> N
         os.waitpid(child, 0)
         pytest.fail("the forked child's copy hung")
     assert os.waitstatus_to_exitcode(waited[1]) == 0
+
+
+def test_the_environment_sets_the_copy_threads() -> None:
+    assert host_copy.copy_threads({host_copy.COPY_THREADS_ENV: "3"}) == 3
+    assert host_copy.copy_threads({host_copy.COPY_THREADS_ENV: " 1 "}) == 1  # copies stay on their callers
+    assert 1 <= host_copy.copy_threads({}) <= 8
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "four", "2.5", "65"])
+def test_a_bad_copy_threads_value_is_ignored_with_a_warning(text: str) -> None:
+    with pytest.warns(RuntimeWarning, match=f"CUCTXD_COPY_THREADS='{text}' is not a whole number from 1 to 64"):
+        threads = host_copy.copy_threads({host_copy.COPY_THREADS_ENV: text})
+    assert threads == host_copy.copy_threads({})
+
+
+def test_one_copy_thread_keeps_every_copy_on_its_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_copy, "COPY_THREADS", 1)
+    monkeypatch.setattr(host_copy, "_gang", None)
+    source = os.urandom(8 * MiB)
+    target = bytearray(len(source))
+    host_copy.copy(memoryview(target), memoryview(source))
+    assert target == source
+    assert host_copy._gang is None  # no thread was started
