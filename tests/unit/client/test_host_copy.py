@@ -9,7 +9,6 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,12 +19,12 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def four_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A gang of four whatever this host's CPUs, and small pieces so that small copies use it."""
+def four_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gang of four whatever this host's CPUs, and small pieces so that small copies use it (monkeypatch
+    puts them back)."""
     monkeypatch.setattr(host_copy, "COPY_THREADS", 4)
     monkeypatch.setattr(host_copy, "PIECE_BYTES", 64 << 10)
     monkeypatch.setattr(host_copy, "_gang", None)
-    yield
 
 
 @pytest.mark.parametrize("size", [0, 1, 64 << 10, (128 << 10) - 1, 128 << 10, (256 << 10) + 3, 3 * MiB + 17])
