@@ -31,14 +31,15 @@ from cuctxd.client.transport import (
     MAX_IN_FLIGHT,
     PROBE_EVERY,
     CurveKeys,
+    DaemonWatch,
     connect_dealer,
-    listening,
+    daemon_restarted,
     match_reply,
     no_daemon,
     no_reply,
     read_payload,
 )
-from cuctxd.protos.errors import ConnectionLost, CuctxError, error_from_wire
+from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, error_from_wire
 from cuctxd.protos.messages import encode_request
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class AsyncTransport:
         self.curve = curve
         self.daemon = daemon or endpoint
         self._probes = self.daemon.startswith("ipc://")
+        self._daemon_watch = DaemonWatch(self.daemon)
         self._watch: asyncio.TimerHandle | None = None
         self._socket = connect_dealer(zmq.asyncio.Context.instance(), endpoint, curve)
         # A plain view of the same socket, for the rest of a message whose first frame has come.
@@ -113,16 +115,21 @@ class AsyncTransport:
         return list(self._waiting.values())
 
     def _watch_daemon(self) -> None:
-        """While calls wait, check every :data:`PROBE_EVERY` s that the daemon still listens; fail them when not."""
+        """While calls wait, check every :data:`PROBE_EVERY` s that the same daemon still listens; fail them
+        when not (``NoDaemon``, or ``DaemonRestarted`` when another one listens in its place)."""
         self._watch = None
         if not self._waiting:
             return
-        if listening(self.daemon):
-            self._watch = asyncio.get_running_loop().call_later(PROBE_EVERY, self._watch_daemon)
-            return
+        lost = no_daemon
+        try:
+            if self._daemon_watch.alive(None):
+                self._watch = asyncio.get_running_loop().call_later(PROBE_EVERY, self._watch_daemon)
+                return
+        except DaemonRestarted:
+            lost = daemon_restarted
         for waiting in self._waiting.values():
             if not waiting.reply.done():
-                waiting.reply.set_exception(no_daemon(self.daemon, waiting.op))
+                waiting.reply.set_exception(lost(self.daemon, waiting.op))
     async def _exchange(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any],
                         into: Any, reach: Reach, sent: Callable[[], None] | None) -> Reply:
         if self._failure is not None:

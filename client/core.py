@@ -19,7 +19,7 @@ from cuctxd.client.data_plane import DataPlane
 from cuctxd.client.lanes import FRONT, Lanes, Reach, Route, lane_endpoints
 from cuctxd.client.requests import Plan, Request
 from cuctxd.client.stream_ordered import Outbox
-from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, NotShareable, SessionLost
+from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, NoDaemon, NotShareable, SessionLost
 from cuctxd.protos.host import host_identity
 
 T = TypeVar("T")
@@ -108,7 +108,7 @@ class SessionState:
     def _lose(self, error: CuctxError) -> SessionLost:
         """The session is gone (the daemon stopped, or restarted and forgot it): remember it, so later
         calls fail at once (or reconnect), and return the error to raise."""
-        if isinstance(error, NoDaemon):
+        if isinstance(error, NoDaemon) and not isinstance(error, DaemonRestarted):
             why = f"{not_listening(self.endpoint)} any more"
         else:
             why = f"the daemon at {self.endpoint} no longer knows this session (it was restarted)"

@@ -82,18 +82,22 @@ class Pipeline(PipelineOps[Call[Any]]):
     def wait(self) -> None:
         """Wait for every reply; raise the first error (after all replies are in).
 
-        Once one reply times out (or the daemon is found gone) the daemon is taken as gone: the calls still open are
-        abandoned at once, so a batch fails within about one timeout, not one per call.
+        Once the daemon is taken as gone (a reply did not come within the timeout, nothing listens at the
+        endpoint, or another daemon does), the calls still open are abandoned at once, whatever error came
+        first (a daemon that answers ``CUCTXD_ERROR_SHUTTING_DOWN`` and then exits, say): a batch fails within
+        about one timeout, or one liveness probe, never one per call.
         """
         first_error: BaseException | None = None
+        gone = False
         for call in self._calls:
-            if isinstance(first_error, (DaemonTimeout, NoDaemon)):
+            if gone:
                 call.transport.abandon(call)
                 continue
             try:
                 call.result()
             except BaseException as exc:
                 first_error = first_error or exc
+                gone = isinstance(exc, (DaemonTimeout, NoDaemon))
         self._calls.clear()
         if first_error is not None:
             raise first_error

@@ -24,8 +24,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cuctxd.client.lanes import Reach
-from cuctxd.client.transport import PROBE_EVERY, Call, Transport, listening, no_daemon, no_reply
-from cuctxd.protos.errors import CuctxError, error_from_wire
+from cuctxd.client.transport import (
+    PROBE_EVERY,
+    Call,
+    DaemonWatch,
+    Transport,
+    daemon_restarted,
+    no_daemon,
+    no_reply,
+)
+from cuctxd.protos.errors import CuctxError, DaemonRestarted, error_from_wire
 from cuctxd.protos.messages import encode_request, parse_reply
 from cuctxd.protos.schema import OPS
 from cuctxd.protos.shm_lane import (
@@ -85,13 +93,14 @@ def eligible(op: str, args: dict[str, Any], device: int, reach: Reach) -> bool:
 
 
 class ShmTransport:
-    """One shm lane: the region mapped here, the request and reply eventfds; the interface of
-    :class:`~cuctxd.client.transport.Transport` that the router and calls use."""
+    """One shm lane: the region mapped here, the request and reply eventfds, and the daemon's pidfd when it
+    sent one; the interface of :class:`~cuctxd.client.transport.Transport` that the router and calls use."""
 
     def __init__(self, fds: Sequence[int], daemon: str, timeout: float, socket: Transport) -> None:
-        """``socket``: where a request goes instead once the daemon closed the lane under it (its session
+        """``fds``: as the ticket gave them (memfd, request and reply eventfds, then the daemon's pidfd, if
+        any). ``socket``: where a request goes instead once the daemon closed the lane under it (its session
         ended, the daemon stops); the reply, an error saying why, is the call's."""
-        memfd, self._requests, self._replies = fds
+        memfd, self._requests, self._replies, *pidfd = fds
         try:
             self._region = mmap.mmap(memfd, REGION_BYTES)
         finally:
@@ -99,6 +108,11 @@ class ShmTransport:
         self._view = memoryview(self._region)
         self._poll = select.poll()
         self._poll.register(self._replies, select.POLLIN)
+        #: Polls readable once the daemon process exits: a call then fails at once, whoever listens now.
+        self._pidfd = pidfd[0] if pidfd else None
+        if self._pidfd is not None:
+            self._poll.register(self._pidfd, select.POLLIN)
+        self._watch = DaemonWatch(daemon)
         self.daemon = daemon
         self.timeout = timeout
         self._socket = socket
@@ -177,7 +191,9 @@ class ShmTransport:
                 self._poll_busily(self._busy_poll.window)
             while not call.done:
                 left = deadline - time.monotonic()
-                if left > 0 and self._poll.poll(max(1, int(min(left, PROBE_EVERY) * 1000))):
+                slice_ms = max(1, int(min(left, PROBE_EVERY) * 1000))
+                ready = {fd for fd, _ in self._poll.poll(slice_ms)} if left > 0 else set()
+                if self._replies in ready:
                     os.eventfd_read(self._replies)
                     seq, header, payload = read_message(self._view, REPLY_AT)
                     if seq == self._seq and self._call is call:
@@ -186,10 +202,17 @@ class ShmTransport:
                         self._call, self.usable = None, False
                         self._resend(call, *self._request)
                     continue  # else a ring for an earlier reply
-                if left > 0 and listening(self.daemon):
-                    continue
+                if self._pidfd in ready:  # the daemon exited: no reply can come, whoever listens now
+                    self._call, self.usable = None, False
+                    raise (daemon_restarted if self._watch.alive(call.op) else no_daemon)(self.daemon, call.op)
+                try:
+                    if left > 0 and self._watch.alive(call.op):
+                        continue
+                except DaemonRestarted:
+                    self._call, self.usable = None, False
+                    raise
                 self._call, self.usable = None, False
-                if listening(self.daemon):
+                if self._watch.alive(call.op):
                     raise no_reply(self.daemon, limit, call.op)
                 raise no_daemon(self.daemon, call.op)
 
@@ -240,8 +263,9 @@ class ShmTransport:
         self._poll.unregister(self._replies)
         self._view.release()
         self._region.close()
-        os.close(self._requests)
-        os.close(self._replies)
+        for fd in (self._requests, self._replies, self._pidfd):
+            if fd is not None:
+                os.close(fd)
 
 
 class ShmLanes:

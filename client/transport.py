@@ -24,7 +24,7 @@ import zmq
 import zmq.auth
 
 from cuctxd.client.lanes import Reach
-from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonTimeout, NoDaemon, error_from_wire
+from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, DaemonTimeout, NoDaemon, error_from_wire
 from cuctxd.protos.messages import ReplyHeader, encode_request, parse_reply
 
 #: Seconds a call waits for its reply unless the client is told otherwise.
@@ -99,15 +99,34 @@ def curve_keys(server_key: KeyPath | CurveKeys | None,
     return CurveKeys.load(server_key, client_key)
 
 
+def _ipc_path(endpoint: str) -> str | None:
+    """The socket address of an ipc:// endpoint (Linux's abstract namespace, ``@name``, as ``\\0name``)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):]
+    return "\0" + path[1:] if path.startswith("@") else path
+
+
+def socket_identity(endpoint: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of an ipc:// endpoint's socket file: a daemon started anew there binds a new
+    file. None for other transports, the abstract namespace, or no file."""
+    path = _ipc_path(endpoint)
+    if path is None or path.startswith("\0"):
+        return None
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
 def listening(endpoint: str) -> bool:
     """False when ``endpoint`` is an ipc:// socket that nobody listens on: no socket file, or one that refuses
     connections (its daemon died). True otherwise: a plain AF_UNIX connect, no handshake, so it costs the
     daemon nothing; other transports cannot be told apart from a slow daemon without a handshake."""
-    if not endpoint.startswith("ipc://"):
+    path = _ipc_path(endpoint)
+    if path is None:
         return True
-    path = endpoint[len("ipc://"):]
-    if path.startswith("@"):  # Linux's abstract namespace, as ZeroMQ spells it
-        path = "\0" + path[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.setblocking(False)  # a full backlog answers EAGAIN at once: someone is listening
         try:
@@ -121,6 +140,30 @@ def listening(endpoint: str) -> bool:
 
 def no_daemon(endpoint: str, op: str | None = None) -> NoDaemon:
     return NoDaemon(f"no cuctxd is listening at {endpoint}; start it with `cuctxd`", op)
+
+
+def daemon_restarted(endpoint: str, op: str | None = None) -> DaemonRestarted:
+    return DaemonRestarted(f"the cuctxd that held this session at {endpoint} exited and another one listens there "
+                           "now; it does not know this session", op)
+
+
+class DaemonWatch:
+    """Whether the daemon at an endpoint is still there, and still the one a transport was connected to:
+    probed while a reply is awaited (a request sent to a daemon that then died gets no reply from the
+    one started in its place, however long the wait)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.identity = socket_identity(endpoint)
+
+    def alive(self, op: str | None) -> bool:
+        """True while the same daemon listens; False when nothing does; :class:`DaemonRestarted` when another
+        one does (its socket file is a new one)."""
+        if not listening(self.endpoint):
+            return False
+        if self.identity is not None and socket_identity(self.endpoint) not in (self.identity, None):
+            raise daemon_restarted(self.endpoint, op)
+        return True
 
 
 def connect_dealer(context: zmq.Context[SocketT], endpoint: str, curve: CurveKeys | None = None) -> SocketT:
@@ -238,6 +281,7 @@ class Transport:
         self.timeout = timeout
         self.curve = curve
         self.daemon = daemon or endpoint
+        self._watch = DaemonWatch(self.daemon)
         self._probe_ms = int(PROBE_EVERY * 1000) if self.daemon.startswith("ipc://") else None
         self._socket: zmq.Socket[bytes] = connect_dealer(zmq.Context.instance(), endpoint, curve)
         self._socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
@@ -286,7 +330,8 @@ class Transport:
         with self._lock:
             self._in_flight.pop(call.request_id, None)
             if not call.done:
-                abandoned = DaemonTimeout(f"abandoned: an earlier request to {self.daemon} timed out", call.op)
+                abandoned = DaemonTimeout(f"abandoned: an earlier request found {self.daemon} gone or silent",
+                                           call.op)
                 call._resolve(None, [], abandoned)
 
     @property
@@ -320,9 +365,13 @@ class Transport:
                     except zmq.Again:
                         header = None
                 if header is None:
-                    alive = listening(self.daemon)
+                    try:
+                        alive = self._watch.alive(call.op)
+                    except DaemonRestarted:
+                        self._in_flight.pop(call.request_id, None)
+                        raise
                     if alive and time.monotonic() < deadline:
-                        continue  # a slice passed and the daemon still listens: wait on
+                        continue  # a slice passed and the same daemon still listens: wait on
                     self._in_flight.pop(call.request_id, None)
                     if alive:
                         raise no_reply(self.daemon, limit, call.op, self.curve)

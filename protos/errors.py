@@ -207,6 +207,15 @@ class NoDaemon(ConnectionLost):
     error_name = "CUCTXD_NO_DAEMON"
 
 
+class DaemonRestarted(NoDaemon):
+    """Client side only: the daemon process that held this session exited and another one listens at the
+    endpoint now (an ipc:// socket file made anew, or the old daemon's pidfd on an shm lane polled
+    readable). The new daemon cannot know the session: the client raises
+    :class:`SessionLost` for it at once instead of waiting for a reply that cannot come."""
+
+    error_name = "CUCTXD_DAEMON_RESTARTED"
+
+
 class SessionLost(ConnectionLost):
     """Client side only: the daemon stopped, or restarted and no longer knows this session.
 

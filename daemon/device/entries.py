@@ -166,7 +166,8 @@ Marker = tuple[SessionContext, Event]
 
 @dataclass(eq=False)
 class HostBuffer:
-    """A session's shared host buffer; ``view`` is the daemon's mapping, registered in ``context``."""
+    """A session's shared host buffer; ``view`` is the daemon's mapping, registered (portable) in ``context``,
+    the session's primary: it serves every context of the device and outlives the ones the session creates."""
 
     handle: int
     size: int

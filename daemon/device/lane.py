@@ -99,5 +99,8 @@ class DeviceLane:
         if self.observer is not None:
             self.observer.finished(op, outcome, received, request_id)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """``linger_ms``: how long the context's termination may wait for replies still queued here (a
+        slow reader's, after a drain)."""
+        self.router.setsockopt(zmq.LINGER, linger_ms)
         self.router.close()

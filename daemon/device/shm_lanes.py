@@ -90,6 +90,9 @@ class ShmLanes:
 
     def __init__(self, limit: int = 0) -> None:
         self.limit = limit
+        #: A pidfd of this daemon, a copy of which goes with every lane: it polls readable once this process
+        #: exits, so a client waiting on a lane learns at once that its daemon is gone (None: no pidfds here).
+        self._pidfd = _own_pidfd()
         self.by_session: dict[str, ShmLane] = {}
         self.by_fd: dict[int, ShmLane] = {}
         self.watch: Callable[[int, bool], None] | None = None
@@ -114,6 +117,8 @@ class ShmLanes:
             fds.append(os.eventfd(0, os.EFD_CLOEXEC))
             region = mmap.mmap(memfd, REGION_BYTES)
             client = [os.dup(fd) for fd in fds]
+            if self._pidfd is not None:
+                client.append(os.dup(self._pidfd))
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -200,6 +205,17 @@ class ShmLanes:
     def close_all(self) -> None:
         for token in list(self.by_session):
             self.close(token)
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def __len__(self) -> int:
         return len(self.by_session)
+
+
+def _own_pidfd() -> int | None:
+    """A pidfd of this process (``pidfd_open``, Linux 5.3+), or None where there is none to be had."""
+    try:
+        return os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):
+        return None

@@ -157,8 +157,6 @@ class DeviceState:
         """Take a created context from the session with what it holds; it ends unless shares live in it."""
         for handle in list(context.buffers):
             self.memory.free(state, state.buffers[handle], unpublish=False)
-        for entry in [e for e in state.host_buffers.values() if e.context is context]:
-            self.host.free(state, entry, wait=True)
         self.streams.drop(state, context)
         self.contexts.detach(state, context)
 

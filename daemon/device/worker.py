@@ -41,13 +41,20 @@ import zmq
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
-from cuctxd.daemon.device.queues import JobQueues, QueueLimits, check_reply_room, taken, track_reply
+from cuctxd.daemon.device.queues import (
+    JobQueues,
+    QueueLimits,
+    check_reply_room,
+    reply_bytes,
+    taken,
+    track_reply,
+)
 from cuctxd.daemon.device.shm_lanes import ShmLane
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Pending, Reply
 from cuctxd.daemon.intake.jobs import Job
-from cuctxd.daemon.intake.router_io import TRACK_FROM, readable
+from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS, TRACK_FROM, readable
 from cuctxd.daemon.registry.sessions import DeviceBacklog, Session
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
@@ -103,6 +110,8 @@ class DeviceWorker:
         self._poller.register(self._doorbell, _POLLIN)
         self._lane: DeviceLane | None = None
         self._pending: list[tuple[Job, Pending]] = []
+        #: Backlogs with reply payloads ZeroMQ may still hold (a drain waits until they have left).
+        self._replying: set[DeviceBacklog] = set()
         self._queues = JobQueues(queue_limits or QueueLimits())
         self._busy_poll = busy_poll
         self._busy_until = 0.0
@@ -168,6 +177,12 @@ class DeviceWorker:
         if not self.thread.is_alive() and self._doorbell >= 0:
             os.close(self._doorbell)
             self._doorbell = -1
+
+    def held_replies(self, report: Callable[[int], None]) -> None:
+        """Queue a count of the reply payload bytes ZeroMQ still holds for this device's clients (sent, not
+        yet taken by a slow reader); ``report`` gets it on the worker thread, once everything queued before
+        has run. Any thread."""
+        self.submit_task(lambda worker: report(worker._held_reply_bytes()))
 
     def queue_depth(self) -> int:
         """Work not answered yet: queued tasks and jobs, pending synchronizations and early copies parked
@@ -385,7 +400,17 @@ class DeviceWorker:
         self.state.shm_lanes.close_all()
         self._socket.close()
         if self._lane is not None:
-            self._lane.close()
+            self._lane.close(0 if self._silenced.is_set() else REPLY_LINGER_MS)
+
+    def _held_reply_bytes(self) -> int:
+        total = 0
+        for backlog in list(self._replying):
+            held = reply_bytes(backlog)
+            if held:
+                total += held
+            else:
+                self._replying.discard(backlog)
+        return total
 
     def _run_quietly(self, work: Callable[[DeviceState], None]) -> None:
         assert self.state is not None
@@ -536,6 +561,7 @@ class DeviceWorker:
             return
         if backlog is not None and trackers:
             track_reply(backlog, trackers)
+            self._replying.add(backlog)
 
     def send(self, identity: bytes, header: bytes, frames: Sequence[Any] = (),
              track: bool = False) -> list[tuple[Any, int]]:

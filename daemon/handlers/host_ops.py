@@ -16,8 +16,9 @@ from cuctxd.protos.shm_lane import REGION_BYTES
 @device_handler(ops.HostAlloc)
 def host_alloc(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
-    context = state.contexts.current_or_primary(session)
-    entry, fd = state.host.alloc(session, context, job.args.size)
+    # In the session's primary context, whatever is current: registered portable, a host buffer serves every
+    # context of the device, so it must not go with a context the session creates and destroys.
+    entry, fd = state.host.alloc(session, state.contexts.bind_primary(session), job.args.size)
     try:
         ticket = state.tickets.issue(job.session.token, job.session.uid, [fd], {"host": entry.handle})
     except BaseException:

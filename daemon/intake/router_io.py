@@ -26,6 +26,9 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 #: Payload frames from this size up are sent zero-copy and can be tracked; pyzmq copies smaller ones.
 TRACK_FROM = zmq.COPY_THRESHOLD
+#: Milliseconds a ROUTER closed after a drain that finished in time keeps sending what it still queues (the
+#: untracked small replies of a slow reader); the context's termination waits at most this long for them.
+REPLY_LINGER_MS = 1000
 
 
 def readable(socket: zmq.Socket[Any]) -> bool:

@@ -42,7 +42,8 @@ import resource
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,6 @@ from cuctxd.daemon.backends.subset import DeviceSubset
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
 from cuctxd.daemon.device.queues import QueueLimits
-from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
 from cuctxd.daemon.front.state import FrontConfig, FrontState
@@ -67,6 +67,7 @@ from cuctxd.daemon.intake.connections import (
     listen_backlog,
 )
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
+from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
@@ -130,6 +131,8 @@ class Daemon:
         self._probe: FrontProbe | None = None
         self._backstop: threading.Timer | None = None
         self._drain_expired = False
+        #: Reply payload bytes ZeroMQ held for clients at the drain monitor's last round.
+        self._held_reply_bytes = 0
         self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
         self._curve: tuple[bytes, bytes] | None = None
         self.bound: list[str] = []
@@ -411,10 +414,10 @@ class Daemon:
         if drained[0]:
             log.info("drained in %.3f s", time.monotonic() - started)
         else:
-            log.warning("drain timed out after %g s: %d device request(s) unanswered, queue depths %s; "
-                        "no more replies go out", timeout,
+            log.warning("drain timed out after %g s: %d device request(s) unanswered, queue depths %s, %d reply "
+                        "byte(s) not yet taken by their clients; no more replies go out", timeout,
                         front.observer.in_flight if front.observer is not None else 0,
-                        [w.queue_depth() for w in self._workers])
+                        [w.queue_depth() for w in self._workers], self._held_reply_bytes)
             self._drain_expired = True
             self.exit_code = EXIT_FORCED
 
@@ -422,11 +425,13 @@ class Daemon:
         """Drain monitor thread: wake the front (the stop pipe) once idle, or at ``deadline`` (silencing the
         workers first, so that no reply leaves after it however late the front wakes).
 
-        Idle is two rounds in a row after which no worker has anything queued and
-        every device request the front dispatched has had its reply forwarded: a
-        round is a no-op queued on every worker, so when it has run everything
-        queued before it has too; the second round covers work that a job of the
-        first passed on to another device (a cross-device copy's second half).
+        Idle is two rounds in a row after which no worker has anything queued,
+        every device request the front dispatched has had its reply forwarded, and
+        ZeroMQ holds no reply payload for any client (a slow reader's replies have
+        left, :meth:`DeviceWorker.held_replies`): a round is a count queued on every
+        worker, so when it has run everything queued before it has too; the second
+        round covers work that a job of the first passed on to another device (a
+        cross-device copy's second half).
         """
         front = self._front
         assert front is not None
@@ -434,12 +439,14 @@ class Daemon:
         result = False
         while time.monotonic() < deadline:
             marks = [threading.Event() for _ in self._workers]
-            for worker, mark in zip(self._workers, marks, strict=True):
-                worker.run(_setter(mark))
+            held = [0] * len(self._workers)
+            for index, (worker, mark) in enumerate(zip(self._workers, marks, strict=True)):
+                worker.held_replies(partial(_report, held, index, mark))
             if not all(mark.wait(max(0.0, deadline - time.monotonic())) for mark in marks):
                 break
+            self._held_reply_bytes = sum(held)
             idle = all(w.queue_depth() == 0 for w in self._workers) and (
-                front.observer is None or front.observer.in_flight == 0)
+                front.observer is None or front.observer.in_flight == 0) and not self._held_reply_bytes
             quiet_rounds = quiet_rounds + 1 if idle else 0
             if quiet_rounds >= 2:
                 result = True
@@ -475,6 +482,7 @@ class Daemon:
         if self._front is not None:
             if not self._drain_expired:  # past the drain deadline nothing more is forwarded
                 self._front.flush_replies(20)
+                self._front.router.setsockopt(zmq.LINGER, REPLY_LINGER_MS)
             self._front.router.close()
             self._front.replies.close()
         if self._authenticator is not None:
@@ -513,10 +521,8 @@ class Daemon:
         return [w.device for w in started if w.thread.is_alive()]
 
 
-def _setter(event: threading.Event) -> Callable[[DeviceState], None]:
-    """A worker task that only sets ``event``: when it runs, everything queued before it has run."""
-
-    def mark(_state: DeviceState) -> None:
-        event.set()
-
-    return mark
+def _report(held: list[int], index: int, mark: threading.Event, count: int) -> None:
+    """A worker's answer to :meth:`DeviceWorker.held_replies`: when it comes, everything queued before it
+    has run."""
+    held[index] = count
+    mark.set()

@@ -72,9 +72,10 @@ def open_raw_lane(daemon: DaemonProcess, client: Client) -> RawLane:
     channel = FdChannel(daemon.endpoint[len("ipc://"):] + ".fds", 10)
     fds, info = channel.fetch(ticket)
     channel.close()
-    assert info == {"shm_lane": 0} and len(fds) == 3
+    assert info == {"shm_lane": 0} and len(fds) == 4  # the region, two eventfds, the daemon's pidfd
     region = mmap.mmap(fds[0], REGION_BYTES)
     os.close(fds[0])
+    os.close(fds[3])
     return RawLane(client, region, fds[1], fds[2])
 
 

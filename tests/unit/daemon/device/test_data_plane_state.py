@@ -120,12 +120,20 @@ def test_host_memory_limits_per_session_and_device() -> None:
     state.tickets.close()
 
 
-def test_a_host_buffer_in_a_destroyed_context_goes_with_it(state: DeviceState) -> None:
+def test_a_host_buffer_made_in_a_created_context_outlives_it(state: DeviceState) -> None:
+    """The client's staging ring is made in whatever context is current: destroying that context must not
+    take it (it is registered in the session's primary, portable, and serves every context)."""
     ref = new_ref()
     context = run(state, ref, "create_context").result["context"]
-    run(state, ref, "host_alloc", size=4096)
+    host = run(state, ref, "host_alloc", size=4096).result["host"]
+    assert [c["handle"] for c in run(state, ref, "context_stack").result["stack"]] == [context["handle"]]
     run(state, ref, "destroy_context", context=context["handle"])
-    assert state.session(ref).host_bytes == 0
+    assert state.session(ref).host_bytes == 4096
+    run(state, ref, "set_device")
+    buffer = run(state, ref, "alloc", size=4096).result["buffer"]
+    assert run(state, ref, "memcpy_htod", buffer=buffer["handle"], host=host).result == {"size": 4096}
+    state.close_session(ref)
+    assert state.host.total_bytes == 0
 
 
 def _entries(*entries: tuple[int, int, int]) -> bytes:
