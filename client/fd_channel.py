@@ -11,10 +11,15 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from typing import Any
 
-from cuctxd.protos.errors import BadRequest, ConnectionLost, error_from_wire
+from cuctxd.protos.errors import BadRequest, ConnectionLost, CuctxError, error_from_wire
 from cuctxd.protos.fd_channel import MAX_FDS, decode_reply, encode_request, reply_length, socket_address
+
+#: Seconds between two attempts to connect while the daemon's queue of connections is full (a Unix socket
+#: with a timeout answers ``EAGAIN`` at once then, where a blocking one would wait).
+CONNECT_RETRY_S = 0.002
 
 
 class FdChannel:
@@ -38,8 +43,11 @@ class FdChannel:
                 try:
                     sock.sendall(request)
                     return self._receive(sock)
-                except (BrokenPipeError, ConnectionResetError, EOFError):
+                except (BrokenPipeError, ConnectionResetError, EOFError) as lost:
+                    refusal = _refusal(sock) if fresh and not isinstance(lost, EOFError) else None
                     self._close()
+                    if refusal is not None:  # a daemon over a limit answers a new connection so and closes it
+                        raise refusal from None
                     if fresh or attempt == 2:  # a new connection that fails is not an idle one timed out
                         raise ConnectionLost(f"the fd channel at {self.path} closed the connection",
                                              "fd_channel") from None
@@ -50,14 +58,23 @@ class FdChannel:
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout)
-            try:
-                sock.connect(socket_address(self.path))
-            except OSError as error:
-                sock.close()
-                raise ConnectionLost(f"cannot reach the daemon's fd channel at {self.path}: {error}",
-                                     "fd_channel") from None
+            deadline = time.monotonic() + self.timeout
+            while True:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(self.timeout)
+                try:
+                    sock.connect(socket_address(self.path))
+                    break
+                except BlockingIOError as error:  # the daemon's queue of connections to accept is full
+                    sock.close()
+                    if time.monotonic() >= deadline:
+                        raise ConnectionLost(f"cannot reach the daemon's fd channel at {self.path}: {error}",
+                                             "fd_channel") from None
+                    time.sleep(CONNECT_RETRY_S)
+                except OSError as error:
+                    sock.close()
+                    raise ConnectionLost(f"cannot reach the daemon's fd channel at {self.path}: {error}",
+                                         "fd_channel") from None
             self._sock = sock
         return self._sock
 
@@ -93,6 +110,18 @@ class FdChannel:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+
+def _refusal(sock: socket.socket) -> CuctxError | None:
+    """The error a daemon left on a connection it closed at once (over one of its limits), if it did."""
+    try:
+        sock.settimeout(min(sock.gettimeout() or 1.0, 1.0))
+        FdChannel._receive(sock)
+    except CuctxError as error:
+        return error
+    except (OSError, EOFError):
+        return None
+    return None
 
 
 def _receive_exactly(sock: socket.socket, size: int, start: bytes = b"") -> bytes:

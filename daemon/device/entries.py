@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from cuctxd.daemon.backends.base import Ctx, Event, Stream
+from cuctxd.daemon.registry.fd_budget import FdCharge
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CuctxError, CudaError, LimitExceeded, OutOfRange, UnknownHandle
@@ -176,6 +177,8 @@ class HostBuffer:
     context: SessionContext
     #: Markers of stream-ordered copies that use it, recorded since the last check.
     busy: list[Marker] = field(default_factory=list)
+    #: The fd its mapping holds, counted in the daemon's fd budget until it is unmapped.
+    charge: FdCharge | None = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from cuctxd.daemon.device.entries import (
     new_handle,
 )
 from cuctxd.daemon.device.streams import Streams
+from cuctxd.daemon.registry.fd_budget import FdBudget
 from cuctxd.protos.errors import LimitExceeded
 
 
@@ -32,8 +33,10 @@ class HostBuffers:
     """Making, using and freeing the sessions' host buffers on this device."""
 
     def __init__(self, driver: Driver, device: int, limits: DeviceLimits, current: CurrentContext,
-                 streams: Streams) -> None:
+                 streams: Streams, budget: FdBudget | None = None) -> None:
+        """``budget``: where each buffer's mapping counts (Python's ``mmap`` keeps a descriptor of its own)."""
         self.driver = driver
+        self.budget = budget if budget is not None else FdBudget()
         self.device = device
         self.limits = limits
         self.current = current
@@ -52,7 +55,12 @@ class HostBuffers:
             raise LimitExceeded(f"max_host_memory: host buffers on device {self.device} already hold "
                                 f"{self.total_bytes} of {device_limit} bytes, asked for {size} more")
         state.check_room(self.limits.max_objects_per_session, "host buffer")
-        fd = os.memfd_create(f"cuctxd-host-{self.device}", os.MFD_CLOEXEC)
+        charge = self.budget.charge(1, "a host buffer", state.ref.fd_peer or state.ref.token, state.ref.token)
+        try:
+            fd = os.memfd_create(f"cuctxd-host-{self.device}", os.MFD_CLOEXEC)
+        except BaseException:
+            charge.release()
+            raise
         try:
             os.ftruncate(fd, size)
             memory = mmap.mmap(fd, size)
@@ -66,8 +74,9 @@ class HostBuffers:
                 raise
         except BaseException:
             os.close(fd)
+            charge.release()
             raise
-        entry = HostBuffer(new_handle(), size, memory, view, context)
+        entry = HostBuffer(new_handle(), size, memory, view, context, charge=charge)
         state.host_buffers[entry.handle] = entry
         state.host_bytes += size
         self.total_bytes += size
@@ -102,6 +111,8 @@ class HostBuffers:
             self.driver.host_unregister(entry.view)
         entry.view.release()
         entry.memory.close()
+        if entry.charge is not None:
+            entry.charge.release()
         del state.host_buffers[entry.handle]
         state.host_bytes -= entry.size
         self.total_bytes -= entry.size

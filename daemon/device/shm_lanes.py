@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.protos.errors import BadRequest, LimitExceeded, TooLarge
 from cuctxd.protos.messages import encode_error
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: Default of ``max_shm_lanes``: lanes open to one device at once (each holds a 128 KiB memfd and 3 fds).
 DEFAULT_MAX_SHM_LANES = 1024
+#: Fds a lane holds in the daemon: its memfd, two eventfds, and the one its mapping keeps (Python's ``mmap``).
+LANE_FDS = 4
 
 
 @dataclass(eq=False)
@@ -54,6 +57,8 @@ class ShmLane:
     requests: int
     replies: int
     region: mmap.mmap
+    #: Its :data:`LANE_FDS` in the daemon's fd budget, given back when it closes.
+    charge: FdCharge | None = None
     view: memoryview = field(init=False)
     #: The sequence number of the last request taken, and whether its reply is still to come.
     seq: int = 0
@@ -79,6 +84,8 @@ class ShmLane:
             self.region.close()
         for fd in (self.memfd, self.requests, self.replies):
             os.close(fd)
+        if self.charge is not None:
+            self.charge.release()
 
 
 class ShmLanes:
@@ -86,10 +93,12 @@ class ShmLanes:
 
     ``watch(fd, on)``: how the worker starts (``on``) or stops polling a lane's
     request eventfd; set by the worker before any lane opens. ``limit``: ``max_shm_lanes`` (0: none).
+    ``budget``: where each lane's fds count (None: a budget of its own that never refuses).
     """
 
-    def __init__(self, limit: int = 0) -> None:
+    def __init__(self, limit: int = 0, budget: FdBudget | None = None) -> None:
         self.limit = limit
+        self.budget = budget if budget is not None else FdBudget()
         #: A pidfd of this daemon, a copy of which goes with every lane: it polls readable once this process
         #: exits, so a client waiting on a lane learns at once that its daemon is gone (None: no pidfds here).
         self._pidfd = _own_pidfd()
@@ -109,21 +118,23 @@ class ShmLanes:
         if self.limit and len(self.by_session) >= self.limit:
             raise LimitExceeded(f"max_shm_lanes: {len(self.by_session)} shm lanes are open to this device; "
                                 "this session's requests take the socket")
-        memfd = os.memfd_create("cuctxd-shm-lane", os.MFD_CLOEXEC)
-        fds = [memfd]
+        charge = self.budget.charge(LANE_FDS, "an shm lane", session.fd_peer or session.token, session.token)
+        fds: list[int] = []
         try:
-            os.ftruncate(memfd, REGION_BYTES)
+            fds.append(os.memfd_create("cuctxd-shm-lane", os.MFD_CLOEXEC))
+            os.ftruncate(fds[0], REGION_BYTES)
             fds.append(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
             fds.append(os.eventfd(0, os.EFD_CLOEXEC))
-            region = mmap.mmap(memfd, REGION_BYTES)
+            region = mmap.mmap(fds[0], REGION_BYTES)
             client = [os.dup(fd) for fd in fds]
             if self._pidfd is not None:
                 client.append(os.dup(self._pidfd))
         except BaseException:
             for fd in fds:
                 os.close(fd)
+            charge.release()
             raise
-        lane = ShmLane(session, memfd, fds[1], fds[2], region)
+        lane = ShmLane(session, fds[0], fds[1], fds[2], region, charge)
         self.by_session[session.token] = self.by_fd[lane.requests] = lane
         self.watch(lane.requests, True)
         return client

@@ -60,7 +60,8 @@ class DeviceState:
 
     def __init__(self, driver: Driver, device: int, info: DeviceInfo, limits: DeviceLimits,
                  registry: ShareRegistry, tickets: TicketBook) -> None:
-        """``tickets``: where the fds this device hands to clients wait for the fd channel."""
+        """``tickets``: where the fds this device hands to clients wait for the fd channel; its fd budget
+        also counts those the lanes and host buffers here hold."""
         self.driver = driver
         self.device = device
         self.info = info
@@ -76,8 +77,8 @@ class DeviceState:
         self.contexts = Contexts(driver, device, self.current, self.streams, limits)
         self.sharing = Sharing(driver, info, self.current, self.contexts, registry, limits, self.sessions)
         self.memory = Memory(driver, device, limits, self.current, self.pools, self.sharing)
-        self.host = HostBuffers(driver, device, limits, self.current, self.streams)
-        self.shm_lanes = ShmLanes(limits.max_shm_lanes)
+        self.host = HostBuffers(driver, device, limits, self.current, self.streams, tickets.budget)
+        self.shm_lanes = ShmLanes(limits.max_shm_lanes, tickets.budget)
         #: The sticky CUDA error that made this device unusable, if one struck.
         self.failure: CudaError | None = None
         self.worker_thread: threading.Thread | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from cuctxd.daemon.device.queues import QueueLimits
 from cuctxd.daemon.intake.connections import ConnectionBudget
+from cuctxd.daemon.registry.fd_budget import FdBudget
 from cuctxd.daemon.registry.sessions import SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.side_channel.server import SideChannel
@@ -55,3 +56,5 @@ class FrontState:
     connections: ConnectionBudget | None = None
     #: The fd channel beside the ipc:// endpoints (None without one): its path goes out in hello.
     fd_channel: SideChannel | None = None
+    #: The fds the daemon holds for clients against its open-file limit (``status`` shows them).
+    fd_budget: FdBudget | None = None

@@ -20,7 +20,8 @@ def host_alloc(state: DeviceState, job: Job) -> Reply:
     # context of the device, so it must not go with a context the session creates and destroys.
     entry, fd = state.host.alloc(session, state.contexts.bind_primary(session), job.args.size)
     try:
-        ticket = state.tickets.issue(job.session.token, job.session.uid, [fd], {"host": entry.handle})
+        ticket = state.tickets.issue(job.session.token, job.session.uid, [fd], {"host": entry.handle},
+                                     job.session.fd_peer)
     except BaseException:
         state.host.free(session, entry)
         raise
@@ -32,7 +33,8 @@ def shm_lane(state: DeviceState, job: Job) -> Reply:
     state.session(job.session)  # the lane closes with the session's state here
     fds = state.shm_lanes.open(job.session)
     try:
-        ticket = state.tickets.issue(job.session.token, job.session.uid, fds, {"shm_lane": job.device})
+        ticket = state.tickets.issue(job.session.token, job.session.uid, fds, {"shm_lane": job.device},
+                                     job.session.fd_peer)
     except BaseException:
         state.shm_lanes.close(job.session.token)
         raise

@@ -13,7 +13,8 @@ from cuctxd.daemon.device.status import device_status, first, fit_status
 from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers.registry import front_handler
 from cuctxd.daemon.handlers.replies import FanOut, Reply
-from cuctxd.daemon.intake.peers import peer_or_pid, uid_of
+from cuctxd.daemon.intake.peers import peer_or_pid, pid_of, uid_of
+from cuctxd.daemon.registry.fd_budget import fd_peer
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.protos import ops
 from cuctxd.protos.errors import LimitExceeded, VersionMismatch
@@ -28,13 +29,13 @@ def hello(front: FrontState, session: Session | None, args: ops.Hello, peer: str
         raise VersionMismatch(
             f"client speaks protocol {args.protocol}, this daemon speaks {PROTOCOL_VERSION}"
         )
-    uid = uid_of(peer)
+    uid, pid = uid_of(peer), pid_of(peer)
     peer = peer_or_pid(peer, args.pid)
     limit = front.config.max_sessions_per_peer
     if limit and front.sessions.count_peer(peer) >= limit:
         raise LimitExceeded(f"max_sessions_per_peer: {peer} already holds {limit} open session(s); "
                             "close one (or let its lease run out) first")
-    opened = front.sessions.open(args.client, args.pid, peer, uid)
+    opened = front.sessions.open(args.client, args.pid, peer, uid, fd_peer(uid, pid, peer))
     return Reply({
         "session": opened.ref.token,
         "session_id": opened.ref.public_id,
@@ -114,6 +115,8 @@ def status(front: FrontState, session: Session | None, args: ops.Status, peer: s
         daemon_part["connections"] = front.connections.to_status()
     if front.fd_channel is not None:
         daemon_part["fd_channel"] = front.fd_channel.stats()
+    if front.fd_budget is not None:
+        daemon_part["fd_budget"] = front.fd_budget.to_status()
 
     def each(state: DeviceState) -> dict[str, Any]:
         part = device_status(state)

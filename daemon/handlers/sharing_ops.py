@@ -60,7 +60,7 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
         try:
             fd = state.pools.export_fd(share.context)
             result["ticket"] = state.tickets.issue(job.session.token, job.session.uid, [fd],
-                                                   {"pool_id": share.descriptor.pool_id})
+                                                   {"pool_id": share.descriptor.pool_id}, job.session.fd_peer)
         except BaseException:
             state.sharing.close(session, share.share_id)
             raise

@@ -18,12 +18,12 @@ not poll anything more, and it reacts even while a worker is busy in a long
 driver call: libzmq's I/O thread goes on accepting until the pause, so the time
 it takes bounds how far the count overshoots the cap.
 
-The cap leaves a reserve of descriptors below the open-file limit
-(:func:`connection_cap`) for the daemon's own files, eventfds, shares and
-sockets, and for that overshoot: the kernel's backlog of connections not yet
-accepted (:func:`listen_backlog`) and those accepted before the pause. ZeroMQ
-says who connected only after the handshake, so the cap is daemon-wide, not per
-peer.
+The cap is one part of the open-file limit (:class:`~cuctxd.daemon.registry.fd_budget.FdPlan`,
+:func:`connection_cap`); beside it are the fds the daemon holds for clients and a
+reserve for the daemon's own files, eventfds and sockets, and for that
+overshoot: the kernel's backlog of connections not yet accepted
+(:func:`listen_backlog`) and those accepted before the pause. ZeroMQ says who
+connected only after the handshake, so the cap is daemon-wide, not per peer.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from cuctxd.daemon.intake.listeners import IpcListener, Listener, TcpListener
+from cuctxd.daemon.registry.fd_budget import FdPlan, fd_reserve
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,6 @@ WARN_EVERY_S = 60.0
 PAUSED_POLL_S = 0.25
 
 
-def fd_reserve(open_files: int) -> int:
-    """Descriptors kept for the daemon itself at an open-file limit of ``open_files``."""
-    return max(open_files // 4, min(128, open_files // 2))
-
-
 def listen_backlog(open_files: int) -> int:
     """The kernel's queue of connections not accepted yet (``ZMQ_BACKLOG``, libzmq's default 100): a
     paused listener still accepts what is queued, so the queue must fit in :func:`fd_reserve`."""
@@ -69,16 +65,9 @@ def listen_backlog(open_files: int) -> int:
 
 
 def connection_cap(open_files: int, configured: int) -> int:
-    """The cap: ``configured`` (``max_connections``; 0: none given), never above what the
-    open-file limit leaves once :func:`fd_reserve` is set aside."""
-    room = max(1, open_files - fd_reserve(open_files))
-    if configured == 0:
-        return room
-    if configured > room:
-        log.warning("max_connections %d is more than the open-file limit %d allows (%d are kept for the daemon's "
-                    "own files): using %d", configured, open_files, fd_reserve(open_files), room)
-        return room
-    return configured
+    """The cap: ``configured`` (``max_connections``; 0: none given), as :class:`FdPlan` sizes it out of the
+    open-file limit beside the reserve and the fds held for clients."""
+    return FdPlan.derive(open_files, configured).connections
 
 
 class ConnectionBudget:

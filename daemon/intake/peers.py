@@ -43,6 +43,16 @@ def peer_or_pid(peer: str | None, pid: int) -> str:
     return peer if peer is not None else f"pid:{pid}"
 
 
+def pid_of(peer: str | None) -> int | None:
+    """The peer's pid from an ipc:// ``address:<host>:<uid>:<gid>:<pid>`` peer; None when it does not say."""
+    if peer is None or not peer.startswith("address:"):
+        return None
+    parts = peer.split(":")
+    if len(parts) != 5 or not parts[4].isdigit():
+        return None
+    return int(parts[4])
+
+
 def uid_of(peer: str | None) -> int | None:
     """The peer's uid from an ipc:// ``address:<host>:<uid>:<gid>:<pid>`` peer; None when it does not say."""
     if peer is None or not peer.startswith("address:"):

@@ -23,7 +23,9 @@ class SessionRef:
     """What a worker may know of a session: its secret token and public identity.
 
     ``uid``: the user the peer's process runs as, where the kernel said so (ipc://,
-    :func:`cuctxd.daemon.intake.peers.uid_of`); None when unknown.
+    :func:`cuctxd.daemon.intake.peers.uid_of`); None when unknown. ``fd_peer``: whose share of the
+    daemon's fd budget the fds held for the session count in
+    (:func:`cuctxd.daemon.registry.fd_budget.fd_peer`; empty: the session's own).
     """
 
     token: str
@@ -31,6 +33,7 @@ class SessionRef:
     client: str
     pid: int
     uid: int | None = None
+    fd_peer: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -109,8 +112,8 @@ class SessionRegistry:
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._public_ids = itertools.count(1)
 
-    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None) -> Session:
-        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid, uid)
+    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "") -> Session:
+        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid, uid, fd_peer)
         backlogs = tuple(DeviceBacklog() for _ in range(self.receivers - 1))
         session = Session(ref, peer=peer, seen=[time.monotonic()] * self.receivers, backlogs=backlogs)
         self._sessions[ref.token] = session

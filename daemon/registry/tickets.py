@@ -5,8 +5,10 @@ A device worker that hands a client fds (a pool's, a host buffer's memfd)
 channel's thread (:mod:`cuctxd.daemon.side_channel`) *redeems* it when the
 client presents it, once, before it expires, from a process of the session's
 user. Shared between threads: every method runs under one lock. Bounded:
-``max_per_session`` outstanding tickets per session, ``max_total`` in all; the
-fds of expired, dropped or refused tickets are closed here.
+``max_per_session`` outstanding tickets per session, and a ticket's fds count
+against the daemon's :class:`~cuctxd.daemon.registry.fd_budget.FdBudget` (per
+session, per peer, in all) until it is redeemed, expires or is dropped; the fds
+of expired, dropped or refused tickets are closed here.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
 from cuctxd.protos.errors import LimitExceeded, NotFound
 from cuctxd.protos.fd_channel import TICKET_ID_BYTES
 
-#: Defaults of ``fd_ticket_ttl`` (seconds), ``max_tickets_per_session``, and the daemon-wide bound.
+#: Defaults of ``fd_ticket_ttl`` (seconds) and ``max_tickets_per_session``.
 DEFAULT_TICKET_TTL = 30.0
 DEFAULT_MAX_TICKETS_PER_SESSION = 64
-DEFAULT_MAX_TICKETS = 4096
 
 
 @dataclass
@@ -38,6 +40,7 @@ class _Ticket:
     info: dict[str, Any]
     secret: bytes
     expires: float
+    charge: FdCharge
 
 
 def _close(fds: Iterable[int]) -> None:
@@ -50,32 +53,38 @@ class TicketBook:
     """Outstanding tickets by public id; see the module docstring."""
 
     def __init__(self, ttl: float = DEFAULT_TICKET_TTL, max_per_session: int = DEFAULT_MAX_TICKETS_PER_SESSION,
-                 max_total: int = DEFAULT_MAX_TICKETS) -> None:
+                 budget: FdBudget | None = None) -> None:
+        """``budget``: the daemon's, which the device workers also charge for the fds they hold for
+        clients (None: one of its own that never refuses)."""
         self.ttl = ttl
         self.max_per_session = max_per_session
-        self.max_total = max_total
+        self.budget = budget if budget is not None else FdBudget()
         self._lock = threading.Lock()
         self._tickets: dict[bytes, _Ticket] = {}
         self._per_session: dict[str, int] = {}
 
-    def issue(self, session: str, uid: int | None, fds: Sequence[int], info: Mapping[str, Any]) -> str:
+    def issue(self, session: str, uid: int | None, fds: Sequence[int], info: Mapping[str, Any],
+              peer: str = "") -> str:
         """A ticket for ``fds`` (owned by the book from now on: closed here if this raises) for ``session``,
-        whose process runs as ``uid`` (None: not known, the ticket alone then proves who may take them)."""
+        whose process runs as ``uid`` (None: not known, the ticket alone then proves who may take them);
+        ``peer``: whose share of the fd budget they count in
+        (:func:`~cuctxd.daemon.registry.fd_budget.fd_peer`; default the session alone)."""
+        charge = None
         try:
             with self._lock:
                 held = self._per_session.get(session, 0)
                 if self.max_per_session and held >= self.max_per_session:
                     raise LimitExceeded(f"max_tickets_per_session: the session has {held} fd channel tickets not "
                                         "redeemed yet; redeem them (or let them expire) first")
-                if self.max_total and len(self._tickets) >= self.max_total:
-                    raise LimitExceeded(f"the daemon holds {len(self._tickets)} fd channel tickets not redeemed "
-                                        "yet, its limit; try again later")
+                charge = self.budget.charge(len(fds), "a ticket", peer or session, session)
                 public = secrets.token_bytes(TICKET_ID_BYTES)
                 secret = secrets.token_bytes(32)
                 self._tickets[public] = _Ticket(session, uid, list(fds), dict(info), secret,
-                                                time.monotonic() + self.ttl)
+                                                time.monotonic() + self.ttl, charge)
                 self._per_session[session] = held + 1
         except BaseException:
+            if charge is not None:
+                charge.release()
             _close(fds)
             raise
         return (public + secret).hex()
@@ -92,6 +101,7 @@ class TicketBook:
                 self._forget(entry)
         if entry is None:
             raise NotFound("no such fd channel ticket (never issued, used already, or expired)")
+        entry.charge.release()  # the fd channel closes them once sent
         valid = hmac.compare_digest(entry.secret, secret) and entry.expires > time.monotonic()
         if not valid or (entry.uid is not None and peer_uid is not None and entry.uid != peer_uid):
             _close(entry.fds)
@@ -105,6 +115,7 @@ class TicketBook:
             entries = self._take_where(lambda entry: entry.expires <= now)
         for entry in entries:
             _close(entry.fds)
+            entry.charge.release()
         return len(entries)
 
     def drop_session(self, session: str) -> None:
@@ -115,6 +126,7 @@ class TicketBook:
             entries = self._take_where(lambda entry: entry.session == session)
         for entry in entries:
             _close(entry.fds)
+            entry.charge.release()
 
     def close(self) -> None:
         with self._lock:
@@ -123,6 +135,7 @@ class TicketBook:
             self._per_session.clear()
         for entry in entries:
             _close(entry.fds)
+            entry.charge.release()
 
     def stats(self) -> dict[str, int]:
         with self._lock:

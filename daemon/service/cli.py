@@ -43,6 +43,7 @@ from cuctxd.daemon.service.endpoint import EndpointInUse
 from cuctxd.daemon.service.logs import flush_logs, setup_logging
 from cuctxd.daemon.service.metrics import MetricsUnavailable
 from cuctxd.daemon.service.server import Daemon
+from cuctxd.daemon.side_channel.server import DEFAULT_MAX_FD_CONNECTIONS_PER_PEER
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.endpoints import default_endpoint
 
@@ -159,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                                f"it the oldest are freed (default {DEFAULT_MAX_ORPHANED_SHARES}; 0: no limit)")
     security.add_argument("--max-connections", type=_flag_type("max_connections"), metavar="N",
                           help="most client connections at once; beyond it new ones are refused until some close "
-                               "(default 0: what the open-file limit leaves, a quarter of it kept for the daemon)")
+                               "(default 0: half of what the open-file limit leaves once a quarter of it is kept "
+                               "for the daemon; the other half is max-client-fds)")
     security.add_argument("--handshake-timeout", type=_flag_type("handshake_timeout"), metavar="SECONDS",
                           help="drop a connection that has not finished its ZeroMQ/CURVE handshake by then "
                                f"(default {DEFAULT_HANDSHAKE_TIMEOUT:g})")
@@ -178,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-shm-lanes", type=_flag_type("max_shm_lanes"), metavar="N",
                           help="shm lanes open to each device at once; beyond, sessions use the socket "
                                "(default 1024; 0: no limit)")
+    security.add_argument("--max-client-fds", type=_flag_type("max_client_fds"), metavar="N",
+                          help="most fds the daemon holds for clients (tickets, shm lanes, host buffers, fd "
+                               "channel connections) (default 0: what the open-file limit leaves beside the "
+                               "daemon's reserve and max-connections)")
+    security.add_argument("--max-client-fds-per-peer", type=_flag_type("max_client_fds_per_peer"), metavar="N",
+                          help="of those, most held for one peer: a process, or a group member's uid "
+                               "(default 0: a quarter of max-client-fds)")
+    security.add_argument("--max-client-fds-per-session", type=_flag_type("max_client_fds_per_session"),
+                          metavar="N", help="of those, most held for one session (default 0: an eighth of "
+                                            "max-client-fds)")
+    security.add_argument("--max-fd-connections-per-peer", type=_flag_type("max_fd_connections_per_peer"),
+                          metavar="N", help="most fd channel connections of one peer at once "
+                                            f"(default {DEFAULT_MAX_FD_CONNECTIONS_PER_PEER}; 0: no limit)")
     return parser
 
 

@@ -19,7 +19,7 @@ from cuctxd.daemon.device.queues import (
 )
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
-from cuctxd.daemon.side_channel.server import DEFAULT_MAX_FD_CONNECTIONS
+from cuctxd.daemon.side_channel.server import DEFAULT_MAX_FD_CONNECTIONS, DEFAULT_MAX_FD_CONNECTIONS_PER_PEER
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 from cuctxd.protos.shm_lane import polls_busily
 
@@ -181,6 +181,13 @@ class DaemonConfig:
     max_shm_lanes: int = DEFAULT_MAX_SHM_LANES
     #: Microseconds each device worker keeps polling without sleeping after its last request.
     busy_poll_us: int = DEFAULT_BUSY_POLL_US
+    #: Fds the daemon may hold for clients (tickets, shm lanes, host buffers, fd channel connections): in all,
+    #: per peer, per session; 0: derived from the open-file limit
+    #: (:class:`cuctxd.daemon.registry.fd_budget.FdPlan`). And fd channel connections of one peer.
+    max_client_fds: int = 0
+    max_client_fds_per_peer: int = 0
+    max_client_fds_per_session: int = 0
+    max_fd_connections_per_peer: int = DEFAULT_MAX_FD_CONNECTIONS_PER_PEER
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -171,6 +171,7 @@ class _StateCollector:
         yield info
         yield GaugeMetricFamily("cuctxd_sessions", "Open sessions.", value=len(state.sessions))
         yield GaugeMetricFamily("cuctxd_draining", "1 while shutting down.", value=int(state.draining))
+        yield from _fd_families(state)
         depths = [worker.queue_depth() for worker in self._workers]  # before the snapshots join the queues
         waits = [ask_worker(worker, device_snapshot) for worker in self._workers]
         deadline = time.monotonic() + SCRAPE_TIMEOUT
@@ -209,3 +210,30 @@ class _StateCollector:
                 families["memory_used_bytes"].add_metric(label, snapshot["memory_used"])
         yield device_info
         yield from families.values()
+
+
+def _fd_families(state: FrontState) -> Iterator[Any]:
+    """The fd budget and the fd channel's connections (any thread: both read under their own locks)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if state.fd_budget is not None:
+        budget = state.fd_budget.to_status()
+        yield GaugeMetricFamily("cuctxd_client_fds", "Fds the daemon holds for clients (tickets, shm lanes, host "
+                                                     "buffers, fd channel connections).", value=budget["held"])
+        yield CounterMetricFamily("cuctxd_client_fds_refused", "Requests and connections refused for lack of "
+                                                               "fd budget (any share).", value=budget["refused"])
+        if "max" in budget:
+            yield GaugeMetricFamily("cuctxd_client_fds_max", "max_client_fds in effect.", value=budget["max"])
+            yield GaugeMetricFamily("cuctxd_client_fds_max_per_peer", "max_client_fds_per_peer in effect.",
+                                    value=budget["max_per_peer"])
+            yield GaugeMetricFamily("cuctxd_open_files_limit", "The daemon's open-file limit (RLIMIT_NOFILE).",
+                                    value=budget["open_files"])
+        largest = budget["top_peers"][0]["held"] if budget["top_peers"] else 0
+        yield GaugeMetricFamily("cuctxd_client_fds_largest_peer", "Fds held for the peer holding the most.",
+                                value=largest)
+    if state.fd_channel is not None:
+        channel = state.fd_channel.stats()
+        yield GaugeMetricFamily("cuctxd_fd_channel_connections", "Connections open to the fd channel.",
+                                value=channel["connections"])
+        yield CounterMetricFamily("cuctxd_fd_channel_refused", "fd channel connections refused at a limit.",
+                                  value=channel["refused"])

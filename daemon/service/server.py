@@ -59,15 +59,10 @@ from cuctxd.daemon.device.queues import QueueLimits
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
 from cuctxd.daemon.front.state import FrontConfig, FrontState
-from cuctxd.daemon.intake.connections import (
-    ConnectionBudget,
-    ConnectionWatch,
-    ListenerGuard,
-    connection_cap,
-    listen_backlog,
-)
+from cuctxd.daemon.intake.connections import ConnectionBudget, ConnectionWatch, ListenerGuard, listen_backlog
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
@@ -141,6 +136,7 @@ class Daemon:
         self._backlog = 100
         self._tickets: TicketBook | None = None
         self._side_channel: SideChannel | None = None
+        self.fd_budget: FdBudget | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -149,10 +145,16 @@ class Daemon:
         if new != old:
             log.info("open-file limit raised from %d to %d", old, new)
         files = NOFILE_CAP if new == resource.RLIM_INFINITY else new
-        self.connections = ConnectionBudget(connection_cap(files, self.config.max_connections))
+        config = self.config
+        plan = FdPlan.derive(files, config.max_connections, config.max_client_fds, config.max_client_fds_per_peer,
+                             config.max_client_fds_per_session)
+        self.connections = ConnectionBudget(plan.connections)
+        self.fd_budget = FdBudget(plan)
         self._backlog = listen_backlog(files)
         self._watch = ConnectionWatch()
-        log.info("at most %d client connections at once (max_connections)", self.connections.cap)
+        log.info("open-file limit %d: %d kept for the daemon, at most %d client connections at once "
+                 "(max_connections), %d fds held for clients (max_client_fds; %d per peer, %d per session)",
+                 files, plan.reserve, plan.connections, plan.client_fds, plan.per_peer, plan.per_session)
         replies = self._zmq.socket(zmq.PULL)
         replies.bind(_REPLY_ENDPOINT)
         count = self.driver.device_count()
@@ -162,7 +164,7 @@ class Daemon:
                               self.config.host_memory_per_session, self.config.max_host_memory,
                               self.config.max_shm_lanes)
         shares = ShareRegistry()
-        self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session)
+        self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session, self.fd_budget)
         queue_limits = self._queue_limits()
         self._workers = [
             DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares, self._tickets, queue_limits,
@@ -182,7 +184,8 @@ class Daemon:
         self._side_channel = self._open_side_channel()
         sessions = ObservedSessions(self.metrics, receivers=1 + count)
         state = FrontState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
-                           endpoints=list(self.bound), connections=self.connections, fd_channel=self._side_channel)
+                           endpoints=list(self.bound), connections=self.connections, fd_channel=self._side_channel,
+                           fd_budget=self.fd_budget)
         self._front = Front(state, self._workers, router, replies)
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
@@ -210,7 +213,8 @@ class Daemon:
         for file in files:
             clear_stale_socket(file)
         channel = SideChannel(paths, self._tickets, handshake_timeout=self.config.handshake_timeout,
-                              max_connections=self.config.max_fd_connections)
+                              max_connections=self.config.max_fd_connections,
+                              max_connections_per_peer=self.config.max_fd_connections_per_peer)
         channel.start()
         for file in files:
             open_ipc_socket(file, self.config.group)

@@ -139,7 +139,7 @@ def test_a_connection_flood_is_capped_and_holds_nothing(attack_daemon: DaemonPro
         if host is not None:
             host.free()
         observer.host_alloc(4096).free()  # and it serves again
-    wait_for_log(attack_daemon, r"connections open \(max_fd_connections\): refusing new ones")
+    wait_for_log(attack_daemon, r"fd channel: refusing new connections: max_fd_connections: ")
     bystander.check()
 
 

@@ -99,6 +99,9 @@ def test_devices_and_sessions_are_shown(metrics_daemon: tuple[DaemonProcess, str
         assert value(samples, "cuctxd_device_allocated_bytes", device="1") == 4 * MiB
         assert value(samples, "cuctxd_device_contexts", device="1") == 1
         assert value(samples, "cuctxd_device_shm_lanes", device="1") == 1  # the client's, opened by its alloc
+        assert value(samples, "cuctxd_client_fds") >= 5  # that lane's 4 and the client's fd channel connection
+        assert 0 < value(samples, "cuctxd_client_fds_max_per_peer") < value(samples, "cuctxd_client_fds_max")
+        assert value(samples, "cuctxd_fd_channel_connections") >= 1
         assert value(samples, "cuctxd_device_memory_total_bytes", device="1") == 64 * MiB
         used = value(samples, "cuctxd_device_memory_used_bytes", device="1")
         free = value(samples, "cuctxd_device_memory_free_bytes", device="1")

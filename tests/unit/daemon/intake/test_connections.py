@@ -23,9 +23,9 @@ from cuctxd.daemon.intake.listeners import IpcListener, TcpListener
 from tests.helpers import remove_tempdir, short_tempdir, wait_until
 
 
-@pytest.mark.parametrize(("files", "cap"), [(256, 128), (1024, 768), (100, 50), (1 << 20, 786432)])
-def test_the_default_cap_keeps_a_reserve_below_the_open_file_limit(files: int, cap: int) -> None:
-    assert connection_cap(files, 0) == cap == files - fd_reserve(files)
+@pytest.mark.parametrize(("files", "cap"), [(256, 64), (1024, 384), (100, 25), (1 << 20, 393216)])
+def test_the_default_cap_is_half_of_what_the_reserve_leaves(files: int, cap: int) -> None:
+    assert connection_cap(files, 0) == cap == (files - fd_reserve(files)) // 2
 
 
 def test_the_listen_backlog_fits_in_the_reserve() -> None:
@@ -34,7 +34,7 @@ def test_the_listen_backlog_fits_in_the_reserve() -> None:
 
 def test_a_configured_cap_is_kept_unless_the_open_file_limit_forbids_it() -> None:
     assert connection_cap(1024, 100) == 100
-    assert connection_cap(1024, 5000) == 768
+    assert connection_cap(1024, 5000) == 576  # three quarters of the 768 the reserve leaves: fds for clients stay
 
 
 def test_the_budget_refuses_at_the_cap_and_accepts_again_at_the_low_water_mark() -> None:
