@@ -1,17 +1,16 @@
 """The sessions' shm lanes to this device: device ops through shared memory, woken by eventfds.
 
-A round trip over ZeroMQ costs about twice what an eventfd's does between two
-processes, and a small device op is little more than its round trip. A session
-with a data plane may ask for a lane (``shm_lane``): a memfd region of
-:data:`~cuctxd.protos.shm_lane.REGION_BYTES` and two eventfds, handed over the fd
-channel. The worker polls the request eventfd beside its ROUTER, takes the
-request from the region, admits and runs it as any other (same checks, same
-queues, same order: the client sends on one path at a time), and answers in the
-region. An **early** request (sent before the bytes it copies from are in place) is checked at once,
-but its copy waits in :attr:`ShmLane.parked` for the lane's next ring, and its reply, even an error,
-is rung only after that ring: so no ring the client owes can meet a later request. Layout:
-:mod:`cuctxd.protos.shm_lane`. Owned by the device's worker thread, as part of its
-:class:`~cuctxd.daemon.device.state.DeviceState`; one lane per session, closed with the session.
+A round trip over ZeroMQ costs about twice what an eventfd's does between two processes, and a small device
+op is little more than its round trip. A session with a data plane may ask for a lane (``shm_lane``): a
+memfd region of :data:`~cuctxd.protos.shm_lane.REGION_BYTES` (sealed against resizing,
+:mod:`cuctxd.protos.memfd`) and two eventfds, handed over the fd channel. The worker polls the request
+eventfd beside its ROUTER, takes the request from the region, admits and runs it as any other (same checks,
+same queues, same order: the client sends on one path at a time), and answers in the region. An **early**
+request (sent before the bytes it copies from are in place) is checked at once, but its copy waits in
+:attr:`ShmLane.parked` for the lane's next ring, and its reply, even an error, is rung only after that ring:
+so no ring the client owes can meet a later request. Layout: :mod:`cuctxd.protos.shm_lane`. Owned by the
+device's worker thread, as part of its :class:`~cuctxd.daemon.device.state.DeviceState`; one lane per
+session, closed with the session.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from typing import Any
 
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.protos.errors import BadRequest, LimitExceeded, TooLarge
+from cuctxd.protos.memfd import sealed_memfd
 from cuctxd.protos.messages import encode_error
 from cuctxd.protos.shm_lane import (
     MESSAGE_HEAD,
@@ -106,10 +106,9 @@ class ShmLanes:
         if self.limit and len(self.by_session) >= self.limit:
             raise LimitExceeded(f"max_shm_lanes: {len(self.by_session)} shm lanes are open to this device; "
                                 "this session's requests take the socket")
-        memfd = os.memfd_create("cuctxd-shm-lane", os.MFD_CLOEXEC)
+        memfd = sealed_memfd("cuctxd-shm-lane", REGION_BYTES)
         fds = [memfd]
         try:
-            os.ftruncate(memfd, REGION_BYTES)
             fds.append(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
             fds.append(os.eventfd(0, os.EFD_CLOEXEC))
             region = mmap.mmap(memfd, REGION_BYTES)
