@@ -3,10 +3,12 @@ files a killed daemon could leave, control characters in client-supplied names. 
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import re
 import signal
+import socket
 import stat
 import tempfile
 from pathlib import Path
@@ -15,7 +17,15 @@ import pytest
 
 from cuctxd import Client
 from tests.adversarial.attacks import Bystander
-from tests.helpers import DaemonProcess, cuctxd, remove_tempdir, short_tempdir, start_daemon, wait_for_log
+from tests.helpers import (
+    DaemonProcess,
+    cuctxd,
+    remove_tempdir,
+    short_tempdir,
+    start_daemon,
+    wait_for_log,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -93,6 +103,61 @@ def test_a_killed_daemon_leaves_no_shared_memory_files_and_its_socket_is_swept(w
             assert client.ping() > 0
     finally:
         assert restarted.stop() == 0, restarted.log()
+
+
+def _paused(directory: Path) -> list[Path]:
+    return sorted(directory.glob(".paused-*"))
+
+
+def test_a_daemon_killed_while_refusing_connections_leaves_nothing_after_its_restart(workdir: Path) -> None:
+    endpoint = f"ipc://{workdir}/d.sock"
+    killed = start_daemon("--max-connections", "8", endpoint=endpoint)
+    lane_socket = workdir / "d.sock-dev0"
+    with contextlib.ExitStack() as stack:
+        for _ in range(8):  # idle connections to the main socket: the cap is reached, every listener pauses
+            sock = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            sock.connect(str(killed.socket_path))
+        wait_for_log(killed, "max_connections reached")
+        assert wait_until(lambda: not killed.socket_path.exists() and not lane_socket.exists(), timeout=5)
+        parked = _paused(workdir)
+        assert len(parked) >= 2, "the main socket and each device's are moved aside"
+        killed.process.send_signal(signal.SIGKILL)
+        killed.process.wait()
+    killed.close_pipes()
+    assert _paused(workdir) == parked
+    foreign = workdir / ".paused-keepme00"  # not one of this daemon's: another endpoint's, left alone
+    foreign.mkdir(mode=0o700)
+    (foreign / "other.sock").write_bytes(b"")
+    restarted = start_daemon(endpoint=endpoint)
+    try:
+        wait_for_log(restarted, f"removed {re.escape(str(parked[0]))}, left by a daemon killed while")
+        assert _paused(workdir) == [foreign]
+        with Client(endpoint, timeout=10) as client:
+            assert client.ping() > 0
+    finally:
+        assert restarted.stop() == 0, restarted.log()
+    assert sorted(workdir.iterdir()) == [foreign], "a clean stop leaves only what was not the daemon's"
+
+
+def test_a_second_daemon_will_not_start_on_an_endpoint_whose_daemon_is_paused(workdir: Path) -> None:
+    endpoint = f"ipc://{workdir}/d.sock"
+    live = start_daemon("--max-connections", "4", endpoint=endpoint)
+    try:
+        with contextlib.ExitStack() as stack:
+            for _ in range(4):
+                sock = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+                sock.connect(str(live.socket_path))
+            wait_for_log(live, "max_connections reached")
+            assert wait_until(lambda: not live.socket_path.exists(), timeout=5)
+            done = cuctxd("--backend", "sim", "--endpoint", endpoint)
+            assert done.returncode != 0 and "paused at max_connections" in done.stderr, done.stderr
+            assert len(_paused(workdir)) >= 2, "the live daemon's moved-aside sockets stay"
+        assert wait_until(live.socket_path.exists, timeout=5), "the live daemon takes connections again"
+        with Client(endpoint, timeout=10) as client:
+            assert client.ping() > 0
+    finally:
+        assert live.stop() == 0, live.log()
+    assert _paused(workdir) == []
 
 
 @pytest.fixture
