@@ -26,6 +26,7 @@ from tests.helpers import (
     wait_for_log,
     wait_until,
 )
+from tests.helpers_raw import error_name, raw_peer
 
 
 @pytest.fixture
@@ -176,3 +177,20 @@ def test_control_characters_in_a_client_name_cannot_forge_log_lines(attack_daemo
     assert not any(line.startswith("2026-01-01") for line in lines)
     assert not any("\x1b" in line or "\r" in line for line in lines)
     assert any("evil\\n2026-01-01" in line and "\\x1b[2J\\r" in line for line in lines)
+
+
+@pytest.mark.parametrize("name", ["root\x00/x", "evil\x00", "a\nb", "\u202eexe.txt", "ali\u200bce/x", "x\u2028y"])
+def test_a_name_with_a_control_or_format_character_is_a_bad_argument(attack_daemon: DaemonProcess,
+                                                                      bystander: Bystander, name: str) -> None:
+    with raw_peer(attack_daemon.endpoint) as peer:
+        token = peer.hello()
+        buffer = peer.ok("alloc", {"device": 0, "size": 256}, token)[0]["buffer"]["handle"]
+        for op, args in (("publish", {"device": 0, "buffer": buffer, "name": name}), ("lookup", {"name": name}),
+                         ("unpublish", {"name": name})):
+            header, _ = peer.call(op, args, token)
+            assert error_name(header) == "CUCTXD_ERROR_BAD_ARGUMENT", (op, header)
+            assert "control or format characters" in header["error"]["message"]
+        assert peer.ok("list_shared", None, token)[0]["shared"] == []
+        peer.ok("goodbye", None, token)
+    bystander.check()
+    assert "Traceback" not in attack_daemon.log()
