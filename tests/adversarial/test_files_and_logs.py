@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from cuctxd import Client
+from cuctxd.daemon.intake.observe import WARN_BURST
 from tests.adversarial.attacks import Bystander
 from tests.helpers import (
     DaemonProcess,
@@ -194,3 +195,22 @@ def test_a_name_with_a_control_or_format_character_is_a_bad_argument(attack_daem
         peer.ok("goodbye", None, token)
     bystander.check()
     assert "Traceback" not in attack_daemon.log()
+
+
+def test_a_flood_of_refused_requests_writes_a_few_log_lines_not_one_each(attack_daemon: DaemonProcess,
+                                                                         bystander: Bystander) -> None:
+    flood = 3000
+    with raw_peer(attack_daemon.endpoint) as peer:
+        token = peer.hello()
+        for op, args, error in (("lookup", {"name": "missing"}, "CUCTXD_ERROR_NOT_FOUND"),
+                                ("free", {"device": 0, "buffer": 12345}, "CUCTXD_ERROR_UNKNOWN_HANDLE")):
+            for _ in range(0, flood, 250):
+                sent = [peer.send(op, args, token) for _ in range(250)]
+                for _ in sent:
+                    assert error_name(peer.recv()[0]) == error
+            bystander.check()
+        peer.ok("goodbye", None, token)
+    lines = attack_daemon.log().splitlines()
+    for op in ("lookup", "free"):
+        one_by_one = [line for line in lines if f"({op}) failed:" in line]
+        assert 1 <= len(one_by_one) <= WARN_BURST, f"{len(one_by_one)} lines for {flood} failed {op} requests"
