@@ -180,6 +180,17 @@ def test_control_characters_in_a_client_name_cannot_forge_log_lines(attack_daemo
     assert any("evil\\n2026-01-01" in line and "\\x1b[2J\\r" in line for line in lines)
 
 
+def test_bidi_and_zero_width_characters_reach_the_text_log_escaped(attack_daemon: DaemonProcess,
+                                                                     bystander: Bystander) -> None:
+    name = "admin\u202etxt.exe\u200b\u2066\ufeff\u00a0end"
+    with Client(attack_daemon.endpoint, timeout=10, name=name) as client:
+        assert client.ping() > 0
+    bystander.check()
+    log = attack_daemon.log()
+    assert not any(char in log for char in "\u202e\u200b\u2066\ufeff\u00a0")
+    assert "admin\\u202etxt.exe\\u200b\\u2066\\ufeff\\xa0end" in log
+
+
 @pytest.mark.parametrize("name", ["root\x00/x", "evil\x00", "a\nb", "\u202eexe.txt", "ali\u200bce/x", "x\u2028y"])
 def test_a_name_with_a_control_or_format_character_is_a_bad_argument(attack_daemon: DaemonProcess,
                                                                       bystander: Bystander, name: str) -> None:
