@@ -14,6 +14,7 @@ its route lock.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -148,6 +149,8 @@ class ShmTransport:
             if self._call is not None:
                 self.wait(self._call)
             call: Call[Any] = Call(self, request_id, op, into, convert, reach)
+            if self.usable and is_closed(self._view):  # closed by the daemon with no call out
+                self.usable = False
             if not self.usable:  # closed by the daemon, or given up, while the last call was out
                 return None if early else self._resend(call, op, args, session, payload)
             self._seq += 1
@@ -194,7 +197,8 @@ class ShmTransport:
                 slice_ms = max(1, int(min(left, PROBE_EVERY) * 1000))
                 ready = {fd for fd, _ in self._poll.poll(slice_ms)} if left > 0 else set()
                 if self._replies in ready:
-                    os.eventfd_read(self._replies)
+                    with contextlib.suppress(BlockingIOError):  # the fd is non-blocking (the daemon's side)
+                        os.eventfd_read(self._replies)
                     seq, header, payload = read_message(self._view, REPLY_AT)
                     if seq == self._seq and self._call is call:
                         self._resolve(call, header, payload)

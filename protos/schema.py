@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import types
 import typing
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -79,6 +80,27 @@ def handle_field(*, optional: bool = False) -> Any:
     return dataclasses.field(default=None, metadata=meta) if optional else dataclasses.field(metadata=meta)
 
 
+#: Unicode categories a name may not hold: controls (NUL, newlines, escapes, C1), format characters (bidi
+#: overrides, zero-width ones), surrogates, line and paragraph separators. A name is shown in logs, listings
+#: and terminals, and a scoped one is looked up as a user name.
+NAME_FORBIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def name_field(max_len: int = 256) -> Any:
+    """A name (a share's): at most ``max_len`` characters, none of them in :data:`NAME_FORBIDDEN`."""
+    return dataclasses.field(metadata={"max_len": max_len, "name": True})
+
+
+def forbidden_in_name(value: str) -> tuple[int, str] | None:
+    """The index and character of the first character a name may not hold, or None."""
+    if value.isprintable():  # the common case: no character of those categories (nor any other non-printable)
+        return None
+    for index, char in enumerate(value):
+        if unicodedata.category(char) in NAME_FORBIDDEN:
+            return index, char
+    return None
+
+
 def count_field(default: int | None = None, *, minimum: int = 0, maximum: int = MAX_HANDLE) -> Any:
     """A non-negative size, offset or index."""
     meta = {"min": minimum, "max": maximum}
@@ -110,6 +132,10 @@ def _check_scalar(name: str, value: Any, expected: type, meta: typing.Mapping[st
             raise BadArgument(f"argument {name!r} must be a string, got {type(value).__name__}")
         if len(value) > meta.get("max_len", 4096):
             raise BadArgument(f"argument {name!r} is longer than {meta.get('max_len', 4096)} characters")
+        if meta.get("name") and (found := forbidden_in_name(value)) is not None:
+            index, char = found
+            raise BadArgument(f"argument {name!r} may not hold control or format characters: U+{ord(char):04X} "
+                              f"({unicodedata.name(char, unicodedata.category(char))}) at index {index}")
         return value
     if expected is bytes:
         if not isinstance(value, bytes):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cuctxd.protos.schema import count_field, handle_field, op
+from cuctxd.protos.schema import count_field, handle_field, name_field, op
 
 
 @op("heartbeat", target="front")
@@ -37,7 +37,7 @@ class Publish:
     are told to map it without write access (``read_only`` in the descriptor). Result: ``share``."""
 
     buffer: int = handle_field()
-    name: str = dataclasses.field(metadata={"max_len": 256})
+    name: str = name_field()
     device: int | None = count_field()
     manifest: bytes | None = None
     persistent: bool = False
@@ -48,7 +48,7 @@ class Publish:
 class Unpublish:
     """Remove a name this session published; holders keep their mappings. Result: ``{}``."""
 
-    name: str = dataclasses.field(metadata={"max_len": 256})
+    name: str = name_field()
 
 
 @op("lookup", target="front")
@@ -56,7 +56,7 @@ class Lookup:
     """The share descriptor published under ``name``, with its ``publisher`` (session, client,
     pid, uid). Result: ``share``."""
 
-    name: str = dataclasses.field(metadata={"max_len": 256})
+    name: str = name_field()
 
 
 @op("list_shared", target="front")

@@ -30,6 +30,7 @@ from cuctxd.daemon.backends.sim_pools import PoolArena
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.host import buffer_address
+from cuctxd.protos.memfd import sealed_memfd
 
 _INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
 _OUT_OF_MEMORY = CUresult.CUDA_ERROR_OUT_OF_MEMORY
@@ -87,9 +88,8 @@ class Storage:
         """
         if self.fd < 0:
             size = len(self.view)
-            fd = os.memfd_create("cuctxd-sim-export", os.MFD_CLOEXEC)
+            fd = sealed_memfd("cuctxd-sim-export", size)
             try:
-                os.ftruncate(fd, size)
                 shared = mmap.mmap(fd, size)
             except OSError:
                 os.close(fd)

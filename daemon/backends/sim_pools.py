@@ -19,17 +19,18 @@ from bisect import bisect_left, insort
 
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
+from cuctxd.protos.memfd import sealed_memfd
 
 _PAGE = mmap.PAGESIZE
 
 
 class PoolArena:
-    """One pool's memfd of ``span`` bytes (sparse: only written pages cost memory), mapped here."""
+    """One pool's memfd of ``span`` bytes (sparse: only written pages cost memory), mapped here; sealed against
+    resizing (:mod:`cuctxd.protos.memfd`), so an importer cannot cut off pages this process touches."""
 
     def __init__(self, span: int) -> None:
-        self.fd = os.memfd_create("cuctxd-sim-pool", os.MFD_CLOEXEC)
+        self.fd = sealed_memfd("cuctxd-sim-pool", span)
         try:
-            os.ftruncate(self.fd, span)
             self._map = mmap.mmap(self.fd, span)
         except OSError:
             os.close(self.fd)

@@ -3,7 +3,9 @@
 Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`. A host buffer is a memfd the
 daemon maps and registers (``cuMemHostRegister``, portable), and whose fd the
-client maps too (through the fd channel): copies between it and device memory are
+client maps too (through the fd channel), sealed against resizing
+(:mod:`cuctxd.protos.memfd`) so that the client cannot cut off pages the daemon or
+the driver touches: copies between it and device memory are
 DMA with nothing but a small request on the socket. A copy queued on a stream
 leaves a marker on the buffer, and freeing it waits (without blocking the worker)
 until those markers pass, so the driver never reads memory that is gone.
@@ -27,6 +29,7 @@ from cuctxd.daemon.device.entries import (
 from cuctxd.daemon.device.streams import Streams
 from cuctxd.daemon.registry.fd_budget import FdBudget
 from cuctxd.protos.errors import LimitExceeded
+from cuctxd.protos.memfd import sealed_memfd
 
 
 class HostBuffers:
@@ -57,12 +60,11 @@ class HostBuffers:
         state.check_room(self.limits.max_objects_per_session, "host buffer")
         charge = self.budget.charge(1, "a host buffer", state.ref.fd_peer or state.ref.token, state.ref.token)
         try:
-            fd = os.memfd_create(f"cuctxd-host-{self.device}", os.MFD_CLOEXEC)
+            fd = sealed_memfd(f"cuctxd-host-{self.device}", size)
         except BaseException:
             charge.release()
             raise
         try:
-            os.ftruncate(fd, size)
             memory = mmap.mmap(fd, size)
             view = memoryview(memory)
             try:

@@ -1,17 +1,17 @@
 """The sessions' shm lanes to this device: device ops through shared memory, woken by eventfds.
 
-A round trip over ZeroMQ costs about twice what an eventfd's does between two
-processes, and a small device op is little more than its round trip. A session
-with a data plane may ask for a lane (``shm_lane``): a memfd region of
-:data:`~cuctxd.protos.shm_lane.REGION_BYTES` and two eventfds, handed over the fd
-channel. The worker polls the request eventfd beside its ROUTER, takes the
-request from the region, admits and runs it as any other (same checks, same
-queues, same order: the client sends on one path at a time), and answers in the
-region. An **early** request (sent before the bytes it copies from are in place) is checked at once,
-but its copy waits in :attr:`ShmLane.parked` for the lane's next ring, and its reply, even an error,
-is rung only after that ring: so no ring the client owes can meet a later request. Layout:
-:mod:`cuctxd.protos.shm_lane`. Owned by the device's worker thread, as part of its
-:class:`~cuctxd.daemon.device.state.DeviceState`; one lane per session, closed with the session.
+A round trip over ZeroMQ costs about twice what an eventfd's does between two processes, and a small device
+op is little more than its round trip. A session with a data plane may ask for a lane (``shm_lane``): a
+memfd region of :data:`~cuctxd.protos.shm_lane.REGION_BYTES` (sealed against resizing,
+:mod:`cuctxd.protos.memfd`) and two eventfds, handed over the fd channel. The worker polls the request
+eventfd beside its ROUTER, takes the request from the region, admits and runs it as any other (same checks,
+same queues, same order: the client sends on one path at a time), and answers in the region. An **early**
+request (sent before the bytes it copies from are in place) is checked at once, but its copy waits in
+:attr:`ShmLane.parked` for the lane's next ring, and its reply, even an error, is rung only after that ring:
+so no ring the client owes can meet a later request. The worker never waits to ring: both eventfds are
+non-blocking, and a lane whose client filled the reply eventfd's counter is closed at the ring that fails
+(:meth:`ShmLanes._ring`). Layout: :mod:`cuctxd.protos.shm_lane`. Owned by the device's worker thread, as
+part of its :class:`~cuctxd.daemon.device.state.DeviceState`; one lane per session, closed with the session.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.protos.errors import BadRequest, LimitExceeded, TooLarge
+from cuctxd.protos.memfd import sealed_memfd
 from cuctxd.protos.messages import encode_error
 from cuctxd.protos.shm_lane import (
     MESSAGE_HEAD,
@@ -74,11 +75,20 @@ class ShmLane:
     def __post_init__(self) -> None:
         self.view = memoryview(self.region)
 
+    def ring(self) -> bool:
+        """Ring the reply eventfd; False when it cannot take another ring (only a client that wrote its counter
+        near the top can do that: the fd is non-blocking, so the worker never waits on it)."""
+        try:
+            os.eventfd_write(self.replies, 1)
+        except BlockingIOError:
+            return False
+        return True
+
     def close(self) -> None:
         """Tell the client (the closed flag, one more ring: a request it still waits for will not be
         answered here), then let go of everything."""
         mark_closed(self.view)
-        os.eventfd_write(self.replies, 1)
+        self.ring()
         self.view.release()
         with contextlib.suppress(BufferError):
             self.region.close()
@@ -121,10 +131,9 @@ class ShmLanes:
         charge = self.budget.charge(LANE_FDS, "an shm lane", session.fd_peer or session.token, session.token)
         fds: list[int] = []
         try:
-            fds.append(os.memfd_create("cuctxd-shm-lane", os.MFD_CLOEXEC))
-            os.ftruncate(fds[0], REGION_BYTES)
+            fds.append(sealed_memfd("cuctxd-shm-lane", REGION_BYTES))
             fds.append(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
-            fds.append(os.eventfd(0, os.EFD_CLOEXEC))
+            fds.append(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
             region = mmap.mmap(fds[0], REGION_BYTES)
             client = [os.dup(fd) for fd in fds]
             if self._pidfd is not None:
@@ -156,7 +165,8 @@ class ShmLanes:
         if lane.owing and count:  # the data ring an early request's reply waited for
             count -= 1
             lane.owing = False
-            os.eventfd_write(lane.replies, 1)
+            if not self._ring(lane):
+                return None
             if not count:
                 return None
         seq = MESSAGE_HEAD.unpack_from(lane.view, REQUEST_AT)[0]
@@ -193,12 +203,24 @@ class ShmLanes:
                              "shm lane's area; send this request over the socket")
             header, payload = encode_error(request_id, error), None
         write_message(lane.view, REPLY_AT, lane.seq, header, payload)
-        lane.busy = False
-        if lane.early and not lane.rung:
-            lane.owing = True  # rung with the data ring still to come
+        owing = lane.early and not lane.rung  # rung with the data ring still to come
+        lane.busy, lane.early, lane.rung = False, False, 0
+        if owing:
+            lane.owing = True
         else:
-            os.eventfd_write(lane.replies, 1)
-        lane.early, lane.rung = False, 0
+            self._ring(lane)
+
+    def _ring(self, lane: ShmLane) -> bool:
+        """Ring ``lane``'s reply eventfd; a lane whose client filled the eventfd's counter is closed (logged
+        once): its session's requests take the socket from then on. False if so."""
+        if lane.ring():
+            return True
+        session = lane.session
+        log.warning("session %d (%s, pid %d): its shm lane closed: the client filled the reply eventfd's counter, "
+                    "so it cannot be rung; the session's requests take the socket", session.public_id,
+                    session.client, session.pid)
+        self.close(lane.session.token)
+        return False
 
     def close(self, token: str) -> None:
         """Close the session's lane, if it has one (its session ended)."""

@@ -75,6 +75,8 @@ class Front:
             now = time.monotonic()
             if now >= next_reap:
                 self._reap(now, ttl)
+                if self.observer is not None:
+                    self.observer.report_held_back()
                 orphan_ttl = self.state.config.orphan_ttl
                 for worker in self.workers:
                     worker.run(partial(_expire_orphans, now=now, ttl=orphan_ttl))

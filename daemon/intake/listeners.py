@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import socket
 import struct
 import tempfile
@@ -28,6 +29,11 @@ SO_ATTACH_FILTER = 26
 SO_DETACH_FILTER = 27
 #: One classic BPF instruction, ``ret #0``: keep no byte of any packet.
 _DROP_ALL = (ctypes.c_uint8 * 8).from_buffer_copy(struct.pack("HBBI", 0x06, 0, 0, 0))
+#: How the directory a paused ipc:// socket file waits in is named (``tempfile.mkdtemp``'s 8 characters after
+#: the prefix): what a daemon killed while paused leaves, and the next one removes at start
+#: (:func:`cuctxd.daemon.service.endpoint.clear_stale_paused`).
+PAUSED_PREFIX = ".paused-"
+PAUSED_NAME = re.compile(re.escape(PAUSED_PREFIX) + r"[a-z0-9_]{8}")
 
 
 class IpcListener:
@@ -39,7 +45,7 @@ class IpcListener:
 
     def pause(self) -> None:
         """Move the socket file into a new directory only this user may enter (mode 0700)."""
-        parked = Path(tempfile.mkdtemp(prefix=".paused-", dir=self.path.parent)) / self.path.name
+        parked = Path(tempfile.mkdtemp(prefix=PAUSED_PREFIX, dir=self.path.parent)) / self.path.name
         try:
             os.rename(self.path, parked)
         except OSError:

@@ -13,8 +13,9 @@ session opened and closed and counts reaps, on the front thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from cuctxd.daemon.registry.sessions import Session, SessionRegistry
@@ -24,7 +25,6 @@ from cuctxd.protos.schema import OPS
 
 log = logging.getLogger("cuctxd.daemon.requests")
 session_log = logging.getLogger("cuctxd.daemon.sessions")
-
 
 
 class Counter(Protocol):
@@ -51,11 +51,57 @@ _MAX_PENDING = 65536
 _QUIET = {ErrorCode.CUCTXD_ERROR_SHUTTING_DOWN.name, ErrorCode.CUCTXD_ERROR_INTERNAL.name}
 
 
-class RequestObserver:
-    """Counts and times requests, logs one line per failure (and per request at DEBUG)."""
+#: Failures of one kind (op and error) logged one by one per window; the rest are counted, and one line per
+#: window says how many (a client sending 10,000 bad requests a second must not write 10,000 log lines).
+WARN_BURST = 10
+WARN_WINDOW_S = 10.0
 
-    def __init__(self, metrics: MetricsSink | None = None) -> None:
+
+class RepeatLimiter:
+    """How many warnings of each kind to log: the first ``burst`` of a ``window``-second window, then only a
+    count. Any thread may call (one lock); the kinds are few (ops times error names), and a kind is forgotten
+    once its window has ended and been reported."""
+
+    def __init__(self, burst: int = WARN_BURST, window: float = WARN_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst = burst
+        self.window = window
+        self.clock = clock
+        #: kind -> [window start, warnings logged in it, warnings held back in it]
+        self._kinds: dict[tuple[str, str], list[float]] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, kind: tuple[str, str]) -> tuple[bool, int]:
+        """Whether to log this warning, and how many of its kind the window before held back (to report now)."""
+        now = self.clock()
+        with self._lock:
+            entry = self._kinds.get(kind)
+            held = 0
+            if entry is None or now - entry[0] >= self.window:
+                held = 0 if entry is None else int(entry[2])
+                entry = self._kinds[kind] = [now, 0, 0]
+            if entry[1] < self.burst:
+                entry[1] += 1
+                return True, held
+            entry[2] += 1
+            return False, held
+
+    def ended(self) -> list[tuple[tuple[str, str], int]]:
+        """The kinds whose window has ended, with how many warnings each held back (those with none too,
+        counted 0); forgotten here."""
+        now = self.clock()
+        with self._lock:
+            done = [kind for kind, entry in self._kinds.items() if now - entry[0] >= self.window]
+            return [(kind, int(self._kinds.pop(kind)[2])) for kind in done]
+
+
+class RequestObserver:
+    """Counts and times requests, logs one line per failure (at most :data:`WARN_BURST` of each op and error
+    per :data:`WARN_WINDOW_S`, then a count; and one per request at DEBUG)."""
+
+    def __init__(self, metrics: MetricsSink | None = None, warnings: RepeatLimiter | None = None) -> None:
         self.metrics = metrics
+        self.warnings = RepeatLimiter() if warnings is None else warnings
         self._pending: dict[tuple[bytes, int], tuple[str, float]] = {}
 
     def handled(self, identity: bytes, request_id: int, op: str, outcome: str, started: float) -> None:
@@ -101,11 +147,28 @@ class RequestObserver:
         if self.metrics is not None:
             self.metrics.observe(op, outcome, latency)
         if outcome.startswith("CUCTXD_") and outcome not in _QUIET:
-            log.warning("request %d (%s) failed: %s", request_id, op, outcome,
-                        extra=_fields(op, outcome, request_id, latency))
+            allowed, held = self.warnings.allow((op, outcome))
+            if held:
+                _held_back(op, outcome, held, self.warnings.window)
+            if allowed:
+                log.warning("request %d (%s) failed: %s", request_id, op, outcome,
+                            extra=_fields(op, outcome, request_id, latency))
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("request %d (%s): %s in %.3f ms", request_id, op, outcome, latency * 1e3,
                       extra=_fields(op, outcome, request_id, latency))
+
+
+    def report_held_back(self) -> None:
+        """Log how many failures of each kind were held back in windows that have ended (the front calls
+        it every second or so, so that a flood that stops is still summed up)."""
+        for (op, outcome), held in self.warnings.ended():
+            if held:
+                _held_back(op, outcome, held, self.warnings.window)
+
+
+def _held_back(op: str, outcome: str, held: int, window: float) -> None:
+    log.warning("%d more requests (%s) failed with %s within %.0f s: not logged one by one", held, op, outcome,
+                window, extra={"op": op, "outcome": outcome, "suppressed": held})
 
 
 def _fields(op: str, outcome: str, request_id: int, latency: float) -> dict[str, Any]:

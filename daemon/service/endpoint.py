@@ -12,7 +12,10 @@ import logging
 import os
 import socket
 import stat
+import time
 from pathlib import Path
+
+from cuctxd.daemon.intake.listeners import PAUSED_NAME
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +55,11 @@ def prepare_ipc(path: Path, group: str | None = None) -> None:
     the file's own mode); one that already exists keeps its mode and group: the
     daemon never changes a directory it did not make (a warning says when group
     members could not enter it). A socket file left by a daemon that ended
-    without cleaning up (SIGKILL, a crash) is removed, and the log says so.
+    without cleaning up (SIGKILL, a crash) is removed, and the log says so, as
+    is one it left moved aside while paused at ``max_connections``
+    (:func:`clear_stale_paused`).
 
-    Raises :class:`EndpointInUse` if a live daemon holds the socket, and
+    Raises :class:`EndpointInUse` if a live daemon holds the socket (paused or not), and
     PermissionError if the directory is a symbolic link or someone else's, if it
     cannot be given to ``group`` (this user must be a member of it), or if
     something that is not a socket sits at ``path``.
@@ -85,6 +90,7 @@ def prepare_ipc(path: Path, group: str | None = None) -> None:
                         stat.S_IMODE(info.st_mode))
     finally:
         os.close(fd)
+    clear_stale_paused(path)
     clear_stale_socket(path)
 
 
@@ -113,6 +119,55 @@ def clear_stale_socket(path: Path) -> None:
         raise EndpointInUse(f"a daemon already listens on ipc://{path}")
     path.unlink()
     log.warning("removed the stale socket %s, left by a daemon that did not clean up (killed or crashed)", path)
+
+
+#: An empty paused directory younger than this may be a live daemon's between making it and moving its
+#: socket file in (or between taking the file out and removing it): left alone.
+PAUSED_SETTLE_S = 10.0
+
+
+def clear_stale_paused(path: Path) -> None:
+    """Remove what a daemon killed while paused at ``max_connections`` left beside ``path``.
+
+    A paused ipc:// listener's socket file waits in a ``.paused-*`` directory
+    next to it (:mod:`cuctxd.daemon.intake.listeners`); a daemon killed then
+    leaves both. Only directories this daemon could have made are touched: of
+    this user, so named, not a link, and holding nothing (older than
+    :data:`PAUSED_SETTLE_S`) or only a socket named as ``path``'s that no one
+    listens on; each removal is logged. Another endpoint's are left alone.
+    Raises :class:`EndpointInUse` if a live daemon, paused, holds ``path``'s.
+    """
+    try:
+        entries = list(os.scandir(path.parent))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if not PAUSED_NAME.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
+            continue
+        info = entry.stat(follow_symlinks=False)
+        if info.st_uid != os.geteuid():
+            continue
+        directory = Path(entry.path)
+        try:
+            inside = os.listdir(directory)
+        except OSError:
+            continue
+        if inside == [path.name]:
+            parked = directory / path.name
+            if not stat.S_ISSOCK(parked.lstat().st_mode):
+                continue
+            if _socket_is_live(parked):
+                raise EndpointInUse(f"a daemon already listens on ipc://{path}, paused at max_connections (its "
+                                    f"socket file is in {directory})")
+            parked.unlink()
+        elif inside or time.time() - info.st_mtime < PAUSED_SETTLE_S:
+            continue
+        try:
+            directory.rmdir()
+        except OSError as exc:
+            log.warning("cannot remove %s, left by a daemon killed while refusing connections: %s", directory, exc)
+            continue
+        log.warning("removed %s, left by a daemon killed while it refused connections at max_connections", directory)
 
 
 def open_ipc_socket(path: Path, group: str | None = None) -> None:

@@ -21,16 +21,30 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
-#: Characters a text log line must not carry as they are: line breaks (which would start a forged line) and
-#: terminal controls (ANSI escapes that rewrite what an operator sees). Client-supplied strings (client names,
-#: share names, error messages) reach log messages, so every message is escaped (a newline as backslash-n).
-_UNSAFE = {code: f"\\x{code:02x}" for code in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
-_UNSAFE.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+#: Characters a text log line must not carry as they are: line breaks (which would start a forged line), terminal
+#: controls (ANSI escapes that rewrite what an operator sees), and every other character Python does not call
+#: printable: bidi overrides and zero-width characters (Unicode's format characters, such as U+202E, which
+#: reorders what a terminal shows, and U+200B), separators other than the space, surrogates, unassigned code
+#: points. Client-supplied strings (client names, share names, error messages) reach log messages, so every
+#: message is escaped (a newline as backslash-n, U+202E as backslash-u202e).
+_NAMED = {ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"}
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if code in _NAMED:
+        return _NAMED[code]
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def escape_controls(text: str) -> str:
-    """``text`` with line breaks and control characters written as escapes: one log line stays one line."""
-    return text.translate(_UNSAFE)
+    """``text`` with line breaks, controls and other non-printable characters written as escapes: one log line
+    stays one line, and shows what was sent."""
+    if text.isprintable():  # the common case, checked in C
+        return text
+    return "".join(char if char.isprintable() else _escaped(char) for char in text)
 
 
 class TextFormatter(logging.Formatter):

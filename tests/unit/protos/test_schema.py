@@ -279,3 +279,16 @@ def test_with_op_tags_once() -> None:
     error = BadOp("m").with_op("first").with_op("second")
     assert error.op == "first"
     assert str(error).startswith("first: CUCTXD_ERROR_BAD_OP (10002)")
+
+
+@pytest.mark.parametrize("name", ["root\x00/x", "a\tb", "\x1b[2J", "\x85", "\u202e", "zero\u200bwidth", "\ufeff",
+                                  "line\u2028", "para\u2029"])
+def test_share_names_refuse_control_and_format_characters(name: str) -> None:
+    with pytest.raises(BadArgument, match="control or format characters"):
+        decode_args(OPS["lookup"], {"name": name})
+
+
+@pytest.mark.parametrize("name", ["alice/weights", "caf\u00e9 \u00a0no-break", "\u6a21\u578b", "emoji \U0001f600",
+                                  "private \ue000"])
+def test_share_names_take_other_characters(name: str) -> None:
+    assert decode_args(OPS["lookup"], {"name": name}).name == name

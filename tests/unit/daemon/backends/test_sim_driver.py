@@ -34,6 +34,7 @@ from cuctxd.daemon.backends.sim_memory import (
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.host import buffer_address
+from cuctxd.protos.memfd import resize_sealed
 from cuctxd.protos.sim_ipc import decode_handle
 from tests.helpers import raises_cuda
 
@@ -268,6 +269,9 @@ def test_ipc_handle_names_a_memfd_of_this_process_with_the_bytes(sim: SimDriver)
         assert path.parent == Path(f"/proc/{os.getpid()}/fd") and path.stat().st_size == 1000
         assert os.readlink(path).startswith("/memfd:"), "a memfd: no file anywhere outlives the process"
         with path.open("r+b") as file, mmap.mmap(file.fileno(), 1000) as other_process:
+            assert resize_sealed(file.fileno()), "another process cannot cut off pages the daemon touches"
+            with pytest.raises(PermissionError):
+                os.ftruncate(file.fileno(), 0)
             assert other_process[:6] == b"before", "exporting keeps the bytes"
             other_process[:5] = b"after"
             assert read(sim, ptr, 5) == b"after", "both sides see one memory"
