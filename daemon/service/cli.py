@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-shm-lanes", type=_flag_type("max_shm_lanes"), metavar="N",
                           help="shm lanes open to each device at once; beyond, sessions use the socket "
                                "(default 1024; 0: no limit)")
+    security.add_argument("--max-sessions-per-uid", type=_flag_type("max_sessions_per_uid"), metavar="N",
+                          help="most sessions the processes of one user may hold open together, where the "
+                               "kernel tells the user (ipc://) (default 0: no limit)")
     return parser
 
 

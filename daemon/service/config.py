@@ -181,6 +181,8 @@ class DaemonConfig:
     max_shm_lanes: int = DEFAULT_MAX_SHM_LANES
     #: Microseconds each device worker keeps polling without sleeping after its last request.
     busy_poll_us: int = DEFAULT_BUSY_POLL_US
+    #: Open sessions of one uid, all its processes together (peers whose uid the kernel tells: ipc://).
+    max_sessions_per_uid: int = 0
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

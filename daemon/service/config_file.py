@@ -203,6 +203,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("max_tickets_per_session", _integer(0), _int_text),
     Key("max_shm_lanes", _integer(0), _int_text),
     Key("busy_poll_us", _integer(0, 1_000_000), _int_text),
+    Key("max_sessions_per_uid", _integer(0), _int_text),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"
