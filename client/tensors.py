@@ -131,7 +131,7 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
     manifest, sources, size = plan_layout(tensors, metadata)
     packed = manifest.pack()
     check_manifest(packed, size)  # what the daemon will check, said before any memory is taken
-    buffer = client.alloc(size, device)
+    buffer = client.alloc(size, device, shareable=True)
     try:
         device_sources = [(spec, source) for spec, source in zip(manifest.tensors, sources, strict=True)
                           if source.device_ptr is not None]

@@ -201,11 +201,13 @@ class Driver(ABC):
     # --- stream-ordered allocation ----------------------------------------------------------
 
     @abstractmethod
-    def mem_pool_create(self, ordinal: int, *, ipc: bool = False) -> Pool:
+    def mem_pool_create(self, ordinal: int, *, ipc: bool = False, max_size: int = 0) -> Pool:
         """A device pool that keeps freed memory cached for reuse (``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD``
         at its maximum). ``ipc``: exportable to other processes (handle type
         ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``); ``CUDA_ERROR_NOT_SUPPORTED`` where
-        :meth:`pool_ipc_supported` is False."""
+        :meth:`pool_ipc_supported` is False. ``max_size``: the most bytes the caller will ever
+        allocate from it at once (0: no bound), so a backend may reserve no more (the sim sizes an
+        IPC pool's shared memory by it; cuda leaves the driver's default)."""
 
     @abstractmethod
     def pool_ipc_supported(self, ordinal: int) -> bool:

@@ -400,7 +400,7 @@ class CudaDriver(Driver):
 
     # --- stream-ordered allocation ------------------------------------------------------------
 
-    def mem_pool_create(self, ordinal: int, *, ipc: bool = False) -> Pool:
+    def mem_pool_create(self, ordinal: int, *, ipc: bool = False, max_size: int = 0) -> Pool:
         if ipc and not self.pool_ipc_supported(ordinal):
             raise CudaError.of(CUresult.CUDA_ERROR_NOT_SUPPORTED,
                                f"device {ordinal}'s pools cannot be exported as POSIX file descriptors")

@@ -87,6 +87,7 @@ from cuctxd.daemon.backends.sim_memory import (
     Allocation,
     DeviceMemory,
     SimPool,
+    align_up,
     copy_bytes,
     fill_bytes,
     host_view,
@@ -426,9 +427,10 @@ class SimDriver(Driver):
 
     # --- stream-ordered allocation --------------------------------------------------------
 
-    def mem_pool_create(self, ordinal: int, *, ipc: bool = False) -> Pool:
+    def mem_pool_create(self, ordinal: int, *, ipc: bool = False, max_size: int = 0) -> Pool:
         """A pool of the device; a bad ordinal is ``CUDA_ERROR_INVALID_VALUE`` (a bad pool location).
-        ``ipc``: its blocks live in one shared memfd of twice the device's memory (sparse)."""
+        ``ipc``: its blocks live in one shared memfd (sparse) of ``max_size`` bytes, or of twice the
+        device's memory without one."""
         self._check_initialized()
         if not 0 <= ordinal < len(self._devices):
             raise CudaError.of(_INVALID_VALUE, f"no device {ordinal} to place a pool on")
@@ -437,7 +439,7 @@ class SimDriver(Driver):
         if not self._ipc_pools:
             raise CudaError.of(CUresult.CUDA_ERROR_NOT_SUPPORTED, "this sim driver was made with ipc_pools=False")
         try:
-            arena = PoolArena(2 * self._memory.capacity)
+            arena = PoolArena(align_up(max_size) if max_size else 2 * self._memory.capacity)
         except OSError as failure:
             raise CudaError.of(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"the pool's shared memory: {failure}") from None
         return Pool(SimPool(ordinal, arena))

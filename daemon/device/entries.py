@@ -90,11 +90,16 @@ class MemoryKind(Protocol):
 
     exportable: bool
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None) -> int: ...
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
+                 uid: int | None = None) -> int:
+        """``size`` bytes for a session of ``uid`` in ``context`` (current)."""
 
     def free(self, ptr: int, stream: Stream | None = None) -> None: ...
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]: ...
+
+    def scrub(self, ptr: int, size: int) -> None:
+        """Zero the memory of a ``size``-byte buffer at ``ptr`` (its context current) before it is freed."""
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Device memory of one device: allocations per session, quotas, the device reserve.
 
 Owned by the device's worker thread, as part of its
-:class:`~cuctxd.daemon.device.state.DeviceState`. Buffers come from their
-context's stream-ordered pool, which is exportable where the device allows it;
-elsewhere ``shareable`` buffers come from ``cuMemAlloc`` (:mod:`cuctxd.daemon.device.pools`).
+:class:`~cuctxd.daemon.device.state.DeviceState`. Buffers come from the private pool of
+their context and their session's uid; ``shareable`` ones from a pool of their own, or
+from ``cuMemAlloc`` where pools cannot export (:mod:`cuctxd.daemon.device.pools`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from cuctxd.daemon.device.entries import (
     SessionOnDevice,
     new_handle,
 )
-from cuctxd.daemon.device.pools import LegacyMemory, PoolMemory, Pools
+from cuctxd.daemon.device.pools import LegacyMemory, OwnPoolMemory, Pools, PrivatePoolMemory
 from cuctxd.daemon.device.sharing import Sharing
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
@@ -39,15 +39,18 @@ class Memory:
         self.current = current
         self.pools = pools
         self.sharing = sharing
-        self.pool_memory = PoolMemory(driver, pools)
+        self.private_memory = PrivatePoolMemory(driver, pools)
+        self.own_pool_memory = OwnPoolMemory(driver, pools)
         self.legacy_memory = LegacyMemory(driver)
 
     def kind_for(self, size: int, shareable: bool) -> MemoryKind:
-        """Pool memory, unless the buffer is larger than :data:`POOL_BUFFER_MAX`, or pools cannot be
-        exported and the caller needs that (``shareable``)."""
-        if size > POOL_BUFFER_MAX or (shareable and not self.pool_memory.exportable):
+        """Legacy memory above :data:`POOL_BUFFER_MAX`; else a ``shareable`` buffer gets a pool of its own
+        (legacy memory where pools cannot export), any other one the private pool."""
+        if size > POOL_BUFFER_MAX:
             return self.legacy_memory
-        return self.pool_memory
+        if shareable:
+            return self.own_pool_memory if self.pools.ipc else self.legacy_memory
+        return self.private_memory
 
     def alloc(self, state: SessionOnDevice, context: SessionContext, size: int, shareable: bool, *,
               handle: int | None = None, stream: Stream | None = None) -> Buffer:
@@ -63,14 +66,14 @@ class Memory:
         self._check_quota(state, size)
         kind = self.kind_for(size, shareable)
         try:
-            ptr = kind.allocate(context, size, stream)
+            ptr = kind.allocate(context, size, stream, uid=state.ref.uid)
         except CudaError as exc:
             if exc.code != CUresult.CUDA_ERROR_OUT_OF_MEMORY or not self.pools.entries:
                 raise
             self.driver.ctx_synchronize()
             self.pools.trim()
             self.current.activate(context)
-            ptr = kind.allocate(context, size, stream)
+            ptr = kind.allocate(context, size, stream, uid=state.ref.uid)
         buffer = Buffer(new_handle() if handle is None else handle, ptr, size, context, kind)
         state.buffers[buffer.handle] = buffer
         state.bytes_allocated += size

@@ -1,15 +1,32 @@
-"""Stream-ordered memory pools of one device, one per context, and the two kinds of device memory.
+"""Stream-ordered memory pools of one device and the three kinds of device memory.
 
 Owned by the device's worker thread, as part of its
-:class:`~cuctxd.daemon.device.state.DeviceState`. Where the device can export
-pools as POSIX file descriptors (``CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES``),
-every context's pool is made IPC-capable, so every buffer can be shared: a
-consumer imports the pool once (its fd goes out through the fd channel) and then
-each buffer from 64 bytes of ``cuMemPoolExportPointer``. Elsewhere pools are
-private and ``shareable=True`` buffers come from ``cuMemAlloc`` (legacy
-``cuIpcGetMemHandle``). So do buffers above :data:`~cuctxd.protos.limits.POOL_BUFFER_MAX`, on every
-backend (why: that constant's comment). One object per kind of memory pairs allocate with free and
-export (:class:`PoolMemory`, :class:`LegacyMemory`), instead of branches on a flag.
+:class:`~cuctxd.daemon.device.state.DeviceState`. No pool that holds one tenant's
+memory is ever handed to another (PROTOCOL.md, section 7, "Which memory can be shared"):
+
+* **Private pools** (:class:`PrivatePoolMemory`): one per context *and uid*, never
+  IPC-capable, never exported. The fast path for every buffer that is not
+  ``shareable``; a freed block is reused only by sessions of the same uid.
+* **Pools of their own** (:class:`OwnPoolMemory`): where the device can export
+  pools as POSIX file descriptors
+  (``CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES``), a ``shareable=True``
+  buffer is the only allocation of an IPC-capable pool made for it and destroyed
+  with it. The pool's fd (what ``open_shared`` with ``pool_fd`` hands out) then
+  reaches that buffer and nothing else: with CUDA, an importer that holds a
+  pool's fd must be assumed able to forge ``CUmemPoolPtrExportData`` for any
+  allocation of the pool (tests/gpu/test_pool_import_probe.py probes it); on the
+  sim, the fd is the pool's whole memfd.
+* **Legacy memory** (:class:`LegacyMemory`): ``cuMemAlloc``, exported with
+  ``cuIpcGetMemHandle``, for buffers above :data:`~cuctxd.protos.limits.POOL_BUFFER_MAX`
+  (why: that constant's comment) and for ``shareable`` ones where pools cannot
+  export. Sizes are rounded up to :data:`IPC_GRANULARITY`: the CUDA programming
+  guide warns that ``cuMemAlloc`` may sub-allocate smaller allocations from one
+  block, and that the IPC API then shares the whole block with its neighbours.
+
+Memory that was shared is scrubbed (``cuMemsetD8`` to 0) before it is freed
+(:meth:`cuctxd.daemon.device.sharing.Sharing.settle`), so the next user of those
+bytes never reads them. One object per kind of memory pairs allocate with free and
+export, instead of branches on a flag.
 """
 
 from __future__ import annotations
@@ -23,48 +40,82 @@ from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.protos.errors import NotShareable
 
+#: What memory shared with other processes is rounded up to (legacy buffers, a pool of one's own's bound):
+#: CUDA's allocation granularity on current GPUs, so no other allocation shares the block.
+IPC_GRANULARITY = 2 << 20
+
+
+def round_to_granularity(size: int) -> int:
+    return -(-size // IPC_GRANULARITY) * IPC_GRANULARITY
+
 
 @dataclass(eq=False)
 class PoolEntry:
-    """A context's pool; ``pool_id`` (unique per daemon run) is what importers key their import by."""
+    """A pool; ``pool_id`` (unique per daemon run) is what importers key their import by."""
 
     pool: Pool
     pool_id: str
     ipc: bool
+    #: The context it was made in (``cuCtxGetId``): it goes before that context does.
+    context_id: int = 0
 
 
 class Pools:
-    """The pools of this device's contexts, made on a context's first pool allocation."""
+    """The device's private pools (by context and uid, made on first use) and its pools of their own
+    (by the pointer of their one buffer)."""
 
     def __init__(self, driver: Driver, device: int, current: CurrentContext) -> None:
         self.driver = driver
         self.device = device
         self.current = current
-        #: Whether pools here are made IPC-capable (asked of the driver once).
+        #: Whether ``shareable`` buffers can have an exportable pool of their own (asked of the driver once).
         self.ipc = driver.pool_ipc_supported(device)
-        #: By context id.
-        self.entries: dict[int, PoolEntry] = {}
+        #: Private pools by (context id, uid); uid None: sessions whose uid the daemon cannot tell (tcp://).
+        self.entries: dict[tuple[int, int | None], PoolEntry] = {}
+        #: Pools of their own by the pointer of their only buffer.
+        self.own: dict[int, PoolEntry] = {}
 
-    def of(self, context: SessionContext) -> PoolEntry:
-        entry = self.entries.get(context.context_id)
+    def of(self, context: SessionContext, uid: int | None) -> PoolEntry:
+        """The private pool of ``context`` for sessions of ``uid``."""
+        key = (context.context_id, uid)
+        entry = self.entries.get(key)
         if entry is None:
             self.current.activate(context)
-            pool = self.driver.mem_pool_create(self.device, ipc=self.ipc)
-            entry = self.entries[context.context_id] = PoolEntry(pool, secrets.token_hex(12), self.ipc)
+            pool = self.driver.mem_pool_create(self.device, ipc=False)
+            entry = self.entries[key] = PoolEntry(pool, secrets.token_hex(12), False, context.context_id)
         return entry
 
-    def export_fd(self, context: SessionContext) -> int:
-        """A new fd of ``context``'s pool for an importer (the caller owns it)."""
-        entry = self.of(context)
-        if not entry.ipc:
-            raise NotShareable(f"device {self.device}'s pools cannot be exported")
+    def allocate_own(self, context: SessionContext, size: int, stream: Stream | None) -> int:
+        """``size`` bytes from a new IPC-capable pool made for them alone (``context`` current)."""
+        pool = self.driver.mem_pool_create(self.device, ipc=True, max_size=round_to_granularity(size))
+        try:
+            ptr = self.driver.mem_alloc_from_pool(size, pool, stream)
+        except BaseException:
+            self.driver.mem_pool_destroy(pool)
+            raise
+        self.own[ptr] = PoolEntry(pool, secrets.token_hex(12), True, context.context_id)
+        return ptr
+
+    def free_own(self, ptr: int, stream: Stream | None) -> None:
+        """Free a pool of its own's buffer in stream order and destroy the pool (the driver lets its
+        memory go once the free has happened)."""
+        entry = self.own.pop(ptr)
+        self.driver.mem_free_async(ptr, stream)
+        self.driver.mem_pool_destroy(entry.pool)
+
+    def export_fd(self, ptr: int) -> int:
+        """A new fd of the pool of its own of the buffer at ``ptr``, for an importer (the caller owns it)."""
+        entry = self.own.get(ptr)
+        if entry is None:
+            raise NotShareable(f"this buffer on device {self.device} has no pool of its own to export")
         return self.driver.mem_pool_export_fd(entry.pool)
 
     def forget(self, context: SessionContext) -> None:
-        """Before a context goes away (it is current): destroy its pool."""
-        entry = self.entries.pop(context.context_id, None)
-        if entry is not None:
-            self.driver.mem_pool_destroy(entry.pool)
+        """Before a context goes away (it is current): destroy its pools."""
+        for key in [key for key in self.entries if key[0] == context.context_id]:
+            self.driver.mem_pool_destroy(self.entries.pop(key).pool)
+        for ptr in [ptr for ptr, entry in self.own.items() if entry.context_id == context.context_id]:
+            self.driver.mem_pool_destroy(self.own.pop(ptr).pool)
 
     def trim(self) -> None:
         """Give cached pool memory back to the device (after a session ends, or on OOM)."""
@@ -72,45 +123,84 @@ class Pools:
             self.driver.mem_pool_trim(entry.pool, 0)
 
     def cached(self) -> int:
-        """Bytes the pools hold for reuse: free for the sessions, though the driver counts them used."""
+        """Bytes the private pools hold for reuse: free for the sessions, though the driver counts them used."""
         return sum(self.driver.mem_pool_cached(entry.pool) for entry in self.entries.values())
 
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.own)
 
-class PoolMemory:
-    """Stream-ordered memory from the context's pool (``cuMemAllocFromPoolAsync``/``cuMemFreeAsync``
-    on the legacy stream); exportable when the device's pools are."""
+
+class PrivatePoolMemory:
+    """Stream-ordered memory from the private pool of the context and the session's uid
+    (``cuMemAllocFromPoolAsync``/``cuMemFreeAsync`` on the legacy stream, or the stream given); never
+    exported."""
+
+    exportable = False
 
     def __init__(self, driver: Driver, pools: Pools) -> None:
         self.driver = driver
         self.pools = pools
-        self.exportable = pools.ipc
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None) -> int:
-        return self.driver.mem_alloc_from_pool(size, self.pools.of(context).pool, stream)
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
+                 uid: int | None = None) -> int:
+        return self.driver.mem_alloc_from_pool(size, self.pools.of(context, uid).pool, stream)
 
     def free(self, ptr: int, stream: Stream | None = None) -> None:
         self.driver.mem_free_async(ptr, stream)
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
-        """Share descriptor fields naming the buffer (its context current; only when :attr:`exportable`)."""
-        return {"mechanism": "pool", "pool_id": self.pools.of(context).pool_id,
+        raise NotShareable("a buffer from a private pool cannot be exported")
+
+    def scrub(self, ptr: int, size: int) -> None:
+        self.driver.memset_d8(ptr, 0, size)
+
+
+class OwnPoolMemory:
+    """A ``shareable`` buffer in an IPC-capable pool of its own (see the module docstring)."""
+
+    exportable = True
+
+    def __init__(self, driver: Driver, pools: Pools) -> None:
+        self.driver = driver
+        self.pools = pools
+
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
+                 uid: int | None = None) -> int:
+        return self.pools.allocate_own(context, size, stream)
+
+    def free(self, ptr: int, stream: Stream | None = None) -> None:
+        self.pools.free_own(ptr, stream)
+
+    def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
+        """Share descriptor fields naming the buffer (its context current)."""
+        return {"mechanism": "pool", "pool_id": self.pools.own[ptr].pool_id,
                 "export_data": self.driver.mem_pool_export_pointer(ptr), "ipc_handle": b""}
+
+    def scrub(self, ptr: int, size: int) -> None:
+        """``cuMemsetD8`` of the buffer to 0 on the legacy stream (its context current), before its free."""
+        self.driver.memset_d8(ptr, 0, size)
 
 
 class LegacyMemory:
-    """``cuMemAlloc``/``cuMemFree`` memory, exported with ``cuIpcGetMemHandle``: where pools cannot export."""
+    """``cuMemAlloc``/``cuMemFree`` memory, exported with ``cuIpcGetMemHandle``, rounded up to
+    :data:`IPC_GRANULARITY` so that its IPC handle reaches no other allocation."""
 
     exportable = True
 
     def __init__(self, driver: Driver) -> None:
         self.driver = driver
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None) -> int:
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
+                 uid: int | None = None) -> int:
         """``cuMemAlloc``: synchronous, so any stream is already in order."""
-        return self.driver.mem_alloc(size)
+        return self.driver.mem_alloc(round_to_granularity(size))
 
     def free(self, ptr: int, stream: Stream | None = None) -> None:
         self.driver.mem_free(ptr)
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
         return {"mechanism": "ipc", "ipc_handle": self.driver.ipc_get_mem_handle(ptr)}
+
+    def scrub(self, ptr: int, size: int) -> None:
+        """The whole allocation, padding included: an importer maps all of it."""
+        self.driver.memset_d8(ptr, 0, round_to_granularity(size))

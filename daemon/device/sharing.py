@@ -10,6 +10,9 @@ against ``session_quota`` (:meth:`Sharing.charges`) unless they are of its own
 live buffers, which it already pays for as allocations. An owner may ``revoke`` a
 share: its names go, new opens are refused, every holder's hold is dropped and its
 next ``open_shared``/``close_shared`` of it answers ``CUCTXD_ERROR_REVOKED``.
+
+Memory that was shared is set to zero before it is freed (:meth:`Sharing.settle`): the
+next allocation that gets those bytes, of whichever tenant, never reads what was shared.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ class Sharing:
         self._check_share_room(state)
         if not buffer.kind.exportable:
             raise NotShareable(
-                "this buffer comes from the device's stream-ordered pool, which cannot be exported on this "
-                "device; allocate it with shareable=True (cuMemAlloc) to share it"
+                "this buffer comes from a private pool, which is never exported (other sessions' memory "
+                "lives there); allocate it with shareable=True to share it"
             )
         self.current.activate(buffer.context)
         how = buffer.kind.export(buffer.context, buffer.ptr)
@@ -232,6 +235,7 @@ class Sharing:
             return
         context = share.context
         self.current.activate(context)
+        share.kind.scrub(share.ptr, share.descriptor.size)  # its next user must not read what was shared
         share.kind.free(share.ptr)
         del self.shares[share.share_id]
         self._not_orphaned(share)

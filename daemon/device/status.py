@@ -102,7 +102,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "shares": shares,
         "share_count": len(state.sharing.shares),
         "host_bytes": state.host.total_bytes,
-        "pools": {"count": len(state.pools.entries), "ipc": state.pools.ipc},
+        "pools": {"count": len(state.pools), "ipc": state.pools.ipc},
         "shm_lanes": len(state.shm_lanes),
         "truncated": truncated,
         "limits": {

@@ -22,6 +22,7 @@ class FrontConfig:
     orphan_ttl: float
     max_payload: int
     max_sessions_per_peer: int = 0
+    max_sessions_per_uid: int = 0
     #: As configured (``status`` shows them); the endpoints bound are :attr:`FrontState.endpoints`.
     endpoints: tuple[str, ...] = ()
     #: The driver ordinal of each device served, by index.

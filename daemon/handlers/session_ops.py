@@ -35,6 +35,10 @@ def hello(front: FrontState, session: Session | None, args: ops.Hello, peer: str
     if limit and front.sessions.count_peer(peer) >= limit:
         raise LimitExceeded(f"max_sessions_per_peer: {peer} already holds {limit} open session(s); "
                             "close one (or let its lease run out) first")
+    limit = front.config.max_sessions_per_uid
+    if limit and uid is not None and front.sessions.count_uid(uid) >= limit:
+        raise LimitExceeded(f"max_sessions_per_uid: the processes of uid {uid} already hold {limit} open "
+                            "session(s) together; close one (or let its lease run out) first")
     opened = front.sessions.open(args.client, args.pid, peer, uid, fd_peer(uid, pid, peer))
     return Reply({
         "session": opened.ref.token,

@@ -58,7 +58,7 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
     result: dict[str, object] = {"share": share.descriptor.to_wire()}
     if job.args.pool_fd and share.descriptor.mechanism == "pool":
         try:
-            fd = state.pools.export_fd(share.context)
+            fd = state.pools.export_fd(share.ptr)
             result["ticket"] = state.tickets.issue(job.session.token, job.session.uid, [fd],
                                                    {"pool_id": share.descriptor.pool_id}, job.session.fd_peer)
         except BaseException:

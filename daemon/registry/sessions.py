@@ -139,6 +139,10 @@ class SessionRegistry:
         """Open sessions of ``peer``."""
         return sum(1 for s in self._sessions.values() if s.peer == peer)
 
+    def count_uid(self, uid: int) -> int:
+        """Open sessions of peers running as ``uid``, whichever process opened them."""
+        return sum(1 for s in self._sessions.values() if s.ref.uid == uid)
+
     def was_expired(self, token: str) -> bool:
         return token in self._expired
 

@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-fd-connections-per-peer", type=_flag_type("max_fd_connections_per_peer"),
                           metavar="N", help="most fd channel connections of one peer at once "
                                             f"(default {DEFAULT_MAX_FD_CONNECTIONS_PER_PEER}; 0: no limit)")
+    security.add_argument("--max-sessions-per-uid", type=_flag_type("max_sessions_per_uid"), metavar="N",
+                          help="most sessions the processes of one user may hold open together, where the "
+                               "kernel tells the user (ipc://) (default 0: no limit)")
     return parser
 
 

@@ -188,6 +188,8 @@ class DaemonConfig:
     max_client_fds_per_peer: int = 0
     max_client_fds_per_session: int = 0
     max_fd_connections_per_peer: int = DEFAULT_MAX_FD_CONNECTIONS_PER_PEER
+    #: Open sessions of one uid, all its processes together (peers whose uid the kernel tells: ipc://).
+    max_sessions_per_uid: int = 0
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -207,6 +207,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("max_client_fds_per_peer", _integer(0), _int_text),
     Key("max_client_fds_per_session", _integer(0), _int_text),
     Key("max_fd_connections_per_peer", _integer(0), _int_text),
+    Key("max_sessions_per_uid", _integer(0), _int_text),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"

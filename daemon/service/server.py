@@ -224,7 +224,8 @@ class Daemon:
     def _front_config(self) -> FrontConfig:
         config = self.config
         return FrontConfig(lease_ttl=config.lease_ttl, orphan_ttl=config.orphan_ttl, max_payload=config.max_payload,
-                           max_sessions_per_peer=config.max_sessions_per_peer, endpoints=tuple(config.endpoints),
+                           max_sessions_per_peer=config.max_sessions_per_peer,
+                           max_sessions_per_uid=config.max_sessions_per_uid, endpoints=tuple(config.endpoints),
                            device_ordinals=self.ordinals, queue_limits=self._queue_limits())
 
     def _queue_limits(self) -> QueueLimits:

@@ -86,7 +86,7 @@ def test_a_killed_daemon_leaves_no_shared_memory_files_and_its_socket_is_swept(w
     endpoint = f"ipc://{workdir}/d.sock"
     killed = start_daemon(endpoint=endpoint)
     with Client(endpoint, timeout=10, heartbeat=False) as client:
-        pooled = client.alloc(4096, device=0)
+        pooled = client.alloc(4096, device=0, shareable=True)
         client.publish(pooled, "left-behind")
         with client.open_shared("left-behind") as opened:  # the pool's memfd came over the fd channel
             opened.host_view()[:4] = b"seen"

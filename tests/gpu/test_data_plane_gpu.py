@@ -23,9 +23,9 @@ with Client(ENDPOINT) as c, c.open_shared("pool-weights") as s:
 """
 
 
-def test_a_default_buffer_is_shared_into_torch_through_its_pool(cuda_daemon: DaemonProcess) -> None:
+def test_a_shareable_buffer_is_shared_into_torch_through_its_own_pool(cuda_daemon: DaemonProcess) -> None:
     with Client(cuda_daemon.endpoint) as owner:
-        buf = owner.alloc(4 * MIB)
+        buf = owner.alloc(4 * MIB, shareable=True)
         buf.write(np.ones(MIB, dtype=np.float32).tobytes())
         owner.publish(buf, "pool-weights")
         out = run_client(TORCH_CONSUMER, cuda_daemon.endpoint, timeout=120)
@@ -34,15 +34,15 @@ def test_a_default_buffer_is_shared_into_torch_through_its_pool(cuda_daemon: Dae
         owner.unpublish("pool-weights")
 
 
-def test_opening_buffers_of_an_imported_pool_in_this_process(cuda_daemon: DaemonProcess) -> None:
+def test_opening_shared_buffers_each_in_a_pool_of_its_own(cuda_daemon: DaemonProcess) -> None:
     with Client(cuda_daemon.endpoint) as owner, Client(cuda_daemon.endpoint) as consumer:
-        buffers = [owner.alloc(MIB) for _ in range(3)]
+        buffers = [owner.alloc(MIB, shareable=True) for _ in range(3)]
         for i, buf in enumerate(buffers):
             buf.fill(i + 1)
         descriptors = [owner.export(buf) for buf in buffers]
         shares = [consumer.open_shared(d) for d in descriptors]
-        assert POOL_IMPORTS.has(descriptors[0].pool_id)
-        assert len({s.ptr for s in shares}) == 3
+        assert all(POOL_IMPORTS.has(d.pool_id) for d in descriptors)
+        assert len({d.pool_id for d in descriptors}) == 3 and len({s.ptr for s in shares}) == 3
         for share in shares:
             share.close()
 

@@ -40,12 +40,13 @@ def session_on(c: Client, device: int, session_id: int) -> dict[str, object]:
     return next(s for s in c.status()["devices"][device]["sessions"] if s["session"] == session_id)
 
 
-# --- every buffer can be shared -------------------------------------------------------------------
+# --- shareable buffers, each in a pool of its own ----------------------------------------------------
 
 
-def test_a_default_allocation_is_shared_through_its_pool(daemon: DaemonProcess) -> None:
+def test_a_shareable_allocation_is_shared_through_its_own_pool(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as owner:
-        buf = owner.alloc(8192)
+        assert not owner.alloc(8192).shareable
+        buf = owner.alloc(8192, shareable=True)
         assert buf.shareable
         buf.write(pattern(8192))
         descriptor = owner.publish(buf, "pool-shared")
@@ -63,18 +64,19 @@ with Client(ENDPOINT) as c, c.open_shared("pool-shared") as s:
         owner.unpublish("pool-shared")
 
 
-def test_a_pool_is_imported_once_per_process(daemon: DaemonProcess) -> None:
+def test_each_shared_buffer_has_a_pool_of_its_own_imported_once_per_process(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as owner, Client(daemon.endpoint) as consumer:
-        first, second = owner.alloc(4096), owner.alloc(4096)
+        first, second = owner.alloc(4096, shareable=True), owner.alloc(4096, shareable=True)
         first.write(b"a" * 4096)
         second.write(b"b" * 4096)
         d1, d2 = owner.export(first), owner.export(second)
-        assert d1.pool_id == d2.pool_id
+        assert d1.pool_id != d2.pool_id
         with consumer.open_shared(d1) as s1:
-            assert POOL_IMPORTS.has(d1.pool_id)
+            assert POOL_IMPORTS.has(d1.pool_id) and not POOL_IMPORTS.has(d2.pool_id)
             tickets_before = consumer.status()
-            with consumer.open_shared(d2) as s2:
-                assert bytes(s1.host_view()[:1]) == b"a" and bytes(s2.host_view()[:1]) == b"b"
+            with consumer.open_shared(d1) as again, consumer.open_shared(d2) as s2:
+                assert bytes(s1.host_view()[:1]) == b"a" and bytes(again.host_view()[:1]) == b"a"
+                assert bytes(s2.host_view()[:1]) == b"b"
             assert consumer.status()["fd_channel"]["tickets"] == tickets_before["fd_channel"]["tickets"]
 
 
@@ -86,7 +88,7 @@ def test_shareable_true_still_works_and_means_exportable(daemon: DaemonProcess) 
 
 def test_a_tcp_client_on_this_host_maps_pool_shares_through_the_fd_channel(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as owner:
-        buf = owner.alloc(4096)
+        buf = owner.alloc(4096, shareable=True)
         buf.write(b"over tcp")
         descriptor = owner.export(buf)
         with Client(tcp_endpoint(daemon)) as remote, remote.open_shared(descriptor) as share:
@@ -98,7 +100,7 @@ def test_without_an_fd_channel_pool_shares_say_why_and_bytes_take_the_socket() -
                            ipc=False)
     try:
         with Client(tcp_endpoint(process)) as c:
-            descriptor = c.export(c.alloc(4096))
+            descriptor = c.export(c.alloc(4096, shareable=True))
             with pytest.raises(NotShareable, match="fd channel"):
                 c.open_shared(descriptor)
             with pytest.raises(NotShareable, match="fd channel"):
@@ -315,7 +317,7 @@ time.sleep(60)
 
 def test_an_importers_kill_frees_the_owners_memory_only_when_it_is_reaped(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as owner:
-        buf = owner.alloc(1 << 20)
+        buf = owner.alloc(1 << 20, shareable=True)
         buf.write(b"kept" + bytes((1 << 20) - 4))
         owner.publish(buf, "held-by-a-goner")
         with spawn_client(IMPORTER, daemon.endpoint) as importer:

@@ -66,10 +66,10 @@ def test_synchronize_replies_and_the_legacy_stream_sees_stream_work(client: Clie
     client.device_synchronize(0)
 
 
-def test_pool_memory_is_shareable_through_its_pool(client: Client) -> None:
-    pooled = client.alloc(4096, 0)
-    assert pooled.shareable and pooled.export().mechanism == "pool"
-    assert client.alloc(4096, 0, shareable=True).export().size == 4096
+def test_shareable_memory_is_shared_through_a_pool_of_its_own(client: Client) -> None:
+    assert not client.alloc(4096, 0).shareable
+    shared = client.alloc(4096, 0, shareable=True)
+    assert shared.shareable and shared.export().mechanism == "pool" and shared.export().size == 4096
 
 
 def test_pipelined_writes_land_in_order(client: Client) -> None:

@@ -103,7 +103,7 @@ def test_many_small_tensors_land_intact_through_the_staging_ring(daemon: DaemonP
 ])
 def test_a_bad_manifest_publishes_nothing(daemon: DaemonProcess, manifest: object, message: str) -> None:
     with Client(daemon.endpoint) as c:
-        buf = c.alloc(4096)
+        buf = c.alloc(4096, shareable=True)
         with pytest.raises(BadArgument, match=message):
             c.run(requests.publish(buf, "bad-layout", msgpack.packb(manifest)))
         with pytest.raises(NotFound):
@@ -113,7 +113,7 @@ def test_a_bad_manifest_publishes_nothing(daemon: DaemonProcess, manifest: objec
 
 def test_garbage_instead_of_a_manifest_is_refused(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c, pytest.raises(BadArgument, match=r"not msgpack|'tensors' list"):
-        c.run(requests.publish(c.alloc(64), "garbage-layout", b"\xc1\xff\x00"))
+        c.run(requests.publish(c.alloc(64, shareable=True), "garbage-layout", b"\xc1\xff\x00"))
 
 
 def test_a_taken_name_leaves_nothing_allocated(daemon: DaemonProcess) -> None:
@@ -128,7 +128,7 @@ def test_a_taken_name_leaves_nothing_allocated(daemon: DaemonProcess) -> None:
 
 def test_a_plain_buffer_is_not_a_layout(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
-        c.publish(c.alloc(64), "plain")
+        c.publish(c.alloc(64, shareable=True), "plain")
         with pytest.raises(BadArgument, match="without a tensor layout"):
             open_tensors(c, "plain")
         c.unpublish("plain")
@@ -205,7 +205,7 @@ def test_a_read_only_layout_is_mapped_read_only_and_refuses_writable_opens(daemo
         with c.open_shared(descriptor) as share:
             assert share.host_view().readonly
         c.unpublish("frozen")
-        buf = c.alloc(64)
+        buf = c.alloc(64, shareable=True)
         assert not c.publish(buf, "plain").read_only and not c.lookup("plain").read_only
         assert c.publish(buf, "plain-ro", read_only=True).read_only and c.lookup("plain-ro").read_only
         c.unpublish("plain")

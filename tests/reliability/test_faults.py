@@ -262,9 +262,9 @@ def test_a_stopped_daemon_frees_published_and_exported_buffers() -> None:
     daemon = start_daemon("--sim-devices", "1", "--sim-memory", "16MiB")
     try:
         with Client(daemon.endpoint, timeout=5, name="producer") as producer:  # ends before the daemon
-            producer.publish(producer.alloc(4096), "left-behind")
+            producer.publish(producer.alloc(4096, shareable=True), "left-behind")
         owner = Client(daemon.endpoint, timeout=0.5, name="owner", heartbeat=False)  # still open at the stop
-        owner.publish(owner.alloc(8192), "kept")
+        owner.publish(owner.alloc(8192, shareable=True), "kept")
         assert len(owner.list_shared()) == 2
         assert daemon.stop() == 0, daemon.log()
         owner.close()

@@ -3,6 +3,7 @@ kinds (IPC pools, legacy fallback), host buffers and their limits, stream-ordere
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ import pytest
 
 from cuctxd.daemon.backends.sim import SimDriver
 from cuctxd.daemon.device.entries import DeviceLimits
+from cuctxd.daemon.device.pools import IPC_GRANULARITY
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
@@ -37,9 +39,13 @@ def state() -> Iterator[DeviceState]:
     state.tickets.close()
 
 
-def test_with_ipc_pools_every_allocation_is_exportable_through_its_pool(state: DeviceState) -> None:
+def test_with_ipc_pools_a_shareable_buffer_has_a_pool_of_its_own(state: DeviceState) -> None:
     ref = new_ref()
-    buffer = run(state, ref, "alloc", size=4096).result["buffer"]
+    private = run(state, ref, "alloc", size=4096).result["buffer"]
+    assert not private["shareable"]
+    with pytest.raises(NotShareable, match="shareable=True"):
+        run(state, ref, "export", buffer=private["handle"])
+    buffer = run(state, ref, "alloc", size=4096, shareable=True).result["buffer"]
     assert buffer["shareable"]
     share = run(state, ref, "export", buffer=buffer["handle"]).result["share"]
     assert share["mechanism"] == "pool" and len(share["export_data"]) == 64 and share["ipc_handle"] == b""
@@ -47,8 +53,29 @@ def test_with_ipc_pools_every_allocation_is_exportable_through_its_pool(state: D
     opened = run(state, other, "open_shared", share_id=share["share_id"], pool_fd=True).result
     fds, info = state.tickets.redeem(opened["ticket"], None)
     assert info["pool_id"] == share["pool_id"] and len(fds) == 1
+    assert os.fstat(fds[0]).st_size == IPC_GRANULARITY  # the pool holds this buffer and nothing else
     os.close(fds[0])
     assert "ticket" not in run(state, other, "open_shared", share_id=share["share_id"]).result
+    second = run(state, ref, "alloc", size=4096, shareable=True).result["buffer"]
+    assert run(state, ref, "export", buffer=second["handle"]).result["share"]["pool_id"] != share["pool_id"]
+
+
+def test_private_pools_are_per_uid_and_shared_memory_is_scrubbed_before_its_free(state: DeviceState) -> None:
+    alice, bob = new_ref(uid=1001), new_ref(uid=1002)
+    run(state, alice, "alloc", size=4096)
+    run(state, bob, "alloc", size=4096)
+    assert len(state.pools.entries) == 2 and not state.pools.own
+    buffer = run(state, alice, "alloc", size=100, shareable=True).result["buffer"]  # less than a page
+    run(state, alice, "write", (b"secret",), buffer=buffer["handle"])
+    share = run(state, alice, "export", buffer=buffer["handle"]).result["share"]
+    opened = run(state, bob, "open_shared", share_id=share["share_id"], pool_fd=True).result
+    fds, _ = state.tickets.redeem(opened["ticket"], None)
+    with mmap.mmap(fds[0], 0) as pool:
+        os.close(fds[0])
+        assert pool[:6] == b"secret"
+        run(state, alice, "free", buffer=buffer["handle"])
+        run(state, bob, "close_shared", share_id=share["share_id"])
+        assert not state.pools.own and pool[:IPC_GRANULARITY].count(0) == IPC_GRANULARITY
 
 
 def test_without_ipc_pools_shareable_buffers_fall_back_to_legacy_ipc() -> None:
@@ -67,7 +94,7 @@ def test_without_ipc_pools_shareable_buffers_fall_back_to_legacy_ipc() -> None:
 def test_buffers_above_the_pool_maximum_are_legacy_allocations_shared_by_ipc_handle() -> None:
     state = make_state(memory=4 * POOL_BUFFER_MAX)
     ref = new_ref()
-    largest = run(state, ref, "alloc", size=POOL_BUFFER_MAX).result["buffer"]
+    largest = run(state, ref, "alloc", size=POOL_BUFFER_MAX, shareable=True).result["buffer"]
     above = run(state, ref, "alloc", size=POOL_BUFFER_MAX + 1).result["buffer"]
     assert run(state, ref, "export", buffer=largest["handle"]).result["share"]["mechanism"] == "pool"
     share = run(state, ref, "export", buffer=above["handle"]).result["share"]
@@ -79,7 +106,7 @@ def test_buffers_above_the_pool_maximum_are_legacy_allocations_shared_by_ipc_han
 
 def test_shared_pool_memory_is_freed_only_after_its_last_holder(state: DeviceState) -> None:
     owner, holder = new_ref(), new_ref()
-    buffer = run(state, owner, "alloc", size=1 << 20).result["buffer"]
+    buffer = run(state, owner, "alloc", size=1 << 20, shareable=True).result["buffer"]
     share = run(state, owner, "export", buffer=buffer["handle"]).result["share"]
     run(state, holder, "open_shared", share_id=share["share_id"])
     run(state, owner, "free", buffer=buffer["handle"])

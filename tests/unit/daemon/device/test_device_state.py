@@ -33,9 +33,9 @@ MAX_PAYLOAD = 4096
 _ids = itertools.count(1)
 
 
-def new_ref() -> SessionRef:
+def new_ref(uid: int | None = None) -> SessionRef:
     n = next(_ids)
-    return SessionRef(token=f"token-{n}", public_id=n, client="unit", pid=n)
+    return SessionRef(token=f"token-{n}", public_id=n, client="unit", pid=n, uid=uid)
 
 
 @pytest.fixture
