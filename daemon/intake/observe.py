@@ -153,6 +153,9 @@ class RequestObserver:
             if allowed:
                 log.warning("request %d (%s) failed: %s", request_id, op, outcome,
                             extra=_fields(op, outcome, request_id, latency))
+            elif log.isEnabledFor(logging.DEBUG):  # the per-request record stays whole at DEBUG
+                log.debug("request %d (%s) failed: %s", request_id, op, outcome,
+                          extra=_fields(op, outcome, request_id, latency))
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("request %d (%s): %s in %.3f ms", request_id, op, outcome, latency * 1e3,
                       extra=_fields(op, outcome, request_id, latency))

@@ -85,13 +85,15 @@ class LoadSession:
 
     def _wire_op(self, frame_op: str, ring_op: str, size: int, target: Mirrored) -> str:
         """What one transfer sent: a payload frame, or (from RING_MIN_BYTES, through the staging ring)
-        a DMA request, after a ``host_alloc`` for the device's ring the first time."""
-        if size < RING_MIN_BYTES:
-            return frame_op
-        if target.buffer.device not in self.rings:
-            self.rings.add(target.buffer.device)
+        a DMA request."""
+        return frame_op if size < RING_MIN_BYTES else self._ring_op(target.buffer.device, ring_op)
+
+    def _ring_op(self, device: int, op: str) -> str:
+        """``op`` through ``device``'s staging ring, counting the ``host_alloc`` that makes it the first time."""
+        if device not in self.rings:
+            self.rings.add(device)
             self.requests["host_alloc"] += 1
-        return ring_op
+        return op
 
     def fill(self) -> None:
         target = self.pick()
@@ -120,12 +122,16 @@ class LoadSession:
         self.requests.update([self._wire_op("read", "memcpy_dtoh", target.buffer.size, target), "free"])
 
     def context(self) -> None:
+        """A created context used for a transfer large enough for the staging ring (which the client may
+        make right then, in that context), then destroyed: the ring must outlive it (later transfers of
+        the session on that device go through the same ring)."""
         device = self.device()
         before = [c.handle for c in self.client.context_stack(device)]
         created = self.client.create_context(device=device)
-        buffer = self.client.alloc(4 * KiB, device=device)
+        size = RING_MIN_BYTES + self.rng.randrange(64 * KiB)
+        buffer = self.client.alloc(size, device=device)
         assert buffer.context == created.handle
-        data = self.pattern(4 * KiB)
+        data = self.pattern(size)
         buffer.write(data)
         assert buffer.read() == data
         assert [c.handle for c in self.client.context_stack(device)] == [*before, created.handle]
@@ -137,8 +143,8 @@ class LoadSession:
         else:
             raise AssertionError("a buffer outlived the context it was allocated in")
         assert [c.handle for c in self.client.context_stack(device)] == before
-        self.requests.update(["context_stack", "create_context", "alloc", "write", "read", "context_stack",
-                              "destroy_context", "read", "context_stack"])
+        self.requests.update(["context_stack", "create_context", "alloc", self._ring_op(device, "memcpy_htod"),
+                              "memcpy_dtoh", "context_stack", "destroy_context", "read", "context_stack"])
 
     def stream(self) -> None:
         target = self.pick()
@@ -180,7 +186,7 @@ class LoadSession:
         assert 0 <= free <= total == 64 << 20
         self.requests["mem_get_info"] += 1
 
-    MIX = (("alloc", 3), ("write", 5), ("read", 5), ("fill", 3), ("copy", 4), ("free", 2), ("context", 1),
+    MIX = (("alloc", 3), ("write", 5), ("read", 5), ("fill", 3), ("copy", 4), ("free", 2), ("context", 2),
            ("stream", 1), ("pipeline", 1), ("mem_get_info", 1))
 
     def run(self, ops: int) -> None:
