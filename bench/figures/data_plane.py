@@ -133,7 +133,7 @@ def _host_buffers(bench: Bench, client: Any, local: LocalCuda | LocalSim, note: 
 
 def _open_shared(bench: Bench, client: Any, echo: RawClient, note: str | None) -> Iterator[Figure]:
     count = max(50, bench.settings.alloc_pairs // 4)
-    buffer = client.alloc(_MiB)
+    buffer = client.alloc(_MiB, shareable=True)
     descriptor = client.export(buffer)
     opened: list[Any] = []
 

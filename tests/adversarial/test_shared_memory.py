@@ -114,7 +114,7 @@ def test_a_host_buffer_cannot_be_truncated_and_copies_from_it_still_work(
 def test_a_pool_fd_cannot_be_truncated_and_the_pools_buffers_still_take_writes(
         attack_daemon: DaemonProcess, attacker: tuple[RawPeer, str], bystander: Bystander) -> None:
     peer, token = attacker
-    buffer = peer.ok("alloc", {"device": 0, "size": 256}, token)[0]["buffer"]["handle"]
+    buffer = peer.ok("alloc", {"device": 0, "size": 256, "shareable": True}, token)[0]["buffer"]["handle"]
     share = peer.ok("export", {"device": 0, "buffer": buffer}, token)[0]["share"]
     assert share["mechanism"] == "pool"
     opened = peer.ok("open_shared", {"device": 0, "share_id": share["share_id"], "pool_fd": True}, token)[0]
