@@ -32,11 +32,14 @@ Restart = Callable[[str], DaemonProcess]
 def staging_ring_outlives_a_created_context(endpoint: str, size: int = 64 * KiB) -> None:
     """A write large enough for the staging ring, first made inside a created context, then that context
     destroyed: later ring transfers in the primary still work."""
-    with Client(endpoint, timeout=30) as c:
+    with Client(endpoint, timeout=30) as owner, Client(endpoint, timeout=30) as c:
+        shared = owner.alloc(4 * KiB, shareable=True)
+        shared.fill(9)
         ctx = c.create_context(0)
         inside = c.alloc(size)
         inside.write(pattern(size, 1))
         assert inside.read(size) == pattern(size, 1)
+        opened = c.open_shared(shared.export())  # the pool import is the process's, not the context's
         c.pop_context(0)
         ctx.destroy()
         c.set_device(0)
@@ -44,6 +47,12 @@ def staging_ring_outlives_a_created_context(endpoint: str, size: int = 64 * KiB)
         for seed in range(3):  # the ring is used, and used again
             buf.write(pattern(size, seed))
             assert buf.read(size) == pattern(size, seed)
+        assert 0 in c.shm_lanes  # the lane opened inside the context still carries small ops
+        buf.fill(5, size=16)
+        assert buf.read(16) == bytes([5]) * 16
+        opened.close()
+        with c.open_shared(shared.export()) as again:
+            assert again.descriptor.size == shared.size
         again = c.create_context(0)  # and in a context made after the first one went
         other = c.alloc(size)
         other.write(pattern(size, 7))
