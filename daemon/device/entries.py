@@ -49,6 +49,9 @@ class DeviceLimits:
     max_host_memory: int = 0
     #: Most shm lanes open to this device at once.
     max_shm_lanes: int = 0
+    #: Most bytes of published shares whose owner is gone and nobody holds, of one owner uid here
+    #: (0: half the device's memory; never none).
+    max_orphaned_bytes_per_uid: int = 0
 
 
 class HandleTable(dict[int, T], Generic[T]):

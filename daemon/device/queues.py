@@ -8,8 +8,10 @@ session with work in turn (:meth:`JobQueues.pop`), so a session with hundreds of
 requests queued delays another's by at most one op. ``max_queued_requests`` and
 ``max_queued_bytes`` bound each FIFO (:meth:`JobQueues.push` refuses at once);
 ``max_reply_bytes`` bounds the reply payloads a session has left in ZeroMQ that
-its client has not taken (:func:`track_reply`, :func:`reply_bytes`). Worker thread
-only, but for :func:`check_sent`, which the front calls for the jobs it hands on.
+its client has not taken (:func:`track_reply`, :func:`reply_bytes`), and
+``max_reply_bytes_per_peer`` those of all of one peer's sessions (:class:`HeldReplies`), so
+that a client cannot multiply the first by opening sessions. Worker thread only, but for
+:func:`check_sent`, which the front calls for the jobs it hands on.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ DEFAULT_MAX_QUEUED_REQUESTS = 512
 DEFAULT_MAX_QUEUED_BYTES = 256 << 20
 #: Default of ``max_reply_bytes``: read results one session may have waiting to leave one device.
 DEFAULT_MAX_REPLY_BYTES = 256 << 20
+#: Default of ``max_reply_bytes_per_peer``: the same, of all one peer's sessions together (two sessions' worth).
+DEFAULT_MAX_REPLY_BYTES_PER_PEER = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class QueueLimits:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    #: Of all one peer's sessions together (:class:`HeldReplies`).
+    max_reply_bytes_per_peer: int = DEFAULT_MAX_REPLY_BYTES_PER_PEER
 
 
 class JobQueues:
@@ -139,6 +145,58 @@ def check_reply_room(backlog: DeviceBacklog, limits: QueueLimits) -> None:
     if limit and backlog.reply_bytes and reply_bytes(backlog, limit) >= limit:
         raise LimitExceeded(f"max_reply_bytes: {backlog.reply_bytes} bytes of this session's earlier replies "
                             f"have not been taken by its client (limit {limit}); read them first")
+
+
+class HeldReplies:
+    """The backlogs whose reply payloads ZeroMQ may still hold, by peer: what a drain waits for
+    (:meth:`total`) and ``max_reply_bytes_per_peer`` bounds (:meth:`check_room`). A peer is what the fd
+    budget says (:attr:`cuctxd.daemon.registry.sessions.SessionRef.fd_peer`: a process, a ``--group``
+    member's uid, a tcp:// address or CURVE key). Worker thread only."""
+
+    def __init__(self) -> None:
+        self._by_peer: dict[str, set[DeviceBacklog]] = {}
+
+    def track(self, peer: str, backlog: DeviceBacklog, trackers: Sequence[tuple[Any, int]]) -> None:
+        """:func:`track_reply`, and remember the backlog under ``peer`` while it holds any."""
+        track_reply(backlog, trackers)
+        if backlog.reply_bytes:
+            self._by_peer.setdefault(peer, set()).add(backlog)
+
+    def total(self) -> int:
+        """Reply bytes ZeroMQ still holds for every session here; forgets the backlogs that hold none."""
+        return sum(self._held(peer) for peer in list(self._by_peer))
+
+    def check_room(self, peer: str, backlog: DeviceBacklog, limits: QueueLimits) -> None:
+        """Before running an op whose reply carries a payload: :func:`check_reply_room`, then
+        :class:`LimitExceeded` naming ``max_reply_bytes_per_peer`` while ``peer``'s sessions together
+        still hold that much here."""
+        check_reply_room(backlog, limits)
+        limit = limits.max_reply_bytes_per_peer
+        if not limit or peer not in self._by_peer or self._held(peer) < limit:
+            return
+        held = self._held(peer, limit)
+        if held >= limit:
+            raise LimitExceeded(f"max_reply_bytes_per_peer: {held} bytes of earlier replies to the sessions of "
+                                f"{peer} have not been taken by their clients (limit {limit}); read them first")
+
+    def _held(self, peer: str, limit: int = 0) -> int:
+        """``peer``'s held reply bytes (with ``limit``: each backlog looked through, out-of-order sends)."""
+        backlogs = self._by_peer[peer]
+        held = _held_by(backlogs, 1 if limit else 0)
+        if not held:
+            del self._by_peer[peer]
+        return held
+
+
+def _held_by(backlogs: set[DeviceBacklog], limit: int) -> int:
+    total = 0
+    for backlog in list(backlogs):
+        held = reply_bytes(backlog, limit)
+        if held:
+            total += held
+        else:
+            backlogs.discard(backlog)
+    return total
 
 
 def backlog_status(backlog: DeviceBacklog) -> dict[str, int]:

@@ -13,6 +13,12 @@ next ``open_shared``/``close_shared`` of it answers ``CUCTXD_ERROR_REVOKED``.
 
 Memory that was shared is set to zero before it is freed (:meth:`Sharing.settle`): the
 next allocation that gets those bytes, of whichever tenant, never reads what was shared.
+
+What a session leaves behind, its user pays for: a published share kept alive by its names alone
+(owner gone, nobody holding it) counts against its owner's uid on this device
+(``max_orphaned_bytes_per_uid``; peers whose uid the kernel does not tell, tcp://, are one uid,
+None). ``publish`` is refused while the uid's orphans and the buffer together would pass it; a
+session whose end leaves more frees the uid's oldest orphans (:meth:`Sharing.owner_left`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import defaultdict
 from collections.abc import Mapping
 
 from cuctxd.daemon.backends.base import Driver
@@ -27,7 +34,7 @@ from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionOnDevice, Share, check_limit
 from cuctxd.daemon.registry.shares import ShareRegistry
-from cuctxd.protos.errors import NotFound, NotOwner, NotShareable, Revoked
+from cuctxd.protos.errors import LimitExceeded, NotFound, NotOwner, NotShareable, Revoked
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
@@ -51,6 +58,10 @@ class Sharing:
         self.shares: dict[str, Share] = {}
         #: Published shares kept alive by their names alone (owner gone, nobody holds them), oldest first.
         self.orphaned: dict[str, Share] = {}
+        #: Their bytes by owner uid (None: unknown, tcp://), what ``max_orphaned_bytes_per_uid`` counts.
+        self.orphaned_bytes: defaultdict[int | None, int] = defaultdict(int)
+        #: ``max_orphaned_bytes_per_uid`` in effect here (0 in the configuration: half the device's memory).
+        self.orphan_bytes_limit = limits.max_orphaned_bytes_per_uid or info.total_memory // 2
 
     def _check_share_room(self, state: SessionOnDevice) -> None:
         check_limit("max_shares_per_session", self.limits.max_shares_per_session, state.share_count(),
@@ -94,6 +105,20 @@ class Sharing:
         self.shares[share.share_id] = share
         self.registry.add(share)
         return share
+
+    def check_orphan_room(self, state: SessionOnDevice, buffer: Buffer) -> None:
+        """Before ``buffer`` gets its first name: :class:`LimitExceeded` naming ``max_orphaned_bytes_per_uid``
+        when the uid's orphans here and this buffer, once left behind too, would pass the limit."""
+        if buffer.share is not None and buffer.share.names:
+            return  # already published: its bytes were checked then
+        uid = state.ref.uid
+        orphaned = self.orphaned_bytes.get(uid, 0)
+        limit = self.orphan_bytes_limit
+        if orphaned + buffer.size > limit:
+            raise LimitExceeded(
+                f"max_orphaned_bytes_per_uid: {_uid_text(uid)} already leaves {orphaned} bytes on device "
+                f"{self.device} in published buffers whose owner is gone; publishing {buffer.size} more would pass "
+                f"the limit of {limit} once its session ends too; unpublish some of them first")
 
     def open(self, state: SessionOnDevice, share_id: str) -> Share:
         """Hold a share open for ``state``; a first hold counts against its shares limit and its quota."""
@@ -161,23 +186,40 @@ class Sharing:
             self.registry.drop_names(share)
         self.settle(share)
         if share.share_id in self.shares and not share.holders:
-            self.orphaned[share.share_id] = share
-            self.registry.count_orphan(share.share_id, True)
-            self._evict_orphans()
+            self._orphan(share)
 
-    def _evict_orphans(self) -> None:
-        """Above ``max_orphaned_shares`` (daemon-wide), free this device's oldest name-only orphans."""
+    def _orphan(self, share: Share) -> None:
+        """``share`` is kept alive by its names alone now: counted (daemon-wide and against its owner's
+        uid), then the oldest orphans go beyond either limit."""
+        self.orphaned[share.share_id] = share
+        self.orphaned_bytes[share.owner.uid] += share.descriptor.size
+        self.registry.count_orphan(share.share_id, True)
+        self._evict_orphans(share.owner.uid)
+
+    def _evict_orphans(self, uid: int | None) -> None:
+        """Above ``max_orphaned_shares`` (daemon-wide), free this device's oldest name-only orphans; above
+        ``max_orphaned_bytes_per_uid``, the oldest of ``uid``'s."""
         limit = self.limits.max_orphaned_shares
         while limit and self.orphaned and self.registry.orphan_count() > limit:
-            share = next(iter(self.orphaned.values()))
-            log.warning("device %d: max_orphaned_shares (%d) reached: freeing the oldest orphaned share "
-                        "%s… (names %s, owner session %d gone)", self.device, limit, share.share_id[:8],
-                        sorted(share.names), share.owner.public_id)
-            self.registry.drop_names(share)
-            self.settle(share)
+            self._evict(next(iter(self.orphaned.values())), "max_orphaned_shares", limit)
+        limit = self.orphan_bytes_limit
+        while self.orphaned_bytes.get(uid, 0) > limit:
+            oldest = next(share for share in self.orphaned.values() if share.owner.uid == uid)
+            self._evict(oldest, "max_orphaned_bytes_per_uid", limit)
+
+    def _evict(self, share: Share, limit_name: str, limit: int) -> None:
+        log.warning("device %d: %s (%d) reached: freeing the oldest orphaned share %s… (%d bytes, names %s, "
+                    "owner session %d gone, %s)", self.device, limit_name, limit, share.share_id[:8],
+                    share.descriptor.size, sorted(share.names), share.owner.public_id, _uid_text(share.owner.uid))
+        self.registry.drop_names(share)
+        self.settle(share)
 
     def _not_orphaned(self, share: Share) -> None:
         if self.orphaned.pop(share.share_id, None) is not None:
+            uid = share.owner.uid
+            self.orphaned_bytes[uid] -= share.descriptor.size
+            if not self.orphaned_bytes[uid]:
+                del self.orphaned_bytes[uid]
             self.registry.count_orphan(share.share_id, False)
 
     def forget_name(self, name: str, share_id: str) -> None:
@@ -229,9 +271,7 @@ class Sharing:
             self.registry.update(share)
             if share.persistent and not share.owner_present and not share.holders \
                     and share.share_id not in self.orphaned:  # kept by its names alone again: counted
-                self.orphaned[share.share_id] = share
-                self.registry.count_orphan(share.share_id, True)
-                self._evict_orphans()
+                self._orphan(share)
             return
         context = share.context
         self.current.activate(context)
@@ -246,3 +286,7 @@ class Sharing:
             self.contexts.release_primary(context)
         elif not context.shares and self.contexts.orphans.pop(context.context_id, None) is not None:
             self.contexts.end(context)
+
+
+def _uid_text(uid: int | None) -> str:
+    return "the peers whose uid is unknown (tcp://)" if uid is None else f"uid {uid}"

@@ -16,6 +16,8 @@ T = TypeVar("T")
 
 #: Arrays of the status map that grow with what clients make; :func:`fit_status` shortens only these.
 LISTED_FIELDS = frozenset({"sessions", "contexts", "shares", "holders", "names"})
+#: How many uids a device's ``orphaned`` lists by their bytes.
+_TOP_UIDS = 8
 #: Room left in the header for the envelope (``id``, ``ok``) around the status map.
 _ENVELOPE_BYTES = 64
 
@@ -104,6 +106,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "host_bytes": state.host.total_bytes,
         "pools": {"count": len(state.pools), "ipc": state.pools.ipc},
         "shm_lanes": len(state.shm_lanes),
+        "orphaned": orphaned_status(state),
         "truncated": truncated,
         "limits": {
             "max_objects_per_session": state.limits.max_objects_per_session,
@@ -111,8 +114,18 @@ def device_status(state: DeviceState) -> dict[str, Any]:
             "max_shares_per_session": state.limits.max_shares_per_session,
             "host_memory_per_session": state.limits.host_memory_per_session,
             "max_host_memory": state.limits.max_host_memory,
+            "max_orphaned_bytes_per_uid": state.sharing.orphan_bytes_limit,
         },
     }
+
+
+def orphaned_status(state: DeviceState) -> dict[str, Any]:
+    """The device's published shares kept alive by their names alone, and their bytes by owner uid (the
+    ``_TOP_UIDS`` holding the most; ``max_orphaned_bytes_per_uid``)."""
+    by_uid = state.sharing.orphaned_bytes
+    top = sorted(by_uid.items(), key=lambda item: -item[1])[:_TOP_UIDS]
+    return {"count": len(state.sharing.orphaned), "bytes": sum(by_uid.values()),
+            "top_uids": [{"uid": uid, "bytes": size} for uid, size in top]}
 
 
 def fit_status(status: dict[str, Any]) -> dict[str, Any]:

@@ -41,14 +41,7 @@ import zmq
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
-from cuctxd.daemon.device.queues import (
-    JobQueues,
-    QueueLimits,
-    check_reply_room,
-    reply_bytes,
-    taken,
-    track_reply,
-)
+from cuctxd.daemon.device.queues import HeldReplies, JobQueues, QueueLimits, taken
 from cuctxd.daemon.device.shm_lanes import ShmLane
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
@@ -110,8 +103,9 @@ class DeviceWorker:
         self._poller.register(self._doorbell, _POLLIN)
         self._lane: DeviceLane | None = None
         self._pending: list[tuple[Job, Pending]] = []
-        #: Backlogs with reply payloads ZeroMQ may still hold (a drain waits until they have left).
-        self._replying: set[DeviceBacklog] = set()
+        #: Backlogs with reply payloads ZeroMQ may still hold, by peer (a drain waits until they have left;
+        #: ``max_reply_bytes_per_peer``).
+        self._replying = HeldReplies()
         self._queues = JobQueues(queue_limits or QueueLimits())
         self._busy_poll = busy_poll
         self._busy_until = 0.0
@@ -403,14 +397,7 @@ class DeviceWorker:
             self._lane.close(0 if self._silenced.is_set() else REPLY_LINGER_MS)
 
     def _held_reply_bytes(self) -> int:
-        total = 0
-        for backlog in list(self._replying):
-            held = reply_bytes(backlog)
-            if held:
-                total += held
-            else:
-                self._replying.discard(backlog)
-        return total
+        return self._replying.total()
 
     def _run_quietly(self, work: Callable[[DeviceState], None]) -> None:
         assert self.state is not None
@@ -446,7 +433,7 @@ class DeviceWorker:
                 return
             if job.spec.payload_out:
                 try:
-                    check_reply_room(backlog, self._queues.limits)
+                    self._replying.check_room(_peer(job), backlog, self._queues.limits)
                 except CuctxError as exc:
                     self._fail(job, exc)
                     return
@@ -544,7 +531,8 @@ class DeviceWorker:
         """Reply where ``job`` came from: the front, this device's lane, or another device's lane.
 
         Payload frames of a job of this device are tracked on its session's backlog (only this worker
-        writes it), for ``max_reply_bytes``. Nothing is sent once the worker is silenced."""
+        writes it), for ``max_reply_bytes`` and ``max_reply_bytes_per_peer``. Nothing is sent once the worker
+        is silenced."""
         if self._silenced.is_set():
             return
         backlog = job.backlog if frames and job.device == self.device else None
@@ -560,8 +548,7 @@ class DeviceWorker:
             self.peers[job.lane].submit_task(lambda worker: worker._answer(job, header, frames, outcome))
             return
         if backlog is not None and trackers:
-            track_reply(backlog, trackers)
-            self._replying.add(backlog)
+            self._replying.track(_peer(job), backlog, trackers)
 
     def send(self, identity: bytes, header: bytes, frames: Sequence[Any] = (),
              track: bool = False) -> list[tuple[Any, int]]:
@@ -583,3 +570,8 @@ class DeviceWorker:
             else:
                 socket.send(frame, flags, copy=False)
         return trackers
+
+
+def _peer(job: Job) -> str:
+    """Whose replies ``max_reply_bytes_per_peer`` adds up: the session's fd peer (its own token where none is known)."""
+    return job.session.fd_peer or job.session.token

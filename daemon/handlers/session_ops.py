@@ -113,7 +113,11 @@ def status(front: FrontState, session: Session | None, args: ops.Status, peer: s
             "max_queued_requests": limits.max_queued_requests,
             "max_queued_bytes": limits.max_queued_bytes,
             "max_reply_bytes": limits.max_reply_bytes,
+            "max_reply_bytes_per_peer": limits.max_reply_bytes_per_peer,
+            "max_manifest_bytes_per_session": front.shares.max_manifest_bytes_per_session,
+            "max_manifest_bytes_per_uid": front.shares.max_manifest_bytes_per_uid,
         },
+        "names": front.shares.names_status(),
     }
     if front.connections is not None:
         daemon_part["connections"] = front.connections.to_status()

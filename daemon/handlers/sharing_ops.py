@@ -44,6 +44,7 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending:
     if job.args.manifest is not None:  # checked before anything is exported or named
         manifest = check_manifest(job.args.manifest, buffer.size)
         naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only)
+    state.sharing.check_orphan_room(session, buffer)
     share = state.sharing.export(session, buffer)
     state.registry.publish(job.args.name, share, naming)
     share.persistent = share.persistent or job.args.persistent

@@ -20,6 +20,11 @@ published only by a session whose peer runs as ``user`` (or as the daemon's own
 user, or root); other names are first come, first served. A name is removed
 only by the session that published it, or, once that session has let the
 buffer go, by another session of the same uid.
+
+Names cost the daemon memory, so they are charged: each name's bytes (its manifest, if any, plus
+the name itself) count against the session that published it (``max_manifest_bytes_per_session``)
+and its uid (``max_manifest_bytes_per_uid``; peers whose uid the kernel does not tell, tcp://, are
+one uid, None) until the name goes. A name that outlives its publisher stays charged to the uid.
 """
 
 from __future__ import annotations
@@ -32,8 +37,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.protos.errors import NameExists, NotFound, NotOwner
+from cuctxd.protos.errors import LimitExceeded, NameExists, NotFound, NotOwner
 from cuctxd.protos.records import ShareDescriptor
+
+#: Default of ``max_manifest_bytes_per_session``: bytes of the names (manifests included) one session publishes.
+DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION = 16 << 20
+#: Default of ``max_manifest_bytes_per_uid``: the same for one uid, names left by ended sessions included.
+DEFAULT_MAX_MANIFEST_BYTES_PER_UID = 64 << 20
+#: How many uids ``status`` lists by the bytes of their names.
+_TOP_UIDS = 8
 
 
 class ShareRecord(Protocol):
@@ -82,6 +94,10 @@ class Naming:
         """What ``list_shared`` says of the name's layout and mode."""
         return {"tensors": self.tensors, "read_only": self.read_only}
 
+    def charged(self, name: str) -> int:
+        """What the name costs its publisher (``max_manifest_bytes_per_*``): its manifest and its own bytes."""
+        return len(self.manifest) + len(name.encode())
+
 
 #: A name published with nothing but its share.
 PLAIN = Naming()
@@ -113,7 +129,11 @@ class ShareRegistry:
     no method calls out while holding it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_manifest_bytes_per_session: int = DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
+                 max_manifest_bytes_per_uid: int = DEFAULT_MAX_MANIFEST_BYTES_PER_UID) -> None:
+        """The two limits on the bytes of published names (0: none; module docstring)."""
+        self.max_manifest_bytes_per_session = max_manifest_bytes_per_session
+        self.max_manifest_bytes_per_uid = max_manifest_bytes_per_uid
         self._lock = threading.Lock()
         self._shares: dict[str, _Listing] = {}
         self._names: dict[str, str] = {}
@@ -121,6 +141,9 @@ class ShareRegistry:
         self._namings: dict[str, Naming] = {}
         #: Ids of published shares kept alive by their names alone, on every device.
         self._orphaned: set[str] = set()
+        #: Bytes of the published names (:meth:`Naming.charged`) by publishing session token, and by uid.
+        self._name_bytes_by_session: dict[str, int] = {}
+        self._name_bytes_by_uid: dict[int | None, int] = {}
 
     def add(self, share: ShareRecord) -> None:
         with self._lock:
@@ -128,14 +151,27 @@ class ShareRegistry:
 
     def publish(self, name: str, share: ShareRecord, naming: Naming = PLAIN) -> None:
         """Name ``share`` (:func:`check_scope` first), with its layout (checked by the caller) and
-        flags; a name is never replaced: unpublish it first."""
+        flags; a name is never replaced: unpublish it first. :class:`LimitExceeded` naming
+        ``max_manifest_bytes_per_session`` or ``max_manifest_bytes_per_uid`` if the name's bytes would
+        pass either (nothing is published then)."""
         check_scope(name, share.owner.uid)
+        owner = share.owner
+        size = naming.charged(name)
         with self._lock:
             share_id = self._names.get(name)
             if share_id is not None:
                 who = self._shares[share_id].owner
                 raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
                                  f"client {who.client!r}); only its publisher may unpublish it")
+            by_session = self._name_bytes_by_session.get(owner.token, 0)
+            by_uid = self._name_bytes_by_uid.get(owner.uid, 0)
+            _check_name_room("max_manifest_bytes_per_session", self.max_manifest_bytes_per_session, by_session,
+                             size, "this session has published")
+            user = "peers whose uid is unknown (tcp://)" if owner.uid is None else f"uid {owner.uid}"
+            _check_name_room("max_manifest_bytes_per_uid", self.max_manifest_bytes_per_uid, by_uid, size,
+                             f"the sessions of {user} have published (ended ones included)")
+            self._name_bytes_by_session[owner.token] = by_session + size
+            self._name_bytes_by_uid[owner.uid] = by_uid + size
             self._names[name] = share.share_id
             if naming != PLAIN:
                 self._namings[name] = naming
@@ -184,15 +220,28 @@ class ShareRegistry:
 
     def remove(self, share: ShareRecord) -> None:
         with self._lock:
-            self._shares.pop(share.share_id, None)
-            self._orphaned.discard(share.share_id)
             for name in share.names:
                 self._forget_name(name)
+            self._shares.pop(share.share_id, None)
+            self._orphaned.discard(share.share_id)
 
     def _forget_name(self, name: str) -> None:
-        """The name and what it was published with go (under the lock)."""
-        self._names.pop(name, None)
-        self._namings.pop(name, None)
+        """The name and what it was published with go, and its bytes are given back (under the lock)."""
+        share_id = self._names.pop(name, None)
+        naming = self._namings.pop(name, PLAIN)
+        listing = None if share_id is None else self._shares.get(share_id)
+        if listing is None:
+            return
+        size = naming.charged(name)
+        _give_back(self._name_bytes_by_session, listing.owner.token, size)
+        _give_back(self._name_bytes_by_uid, listing.owner.uid, size)
+
+    def names_status(self) -> dict[str, Any]:
+        """For ``status``: published names, their bytes, and the uids whose names hold the most."""
+        with self._lock:
+            top = sorted(self._name_bytes_by_uid.items(), key=lambda item: -item[1])[:_TOP_UIDS]
+            return {"count": len(self._names), "bytes": sum(self._name_bytes_by_uid.values()),
+                    "top_uids": [{"uid": uid, "bytes": size} for uid, size in top]}
 
     def lookup(self, name: str) -> ShareDescriptor:
         """The descriptor published as ``name``, with its ``publisher``."""
@@ -232,3 +281,17 @@ class ShareRegistry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._shares)
+
+
+def _check_name_room(limit_name: str, limit: int, used: int, size: int, whose: str) -> None:
+    if limit and used + size > limit:
+        raise LimitExceeded(f"{limit_name}: {whose} names (manifests included) of {used} bytes that are still "
+                            f"published; this one's {size} bytes would pass the limit of {limit}; unpublish some first")
+
+
+def _give_back(tally: dict[Any, int], key: Any, size: int) -> None:
+    left = tally.get(key, 0) - size
+    if left > 0:
+        tally[key] = left
+    else:
+        tally.pop(key, None)

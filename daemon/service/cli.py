@@ -196,6 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-sessions-per-uid", type=_flag_type("max_sessions_per_uid"), metavar="N",
                           help="most sessions the processes of one user may hold open together, where the "
                                "kernel tells the user (ipc://) (default 0: no limit)")
+    security.add_argument("--max-orphaned-bytes-per-uid", type=_flag_type("max_orphaned_bytes_per_uid"),
+                          metavar="SIZE", help="bytes of published buffers whose owner left and nobody holds, per "
+                                               "user and device; publish is refused beyond it (default 0: half "
+                                               "the device's memory)")
+    security.add_argument("--max-manifest-bytes-per-session", type=_flag_type("max_manifest_bytes_per_session"),
+                          metavar="SIZE", help="bytes of the names (manifests included) one session may have "
+                                               "published (default 16MiB; 0: no limit)")
+    security.add_argument("--max-manifest-bytes-per-uid", type=_flag_type("max_manifest_bytes_per_uid"),
+                          metavar="SIZE", help="bytes of the names (manifests included) one user's sessions may "
+                                               "have published, ended ones included (default 64MiB; 0: no limit)")
+    security.add_argument("--max-reply-bytes-per-peer", type=_flag_type("max_reply_bytes_per_peer"), metavar="SIZE",
+                          help="read results one peer's clients may leave untaken on each device, all its "
+                               "sessions together, before their reads are refused (default 512MiB; 0: no limit)")
     return parser
 
 

@@ -16,8 +16,10 @@ from cuctxd.daemon.device.queues import (
     DEFAULT_MAX_QUEUED_BYTES,
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_MAX_REPLY_BYTES_PER_PEER,
 )
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
+from cuctxd.daemon.registry.shares import DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, DEFAULT_MAX_MANIFEST_BYTES_PER_UID
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
 from cuctxd.daemon.side_channel.server import DEFAULT_MAX_FD_CONNECTIONS, DEFAULT_MAX_FD_CONNECTIONS_PER_PEER
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
@@ -190,6 +192,14 @@ class DaemonConfig:
     max_fd_connections_per_peer: int = DEFAULT_MAX_FD_CONNECTIONS_PER_PEER
     #: Open sessions of one uid, all its processes together (peers whose uid the kernel tells: ipc://).
     max_sessions_per_uid: int = 0
+    #: Bytes of published buffers whose owner is gone and nobody holds, per owner uid and device
+    #: (0: half the device's memory).
+    max_orphaned_bytes_per_uid: int = 0
+    #: Bytes of published names (manifests included), per publishing session and per uid, daemon-wide.
+    max_manifest_bytes_per_session: int = DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION
+    max_manifest_bytes_per_uid: int = DEFAULT_MAX_MANIFEST_BYTES_PER_UID
+    #: Reply payload bytes a peer's clients have not taken, all its sessions together, per device.
+    max_reply_bytes_per_peer: int = DEFAULT_MAX_REPLY_BYTES_PER_PEER
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

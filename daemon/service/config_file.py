@@ -208,6 +208,10 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("max_client_fds_per_session", _integer(0), _int_text),
     Key("max_fd_connections_per_peer", _integer(0), _int_text),
     Key("max_sessions_per_uid", _integer(0), _int_text),
+    Key("max_orphaned_bytes_per_uid", _size(), render=_size_render),
+    Key("max_manifest_bytes_per_session", _size(), render=_size_render),
+    Key("max_manifest_bytes_per_uid", _size(), render=_size_render),
+    Key("max_reply_bytes_per_peer", _size(), render=_size_render),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"

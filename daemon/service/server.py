@@ -162,8 +162,9 @@ class Daemon:
                               self.config.max_objects_per_session, self.config.max_contexts_per_session,
                               self.config.max_shares_per_session, self.config.max_orphaned_shares,
                               self.config.host_memory_per_session, self.config.max_host_memory,
-                              self.config.max_shm_lanes)
-        shares = ShareRegistry()
+                              self.config.max_shm_lanes,
+                              max_orphaned_bytes_per_uid=self.config.max_orphaned_bytes_per_uid)
+        shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid)
         self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session, self.fd_budget)
         queue_limits = self._queue_limits()
         self._workers = [
@@ -230,7 +231,8 @@ class Daemon:
 
     def _queue_limits(self) -> QueueLimits:
         config = self.config
-        return QueueLimits(config.max_queued_requests, config.max_queued_bytes, config.max_reply_bytes)
+        return QueueLimits(config.max_queued_requests, config.max_queued_bytes, config.max_reply_bytes,
+                           config.max_reply_bytes_per_peer)
 
     def _bind_router(self) -> zmq.Socket[Any]:
         """The front's ROUTER, bound to every endpoint (and the liveness probe's)."""

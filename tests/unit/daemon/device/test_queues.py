@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuctxd.daemon.device.queues import JobQueues, QueueLimits, check_sent, taken
+from cuctxd.daemon.device.queues import HeldReplies, JobQueues, QueueLimits, check_sent, taken
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.sessions import Session, SessionRegistry
 from cuctxd.protos.errors import LimitExceeded
@@ -69,3 +69,29 @@ def test_the_fronts_tally_of_jobs_handed_on_is_bounded_too() -> None:
     taken(_job(session, 1, lane=None))
     check_sent(backlog, 0, limits)
 
+
+
+class _Tracker:
+    """What :func:`track_reply` reads of a ZeroMQ ``MessageTracker``: whether ZeroMQ let go."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_a_peers_sessions_share_one_tally_of_unread_replies() -> None:
+    sessions = SessionRegistry(receivers=2)
+    first, second, other = (sessions.open(name, 1).backlogs[0] for name in ("first", "second", "other"))
+    limits = QueueLimits(max_reply_bytes=100, max_reply_bytes_per_peer=150)
+    held = HeldReplies()
+    trackers = [_Tracker() for _ in range(2)]
+    held.track("process:1", first, [(trackers[0], 80)])
+    held.check_room("process:1", second, limits)  # 80 held by the peer: room
+    held.track("process:1", second, [(trackers[1], 80)])
+    with pytest.raises(LimitExceeded, match=r"\): max_reply_bytes_per_peer: 160 bytes .* process:1"):
+        held.check_room("process:1", second, limits)  # each session alone is under max_reply_bytes
+    held.check_room("process:2", other, limits)  # another peer is not held back
+    assert held.total() == 160
+    trackers[0].done = True  # its client took the first reply
+    held.check_room("process:1", second, limits)
+    trackers[1].done = True
+    assert held.total() == 0

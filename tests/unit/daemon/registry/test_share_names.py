@@ -1,15 +1,19 @@
-"""Scoped share names and who may publish them (ShareRegistry's check_scope); peer uids from ipc peers."""
+"""Scoped share names and who may publish them (ShareRegistry's check_scope); peer uids from ipc peers;
+what names cost their session and uid (``max_manifest_bytes_per_*``)."""
 
 from __future__ import annotations
 
 import os
 import pwd
+from dataclasses import dataclass, field
 
 import pytest
 
 from cuctxd.daemon.intake.peers import uid_of
-from cuctxd.daemon.registry.shares import check_scope
-from cuctxd.protos.errors import NotOwner
+from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.daemon.registry.shares import Naming, ShareRegistry, check_scope
+from cuctxd.protos.errors import LimitExceeded, NotOwner
+from cuctxd.protos.records import ShareDescriptor
 
 
 def _someone_else() -> int:
@@ -41,3 +45,38 @@ def test_the_uid_comes_from_an_ipc_peer_only() -> None:
     assert uid_of("address:127.0.0.1") is None
     assert uid_of("key:abc") is None
     assert uid_of(None) is None
+
+
+@dataclass
+class _Share:
+    """What the registry reads of a device's share record."""
+
+    share_id: str
+    owner: SessionRef
+    descriptor: ShareDescriptor = field(init=False)
+    owner_present: bool = True
+    holders: dict[str, int] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.descriptor = ShareDescriptor(share_id=self.share_id, device=0, device_uuid="u", size=4096,
+                                          backend="sim", ipc_handle=b"", host="h")
+
+
+def test_names_are_charged_to_their_session_and_uid_until_they_go() -> None:
+    registry = ShareRegistry(max_manifest_bytes_per_session=1000, max_manifest_bytes_per_uid=1500)
+    first, second = SessionRef("t1", 1, "a", 1, uid=7), SessionRef("t2", 2, "b", 2, uid=7)
+    shares = [_Share("s1", first), _Share("s2", second)]
+    for share in shares:
+        registry.add(share)
+    registry.publish("a", shares[0], Naming(b"m" * 899))  # 900 bytes with its name
+    with pytest.raises(LimitExceeded, match=r"\): max_manifest_bytes_per_session: "):
+        registry.publish("b", shares[0], Naming(b"m" * 100))
+    registry.publish("c", shares[1], Naming(b"m" * 499))  # the uid's 1400 of 1500
+    with pytest.raises(LimitExceeded, match=r"\): max_manifest_bytes_per_uid: the sessions of uid 7"):
+        registry.publish("d", shares[1], Naming(b"m" * 100))
+    assert registry.names_status() == {"count": 2, "bytes": 1400, "top_uids": [{"uid": 7, "bytes": 1400}]}
+    registry.unpublish("a", first)
+    registry.publish("d", shares[1], Naming(b"m" * 100))
+    registry.remove(shares[1])  # the share's end takes its names and gives their bytes back
+    assert registry.names_status() == {"count": 0, "bytes": 0, "top_uids": []}
