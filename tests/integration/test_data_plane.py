@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from cuctxd.client import Client, CudaError, LimitExceeded, NotShareable, UnknownHandle
-from cuctxd.client.pool_imports import POOL_IMPORTS
-from cuctxd.client.shm_lane import ShmTransport
-from cuctxd.client.transfers import EDGE_BYTES, RING_MIN_BYTES, RING_SLOT_BYTES, RING_SLOTS, StagingRing
+from cuctxd.client.data_plane.pool_imports import POOL_IMPORTS
+from cuctxd.client.data_plane.transfers import EDGE_BYTES, RING_MIN_BYTES, RING_SLOT_BYTES, RING_SLOTS, StagingRing
+from cuctxd.client.wire.shm_lane import ShmTransport
 from tests.helpers import (
     DaemonProcess,
     pattern,

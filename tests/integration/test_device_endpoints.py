@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cuctxd.client import AsyncClient, Client
-from cuctxd.client import requests as wire
+from cuctxd.client.wire import build as wire
 from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, start_daemon
 from tests.helpers_raw import RawPeer, error_name, raw_peer
 from tests.reliability.strategies import fuzz_settings, garbage_headers, payload_junk, soak_mode

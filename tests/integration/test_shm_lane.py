@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cuctxd import Client, LimitExceeded, UnknownHandle
-from cuctxd.client import requests, shm_lane
+from cuctxd.client.wire import build, shm_lane
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
 
 
@@ -159,7 +159,7 @@ def test_beyond_max_shm_lanes_a_session_keeps_to_the_socket() -> None:
             assert (first.shm_lanes, second.shm_lanes) == ((0,), ())
             assert lanes(first) == [1]
             with pytest.raises(LimitExceeded, match="max_shm_lanes"):  # what the client fell back from
-                second.run(requests.shm_lane(0))
+                second.run(build.shm_lane(0))
             assert first.alloc(64).read(1) is not None  # the lane's session is still served
     finally:
         assert process.stop() == 0, process.log()

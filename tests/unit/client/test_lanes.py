@@ -1,8 +1,8 @@
-"""cuctxd.client.lanes: which socket a request takes, and when it must wait for another socket's requests."""
+"""cuctxd.client.wire.routes: which socket a request takes, and when it must wait for another socket's requests."""
 
 from __future__ import annotations
 
-from cuctxd.client.lanes import FRONT, Lanes, Route, lane_endpoints
+from cuctxd.client.wire.routes import FRONT, Lanes, Route, lane_endpoints
 
 IPC = "ipc:///run/user/1000/cuctxd/cuctxd.sock"
 DEVICES = [[f"{IPC}-dev0"], [f"{IPC}-dev1"]]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from cuctxd.client.transport import CurveKeys, curve_keys, no_reply
+from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys, no_reply
 from cuctxd.daemon.backends.sim import SimDriver
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.state import DeviceState

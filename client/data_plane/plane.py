@@ -3,8 +3,8 @@
 Made after ``hello`` when the daemon offers an fd channel (``hello``'s
 ``fd_channel``: only beside an ipc:// endpoint on this host); absent otherwise,
 and then every transfer takes the socket, as over tcp://. A staging ring is a
-host buffer (:mod:`cuctxd.client.host_buffers`) per device that large
-``write``/``read_into`` calls copy through (:mod:`cuctxd.client.transfers`),
+host buffer (:mod:`cuctxd.client.data_plane.host_buffers`) per device that large
+``write``/``read_into`` calls copy through (:mod:`cuctxd.client.data_plane.transfers`),
 made on first use; it counts against the session's ``host_memory_per_session``.
 Which thread may call: the client's callers, under the client's own serialisation.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cuctxd.client.fd_channel import FdChannel
+from cuctxd.client.wire.fd_channel import FdChannel
 from cuctxd.protos.errors import BadRequest
 
 

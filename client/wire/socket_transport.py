@@ -6,7 +6,7 @@ order. A lock serialises socket use, since a ZeroMQ socket belongs to one thread
 at a time. Replies to calls that already timed out are discarded, so a timeout
 never makes a later call read someone else's answer. Matching a reply to its
 call and reading its frames (:func:`match_reply`, :func:`read_payload`) serve
-:mod:`cuctxd.client.async_transport` too.
+:mod:`cuctxd.client.wire.async_socket_transport` too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import zmq
 import zmq.auth
 
-from cuctxd.client.lanes import Reach
+from cuctxd.client.wire.routes import Reach
 from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, DaemonTimeout, NoDaemon, error_from_wire
 from cuctxd.protos.messages import ReplyHeader, encode_request, parse_reply
 
@@ -222,7 +222,7 @@ def read_payload(socket: zmq.Socket[Any], into: Any, more: bool) -> list[Any]:
 
 
 class Waits(Protocol):
-    """What a :class:`Call` waits on: a :class:`Transport`, or an shm lane (:mod:`cuctxd.client.shm_lane`)."""
+    """What a :class:`Call` waits on: a :class:`Transport`, or an shm lane (:mod:`cuctxd.client.wire.shm_lane`)."""
 
     def wait(self, call: Call[Any], timeout: float | None = None) -> None: ...
 
@@ -241,7 +241,7 @@ class Call(Generic[T]):
         self.request_id = request_id
         self.op = op
         self.into = into
-        #: The devices the request touches (None: all), for ordering across lanes (:mod:`cuctxd.client.lanes`).
+        #: The devices the request touches (None: all), for ordering across lanes (:mod:`cuctxd.client.wire.routes`).
         self.reach = reach
         self._convert = convert
         self.done = False

@@ -16,10 +16,10 @@ import mmap
 import os
 from typing import Any, Self, TypeVar
 
-from cuctxd.client import requests
-from cuctxd.client.core import AsyncSession, Session
 from cuctxd.client.presentation import describe, docs_from
-from cuctxd.client.requests import Local, Plan
+from cuctxd.client.wire import build
+from cuctxd.client.wire.build import Local, Plan
+from cuctxd.client.wire.session import AsyncSession, Session
 from cuctxd.protos.host import buffer_address
 
 HostT = TypeVar("HostT", bound="HostBufferFields")
@@ -85,7 +85,7 @@ class HostBuffer(HostBufferFields):
         """Unmap here, then free the daemon's side (after copies queued on streams that use it have
         passed); nothing the second time."""
         if self._unmap():
-            self.client.run(requests.host_free(self))
+            self.client.run(build.host_free(self))
 
     def __exit__(self, *exc: object) -> None:
         self.free()
@@ -93,14 +93,14 @@ class HostBuffer(HostBufferFields):
 
 @docs_from(HostBuffer)
 class AsyncHostBuffer(HostBufferFields):
-    """A :class:`HostBuffer` of an :class:`~cuctxd.client.async_client.AsyncClient`: ``await hb.free()``,
+    """A :class:`HostBuffer` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: ``await hb.free()``,
     or ``async with await client.host_alloc(n) as hb:``."""
 
     client: AsyncSession
 
     async def free(self) -> None:
         if self._unmap():
-            await self.client.run(requests.host_free(self))
+            await self.client.run(build.host_free(self))
 
     async def __aenter__(self) -> Self:
         return self
@@ -120,10 +120,10 @@ class _Handle:
 def host_alloc(owner: Any, kind: type[HostT], size: int, device: int | None) -> Plan[HostT]:
     """Make the buffer, fetch its fd over the fd channel and map it; a failed mapping frees it again."""
     plane = owner.data_plane()
-    result = yield requests.host_alloc(device, size)
+    result = yield build.host_alloc(device, size)
     try:
         mapped: HostT = yield Local(lambda: kind.mapped(owner, result, plane.receive_fd(result["ticket"])))
     except BaseException:
-        yield requests.host_free(_Handle(result))
+        yield build.host_free(_Handle(result))
         raise
     return mapped

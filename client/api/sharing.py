@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cuctxd.client import requests
-from cuctxd.client.core import AsyncSession, Session
-from cuctxd.client.pool_imports import POOL_IMPORTS
+from cuctxd.client.data_plane.pool_imports import POOL_IMPORTS
 from cuctxd.client.presentation import docs_from
-from cuctxd.client.requests import Local, Plan
+from cuctxd.client.wire import build
+from cuctxd.client.wire.build import Local, Plan
+from cuctxd.client.wire.session import AsyncSession, Session
 from cuctxd.protos.errors import NotShareable, WrongBackend
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.records import ShareDescriptor
@@ -102,7 +102,7 @@ class OpenedShare(MappedShare):
 
 @docs_from(OpenedShare)
 class AsyncOpenedShare(MappedShare):
-    """An :class:`OpenedShare` of an :class:`~cuctxd.client.async_client.AsyncClient`: ``await share.close()``,
+    """An :class:`OpenedShare` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: ``await share.close()``,
     or ``async with await client.open_shared(name) as share:``."""
 
     client: AsyncSession
@@ -119,16 +119,16 @@ class AsyncOpenedShare(MappedShare):
 
 def map_share(descriptor: ShareDescriptor, pool_fd: int | None) -> Any:
     """Map a share in this process as its ``mechanism`` says: from its pool (imported from ``pool_fd``
-    unless already, :mod:`cuctxd.client.pool_imports`), or with the backend's legacy IPC handle."""
+    unless already, :mod:`cuctxd.client.data_plane.pool_imports`), or with the backend's legacy IPC handle."""
     check_same_host(descriptor)
     if descriptor.mechanism == "pool":
         return POOL_IMPORTS.map(descriptor, pool_fd)
     if descriptor.backend == "sim":
-        from cuctxd.client.ipc_sim import SimMapping
+        from cuctxd.client.data_plane.ipc_sim import SimMapping
 
         return SimMapping(descriptor)
     if descriptor.backend == "cuda":
-        from cuctxd.client.ipc_cuda import CudaMapping
+        from cuctxd.client.data_plane.ipc_cuda import CudaMapping
 
         return CudaMapping(descriptor)
     raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")
@@ -138,15 +138,15 @@ def open_share(owner: Any, kind: Callable[[Any, ShareDescriptor, Any], ShareT],
                share: str | ShareDescriptor) -> Plan[ShareT]:
     """Look the share up (by name), hold it, map it here (asking for its pool's fd when this process has
     not imported that pool yet); a failed mapping drops the hold again."""
-    descriptor = (yield requests.lookup(share)) if isinstance(share, str) else share
+    descriptor = (yield build.lookup(share)) if isinstance(share, str) else share
     check_same_host(descriptor)
     need_pool = descriptor.mechanism == "pool" and not POOL_IMPORTS.has(descriptor.pool_id)
     plane = owner.data_plane() if need_pool else None
-    descriptor, ticket = yield requests.open_shared(descriptor, pool_fd=need_pool)
+    descriptor, ticket = yield build.open_shared(descriptor, pool_fd=need_pool)
     try:
         mapping = yield Local(lambda: map_share(descriptor, plane.receive_fd(ticket) if plane and ticket else None))
     except BaseException:
-        yield requests.close_shared(descriptor)
+        yield build.close_shared(descriptor)
         raise
     return kind(owner, descriptor, mapping)
 
@@ -159,4 +159,4 @@ def close_share(share: MappedShare) -> Plan[None]:
     try:
         share._mapping.close()
     finally:
-        yield requests.close_shared(share.descriptor)
+        yield build.close_shared(share.descriptor)

@@ -12,8 +12,8 @@ import asyncio
 import logging
 import threading
 
-from cuctxd.client.async_transport import AsyncTransport
-from cuctxd.client.transport import CurveKeys, Transport
+from cuctxd.client.wire.async_socket_transport import AsyncTransport
+from cuctxd.client.wire.socket_transport import CurveKeys, Transport
 from cuctxd.protos.errors import CuctxError, SessionExpired, UnknownSession
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cuctxd.client.client import Client
-from cuctxd.client.format import human_duration
-from cuctxd.client.transport import CurveKeys, Transport
+from cuctxd.client.api.client import Client
+from cuctxd.client.cli.tables import human_duration
+from cuctxd.client.wire.socket_transport import CurveKeys, Transport
 from cuctxd.protos.errors import CuctxError, VersionMismatch
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.version import PROTOCOL_VERSION

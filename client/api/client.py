@@ -4,8 +4,8 @@ A new :class:`Client` is like a new CUDA host thread: no current context on any
 device until :meth:`Client.set_device`, :meth:`Client.create_context`, or a
 runtime-style call (``alloc``, ``synchronize``, ``mem_get_info`` ...) binds the
 device's primary context. Calls are thread-safe (serialised per socket).
-Each method builds its request (or plan) in :mod:`cuctxd.client.requests` and runs it
-here; :class:`~cuctxd.client.async_client.AsyncClient` awaits the very same ones.
+Each method builds its request (or plan) in :mod:`cuctxd.client.wire.build` and runs it
+here; :class:`~cuctxd.client.api.async_client.AsyncClient` awaits the very same ones.
 """
 
 from __future__ import annotations
@@ -16,18 +16,19 @@ import time
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-from cuctxd.client import requests, transfers
-from cuctxd.client.core import Router, SessionState
-from cuctxd.client.host_buffers import HostBuffer, host_alloc
-from cuctxd.client.lanes import Route
-from cuctxd.client.lease import Heartbeat
-from cuctxd.client.objects import Buffer, Context
-from cuctxd.client.pipeline import Pipeline
-from cuctxd.client.requests import CHUNK_BYTES, Batch, Plan, Request, Run, Send, Step, Wait
-from cuctxd.client.sharing import OpenedShare, open_share
-from cuctxd.client.shm_lane import ShmLanes, ShmTransport, eligible, lane_id
-from cuctxd.client.streams import Event, Stream
-from cuctxd.client.transport import (
+from cuctxd.client.api.objects import Buffer, Context
+from cuctxd.client.api.pipeline import Pipeline
+from cuctxd.client.api.sharing import OpenedShare, open_share
+from cuctxd.client.api.streams import Event, Stream
+from cuctxd.client.data_plane import transfers
+from cuctxd.client.data_plane.host_buffers import HostBuffer, host_alloc
+from cuctxd.client.wire import build
+from cuctxd.client.wire.build import CHUNK_BYTES, Batch, Plan, Request, Run, Send, Step, Wait
+from cuctxd.client.wire.lease import Heartbeat
+from cuctxd.client.wire.routes import Route
+from cuctxd.client.wire.session import Router, SessionState
+from cuctxd.client.wire.shm_lane import ShmLanes, ShmTransport, eligible, lane_id
+from cuctxd.client.wire.socket_transport import (
     DEFAULT_TIMEOUT,
     Call,
     CurveKeys,
@@ -83,7 +84,7 @@ class Client(SessionState):
     key file raises ValueError at once.
 
     Device ops go straight to each device's own endpoint when the daemon offers
-    them (:mod:`cuctxd.client.lanes`); ``device_endpoints=False`` sends everything
+    them (:mod:`cuctxd.client.wire.routes`); ``device_endpoints=False`` sends everything
     through the main endpoint.
     """
 
@@ -113,7 +114,7 @@ class Client(SessionState):
         if not listening(self.endpoint):
             raise no_daemon(self.endpoint, "hello")
         main = Transport(self.endpoint, self.timeout, self.curve)
-        hello = requests.hello(self._name, min(self.timeout, self.hello_timeout))
+        hello = build.hello(self._name, min(self.timeout, self.hello_timeout))
         try:
             answer = main.send(hello.op, hello.args, None, convert=hello.convert).result(hello.timeout)
         except BaseException:
@@ -133,7 +134,7 @@ class Client(SessionState):
         """The shm lane to ``device`` (under the route lock), or None when the daemon or this process
         cannot give one: its requests then take the socket."""
         assert self._plane is not None
-        request = requests.shm_lane(device)
+        request = build.shm_lane(device)
         try:
             opened = self._send_now(request).result()
             fds, _ = self._plane.channel.fetch(opened["ticket"])
@@ -153,7 +154,7 @@ class Client(SessionState):
         return () if self._shm is None else self._shm.devices()
 
     def run(self, operation: Request[T] | Plan[T]) -> T:
-        """Run one request, or every step of a plan, built by :mod:`cuctxd.client.requests`, on this thread;
+        """Run one request, or every step of a plan, built by :mod:`cuctxd.client.wire.build`, on this thread;
         every method and client object comes here. A session found gone raises
         :class:`~cuctxd.protos.errors.SessionLost`."""
         if self._token is None and self._check_session(getattr(operation, "op", None)):
@@ -187,7 +188,7 @@ class Client(SessionState):
         return step.run()
 
     def _send(self, request: Request[T], shm: bool = True) -> Call[T]:
-        """Send on the request's lane (:mod:`cuctxd.client.lanes`), once what it must follow has been answered;
+        """Send on the request's lane (:mod:`cuctxd.client.wire.routes`), once what it must follow has been answered;
         queued stream-ordered entries go first, without waiting for their replies. ``shm``: the shm lane
         may carry it (a pipeline's requests take the socket, which has room for many at once)."""
         with self._route_lock:
@@ -238,7 +239,7 @@ class Client(SessionState):
                              convert=request.convert, reach=route.reach, early=early)
 
     def pipeline(self) -> Pipeline:
-        """Send memory ops without waiting for each reply (see :mod:`cuctxd.client.pipeline`)."""
+        """Send memory ops without waiting for each reply (see :mod:`cuctxd.client.api.pipeline`)."""
         return Pipeline(lambda request: self._send(request, shm=False))
 
     def reconnect(self) -> None:
@@ -257,7 +258,7 @@ class Client(SessionState):
             self._heartbeat = None
         try:
             if self._token is not None:  # a daemon that is gone must not hold the caller for long
-                goodbye = requests.goodbye(timeout=min(self.timeout, 2.0))
+                goodbye = build.goodbye(timeout=min(self.timeout, 2.0))
                 self._send(goodbye).result(goodbye.timeout)
         except CuctxError:
             pass  # the daemon is gone or already forgot us: nothing left to free
@@ -286,72 +287,72 @@ class Client(SessionState):
     def ping(self) -> float:
         """Round-trip time in seconds."""
         start = time.perf_counter()
-        self.run(requests.ping())
+        self.run(build.ping())
         return time.perf_counter() - start
 
     def device_count(self) -> int:
         """``cudaGetDeviceCount``: creates no context."""
-        return self.run(requests.device_count())
+        return self.run(build.device_count())
 
     def devices(self) -> list[DeviceInfo]:
-        return self.run(requests.devices())
+        return self.run(build.devices())
 
     def status(self) -> dict[str, Any]:
-        return self.run(requests.status())
+        return self.run(build.status())
 
     def get_device(self) -> int:
         """``cudaGetDevice``: the session's current device."""
-        return self.run(requests.get_device())
+        return self.run(build.get_device())
 
     def set_device(self, device: int) -> Context:
         """``cudaSetDevice``: binds the device's primary context as current; returns it."""
-        return self.run(requests.set_device(self, Context, device))
+        return self.run(build.set_device(self, Context, device))
 
     # --- contexts -------------------------------------------------------------------
 
     def current_context(self, device: int | None = None) -> Context | None:
         """``cuCtxGetCurrent``; None while the session's stack on ``device`` is empty."""
-        return self.run(requests.current_context(self, Context, device))
+        return self.run(build.current_context(self, Context, device))
 
     def context_stack(self, device: int | None = None) -> list[Context]:
         """The session's context stack on ``device``, bottom first."""
-        return self.run(requests.context_stack(self, Context, device))
+        return self.run(build.context_stack(self, Context, device))
 
     def create_context(self, device: int | None = None, flags: int = 0) -> Context:
         """``cuCtxCreate``: a new context, pushed and current on ``device``."""
-        return self.run(requests.create_context(self, Context, device, flags))
+        return self.run(build.create_context(self, Context, device, flags))
 
     def push_context(self, context: Context) -> None:
-        self.run(requests.push_context(context))
+        self.run(build.push_context(context))
 
     def pop_context(self, device: int | None = None) -> Context:
         """``cuCtxPopCurrent``: returns the popped context."""
-        return self.run(requests.pop_context(self, Context, device))
+        return self.run(build.pop_context(self, Context, device))
 
     def destroy_context(self, context: Context) -> None:
-        self.run(requests.destroy_context(context))
+        self.run(build.destroy_context(context))
 
     def context_info(self, context: Context) -> Context:
-        return self.run(requests.context_info(self, Context, context))
+        return self.run(build.context_info(self, Context, context))
 
     def synchronize(self, device: int | None = None) -> None:
         """``cuCtxSynchronize`` on the current context (binds the primary if there is none)."""
-        self.run(requests.synchronize(device))
+        self.run(build.synchronize(device))
 
     def device_synchronize(self, device: int | None = None) -> None:
         """Wait for every context alive on ``device``, this session's and others'."""
-        self.run(requests.device_synchronize(device))
+        self.run(build.device_synchronize(device))
 
     # --- memory ---------------------------------------------------------------------
 
     def mem_get_info(self, device: int | None = None) -> tuple[int, int]:
         """``cuMemGetInfo``: (free, total) bytes."""
-        return self.run(requests.mem_get_info(device))
+        return self.run(build.mem_get_info(device))
 
     def memory_info(self, device: int | None = None) -> dict[str, Any]:
         """The whole ``mem_get_info`` answer: ``free`` and ``total`` as this session sees them,
         plus ``device_free``, ``quota``, ``reserve`` and ``limited_by`` ("quota" or "device")."""
-        return self.run(requests.memory_info(device))
+        return self.run(build.memory_info(device))
 
     def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> Buffer:
         """Device memory in the current context of ``device`` (default: the current device).
@@ -359,14 +360,14 @@ class Client(SessionState):
         By default it comes from the context's stream-ordered pool (fast); pass
         ``shareable=True`` for ``cuMemAlloc`` memory, which other processes can open.
         """
-        return self.run(requests.alloc(self, Buffer, size, device, shareable))
+        return self.run(build.alloc(self, Buffer, size, device, shareable))
 
     def free(self, buffer: Buffer) -> None:
-        self.run(requests.free(buffer))
+        self.run(build.free(buffer))
 
     def alloc_async(self, size: int, device: int | None = None, *, stream: Stream | None = None) -> Buffer:
         """Like ``cuMemAllocAsync``: pool memory ordered on ``stream`` (default: the legacy stream of the
-        current context), returned at once without a round trip (:mod:`cuctxd.client.stream_ordered`). A
+        current context), returned at once without a round trip (:mod:`cuctxd.client.wire.stream_ordered`). A
         failure is raised by the next call that uses the buffer, or by the next synchronize; the
         buffer's ``context`` reads 0."""
         with self._route_lock:
@@ -395,7 +396,7 @@ class Client(SessionState):
 
     def fill(self, buffer: Buffer, value: int = 0, offset: int = 0, size: int | None = None, *,
              stream: Stream | None = None) -> None:
-        self.run(requests.fill(buffer, value, offset, size, stream))
+        self.run(build.fill(buffer, value, offset, size, stream))
 
     def write(self, buffer: Buffer, data: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
         """Host to device. Large writes go as pipelined chunks, so the transfer of one chunk
@@ -412,37 +413,37 @@ class Client(SessionState):
 
     def copy(self, src: Buffer, dst: Buffer, size: int | None = None, src_offset: int = 0,
              dst_offset: int = 0, *, stream: Stream | None = None) -> int:
-        return self.run(requests.copy(src, dst, size, src_offset, dst_offset, stream))
+        return self.run(build.copy(src, dst, size, src_offset, dst_offset, stream))
 
     # --- streams and events -----------------------------------------------------------------
 
     def create_stream(self, device: int | None = None, *, non_blocking: bool = False) -> Stream:
         """``cuStreamCreate`` in the current context of ``device`` (binds the primary lazily)."""
-        return self.run(requests.create_stream(self, Stream, device, non_blocking))
+        return self.run(build.create_stream(self, Stream, device, non_blocking))
 
     def create_event(self, device: int | None = None, *, timing: bool = True) -> Event:
-        return self.run(requests.create_event(self, Event, device, timing))
+        return self.run(build.create_event(self, Event, device, timing))
 
     # --- sharing between processes --------------------------------------------------------
 
     def export(self, buffer: Buffer) -> ShareDescriptor:
         """Make ``buffer`` shareable; the descriptor is plain data another process can open."""
-        return self.run(requests.export(buffer))
+        return self.run(build.export(buffer))
 
     def publish(self, buffer: Buffer, name: str, *, read_only: bool = False) -> ShareDescriptor:
         """Export ``buffer`` and publish it under ``name`` for every session to look up; ``read_only``:
         openers map it without write access (advisory: section 9 of PROTOCOL.md says where it holds)."""
-        return self.run(requests.publish(buffer, name, read_only=read_only))
+        return self.run(build.publish(buffer, name, read_only=read_only))
 
     def unpublish(self, name: str) -> None:
-        self.run(requests.unpublish(name))
+        self.run(build.unpublish(name))
 
     def lookup(self, name: str) -> ShareDescriptor:
-        return self.run(requests.lookup(name))
+        return self.run(build.lookup(name))
 
     def list_shared(self) -> list[dict[str, Any]]:
         """Published names with their device, size, owner and number of holders."""
-        return self.run(requests.list_shared())
+        return self.run(build.list_shared())
 
     def open_shared(self, share: str | ShareDescriptor) -> OpenedShare:
         """Hold a share (by name or descriptor) and map it in this process; close it when done."""
@@ -450,12 +451,12 @@ class Client(SessionState):
 
     def close_shared(self, descriptor: ShareDescriptor) -> None:
         """Drop this session's hold (``OpenedShare.close`` calls this after unmapping)."""
-        self.run(requests.close_shared(descriptor))
+        self.run(build.close_shared(descriptor))
 
     def revoke(self, share: Buffer | ShareDescriptor) -> None:
         """Withdraw a share this session exported (by buffer or descriptor): its names go, holders
         lose their holds and get ``Revoked`` on their next use of it."""
         if isinstance(share, ShareDescriptor):
-            self.run(requests.revoke(share))
+            self.run(build.revoke(share))
         else:
-            self.run(requests.revoke_buffer(share))
+            self.run(build.revoke_buffer(share))

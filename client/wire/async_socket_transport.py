@@ -4,11 +4,11 @@ Any number of tasks may call at once. Each call registers a future under a
 fresh request id and sends; one reader task (started by the first call) receives
 every reply and resolves the future with that id, in whatever order replies
 come. Sends need no lock: ``zmq.asyncio`` sends each multipart message whole and
-in call order. At most :data:`~cuctxd.client.transport.MAX_IN_FLIGHT` calls wait for
+in call order. At most :data:`~cuctxd.client.wire.socket_transport.MAX_IN_FLIGHT` calls wait for
 replies at once; the rest queue, in order, for a free slot (within their
 timeout). A call that times out or is cancelled forgets its id, so its late reply
 is dropped and never lands in a later call's buffer. Matching replies to calls
-and reading their frames is shared with the sync :mod:`cuctxd.client.transport`.
+and reading their frames is shared with the sync :mod:`cuctxd.client.wire.socket_transport`.
 
 A transport belongs to the event loop that first used it, like the socket under it.
 """
@@ -25,8 +25,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from cuctxd.client.lanes import Reach
-from cuctxd.client.transport import (
+from cuctxd.client.wire.routes import Reach
+from cuctxd.client.wire.socket_transport import (
     DEFAULT_TIMEOUT,
     MAX_IN_FLIGHT,
     PROBE_EVERY,
@@ -55,7 +55,7 @@ class _Waiting:
     op: str
     into: Any
     reply: asyncio.Future[Reply]
-    #: The devices the request touches (None: all), for ordering across lanes (:mod:`cuctxd.client.lanes`).
+    #: The devices the request touches (None: all), for ordering across lanes (:mod:`cuctxd.client.wire.routes`).
     reach: Reach = None
 
 
@@ -64,9 +64,10 @@ class AsyncTransport:
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None, *,
                  daemon: str | None = None) -> None:
-        """``daemon``: the endpoint the user gave, as for :class:`~cuctxd.client.transport.Transport`: errors
-        name it, and while calls wait an ipc:// daemon is checked every
-        :data:`~cuctxd.client.transport.PROBE_EVERY` s (they fail with ``NoDaemon`` once it is gone)."""
+        """``daemon``: the endpoint the user gave, as for
+        :class:`~cuctxd.client.wire.socket_transport.Transport`: errors name it, and while calls wait an ipc://
+        daemon is checked every :data:`~cuctxd.client.wire.socket_transport.PROBE_EVERY` s (they fail with
+        ``NoDaemon`` once it is gone)."""
         self.endpoint = endpoint
         self.timeout = timeout
         self.curve = curve

@@ -17,8 +17,10 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from cuctxd.client import dlpack, requests, transfers
-from cuctxd.client.sharing import OpenedShare, byte_interface
+from cuctxd.client.api.sharing import OpenedShare, byte_interface
+from cuctxd.client.data_plane import transfers
+from cuctxd.client.tensors import dlpack
+from cuctxd.client.wire import build
 from cuctxd.protos.errors import BadArgument, WrongBackend
 from cuctxd.protos.host import buffer_address
 from cuctxd.protos.layouts import ALIGNMENT, BY_TYPESTR, DTYPES, Manifest, TensorSpec, c_strides, check_manifest
@@ -140,7 +142,7 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
         _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
         if device_sources:
             _copy_from_device(client, buffer, device_sources)
-        return client.run(requests.publish(buffer, name, packed, persistent, read_only))  # type: ignore[no-any-return]
+        return client.run(build.publish(buffer, name, packed, persistent, read_only))  # type: ignore[no-any-return]
     except BaseException:
         buffer.free()
         raise
@@ -153,7 +155,7 @@ PROGRESS_BYTES = 256 << 20
 def _write_host_sources(client: Any, buffer: Any, pieces: list[tuple[int, memoryview]], total: int,
                         progress: Callable[[int, int], None] | None) -> None:
     """The host tensors into the buffer through the staging ring, many per DMA
-    (:func:`~cuctxd.client.transfers.write_pieces`), in batches of :data:`PROGRESS_BYTES` between
+    (:func:`~cuctxd.client.data_plane.transfers.write_pieces`), in batches of :data:`PROGRESS_BYTES` between
     progress reports."""
     done, batch, batch_bytes = 0, [], 0
     for index, (offset, view) in enumerate(pieces):
@@ -170,7 +172,7 @@ def _copy_from_device(client: Any, buffer: Any, sources: list[tuple[TensorSpec, 
     """Device-to-device copies into the daemon's buffer, mapped here through its pool."""
     if client.backend != "cuda":
         raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
-    from cuctxd.client.ipc_cuda import copy_device_to_device
+    from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
 
     with client.open_shared(client.export(buffer)) as mapped:
         for spec, source in sources:
@@ -206,7 +208,7 @@ class SharedTensor:
         typestr = DTYPES[self.dtype].typestr
         if typestr is None:
             raise TypeError(f"{self.dtype} has no array-interface type: view the tensor through "
-                            "cuctxd.client.tensors.raw_interface and reinterpret its bytes")
+                            "cuctxd.client.tensors.tensor_sets.raw_interface and reinterpret its bytes")
         itemsize = DTYPES[self.dtype].itemsize
         return {"shape": self.shape, "typestr": typestr, "data": (data, self.readonly_flag(readonly)), "version": 3,
                 "strides": tuple(s * itemsize for s in self.spec.strides)}
@@ -293,7 +295,7 @@ class TensorSet(Mapping[str, SharedTensor]):
 
     def cuda_ordinal(self) -> int:
         """This process's ordinal of the layout's GPU (DLPack names devices by it)."""
-        from cuctxd.client.ipc_cuda import ordinal_of
+        from cuctxd.client.data_plane.ipc_cuda import ordinal_of
 
         return ordinal_of(self.share.descriptor.device_uuid)
 

@@ -14,9 +14,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from cuctxd.client.client import Client
-from cuctxd.client.doctor import FAIL, run_checks
-from cuctxd.client.format import (
+from cuctxd.client.api.client import Client
+from cuctxd.client.cli.doctor import FAIL, run_checks
+from cuctxd.client.cli.tables import (
     devices_table,
     doctor_text,
     human_duration,
@@ -24,7 +24,7 @@ from cuctxd.client.format import (
     status_text,
     watch_frame,
 )
-from cuctxd.client.transport import CurveKeys, curve_keys
+from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys
 from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
 from cuctxd.protos.errors import CuctxError
 from cuctxd.protos.sizes import human_size
@@ -164,7 +164,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 def load_file(client: Client, args: argparse.Namespace) -> int:
     """``cuctx load``: the file's tensors published as ``--name``, with a progress line on a terminal."""
-    from cuctxd.client.safetensors_load import load_safetensors
+    from cuctxd.client.tensors.safetensors_load import load_safetensors
 
     def progress(done: int, total: int) -> None:
         if sys.stderr.isatty():

@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from cuctxd.client.tensors import RawBytes, publish_tensors
+from cuctxd.client.tensors.tensor_sets import RawBytes, publish_tensors
 from cuctxd.protos.errors import BadArgument
 from cuctxd.protos.records import ShareDescriptor
 

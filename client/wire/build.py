@@ -5,15 +5,15 @@ This module is where the client knows the wire. A builder returns a
 :data:`Plan` when one call takes several requests (chunked transfers, a default
 device to look up): a generator that yields each :class:`Request` or
 :class:`Batch` and receives its result. Nothing here does I/O. :class:`~client.
-client.Client` runs requests through :class:`~cuctxd.client.transport.Transport` and
-:class:`~cuctxd.client.async_client.AsyncClient` awaits them through
-:class:`~cuctxd.client.async_transport.AsyncTransport`; both step plans with
+client.Client` runs requests through :class:`~cuctxd.client.wire.socket_transport.Transport` and
+:class:`~cuctxd.client.api.async_client.AsyncClient` awaits them through
+:class:`~cuctxd.client.wire.async_socket_transport.AsyncTransport`; both step plans with
 :class:`Run`, so each op's logic exists once.
 
 Builders that return client objects take the owning client and the class to
 build (``Context`` or ``AsyncContext``, ...), so one builder serves both flavours.
 What the two flavours share beyond requests (the session, the routes) is in
-:mod:`cuctxd.client.core`.
+:mod:`cuctxd.client.wire.session`.
 """
 
 from __future__ import annotations
@@ -436,7 +436,7 @@ def destroy_event(event: OnDevice) -> Request[None]:
     return _request("destroy_event", _nothing, **_on(event, event=event.handle))
 
 
-# --- sharing between processes (opening and closing a mapping: cuctxd.client.sharing) --------------
+# --- sharing between processes (opening and closing a mapping: cuctxd.client.api.sharing) --------------
 
 
 def _share(result: dict[str, Any], frames: list[Any]) -> ShareDescriptor:
@@ -493,7 +493,7 @@ def revoke_buffer(buffer: OnDevice) -> Plan[None]:
     yield revoke(descriptor)
 
 
-# --- the data plane: shared host buffers (their mapping: cuctxd.client.host_buffers) --------------
+# --- the data plane: shared host buffers (their mapping: cuctxd.client.data_plane.host_buffers) --------------
 
 
 def host_alloc(device: int | None, size: int) -> Request[dict[str, Any]]:
@@ -523,5 +523,5 @@ def memcpy_dtoh(buffer: OnDevice, host: OnDevice, offset: int, host_offset: int,
 
 
 def stream_ordered(device: int, stream: int | None, entries: bytes) -> Request[dict[str, Any]]:
-    """A batch of packed stream-ordered entries (:mod:`cuctxd.client.stream_ordered`)."""
+    """A batch of packed stream-ordered entries (:mod:`cuctxd.client.wire.stream_ordered`)."""
     return _request("stream_ordered", _result, device=device, stream=stream, ops=entries)

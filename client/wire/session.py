@@ -1,11 +1,11 @@
 """What both client flavours share and drive, with no I/O: the session, the routes, the lost-session rule.
 
-:class:`~cuctxd.client.client.Client` and :class:`~cuctxd.client.async_client.AsyncClient`
-each run the same requests (:mod:`cuctxd.client.requests`) over their own
+:class:`~cuctxd.client.api.client.Client` and :class:`~cuctxd.client.api.async_client.AsyncClient`
+each run the same requests (:mod:`cuctxd.client.wire.build`) over their own
 transports. What they know of the session (:class:`SessionState`), which socket
-each request takes (:class:`Router`, over :mod:`cuctxd.client.lanes`) and when a
+each request takes (:class:`Router`, over :mod:`cuctxd.client.wire.routes`) and when a
 session counts as lost are decided here, once. The client objects
-(:mod:`cuctxd.client.objects`, :mod:`~cuctxd.client.streams`, :mod:`~cuctxd.client.sharing`)
+(:mod:`cuctxd.client.api.objects`, :mod:`~cuctxd.client.api.streams`, :mod:`~cuctxd.client.api.sharing`)
 are typed against :class:`Session` and :class:`AsyncSession`, not the client
 classes, so they import nothing of the clients.
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-from cuctxd.client.data_plane import DataPlane
-from cuctxd.client.lanes import FRONT, Lanes, Reach, Route, lane_endpoints
-from cuctxd.client.requests import Plan, Request
-from cuctxd.client.stream_ordered import Outbox
+from cuctxd.client.data_plane.plane import DataPlane
+from cuctxd.client.wire.build import Plan, Request
+from cuctxd.client.wire.routes import FRONT, Lanes, Reach, Route, lane_endpoints
+from cuctxd.client.wire.stream_ordered import Outbox
 from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, NoDaemon, NotShareable, SessionLost
 from cuctxd.protos.host import host_identity
 

@@ -1,4 +1,4 @@
-"""CuPy on top of :mod:`cuctxd.client.tensors`: publish a dict of arrays once, load it zero-copy anywhere.
+"""CuPy on top of :mod:`cuctxd.client.tensors.tensor_sets`: publish a dict of arrays once, load it zero-copy anywhere.
 
 ``publish_arrays(client, name, arrays)`` takes CuPy (or numpy) arrays; ``load_arrays(client, name)``
 gives a :class:`LoadedArrays` whose ``arrays`` are CuPy arrays over the daemon's memory (cuda backend)
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cuctxd.client.tensors import TensorSet, open_tensors, publish_tensors
+from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors, publish_tensors
 from cuctxd.protos.records import ShareDescriptor
 
 

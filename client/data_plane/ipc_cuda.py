@@ -4,12 +4,12 @@ legacy ``cuIpcOpenMemHandle``.
 The mapping lives in this process's primary context of the same GPU (found by
 UUID, so ``CUDA_VISIBLE_DEVICES`` renumbering does not matter), which is the
 context CuPy and PyTorch use too: the pointer works directly with them. The
-driver calls go through :mod:`cuctxd.client.cuda_driver` (ctypes on libcuda).
+driver calls go through :mod:`cuctxd.client.data_plane.cuda_driver` (ctypes on libcuda).
 """
 
 from __future__ import annotations
 
-from cuctxd.client.cuda_driver import Driver, driver
+from cuctxd.client.data_plane.cuda_driver import Driver, driver
 from cuctxd.protos.records import ShareDescriptor
 
 

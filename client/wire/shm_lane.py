@@ -6,7 +6,7 @@ socket, then three fds through the fd channel. From then on a request that fits
 (:func:`eligible`, :meth:`ShmTransport.try_send`) is written into the shared
 region and rung with an eventfd; the reply comes back the same way, at about half
 the cost of a ZeroMQ round trip. One request is out at a time; the client's
-router (:mod:`cuctxd.client.lanes`) keeps it in order with the socket's, as for
+router (:mod:`cuctxd.client.wire.routes`) keeps it in order with the socket's, as for
 any other lane. A lane that timed out is not used again (a late reply must not
 meet the next request). Which thread may call: the sync client's callers, under
 its route lock.
@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cuctxd.client.lanes import Reach
-from cuctxd.client.transport import (
+from cuctxd.client.wire.routes import Reach
+from cuctxd.client.wire.socket_transport import (
     PROBE_EVERY,
     Call,
     DaemonWatch,
@@ -95,7 +95,7 @@ def eligible(op: str, args: dict[str, Any], device: int, reach: Reach) -> bool:
 
 class ShmTransport:
     """One shm lane: the region mapped here, the request and reply eventfds, and the daemon's pidfd when it
-    sent one; the interface of :class:`~cuctxd.client.transport.Transport` that the router and calls use."""
+    sent one; the interface of :class:`~cuctxd.client.wire.socket_transport.Transport` that the router and calls use."""
 
     def __init__(self, fds: Sequence[int], daemon: str, timeout: float, socket: Transport) -> None:
         """``fds``: as the ticket gave them (memfd, request and reply eventfds, then the daemon's pidfd, if

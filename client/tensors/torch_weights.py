@@ -1,4 +1,4 @@
-"""PyTorch on top of :mod:`cuctxd.client.tensors`: publish a state dict once, load it zero-copy anywhere.
+"""PyTorch on top of :mod:`cuctxd.client.tensors.tensor_sets`: publish a state dict once, load it zero-copy anywhere.
 
 ``publish_state_dict(client, name, module_or_state_dict)`` puts every tensor in one
 daemon buffer (device to device from the same GPU; bfloat16 travels as its bytes);
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cuctxd.client.sharing import byte_interface
-from cuctxd.client.tensors import CudaArray, TensorSet, open_tensors, publish_tensors
+from cuctxd.client.api.sharing import byte_interface
+from cuctxd.client.tensors.tensor_sets import CudaArray, TensorSet, open_tensors, publish_tensors
 from cuctxd.protos.records import ShareDescriptor
 
 

@@ -1,18 +1,18 @@
 """Host <-> device transfers, choosing the path: a host buffer, the staging ring, or the socket.
 
-* From or to a :class:`~cuctxd.client.host_buffers.HostBuffer`: one small request,
+* From or to a :class:`~cuctxd.client.data_plane.host_buffers.HostBuffer`: one small request,
   the daemon copies by DMA (``memcpy_htod``/``memcpy_dtoh``).
 * Ordinary bytes of at least :data:`RING_MIN_BYTES`, without a stream, over a
   client with a data plane: through the device's staging ring, a host buffer of
   :data:`RING_SLOTS` slots of :data:`RING_SLOT_BYTES`. The client copies the next
-  slot (on several threads, :mod:`cuctxd.client.host_copy`) while the daemon DMAs
+  slot (on several threads, :mod:`cuctxd.client.data_plane.host_copy`) while the daemon DMAs
   the one before; at most ``RING_SLOTS`` requests are out at once, and a slot is
   reused only after its request was answered. The chunk nothing overlaps (a
   write's last, a read's first) is kept short (:data:`EDGE_BYTES`). A write of
   one chunk (from :data:`EARLY_MIN_BYTES`) sends its request early on the shm
   lane, before its copy.
 * Otherwise (small transfers, stream-ordered ones, tcp://): payload frames on the
-  socket (:func:`cuctxd.client.requests.write` and friends).
+  socket (:func:`cuctxd.client.wire.build.write` and friends).
 
 Which thread may call: the client's callers; a ring serves one transfer at a time
 (another one meanwhile takes the socket).
@@ -27,9 +27,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
-from cuctxd.client import host_copy, requests
-from cuctxd.client.host_buffers import HostBufferFields, host_alloc
-from cuctxd.client.requests import Local, OnDevice, Plan, Request, Send, Sized, Wait
+from cuctxd.client.data_plane import host_copy
+from cuctxd.client.data_plane.host_buffers import HostBufferFields, host_alloc
+from cuctxd.client.wire import build
+from cuctxd.client.wire.build import Local, OnDevice, Plan, Request, Send, Sized, Wait
 from cuctxd.protos.errors import BadArgument, CuctxError
 
 #: Bytes per slot of a staging ring, and slots per ring. Measured on the H200 host inside a 64 MiB
@@ -190,7 +191,7 @@ def _ring_write(ring: StagingRing, buffer: OnDevice, pieces: Iterable[tuple[int,
                 if len(sent) == RING_SLOTS:
                     yield Wait(sent.popleft())
                 yield Local(partial(ring.copy_in, index, placed))
-                sent.append((yield Send(requests.memcpy_htod(buffer, ring.host, offset, ring.offset(index), size,
+                sent.append((yield Send(build.memcpy_htod(buffer, ring.host, offset, ring.offset(index), size,
                                                              None))))
                 written += sum(data.nbytes for _, data in placed)
             while sent:
@@ -205,7 +206,7 @@ def _ring_write_one(ring: StagingRing, buffer: OnDevice, offset: int, view: memo
     """A write of one chunk (64 KiB - 8 MiB, without the chunking's steps): its request sent early on the
     shm lane, so that its trip and checks overlap the copy (from :data:`EARLY_MIN_BYTES`); else the copy,
     then the request."""
-    request = requests.memcpy_htod(buffer, ring.host, offset, 0, view.nbytes, None)
+    request = build.memcpy_htod(buffer, ring.host, offset, 0, view.nbytes, None)
     copy = Local(partial(ring.copy_in, 0, [(0, view)]))
     with ring.in_use():
         early = (yield Send(request, early=True)) if view.nbytes >= EARLY_MIN_BYTES else None
@@ -224,7 +225,7 @@ def _ring_write_one(ring: StagingRing, buffer: OnDevice, offset: int, view: memo
 def _ring_read_into(ring: StagingRing, buffer: OnDevice, out: memoryview, offset: int) -> Plan[int]:
     if out.nbytes <= 2 * EDGE_BYTES:  # one chunk: one request, then the copy out
         with ring.in_use():
-            yield requests.memcpy_dtoh(buffer, ring.host, offset, 0, out.nbytes, None)
+            yield build.memcpy_dtoh(buffer, ring.host, offset, 0, out.nbytes, None)
             yield Local(partial(ring.copy_out, 0, out))
         return out.nbytes
     starts = [0, *range(EDGE_BYTES, out.nbytes, RING_SLOT_BYTES)]  # a short first DMA, that nothing overlaps
@@ -233,7 +234,7 @@ def _ring_read_into(ring: StagingRing, buffer: OnDevice, out: memoryview, offset
     sent: deque[Any] = deque()
 
     def send(index: int, at: int, size: int) -> Plan[None]:
-        call = yield Send(requests.memcpy_dtoh(buffer, ring.host, offset + at, ring.offset(index), size, None))
+        call = yield Send(build.memcpy_dtoh(buffer, ring.host, offset + at, ring.offset(index), size, None))
         sent.append((call, index, at, size))
 
     with ring.in_use():
@@ -258,7 +259,7 @@ def write(owner: Any, buffer: OnDevice, data: Any, offset: int, stream: OnDevice
     """Host to device by the cheapest path (module docstring)."""
     if isinstance(data, HostBufferFields):
         _check_device(buffer, data)
-        written: int = yield requests.memcpy_htod(buffer, data, offset, 0, None, stream)
+        written: int = yield build.memcpy_htod(buffer, data, offset, 0, None, stream)
         return written
     view = memoryview(data).cast("B")
     if stream is None and view.nbytes >= RING_MIN_BYTES:
@@ -267,7 +268,7 @@ def write(owner: Any, buffer: OnDevice, data: Any, offset: int, stream: OnDevice
             if view.nbytes <= 2 * EDGE_BYTES:  # one chunk, not split: one request
                 return (yield from _ring_write_one(ring, buffer, offset, view))
             return (yield from _ring_write(ring, buffer, [(offset, view)]))
-    return (yield from requests.write(buffer, view, offset, stream, owner.limits["max_payload_bytes"]))
+    return (yield from build.write(buffer, view, offset, stream, owner.limits["max_payload_bytes"]))
 
 
 def write_pieces(owner: Any, buffer: OnDevice, pieces: Sequence[tuple[int, Any]]) -> Plan[int]:
@@ -282,7 +283,7 @@ def write_pieces(owner: Any, buffer: OnDevice, pieces: Sequence[tuple[int, Any]]
             return (yield from _ring_write(ring, buffer, views))
     written = 0
     for offset, view in views:  # the ring was asked for above: the socket it is
-        written += yield from requests.write(buffer, view, offset, None, owner.limits["max_payload_bytes"])
+        written += yield from build.write(buffer, view, offset, None, owner.limits["max_payload_bytes"])
     return written
 
 
@@ -290,14 +291,14 @@ def read_into(owner: Any, buffer: OnDevice, out: Any, offset: int, stream: OnDev
     """Device to host straight into ``out`` by the cheapest path (module docstring)."""
     if isinstance(out, HostBufferFields):
         _check_device(buffer, out)
-        read: int = yield requests.memcpy_dtoh(buffer, out, offset, 0, None, stream)
+        read: int = yield build.memcpy_dtoh(buffer, out, offset, 0, None, stream)
         return read
     view = memoryview(out).cast("B")
     if stream is None and view.nbytes >= RING_MIN_BYTES:
         ring = yield from _ring(owner, buffer.device)
         if ring is not None:
             return (yield from _ring_read_into(ring, buffer, view, offset))
-    step = requests.read_into(buffer, view, offset, stream)
+    step = build.read_into(buffer, view, offset, stream)
     if isinstance(step, Request):
         received: int = yield step
         return received
@@ -313,4 +314,4 @@ def read(owner: Any, buffer: Sized, size: int | None, offset: int, stream: OnDev
             out = bytearray(size)
             yield from _ring_read_into(ring, buffer, memoryview(out), offset)
             return bytes(out)
-    return (yield from requests.read(buffer, size, offset, stream))
+    return (yield from build.read(buffer, size, offset, stream))

@@ -17,8 +17,8 @@ import itertools
 import struct
 from typing import Any
 
-from cuctxd.client import requests
-from cuctxd.client.requests import Request
+from cuctxd.client.wire import build
+from cuctxd.client.wire.build import Request
 from cuctxd.protos.limits import MAX_STREAM_ORDERED_ENTRIES, MIN_CLIENT_HANDLE, STREAM_ORDERED_ENTRY
 from cuctxd.protos.records import BufferRecord
 
@@ -62,7 +62,7 @@ class Outbox:
         step = MAX_STREAM_ORDERED_ENTRIES * _ENTRY.size
         for device, stream, run in self._runs:
             for at in range(0, len(run), step):
-                taken.append(requests.stream_ordered(device, stream, bytes(run[at:at + step])))
+                taken.append(build.stream_ordered(device, stream, bytes(run[at:at + step])))
         self._runs.clear()
         self.entries = 0
         return taken

@@ -1,16 +1,16 @@
 """Pipelining: send many requests without waiting for each reply.
 
 ``with client.pipeline() as p:`` gives an object whose methods mirror the
-client's memory ops but return :class:`~cuctxd.client.transport.Call` futures at once;
+client's memory ops but return :class:`~cuctxd.client.wire.socket_transport.Call` futures at once;
 leaving the block waits for every reply (raising the first error). Ops on one
 stream keep their order in the daemon, so a sequence of writes, copies and reads
 flows without a round trip each.
 
 ``async with async_client.pipeline() as p:`` is the same for an
-:class:`~cuctxd.client.async_client.AsyncClient`, its methods returning
+:class:`~cuctxd.client.api.async_client.AsyncClient`, its methods returning
 :class:`asyncio.Task` futures (each is also simply a concurrent call; the
 pipeline keeps them in order and collects them). Both flavours build their
-requests in :mod:`cuctxd.client.requests`.
+requests in :mod:`cuctxd.client.wire.build`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import contextlib
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Generic, TypeVar
 
-from cuctxd.client import requests
 from cuctxd.client.presentation import docs_from
-from cuctxd.client.requests import OnDevice, Request
-from cuctxd.client.transport import MAX_IN_FLIGHT, Call
+from cuctxd.client.wire import build
+from cuctxd.client.wire.build import OnDevice, Request
+from cuctxd.client.wire.socket_transport import MAX_IN_FLIGHT, Call
 from cuctxd.protos.errors import CuctxError, DaemonTimeout, NoDaemon
 
 __all__ = ["MAX_IN_FLIGHT", "AsyncPipeline", "Pipeline", "PipelineOps", "raise_first"]
@@ -47,22 +47,22 @@ class PipelineOps(Generic[FutureT]):
 
     def write(self, buffer: OnDevice, data: Any, offset: int = 0, *, stream: OnDevice | None = None) -> FutureT:
         """One write request however large ``data`` is (result: bytes written)."""
-        return self.send(requests.write_frame(buffer, data, offset, stream))
+        return self.send(build.write_frame(buffer, data, offset, stream))
 
     def read(self, buffer: OnDevice, size: int | None = None, offset: int = 0, *,
              stream: OnDevice | None = None) -> FutureT:
         """Result: the bytes."""
-        return self.send(requests.read_frame(buffer, size, offset, stream))
+        return self.send(build.read_frame(buffer, size, offset, stream))
 
     def fill(self, buffer: OnDevice, value: int = 0, offset: int = 0, size: int | None = None, *,
              stream: OnDevice | None = None) -> FutureT:
         """Result: bytes filled."""
-        return self.send(requests.fill(buffer, value, offset, size, stream))
+        return self.send(build.fill(buffer, value, offset, size, stream))
 
     def copy(self, src: OnDevice, dst: OnDevice, size: int | None = None, src_offset: int = 0,
              dst_offset: int = 0, *, stream: OnDevice | None = None) -> FutureT:
         """Result: bytes copied."""
-        return self.send(requests.copy(src, dst, size, src_offset, dst_offset, stream))
+        return self.send(build.copy(src, dst, size, src_offset, dst_offset, stream))
 
 
 class Pipeline(PipelineOps[Call[Any]]):

@@ -5,10 +5,10 @@ They are thin: each holds the record the daemon gave out
 holds the state. ``handle`` and ``device`` (and a buffer's ``size``) are copied
 from the record into slots, since every request reads them; the rest is read
 from the record. :class:`Context`/:class:`Buffer` belong to a
-:class:`~cuctxd.client.client.Client` and their methods return results, while
+:class:`~cuctxd.client.api.client.Client` and their methods return results, while
 :class:`AsyncContext`/:class:`AsyncBuffer` belong to an
-:class:`~cuctxd.client.async_client.AsyncClient` and their methods are coroutines
-(``await buf.write(data)``). Both are typed against :mod:`cuctxd.client.core`'s
+:class:`~cuctxd.client.api.async_client.AsyncClient` and their methods are coroutines
+(``await buf.write(data)``). Both are typed against :mod:`cuctxd.client.wire.session`'s
 session protocols, not the client classes.
 """
 
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import Any, Self
 
-from cuctxd.client import requests, transfers
-from cuctxd.client.core import AsyncSession, Session
+from cuctxd.client.data_plane import transfers
 from cuctxd.client.presentation import describe, docs_from
+from cuctxd.client.wire import build
+from cuctxd.client.wire.session import AsyncSession, Session
 from cuctxd.protos.records import BufferRecord, ContextRecord, ShareDescriptor
 
 
@@ -91,32 +92,32 @@ class Context(ContextFields):
 
     def push(self) -> None:
         """``cuCtxPushCurrent``: make this the session's current context on its device."""
-        self.client.run(requests.push_context(self))
+        self.client.run(build.push_context(self))
 
     def destroy(self) -> None:
         """``cuCtxDestroy``: frees every buffer allocated in it."""
-        self.client.run(requests.destroy_context(self))
+        self.client.run(build.destroy_context(self))
 
     def info(self) -> Context:
         """Fresh ``api_version``/``flags``/``device`` as the driver reports them now."""
-        return self.client.run(requests.context_info(self.client, Context, self))
+        return self.client.run(build.context_info(self.client, Context, self))
 
 
 @docs_from(Context)
 class AsyncContext(ContextFields):
-    """A :class:`Context` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines."""
+    """A :class:`Context` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: its methods are coroutines."""
 
     __slots__ = ()
     client: AsyncSession
 
     async def push(self) -> None:
-        await self.client.run(requests.push_context(self))
+        await self.client.run(build.push_context(self))
 
     async def destroy(self) -> None:
-        await self.client.run(requests.destroy_context(self))
+        await self.client.run(build.destroy_context(self))
 
     async def info(self) -> AsyncContext:
-        return await self.client.run(requests.context_info(self.client, AsyncContext, self))
+        return await self.client.run(build.context_info(self.client, AsyncContext, self))
 
 
 class BufferFields(SessionObject):
@@ -159,44 +160,44 @@ class Buffer(BufferFields):
     __slots__ = ()
     client: Session
 
-    def write(self, data: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
+    def write(self, data: Any, offset: int = 0, *, stream: build.OnDevice | None = None) -> int:
         """Copy host bytes (any buffer-protocol object, or a host buffer by DMA) to ``self[offset:]``;
         returns bytes written."""
         return self.client.run(transfers.write(self.client, self, data, offset, stream))
 
-    def read(self, size: int | None = None, offset: int = 0, *, stream: requests.OnDevice | None = None) -> bytes:
+    def read(self, size: int | None = None, offset: int = 0, *, stream: build.OnDevice | None = None) -> bytes:
         """Copy ``size`` bytes (default: to the end) from ``self[offset:]`` to the host."""
         return self.client.run(transfers.read(self.client, self, size, offset, stream))
 
-    def read_into(self, out: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
+    def read_into(self, out: Any, offset: int = 0, *, stream: build.OnDevice | None = None) -> int:
         """Read ``len(out)`` bytes straight into a writable host buffer; returns bytes read."""
         return self.client.run(transfers.read_into(self.client, self, out, offset, stream))
 
     def fill(self, value: int = 0, offset: int = 0, size: int | None = None, *,
-             stream: requests.OnDevice | None = None) -> None:
+             stream: build.OnDevice | None = None) -> None:
         """``cuMemsetD8`` over ``[offset, offset+size)`` (async on ``stream`` if given)."""
-        self.client.run(requests.fill(self, value, offset, size, stream))
+        self.client.run(build.fill(self, value, offset, size, stream))
 
     def copy_to(self, dst: Buffer, size: int | None = None, src_offset: int = 0, dst_offset: int = 0, *,
-                stream: requests.OnDevice | None = None) -> int:
+                stream: build.OnDevice | None = None) -> int:
         """Device-to-device copy into ``dst`` (any device); returns bytes copied."""
-        return self.client.run(requests.copy(self, dst, size, src_offset, dst_offset, stream))
+        return self.client.run(build.copy(self, dst, size, src_offset, dst_offset, stream))
 
     def export(self) -> ShareDescriptor:
         """Make this buffer shareable with other processes (see ``Client.open_shared``)."""
-        return self.client.run(requests.export(self))
+        return self.client.run(build.export(self))
 
     def publish(self, name: str) -> ShareDescriptor:
-        return self.client.run(requests.publish(self, name))
+        return self.client.run(build.publish(self, name))
 
     def revoke(self) -> None:
         """Withdraw this buffer's share: its names go, holders lose their holds and get
         :class:`~cuctxd.protos.errors.Revoked` on their next use; the buffer stays yours."""
-        self.client.run(requests.revoke_buffer(self))
+        self.client.run(build.revoke_buffer(self))
 
     def free(self) -> None:
         """Free it once; later calls (also ``client.free(buf)``) send nothing."""
-        self.client.run(requests.free(self))
+        self.client.run(build.free(self))
 
     def __enter__(self) -> Buffer:
         return self
@@ -207,41 +208,41 @@ class Buffer(BufferFields):
 
 @docs_from(Buffer)
 class AsyncBuffer(BufferFields):
-    """A :class:`Buffer` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines,
+    """A :class:`Buffer` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: its methods are coroutines,
     and ``async with`` frees it."""
 
     __slots__ = ()
     client: AsyncSession
 
-    async def write(self, data: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
+    async def write(self, data: Any, offset: int = 0, *, stream: build.OnDevice | None = None) -> int:
         return await self.client.run(transfers.write(self.client, self, data, offset, stream))
 
     async def read(self, size: int | None = None, offset: int = 0, *,
-                   stream: requests.OnDevice | None = None) -> bytes:
+                   stream: build.OnDevice | None = None) -> bytes:
         return await self.client.run(transfers.read(self.client, self, size, offset, stream))
 
-    async def read_into(self, out: Any, offset: int = 0, *, stream: requests.OnDevice | None = None) -> int:
+    async def read_into(self, out: Any, offset: int = 0, *, stream: build.OnDevice | None = None) -> int:
         return await self.client.run(transfers.read_into(self.client, self, out, offset, stream))
 
     async def fill(self, value: int = 0, offset: int = 0, size: int | None = None, *,
-                   stream: requests.OnDevice | None = None) -> None:
-        await self.client.run(requests.fill(self, value, offset, size, stream))
+                   stream: build.OnDevice | None = None) -> None:
+        await self.client.run(build.fill(self, value, offset, size, stream))
 
     async def copy_to(self, dst: AsyncBuffer, size: int | None = None, src_offset: int = 0, dst_offset: int = 0,
-                      *, stream: requests.OnDevice | None = None) -> int:
-        return await self.client.run(requests.copy(self, dst, size, src_offset, dst_offset, stream))
+                      *, stream: build.OnDevice | None = None) -> int:
+        return await self.client.run(build.copy(self, dst, size, src_offset, dst_offset, stream))
 
     async def export(self) -> ShareDescriptor:
-        return await self.client.run(requests.export(self))
+        return await self.client.run(build.export(self))
 
     async def publish(self, name: str) -> ShareDescriptor:
-        return await self.client.run(requests.publish(self, name))
+        return await self.client.run(build.publish(self, name))
 
     async def revoke(self) -> None:
-        await self.client.run(requests.revoke_buffer(self))
+        await self.client.run(build.revoke_buffer(self))
 
     async def free(self) -> None:
-        await self.client.run(requests.free(self))
+        await self.client.run(build.free(self))
 
     async def __aenter__(self) -> AsyncBuffer:
         return self

@@ -23,11 +23,11 @@ KEEP_IDLE = 32
 
 def _import_pool(descriptor: ShareDescriptor, fd: int) -> Any:
     if descriptor.backend == "sim":
-        from cuctxd.client.ipc_sim import SimPoolImport
+        from cuctxd.client.data_plane.ipc_sim import SimPoolImport
 
         return SimPoolImport(fd, descriptor.device_uuid)
     if descriptor.backend == "cuda":
-        from cuctxd.client.ipc_cuda import CudaPoolImport
+        from cuctxd.client.data_plane.ipc_cuda import CudaPoolImport
 
         return CudaPoolImport(fd, descriptor.device_uuid)
     raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")

@@ -1,19 +1,19 @@
 """Client-side streams and events, named after CUDA's; handles are scoped to the session.
 
-:class:`Stream`/:class:`Event` belong to a :class:`~cuctxd.client.client.Client`;
+:class:`Stream`/:class:`Event` belong to a :class:`~cuctxd.client.api.client.Client`;
 :class:`AsyncStream`/:class:`AsyncEvent` to an
-:class:`~cuctxd.client.async_client.AsyncClient`, and their methods are coroutines.
-Both flavours send the same requests (:mod:`cuctxd.client.requests`).
+:class:`~cuctxd.client.api.async_client.AsyncClient`, and their methods are coroutines.
+Both flavours send the same requests (:mod:`cuctxd.client.wire.build`).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Self
 
-from cuctxd.client import requests
-from cuctxd.client.core import AsyncSession, Session
-from cuctxd.client.objects import SessionObject
+from cuctxd.client.api.objects import SessionObject
 from cuctxd.client.presentation import docs_from
+from cuctxd.client.wire import build
+from cuctxd.client.wire.session import AsyncSession, Session
 
 
 class HandleFields(SessionObject):
@@ -48,17 +48,17 @@ class Stream(HandleFields):
 
     def query(self) -> bool:
         """True when all queued work is done (``cuStreamQuery``)."""
-        return self.client.run(requests.stream_query(self))
+        return self.client.run(build.stream_query(self))
 
     def synchronize(self) -> None:
-        self.client.run(requests.stream_synchronize(self))
+        self.client.run(build.stream_synchronize(self))
 
     def wait_event(self, event: Event) -> None:
         """Later work on this stream waits for ``event`` (``cuStreamWaitEvent``)."""
-        self.client.run(requests.stream_wait_event(self, event))
+        self.client.run(build.stream_wait_event(self, event))
 
     def destroy(self) -> None:
-        self.client.run(requests.destroy_stream(self))
+        self.client.run(build.destroy_stream(self))
 
 
 class Event(HandleFields):
@@ -70,62 +70,62 @@ class Event(HandleFields):
 
     def record(self, stream: Stream | None = None) -> None:
         """``cuEventRecord`` on ``stream`` (default: the legacy default stream)."""
-        self.client.run(requests.record_event(self, stream))
+        self.client.run(build.record_event(self, stream))
 
     def query(self) -> bool:
-        return self.client.run(requests.event_query(self))
+        return self.client.run(build.event_query(self))
 
     def synchronize(self) -> None:
-        self.client.run(requests.event_synchronize(self))
+        self.client.run(build.event_synchronize(self))
 
     def elapsed_time(self, end: Event) -> float:
         """Milliseconds from this event's record to ``end``'s."""
-        return self.client.run(requests.event_elapsed_time(self, end))
+        return self.client.run(build.event_elapsed_time(self, end))
 
     def destroy(self) -> None:
-        self.client.run(requests.destroy_event(self))
+        self.client.run(build.destroy_event(self))
 
 
 @docs_from(Stream)
 class AsyncStream(HandleFields):
-    """A :class:`Stream` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines."""
+    """A :class:`Stream` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: its methods are coroutines."""
 
     __slots__ = ()
     reply_field = "stream"
     client: AsyncSession
 
     async def query(self) -> bool:
-        return await self.client.run(requests.stream_query(self))
+        return await self.client.run(build.stream_query(self))
 
     async def synchronize(self) -> None:
-        await self.client.run(requests.stream_synchronize(self))
+        await self.client.run(build.stream_synchronize(self))
 
     async def wait_event(self, event: AsyncEvent) -> None:
-        await self.client.run(requests.stream_wait_event(self, event))
+        await self.client.run(build.stream_wait_event(self, event))
 
     async def destroy(self) -> None:
-        await self.client.run(requests.destroy_stream(self))
+        await self.client.run(build.destroy_stream(self))
 
 
 @docs_from(Event)
 class AsyncEvent(HandleFields):
-    """An :class:`Event` of an :class:`~cuctxd.client.async_client.AsyncClient`: its methods are coroutines."""
+    """An :class:`Event` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: its methods are coroutines."""
 
     __slots__ = ()
     reply_field = "event"
     client: AsyncSession
 
     async def record(self, stream: AsyncStream | None = None) -> None:
-        await self.client.run(requests.record_event(self, stream))
+        await self.client.run(build.record_event(self, stream))
 
     async def query(self) -> bool:
-        return await self.client.run(requests.event_query(self))
+        return await self.client.run(build.event_query(self))
 
     async def synchronize(self) -> None:
-        await self.client.run(requests.event_synchronize(self))
+        await self.client.run(build.event_synchronize(self))
 
     async def elapsed_time(self, end: AsyncEvent) -> float:
-        return await self.client.run(requests.event_elapsed_time(self, end))
+        return await self.client.run(build.event_elapsed_time(self, end))
 
     async def destroy(self) -> None:
-        await self.client.run(requests.destroy_event(self))
+        await self.client.run(build.destroy_event(self))

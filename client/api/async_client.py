@@ -1,18 +1,18 @@
-"""The asyncio client: :class:`AsyncClient`, the :class:`~cuctxd.client.client.Client` API as coroutines.
+"""The asyncio client: :class:`AsyncClient`, the :class:`~cuctxd.client.api.client.Client` API as coroutines.
 
-Every method of :class:`~cuctxd.client.client.Client` is here under the same name and
+Every method of :class:`~cuctxd.client.api.client.Client` is here under the same name and
 arguments as a coroutine (``await client.alloc(n)``), and the objects it returns
-(:class:`~cuctxd.client.objects.AsyncBuffer`, :class:`~cuctxd.client.objects.AsyncContext`,
-:class:`~cuctxd.client.streams.AsyncStream`, :class:`~cuctxd.client.streams.AsyncEvent`,
-:class:`~cuctxd.client.sharing.AsyncOpenedShare`) have coroutine methods too. The
-requests are the sync client's own (:mod:`cuctxd.client.requests`); only the running
+(:class:`~cuctxd.client.api.objects.AsyncBuffer`, :class:`~cuctxd.client.api.objects.AsyncContext`,
+:class:`~cuctxd.client.api.streams.AsyncStream`, :class:`~cuctxd.client.api.streams.AsyncEvent`,
+:class:`~cuctxd.client.api.sharing.AsyncOpenedShare`) have coroutine methods too. The
+requests are the sync client's own (:mod:`cuctxd.client.wire.build`); only the running
 differs.
 
 Open it with ``async with AsyncClient(endpoint) as client:`` (or ``client =
 await AsyncClient(endpoint)`` and ``await client.close()``). Any number of tasks
 of one event loop may call it at once: they share its sockets (the main one and,
-as for the sync client, each device's own: :mod:`cuctxd.client.lanes`), and replies
-find their callers by request id (:mod:`cuctxd.client.async_transport`). With several
+as for the sync client, each device's own: :mod:`cuctxd.client.wire.routes`), and replies
+find their callers by request id (:mod:`cuctxd.client.wire.async_socket_transport`). With several
 sockets in use, requests still leave in the order they were started, each after
 what it must follow has been answered. A heartbeat task renews the lease while
 the loop runs.
@@ -25,20 +25,21 @@ import time
 from collections.abc import Generator
 from typing import Any, TypeVar
 
-from cuctxd.client import requests, transfers
-from cuctxd.client.async_transport import AsyncTransport
-from cuctxd.client.client import HELLO_TIMEOUT, Client
-from cuctxd.client.core import Router, SessionState
-from cuctxd.client.host_buffers import AsyncHostBuffer, host_alloc
-from cuctxd.client.lanes import FRONT, Route
-from cuctxd.client.lease import AsyncHeartbeat
-from cuctxd.client.objects import AsyncBuffer, AsyncContext
-from cuctxd.client.pipeline import AsyncPipeline, raise_first
+from cuctxd.client.api.client import HELLO_TIMEOUT, Client
+from cuctxd.client.api.objects import AsyncBuffer, AsyncContext
+from cuctxd.client.api.pipeline import AsyncPipeline, raise_first
+from cuctxd.client.api.sharing import AsyncOpenedShare, open_share
+from cuctxd.client.api.streams import AsyncEvent, AsyncStream
+from cuctxd.client.data_plane import transfers
+from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer, host_alloc
 from cuctxd.client.presentation import docs_from
-from cuctxd.client.requests import Batch, Local, Plan, Request, Run, Send, Step, Wait
-from cuctxd.client.sharing import AsyncOpenedShare, open_share
-from cuctxd.client.streams import AsyncEvent, AsyncStream
-from cuctxd.client.transport import DEFAULT_TIMEOUT, CurveKeys, KeyPath, curve_keys, listening, no_daemon
+from cuctxd.client.wire import build
+from cuctxd.client.wire.async_socket_transport import AsyncTransport
+from cuctxd.client.wire.build import Batch, Local, Plan, Request, Run, Send, Step, Wait
+from cuctxd.client.wire.lease import AsyncHeartbeat
+from cuctxd.client.wire.routes import FRONT, Route
+from cuctxd.client.wire.session import Router, SessionState
+from cuctxd.client.wire.socket_transport import DEFAULT_TIMEOUT, CurveKeys, KeyPath, curve_keys, listening, no_daemon
 from cuctxd.protos.endpoints import client_endpoint
 from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
@@ -48,7 +49,7 @@ T = TypeVar("T")
 
 @docs_from(Client)
 class AsyncClient(SessionState):
-    """A session with a cuctxd daemon for asyncio code; arguments as for :class:`~cuctxd.client.client.Client`.
+    """A session with a cuctxd daemon for asyncio code; arguments as for :class:`~cuctxd.client.api.client.Client`.
 
     Nothing is sent until it is opened (``async with``, ``await AsyncClient(...)`` or
     :meth:`open`). It belongs to the event loop that opened it. Timeouts raise
@@ -96,7 +97,7 @@ class AsyncClient(SessionState):
         if not listening(self.endpoint):
             raise no_daemon(self.endpoint, "hello")
         main = AsyncTransport(self.endpoint, self.timeout, self.curve)
-        hello = requests.hello(self._name, min(self.timeout, self.hello_timeout))
+        hello = build.hello(self._name, min(self.timeout, self.hello_timeout))
         try:
             answer = hello.convert(*await main.call(hello.op, hello.args, None, timeout=hello.timeout))
         except BaseException:
@@ -195,7 +196,7 @@ class AsyncClient(SessionState):
             return
         try:
             if self._token is not None:  # a daemon that is gone must not hold the caller for long
-                await self._execute(requests.goodbye(timeout=min(self.timeout, 2.0)))
+                await self._execute(build.goodbye(timeout=min(self.timeout, 2.0)))
         except CuctxError:
             pass  # the daemon is gone or already forgot us: nothing left to free
         finally:
@@ -218,66 +219,66 @@ class AsyncClient(SessionState):
 
     async def ping(self) -> float:
         start = time.perf_counter()
-        await self.run(requests.ping())
+        await self.run(build.ping())
         return time.perf_counter() - start
 
     async def device_count(self) -> int:
-        return await self.run(requests.device_count())
+        return await self.run(build.device_count())
 
     async def devices(self) -> list[DeviceInfo]:
-        return await self.run(requests.devices())
+        return await self.run(build.devices())
 
     async def status(self) -> dict[str, Any]:
-        return await self.run(requests.status())
+        return await self.run(build.status())
 
     async def get_device(self) -> int:
-        return await self.run(requests.get_device())
+        return await self.run(build.get_device())
 
     async def set_device(self, device: int) -> AsyncContext:
-        return await self.run(requests.set_device(self, AsyncContext, device))
+        return await self.run(build.set_device(self, AsyncContext, device))
 
     # --- contexts -------------------------------------------------------------------
 
     async def current_context(self, device: int | None = None) -> AsyncContext | None:
-        return await self.run(requests.current_context(self, AsyncContext, device))
+        return await self.run(build.current_context(self, AsyncContext, device))
 
     async def context_stack(self, device: int | None = None) -> list[AsyncContext]:
-        return await self.run(requests.context_stack(self, AsyncContext, device))
+        return await self.run(build.context_stack(self, AsyncContext, device))
 
     async def create_context(self, device: int | None = None, flags: int = 0) -> AsyncContext:
-        return await self.run(requests.create_context(self, AsyncContext, device, flags))
+        return await self.run(build.create_context(self, AsyncContext, device, flags))
 
     async def push_context(self, context: AsyncContext) -> None:
-        await self.run(requests.push_context(context))
+        await self.run(build.push_context(context))
 
     async def pop_context(self, device: int | None = None) -> AsyncContext:
-        return await self.run(requests.pop_context(self, AsyncContext, device))
+        return await self.run(build.pop_context(self, AsyncContext, device))
 
     async def destroy_context(self, context: AsyncContext) -> None:
-        await self.run(requests.destroy_context(context))
+        await self.run(build.destroy_context(context))
 
     async def context_info(self, context: AsyncContext) -> AsyncContext:
-        return await self.run(requests.context_info(self, AsyncContext, context))
+        return await self.run(build.context_info(self, AsyncContext, context))
 
     async def synchronize(self, device: int | None = None) -> None:
-        await self.run(requests.synchronize(device))
+        await self.run(build.synchronize(device))
 
     async def device_synchronize(self, device: int | None = None) -> None:
-        await self.run(requests.device_synchronize(device))
+        await self.run(build.device_synchronize(device))
 
     # --- memory ---------------------------------------------------------------------
 
     async def mem_get_info(self, device: int | None = None) -> tuple[int, int]:
-        return await self.run(requests.mem_get_info(device))
+        return await self.run(build.mem_get_info(device))
 
     async def memory_info(self, device: int | None = None) -> dict[str, Any]:
-        return await self.run(requests.memory_info(device))
+        return await self.run(build.memory_info(device))
 
     async def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> AsyncBuffer:
-        return await self.run(requests.alloc(self, AsyncBuffer, size, device, shareable))
+        return await self.run(build.alloc(self, AsyncBuffer, size, device, shareable))
 
     async def free(self, buffer: AsyncBuffer) -> None:
-        await self.run(requests.free(buffer))
+        await self.run(build.free(buffer))
 
     async def alloc_async(self, size: int, device: int | None = None, *,
                           stream: AsyncStream | None = None) -> AsyncBuffer:
@@ -303,7 +304,7 @@ class AsyncClient(SessionState):
 
     async def fill(self, buffer: AsyncBuffer, value: int = 0, offset: int = 0, size: int | None = None, *,
                    stream: AsyncStream | None = None) -> None:
-        await self.run(requests.fill(buffer, value, offset, size, stream))
+        await self.run(build.fill(buffer, value, offset, size, stream))
 
     async def write(self, buffer: AsyncBuffer, data: Any, offset: int = 0, *,
                     stream: AsyncStream | None = None) -> int:
@@ -319,32 +320,32 @@ class AsyncClient(SessionState):
 
     async def copy(self, src: AsyncBuffer, dst: AsyncBuffer, size: int | None = None, src_offset: int = 0,
                    dst_offset: int = 0, *, stream: AsyncStream | None = None) -> int:
-        return await self.run(requests.copy(src, dst, size, src_offset, dst_offset, stream))
+        return await self.run(build.copy(src, dst, size, src_offset, dst_offset, stream))
 
     # --- streams and events -----------------------------------------------------------------
 
     async def create_stream(self, device: int | None = None, *, non_blocking: bool = False) -> AsyncStream:
-        return await self.run(requests.create_stream(self, AsyncStream, device, non_blocking))
+        return await self.run(build.create_stream(self, AsyncStream, device, non_blocking))
 
     async def create_event(self, device: int | None = None, *, timing: bool = True) -> AsyncEvent:
-        return await self.run(requests.create_event(self, AsyncEvent, device, timing))
+        return await self.run(build.create_event(self, AsyncEvent, device, timing))
 
     # --- sharing between processes --------------------------------------------------------
 
     async def export(self, buffer: AsyncBuffer) -> ShareDescriptor:
-        return await self.run(requests.export(buffer))
+        return await self.run(build.export(buffer))
 
     async def publish(self, buffer: AsyncBuffer, name: str, *, read_only: bool = False) -> ShareDescriptor:
-        return await self.run(requests.publish(buffer, name, read_only=read_only))
+        return await self.run(build.publish(buffer, name, read_only=read_only))
 
     async def unpublish(self, name: str) -> None:
-        await self.run(requests.unpublish(name))
+        await self.run(build.unpublish(name))
 
     async def lookup(self, name: str) -> ShareDescriptor:
-        return await self.run(requests.lookup(name))
+        return await self.run(build.lookup(name))
 
     async def list_shared(self) -> list[dict[str, Any]]:
-        return await self.run(requests.list_shared())
+        return await self.run(build.list_shared())
 
     async def open_shared(self, share: str | ShareDescriptor) -> AsyncOpenedShare:
         """Hold a share (by name or descriptor) and map it in this process (mapping is local,
@@ -352,10 +353,10 @@ class AsyncClient(SessionState):
         return await self.run(open_share(self, AsyncOpenedShare, share))
 
     async def close_shared(self, descriptor: ShareDescriptor) -> None:
-        await self.run(requests.close_shared(descriptor))
+        await self.run(build.close_shared(descriptor))
 
     async def revoke(self, share: AsyncBuffer | ShareDescriptor) -> None:
         if isinstance(share, ShareDescriptor):
-            await self.run(requests.revoke(share))
+            await self.run(build.revoke(share))
         else:
-            await self.run(requests.revoke_buffer(share))
+            await self.run(build.revoke_buffer(share))
