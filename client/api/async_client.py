@@ -11,7 +11,7 @@ differs.
 Open it with ``async with AsyncClient(endpoint) as client:`` (or ``client =
 await AsyncClient(endpoint)`` and ``await client.close()``). Any number of tasks
 of one event loop may call it at once: they share its sockets (the main one and,
-as for the sync client, each device's own: :mod:`cuctxd.client.wire.routes`), and replies
+as for the sync client, each device endpoint's: :mod:`cuctxd.client.wire.routes`), and replies
 find their callers by request id (:mod:`cuctxd.client.wire.async_socket_transport`). With several
 sockets in use, requests still leave in the order they were started, each after
 what it must follow has been answered. A heartbeat task renews the lease while
@@ -37,9 +37,10 @@ from cuctxd.client.wire import build
 from cuctxd.client.wire.async_socket_transport import AsyncTransport
 from cuctxd.client.wire.build import Batch, Local, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.wire.lease import AsyncHeartbeat
-from cuctxd.client.wire.routes import FRONT, Route
-from cuctxd.client.wire.session import Router, SessionState
-from cuctxd.client.wire.socket_transport import DEFAULT_TIMEOUT, CurveKeys, KeyPath, curve_keys, listening, no_daemon
+from cuctxd.client.wire.routes import MAIN, Route, Router
+from cuctxd.client.wire.session import SessionState
+from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, curve_keys
+from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, listening, no_daemon
 from cuctxd.protos.endpoints import client_endpoint
 from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
@@ -71,11 +72,11 @@ class AsyncClient(SessionState):
         self.hello_timeout = hello_timeout
         self._name = name
         self._beats = heartbeat
-        self._use_lanes = device_endpoints
+        self._use_device_endpoints = device_endpoints
         self._reconnect = reconnect
         self._router: Router[AsyncTransport] | None = None
         self._heartbeat: AsyncHeartbeat | None = None
-        #: Set once the request started last has been sent: with several lanes, requests leave in order.
+        #: Set once the request started last has been sent: with several sockets, requests leave in order.
         self._last_sent: asyncio.Future[None] | None = None
 
     async def open(self) -> AsyncClient:
@@ -103,12 +104,12 @@ class AsyncClient(SessionState):
         except BaseException:
             await main.close()  # not open: a later open() may try again
             raise
-        self._router = Router(main, self._adopt(answer, self._use_lanes), self._open_lane)
+        self._router = Router(main, self._adopt(answer, self._use_device_endpoints), self._open_socket)
         self._open_data_plane(answer)
         if self._beats:
             self._heartbeat = AsyncHeartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
 
-    def _open_lane(self, endpoint: str) -> AsyncTransport:
+    def _open_socket(self, endpoint: str) -> AsyncTransport:
         return AsyncTransport(endpoint, self.timeout, self.curve, daemon=self.endpoint)
 
     async def run(self, operation: Request[T] | Plan[T]) -> T:
@@ -151,7 +152,7 @@ class AsyncClient(SessionState):
         if router is None:
             raise ConnectionLost("the client is closed", step.op)
         route, transport = router.pick(step.op, step.args)
-        if route.lane == FRONT and not router.lane_transports:  # one socket: it keeps the order itself
+        if route.via == MAIN and not router.device_sockets:  # one socket: it keeps the order itself
             result, frames = await transport.call(step.op, step.args, self._token, step.payload,
                                                   into=step.into, timeout=step.timeout)
             return step.convert(result, frames)
@@ -178,6 +179,7 @@ class AsyncClient(SessionState):
     @staticmethod
     async def _after_conflicts(router: Router[AsyncTransport], route: Route) -> None:
         for busy in router.conflicts(route):
+            assert isinstance(busy, AsyncTransport)  # this client opens no shm lanes
             await asyncio.wait([call.reply for call in busy.in_flight()])
 
     def pipeline(self) -> AsyncPipeline:
@@ -202,8 +204,8 @@ class AsyncClient(SessionState):
         finally:
             self._token = None
             self._close_data_plane()
-            for transport in self._router.transports():
-                await transport.close()
+            for socket in self._router.sockets():
+                await socket.close()
 
     async def close(self) -> None:
         await self._end_session()
@@ -287,7 +289,7 @@ class AsyncClient(SessionState):
         if self._router is None:
             raise ConnectionLost("the client is not open: use `async with AsyncClient(...)`", "stream_ordered")
         if device is None:
-            device = self._router.lanes.current_device if stream is None else stream.device
+            device = self._router.routes.current_device if stream is None else stream.device
         return AsyncBuffer(self, self._outbox.alloc(device, size, None if stream is None else stream.handle))
 
     async def free_async(self, buffer: AsyncBuffer, *, stream: AsyncStream | None = None) -> None:

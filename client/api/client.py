@@ -25,19 +25,11 @@ from cuctxd.client.data_plane.host_buffers import HostBuffer, host_alloc
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import CHUNK_BYTES, Batch, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.wire.lease import Heartbeat
-from cuctxd.client.wire.routes import Route
-from cuctxd.client.wire.session import Router, SessionState
-from cuctxd.client.wire.shm_lane import ShmLanes, ShmTransport, eligible, lane_id
-from cuctxd.client.wire.socket_transport import (
-    DEFAULT_TIMEOUT,
-    Call,
-    CurveKeys,
-    KeyPath,
-    Transport,
-    curve_keys,
-    listening,
-    no_daemon,
-)
+from cuctxd.client.wire.routes import Router
+from cuctxd.client.wire.session import SessionState
+from cuctxd.client.wire.shm_lane import ShmTransport
+from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, Transport, curve_keys
+from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, Call, listening, no_daemon
 from cuctxd.protos.endpoints import client_endpoint
 from cuctxd.protos.errors import CuctxError, NoDaemon, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
@@ -84,7 +76,8 @@ class Client(SessionState):
     key file raises ValueError at once.
 
     Device ops go straight to each device's own endpoint when the daemon offers
-    them (:mod:`cuctxd.client.wire.routes`); ``device_endpoints=False`` sends everything
+    them, and small ones through an shm lane when the client has the fd channel
+    (:mod:`cuctxd.client.wire.routes`); ``device_endpoints=False`` sends everything
     through the main endpoint.
     """
 
@@ -101,7 +94,7 @@ class Client(SessionState):
         self.hello_timeout = hello_timeout
         self._name = name
         self._beats = heartbeat
-        self._use_lanes = device_endpoints
+        self._use_device_endpoints = device_endpoints
         self._reconnect = reconnect
         self._route_lock = threading.RLock()
         self._heartbeat: Heartbeat | None = None
@@ -120,14 +113,15 @@ class Client(SessionState):
         except BaseException:
             main.close()
             raise
-        self._router = Router(main, self._adopt(answer, self._use_lanes), self._open_lane)
+        endpoints = self._adopt(answer, self._use_device_endpoints)
         self._open_data_plane(answer)
         # shm lanes are admitted by the device endpoints' workers: only with those and a data plane
-        self._shm = ShmLanes(self._open_shm) if self._plane is not None and self._router.lanes.endpoints else None
+        open_shm = self._open_shm if self._plane is not None and endpoints else None
+        self._router: Router[Transport] = Router(main, endpoints, self._open_socket, open_shm)
         if self._beats:
             self._heartbeat = Heartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
 
-    def _open_lane(self, endpoint: str) -> Transport:
+    def _open_socket(self, endpoint: str) -> Transport:
         return Transport(endpoint, self.timeout, self.curve, daemon=self.endpoint)
 
     def _open_shm(self, device: int) -> ShmTransport | None:
@@ -144,14 +138,15 @@ class Client(SessionState):
             for fd in fds:
                 os.close(fd)
             return None
-        _, socket = self._router.pick(request.op, request.args)
+        _, socket = self._router.pick(request.op, request.args)  # where its requests go once it is closed
         return ShmTransport(fds, self.endpoint, self.timeout, socket)
 
     @property
     def shm_lanes(self) -> tuple[int, ...]:
         """The devices this session's shm lanes reach (PROTOCOL.md, "The shm lane"): each opened on the
         session's first single device call there, when the client has the fd channel."""
-        return () if self._shm is None else self._shm.devices()
+        shm = self._router.shm
+        return () if shm is None else shm.devices()
 
     def run(self, operation: Request[T] | Plan[T]) -> T:
         """Run one request, or every step of a plan, built by :mod:`cuctxd.client.wire.build`, on this thread;
@@ -188,9 +183,9 @@ class Client(SessionState):
         return step.run()
 
     def _send(self, request: Request[T], shm: bool = True) -> Call[T]:
-        """Send on the request's lane (:mod:`cuctxd.client.wire.routes`), once what it must follow has been answered;
-        queued stream-ordered entries go first, without waiting for their replies. ``shm``: the shm lane
-        may carry it (a pipeline's requests take the socket, which has room for many at once)."""
+        """Send on the request's route (:meth:`_dispatch`); queued stream-ordered entries go first, without
+        waiting for their replies. ``shm``: the shm lane may carry it (a pipeline's requests take the socket,
+        which has room for many at once)."""
         with self._route_lock:
             self._flush_outbox()
             return self._send_now(request, shm)
@@ -201,42 +196,38 @@ class Client(SessionState):
             self._send_now(queued)
 
     def _send_now(self, request: Request[T], shm: bool = True) -> Call[T]:
-        with self._route_lock:
-            router = self._router
-            route, transport = router.pick(request.op, request.args)
-            if self._shm is not None:
-                if shm:
-                    call = self._send_shm(route, request)
-                    if call is not None:
-                        return call
-                _wait_out(self._shm.busy(route.reach))  # the socket's request goes after the lane's
-            if router.lane_transports:
-                _wait_out(router.conflicts(route))
-            return transport.send(request.op, request.args, self._token, request.payload, into=request.into,
-                                  convert=request.convert, reach=route.reach)
+        call = self._dispatch(request, shm, early=False)
+        assert call is not None  # only an early request can be left unsent
+        return call
 
     def _send_early(self, request: Request[T]) -> Call[T] | None:
         """Send early on the shm lane the request may take (PROTOCOL.md, "Early requests"); None when
         there is none."""
         with self._route_lock:
             self._flush_outbox()
-            if self._shm is None:
-                return None
-            route, _ = self._router.pick(request.op, request.args)
-            return self._send_shm(route, request, early=True)
+            return self._dispatch(request, True, early=True)
 
-    def _send_shm(self, route: Route, request: Request[T], early: bool = False) -> Call[T] | None:
-        """Send on the shm lane to the route's device, after what the sockets still have out there;
-        None when the request may not take a lane (:func:`eligible`), there is none, or it does not fit."""
-        assert self._shm is not None
-        if route.lane < 0 or not eligible(request.op, request.args, route.lane, route.reach):
-            return None
-        lane = self._shm.for_device(route.lane)
-        if lane is None:
-            return None
-        _wait_out(self._router.conflicts(Route(lane_id(route.lane), route.reach)))
-        return lane.try_send(request.op, request.args, self._token, request.payload, into=request.into,
-                             convert=request.convert, reach=route.reach, early=early)
+    def _dispatch(self, request: Request[T], shm: bool, early: bool) -> Call[T] | None:
+        """Send ``request`` on the transport its route picks (:meth:`Router.pick
+        <cuctxd.client.wire.routes.Router.pick>`), once the calls in flight on other transports that it must
+        follow have been answered. ``shm``: its shm lane may carry it; one it does not fit sends it on the
+        socket. ``early``: only an shm lane may (None when it cannot)."""
+        with self._route_lock:
+            router = self._router
+            route, transport = router.pick(request.op, request.args, shm=shm)
+            if isinstance(transport, ShmTransport):
+                _wait_out(router.conflicts(route))
+                call = transport.try_send(request.op, request.args, self._token, request.payload,
+                                          into=request.into, convert=request.convert, reach=route.reach,
+                                          early=early)
+                if call is not None or early:
+                    return call
+                route, transport = router.socket(route)
+            elif early:
+                return None
+            _wait_out(router.conflicts(route))
+            return transport.send(request.op, request.args, self._token, request.payload, into=request.into,
+                                  convert=request.convert, reach=route.reach)
 
     def pipeline(self) -> Pipeline:
         """Send memory ops without waiting for each reply (see :mod:`cuctxd.client.api.pipeline`)."""
@@ -264,12 +255,11 @@ class Client(SessionState):
             pass  # the daemon is gone or already forgot us: nothing left to free
         finally:
             self._token = None
-            if self._shm is not None:
-                self._shm.close()
-                self._shm = None
+            if self._router.shm is not None:
+                self._router.shm.close()
             self._close_data_plane()
-            for transport in self._router.transports():
-                transport.close()
+            for socket in self._router.sockets():
+                socket.close()
 
     def close(self) -> None:
         """End the session (the daemon frees its contexts and memory) and the connection."""
@@ -372,7 +362,7 @@ class Client(SessionState):
         buffer's ``context`` reads 0."""
         with self._route_lock:
             if device is None:
-                device = self._router.lanes.current_device if stream is None else stream.device
+                device = self._router.routes.current_device if stream is None else stream.device
             record = self._outbox.alloc(device, size, None if stream is None else stream.handle)
             if self._outbox.full():
                 self._flush_outbox()

@@ -23,7 +23,8 @@ from typing import Any, Generic, TypeVar
 from cuctxd.client.presentation import docs_from
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import OnDevice, Request
-from cuctxd.client.wire.socket_transport import MAX_IN_FLIGHT, Call
+from cuctxd.client.wire.socket_transport import MAX_IN_FLIGHT
+from cuctxd.client.wire.transport import Call
 from cuctxd.protos.errors import CuctxError, DaemonTimeout, NoDaemon
 
 __all__ = ["MAX_IN_FLIGHT", "AsyncPipeline", "Pipeline", "PipelineOps", "raise_first"]

@@ -25,19 +25,15 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from cuctxd.client.wire.routes import Reach
-from cuctxd.client.wire.socket_transport import (
+from cuctxd.client.wire.socket_transport import MAX_IN_FLIGHT, CurveKeys, connect_dealer, match_reply, read_payload
+from cuctxd.client.wire.transport import (
     DEFAULT_TIMEOUT,
-    MAX_IN_FLIGHT,
     PROBE_EVERY,
-    CurveKeys,
     DaemonWatch,
-    connect_dealer,
+    Reach,
     daemon_restarted,
-    match_reply,
     no_daemon,
     no_reply,
-    read_payload,
 )
 from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, error_from_wire
 from cuctxd.protos.messages import encode_request
@@ -55,7 +51,7 @@ class _Waiting:
     op: str
     into: Any
     reply: asyncio.Future[Reply]
-    #: The devices the request touches (None: all), for ordering across lanes (:mod:`cuctxd.client.wire.routes`).
+    #: The devices the request touches (None: all), for ordering across transports (:mod:`cuctxd.client.wire.routes`).
     reach: Reach = None
 
 
@@ -66,7 +62,7 @@ class AsyncTransport:
                  daemon: str | None = None) -> None:
         """``daemon``: the endpoint the user gave, as for
         :class:`~cuctxd.client.wire.socket_transport.Transport`: errors name it, and while calls wait an ipc://
-        daemon is checked every :data:`~cuctxd.client.wire.socket_transport.PROBE_EVERY` s (they fail with
+        daemon is checked every :data:`~cuctxd.client.wire.transport.PROBE_EVERY` s (they fail with
         ``NoDaemon`` once it is gone)."""
         self.endpoint = endpoint
         self.timeout = timeout
@@ -95,7 +91,7 @@ class AsyncTransport:
         :class:`~cuctxd.protos.errors.ConnectionLost` once the transport is closed or broken.
         ``into``: a writable buffer that receives the reply's first payload frame directly.
         ``before`` is awaited (within the timeout) just before sending and ``sent`` called
-        just after: the client keeps its order across lanes with them.
+        just after: the client keeps its order across sockets with them.
         """
         limit = self.timeout if timeout is None else timeout
         try:
@@ -104,7 +100,7 @@ class AsyncTransport:
                     await before()
                 return await self._exchange(op, args, session, payload, into, reach, sent)
         except TimeoutError:
-            raise no_reply(self.daemon, limit, op, self.curve) from None
+            raise no_reply(self.daemon, limit, op, curve=self.curve is not None) from None
 
     @property
     def busy(self) -> bool:

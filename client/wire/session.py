@@ -1,10 +1,10 @@
-"""What both client flavours share and drive, with no I/O: the session, the routes, the lost-session rule.
+"""What both client flavours share and drive, with no I/O: the session and the lost-session rule.
 
 :class:`~cuctxd.client.api.client.Client` and :class:`~cuctxd.client.api.async_client.AsyncClient`
 each run the same requests (:mod:`cuctxd.client.wire.build`) over their own
-transports. What they know of the session (:class:`SessionState`), which socket
-each request takes (:class:`Router`, over :mod:`cuctxd.client.wire.routes`) and when a
-session counts as lost are decided here, once. The client objects
+transports. What they know of the session (:class:`SessionState`) and when a
+session counts as lost are decided here, once; which transport each request takes
+is :mod:`cuctxd.client.wire.routes`'s. The client objects
 (:mod:`cuctxd.client.api.objects`, :mod:`~cuctxd.client.api.streams`, :mod:`~cuctxd.client.api.sharing`)
 are typed against :class:`Session` and :class:`AsyncSession`, not the client
 classes, so they import nothing of the clients.
@@ -12,13 +12,14 @@ classes, so they import nothing of the clients.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Awaitable
+from typing import Any, Protocol, TypeVar
 
 from cuctxd.client.data_plane.plane import DataPlane
 from cuctxd.client.wire.build import Plan, Request
-from cuctxd.client.wire.routes import FRONT, Lanes, Reach, Route, lane_endpoints
+from cuctxd.client.wire.routes import device_endpoints
 from cuctxd.client.wire.stream_ordered import Outbox
+from cuctxd.client.wire.transport import not_listening
 from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, NoDaemon, NotShareable, SessionLost
 from cuctxd.protos.host import host_identity
 
@@ -41,10 +42,6 @@ class AsyncSession(Protocol):
     def run(self, operation: Request[T] | Plan[T], /) -> Awaitable[T]: ...
 
 
-def not_listening(endpoint: str) -> str:
-    return f"no cuctxd is listening at {endpoint}; start it with `cuctxd`"
-
-
 class SessionState:
     """What a client knows of its session once ``hello`` has answered, and whether it was lost.
 
@@ -59,7 +56,7 @@ class SessionState:
     _lost: SessionLost | None = None
     _reconnect = False
 
-    def _adopt(self, hello: dict[str, Any], use_lanes: bool) -> list[str]:
+    def _adopt(self, hello: dict[str, Any], use_device_endpoints: bool) -> list[str]:
         """Take in ``hello``'s answer; returns the device endpoints to route to ([] for none)."""
         self._token = hello["session"]
         self._lost = None
@@ -70,9 +67,9 @@ class SessionState:
         self.backend: str = hello["backend"]
         self.limits: dict[str, int] = hello["limits"]
         self.lease_ttl: float = hello["lease_ttl"]
-        if not use_lanes:
+        if not use_device_endpoints:
             return []
-        return lane_endpoints(self.endpoint, hello.get("endpoints", ()), hello.get("device_endpoints", ()))
+        return device_endpoints(self.endpoint, hello.get("endpoints", ()), hello.get("device_endpoints", ()))
 
     _plane: DataPlane | None = None
     _outbox: Outbox
@@ -117,51 +114,3 @@ class SessionState:
             f"{why}; the session's contexts, buffers, streams and events are gone: call reconnect() "
             "(or create the client with reconnect=True) for a new session", error.op)
         return self._lost
-
-
-class InFlight(Protocol):
-    @property
-    def reach(self) -> Reach: ...
-
-
-class Wire(Protocol):
-    """A transport as the router sees it."""
-
-    @property
-    def busy(self) -> bool: ...
-
-    def in_flight(self) -> Sequence[InFlight]: ...
-
-
-TransportT = TypeVar("TransportT", bound=Wire)
-
-
-class Router(Generic[TransportT]):
-    """The transports of one session (the main endpoint's, and each device lane's once used), and which
-    one each request takes. Not thread-safe: the sync client locks around it, the async one runs on one loop."""
-
-    def __init__(self, main: TransportT, endpoints: Sequence[str], open_lane: Callable[[str], TransportT]) -> None:
-        self.main = main
-        self.lanes = Lanes(endpoints)
-        self.lane_transports: dict[int, TransportT] = {}
-        self._open_lane = open_lane
-
-    def pick(self, op: str, args: dict[str, Any]) -> tuple[Route, TransportT]:
-        """The route of a request and the transport it goes on (a lane's is opened on first use)."""
-        route = self.lanes.route(op, args)
-        if route.lane == FRONT:
-            return route, self.main
-        transport = self.lane_transports.get(route.lane)
-        if transport is None:
-            transport = self.lane_transports[route.lane] = self._open_lane(self.lanes.endpoints[route.lane])
-        return route, transport
-
-    def conflicts(self, route: Route) -> Iterator[TransportT]:
-        """The other transports whose calls in flight a request on ``route`` must wait for (all of them)."""
-        for lane, transport in ((FRONT, self.main), *self.lane_transports.items()):
-            if lane != route.lane and transport.busy and Lanes.conflicts(
-                    route, lane, (call.reach for call in transport.in_flight())):
-                yield transport
-
-    def transports(self) -> Iterable[TransportT]:
-        return (self.main, *self.lane_transports.values())

@@ -6,8 +6,8 @@ socket, then three fds through the fd channel. From then on a request that fits
 (:func:`eligible`, :meth:`ShmTransport.try_send`) is written into the shared
 region and rung with an eventfd; the reply comes back the same way, at about half
 the cost of a ZeroMQ round trip. One request is out at a time; the client's
-router (:mod:`cuctxd.client.wire.routes`) keeps it in order with the socket's, as for
-any other lane. A lane that timed out is not used again (a late reply must not
+router (:mod:`cuctxd.client.wire.routes`) picks it for a request and keeps it in order
+with the sockets, as for any other transport. A lane that timed out is not used again (a late reply must not
 meet the next request). Which thread may call: the sync client's callers, under
 its route lock.
 """
@@ -24,12 +24,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cuctxd.client.wire.routes import Reach
-from cuctxd.client.wire.socket_transport import (
+from cuctxd.client.wire.transport import (
     PROBE_EVERY,
     Call,
     DaemonWatch,
-    Transport,
+    Reach,
+    Sender,
     daemon_restarted,
     no_daemon,
     no_reply,
@@ -76,11 +76,6 @@ class BusyPoll:
         self.typical += (min(seconds, 4 * self.window) - self.typical) / 4
 
 
-def lane_id(device: int) -> int:
-    """The router's lane number of the shm lane to ``device`` (below the main endpoint's -1)."""
-    return -2 - device
-
-
 def eligible(op: str, args: dict[str, Any], device: int, reach: Reach) -> bool:
     """Whether a request may take the shm lane to ``device``: a device op there alone, whose reply fits an
     area (only ``read`` replies with bytes)."""
@@ -95,9 +90,10 @@ def eligible(op: str, args: dict[str, Any], device: int, reach: Reach) -> bool:
 
 class ShmTransport:
     """One shm lane: the region mapped here, the request and reply eventfds, and the daemon's pidfd when it
-    sent one; the interface of :class:`~cuctxd.client.wire.socket_transport.Transport` that the router and calls use."""
+    sent one; the interface of a socket transport that the router and calls use (``busy``, ``in_flight``,
+    ``wait``, ``abandon``), on the shared base (:mod:`cuctxd.client.wire.transport`)."""
 
-    def __init__(self, fds: Sequence[int], daemon: str, timeout: float, socket: Transport) -> None:
+    def __init__(self, fds: Sequence[int], daemon: str, timeout: float, socket: Sender) -> None:
         """``fds``: as the ticket gave them (memfd, request and reply eventfds, then the daemon's pidfd, if
         any). ``socket``: where a request goes instead once the daemon closed the lane under it (its session
         ended, the daemon stops); the reply, an error saying why, is the call's."""
@@ -296,12 +292,11 @@ class ShmLanes:
         return lane if lane is not None and lane.usable else None
 
     def devices(self) -> tuple[int, ...]:
-        return tuple(sorted(device for device, lane in self._lanes.items() if lane is not None))
+        return tuple(sorted(device for device, _ in self.opened()))
 
-    def busy(self, reach: Reach) -> list[ShmTransport]:
-        """The lanes with a call out to a device in ``reach`` (None: any device)."""
-        return [lane for device, lane in self._lanes.items()
-                if lane is not None and lane.busy and (reach is None or device in reach)]
+    def opened(self) -> list[tuple[int, ShmTransport]]:
+        """The lanes opened so far, by device (usable or not)."""
+        return [(device, lane) for device, lane in self._lanes.items() if lane is not None]
 
     def close(self) -> None:
         for lane in self._lanes.values():

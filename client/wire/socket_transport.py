@@ -1,4 +1,4 @@
-"""The client's side of the wire: one DEALER socket, request ids, pipelining, timeouts.
+"""The socket transport: one DEALER socket to one daemon endpoint, request ids, pipelining, timeouts.
 
 Requests may be sent without waiting (:meth:`Transport.send` returns a
 :class:`Call`); replies are matched to calls by id as they arrive, in any
@@ -6,39 +6,41 @@ order. A lock serialises socket use, since a ZeroMQ socket belongs to one thread
 at a time. Replies to calls that already timed out are discarded, so a timeout
 never makes a later call read someone else's answer. Matching a reply to its
 call and reading its frames (:func:`match_reply`, :func:`read_payload`) serve
-:mod:`cuctxd.client.wire.async_socket_transport` too.
+:mod:`cuctxd.client.wire.async_socket_transport` too; what every transport shares is in
+:mod:`cuctxd.client.wire.transport`.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import zmq
 import zmq.auth
 
-from cuctxd.client.wire.routes import Reach
-from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, DaemonTimeout, NoDaemon, error_from_wire
+from cuctxd.client.wire.transport import (
+    DEFAULT_TIMEOUT,
+    PROBE_EVERY,
+    Call,
+    DaemonWatch,
+    Reach,
+    listening,
+    no_daemon,
+    no_reply,
+)
+from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, DaemonTimeout, error_from_wire
 from cuctxd.protos.messages import ReplyHeader, encode_request, parse_reply
-
-#: Seconds a call waits for its reply unless the client is told otherwise.
-DEFAULT_TIMEOUT = 30.0
-
-#: Seconds between checks, while a reply is awaited, that an ipc:// daemon still listens (:func:`listening`).
-PROBE_EVERY = 1.0
 
 #: Most requests one connection has waiting for replies (a sync pipeline then reads
 #: replies; async calls queue for a slot): bounded so neither side's ZeroMQ queue
 #: (1,000 messages by default) can overflow.
 MAX_IN_FLIGHT = 256
 
-T = TypeVar("T")
 P = TypeVar("P")
 SocketT = TypeVar("SocketT", bound=zmq.Socket[Any])
 #: A key file's path.
@@ -99,73 +101,6 @@ def curve_keys(server_key: KeyPath | CurveKeys | None,
     return CurveKeys.load(server_key, client_key)
 
 
-def _ipc_path(endpoint: str) -> str | None:
-    """The socket address of an ipc:// endpoint (Linux's abstract namespace, ``@name``, as ``\\0name``)."""
-    if not endpoint.startswith("ipc://"):
-        return None
-    path = endpoint[len("ipc://"):]
-    return "\0" + path[1:] if path.startswith("@") else path
-
-
-def socket_identity(endpoint: str) -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of an ipc:// endpoint's socket file: a daemon started anew there binds a new
-    file. None for other transports, the abstract namespace, or no file."""
-    path = _ipc_path(endpoint)
-    if path is None or path.startswith("\0"):
-        return None
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return status.st_dev, status.st_ino
-
-
-def listening(endpoint: str) -> bool:
-    """False when ``endpoint`` is an ipc:// socket that nobody listens on: no socket file, or one that refuses
-    connections (its daemon died). True otherwise: a plain AF_UNIX connect, no handshake, so it costs the
-    daemon nothing; other transports cannot be told apart from a slow daemon without a handshake."""
-    path = _ipc_path(endpoint)
-    if path is None:
-        return True
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.setblocking(False)  # a full backlog answers EAGAIN at once: someone is listening
-        try:
-            probe.connect(path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            return False
-        except OSError:
-            return True
-    return True
-
-
-def no_daemon(endpoint: str, op: str | None = None) -> NoDaemon:
-    return NoDaemon(f"no cuctxd is listening at {endpoint}; start it with `cuctxd`", op)
-
-
-def daemon_restarted(endpoint: str, op: str | None = None) -> DaemonRestarted:
-    return DaemonRestarted(f"the cuctxd that held this session at {endpoint} exited and another one listens there "
-                           "now; it does not know this session", op)
-
-
-class DaemonWatch:
-    """Whether the daemon at an endpoint is still there, and still the one a transport was connected to:
-    probed while a reply is awaited (a request sent to a daemon that then died gets no reply from the
-    one started in its place, however long the wait)."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.identity = socket_identity(endpoint)
-
-    def alive(self, op: str | None) -> bool:
-        """True while the same daemon listens; False when nothing does; :class:`DaemonRestarted` when another
-        one does (its socket file is a new one)."""
-        if not listening(self.endpoint):
-            return False
-        if self.identity is not None and socket_identity(self.endpoint) not in (self.identity, None):
-            raise daemon_restarted(self.endpoint, op)
-        return True
-
-
 def connect_dealer(context: zmq.Context[SocketT], endpoint: str, curve: CurveKeys | None = None) -> SocketT:
     """A DEALER connected to ``endpoint`` that drops unsent requests when closed; a CURVE client with ``curve``."""
     socket = context.socket(zmq.DEALER)
@@ -196,16 +131,6 @@ def match_reply(header: bytes, in_flight: Mapping[int, P]) -> tuple[ReplyHeader 
 _RCVMORE = int(zmq.RCVMORE)  # a plain int: pyzmq's option enums cost a lookup per use
 
 
-def no_reply(endpoint: str, limit: float, op: str, curve: CurveKeys | None = None) -> DaemonTimeout:
-    if curve is None:
-        return DaemonTimeout(f"no reply from {endpoint} within {limit:g} s", op)
-    return DaemonTimeout(
-        f"no reply from {endpoint} within {limit:g} s over CURVE; a daemon that refuses the handshake says "
-        "nothing, so check the key setup: server_key must be the daemon's public key file and this client's "
-        "public key (NAME.key of client_key) must be in the daemon's allow_dir, or the daemon is not running",
-        op)
-
-
 def read_payload(socket: zmq.Socket[Any], into: Any, more: bool) -> list[Any]:
     """The payload frames of a reply whose header was just received (ZeroMQ delivers a
     message whole, so they are all there): the first straight into ``into`` when given.
@@ -219,47 +144,6 @@ def read_payload(socket: zmq.Socket[Any], into: Any, more: bool) -> list[Any]:
         frames.append(frame)
         more = frame.more
     return frames
-
-
-class Waits(Protocol):
-    """What a :class:`Call` waits on: a :class:`Transport`, or an shm lane (:mod:`cuctxd.client.wire.shm_lane`)."""
-
-    def wait(self, call: Call[Any], timeout: float | None = None) -> None: ...
-
-    def abandon(self, call: Call[Any]) -> None: ...
-
-
-class Call(Generic[T]):
-    """A request in flight; :meth:`result` waits for its reply (and reads others on the way)."""
-
-    __slots__ = ("_convert", "_error", "_frames", "_result", "done", "into", "op", "reach", "request_id",
-                 "transport")
-
-    def __init__(self, transport: Waits, request_id: int, op: str, into: Any,
-                 convert: Callable[[dict[str, Any], list[Any]], T], reach: Reach = None) -> None:
-        self.transport = transport
-        self.request_id = request_id
-        self.op = op
-        self.into = into
-        #: The devices the request touches (None: all), for ordering across lanes (:mod:`cuctxd.client.wire.routes`).
-        self.reach = reach
-        self._convert = convert
-        self.done = False
-        self._result: dict[str, Any] = {}
-        self._frames: list[Any] = []
-        self._error: CuctxError | None = None
-
-    def _resolve(self, result: dict[str, Any] | None, frames: list[Any], error: CuctxError | None) -> None:
-        self.done = True
-        self._result, self._frames, self._error = result or {}, frames, error
-
-    def result(self, timeout: float | None = None) -> T:
-        """The converted result; raises the daemon's typed error or :class:`DaemonTimeout`."""
-        if not self.done:
-            self.transport.wait(self, timeout)
-        if self._error is not None:
-            raise self._error
-        return self._convert(self._result, self._frames)
 
 
 def _raw(result: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -374,7 +258,7 @@ class Transport:
                         continue  # a slice passed and the same daemon still listens: wait on
                     self._in_flight.pop(call.request_id, None)
                     if alive:
-                        raise no_reply(self.daemon, limit, call.op, self.curve)
+                        raise no_reply(self.daemon, limit, call.op, curve=self.curve is not None)
                     raise no_daemon(self.daemon, call.op)
                 self._receive_one(header)
 

@@ -166,7 +166,7 @@ def test_the_python_client_takes_the_socket_once_its_lane_is_closed(attack_daemo
                                                                      bystander: Bystander) -> None:
     with Client(attack_daemon.endpoint, timeout=10) as client:
         buffer = client.alloc(64, device=0)  # opens the client's lane
-        lane = client._shm._lanes[0] if client._shm is not None else None
+        lane = client._router.shm.for_device(0) if client._router.shm is not None else None
         assert lane is not None
         request = build.mem_get_info(0)
         freeze(attack_daemon.process.pid)  # so that the counter is full before the daemon rings
