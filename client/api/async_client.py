@@ -32,6 +32,7 @@ from cuctxd.client.api.sharing import AsyncOpenedShare, open_share
 from cuctxd.client.api.streams import AsyncEvent, AsyncStream
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer, host_alloc
+from cuctxd.client.data_plane.plane import DataPlane
 from cuctxd.client.presentation import docs_from
 from cuctxd.client.wire import build
 from cuctxd.client.wire.async_socket_transport import AsyncTransport
@@ -61,6 +62,9 @@ class AsyncClient(SessionState):
 
     #: What ``host_alloc`` (and a staging ring) makes.
     host_buffer_kind = AsyncHostBuffer
+    #: The data plane, when the daemon offers this process an fd channel.
+    _plane: DataPlane | None = None
+    data_plane = Client.data_plane  # local work: one method for both flavours
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  hello_timeout: float = HELLO_TIMEOUT, name: str | None = None, heartbeat: bool = True,
@@ -105,7 +109,7 @@ class AsyncClient(SessionState):
             await main.close()  # not open: a later open() may try again
             raise
         self._router = Router(main, self._adopt(answer, self._use_device_endpoints), self._open_socket)
-        self._open_data_plane(answer)
+        self._plane = DataPlane.offered(answer, self.timeout)
         if self._beats:
             self._heartbeat = AsyncHeartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
 
@@ -203,7 +207,9 @@ class AsyncClient(SessionState):
             pass  # the daemon is gone or already forgot us: nothing left to free
         finally:
             self._token = None
-            self._close_data_plane()
+            if self._plane is not None:
+                self._plane.close()
+                self._plane = None
             for socket in self._router.sockets():
                 await socket.close()
 

@@ -22,6 +22,7 @@ from cuctxd.client.api.sharing import OpenedShare, open_share
 from cuctxd.client.api.streams import Event, Stream
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.data_plane.host_buffers import HostBuffer, host_alloc
+from cuctxd.client.data_plane.plane import DataPlane, checked
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import CHUNK_BYTES, Batch, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.wire.lease import Heartbeat
@@ -83,6 +84,8 @@ class Client(SessionState):
 
     #: What ``host_alloc`` (and a staging ring) makes.
     host_buffer_kind = HostBuffer
+    #: The data plane, when the daemon offers this process an fd channel.
+    _plane: DataPlane | None = None
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  hello_timeout: float = HELLO_TIMEOUT, name: str | None = None, heartbeat: bool = True,
@@ -114,7 +117,7 @@ class Client(SessionState):
             main.close()
             raise
         endpoints = self._adopt(answer, self._use_device_endpoints)
-        self._open_data_plane(answer)
+        self._plane = DataPlane.offered(answer, self.timeout)
         # shm lanes are admitted by the device endpoints' workers: only with those and a data plane
         open_shm = self._open_shm if self._plane is not None and endpoints else None
         self._router: Router[Transport] = Router(main, endpoints, self._open_socket, open_shm)
@@ -229,6 +232,11 @@ class Client(SessionState):
             return transport.send(request.op, request.args, self._token, request.payload, into=request.into,
                                   convert=request.convert, reach=route.reach)
 
+    def data_plane(self, *, required: bool = True) -> DataPlane | None:
+        """The client's data plane (:mod:`cuctxd.client.data_plane.plane`); without one (no fd channel: tcp://,
+        another host) None, or :class:`~cuctxd.protos.errors.NotShareable` when ``required``."""
+        return checked(self._plane, self.endpoint, required)
+
     def pipeline(self) -> Pipeline:
         """Send memory ops without waiting for each reply (see :mod:`cuctxd.client.api.pipeline`)."""
         return Pipeline(lambda request: self._send(request, shm=False))
@@ -257,7 +265,9 @@ class Client(SessionState):
             self._token = None
             if self._router.shm is not None:
                 self._router.shm.close()
-            self._close_data_plane()
+            if self._plane is not None:
+                self._plane.close()
+                self._plane = None
             for socket in self._router.sockets():
                 socket.close()
 

@@ -1,7 +1,7 @@
 """Pipelining: send many requests without waiting for each reply.
 
 ``with client.pipeline() as p:`` gives an object whose methods mirror the
-client's memory ops but return :class:`~cuctxd.client.wire.socket_transport.Call` futures at once;
+client's memory ops but return :class:`~cuctxd.client.wire.transport.Call` futures at once;
 leaving the block waits for every reply (raising the first error). Ops on one
 stream keep their order in the daemon, so a sequence of writes, copies and reads
 flows without a round trip each.

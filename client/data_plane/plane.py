@@ -1,7 +1,7 @@
 """A client's side of the data plane: its fd channel and its staging rings.
 
 Made after ``hello`` when the daemon offers an fd channel (``hello``'s
-``fd_channel``: only beside an ipc:// endpoint on this host); absent otherwise,
+``fd_channel``: only beside an ipc:// endpoint on this host, :meth:`DataPlane.offered`); absent otherwise,
 and then every transfer takes the socket, as over tcp://. A staging ring is a
 host buffer (:mod:`cuctxd.client.data_plane.host_buffers`) per device that large
 ``write``/``read_into`` calls copy through (:mod:`cuctxd.client.data_plane.transfers`),
@@ -15,7 +15,8 @@ import os
 from typing import Any
 
 from cuctxd.client.wire.fd_channel import FdChannel
-from cuctxd.protos.errors import BadRequest
+from cuctxd.protos.errors import BadRequest, NotShareable
+from cuctxd.protos.host import host_identity
 
 
 class DataPlane:
@@ -25,6 +26,12 @@ class DataPlane:
         self.channel = FdChannel(fd_channel, timeout)
         #: Device -> its staging ring, or None once making one failed (the socket carries the bytes then).
         self.rings: dict[int, Any] = {}
+
+    @classmethod
+    def offered(cls, hello: dict[str, Any], timeout: float) -> DataPlane | None:
+        """The data plane when ``hello``'s answer names an fd channel this process can reach, else None."""
+        path = hello.get("fd_channel")
+        return cls(path, timeout) if path and hello.get("host") == host_identity() else None
 
     def receive_fd(self, ticket: str) -> int:
         """The one fd a ticket stands for (the caller owns it)."""
@@ -42,3 +49,13 @@ class DataPlane:
                 ring.unmap()
         self.rings.clear()
         self.channel.close()
+
+
+def checked(plane: DataPlane | None, endpoint: str, required: bool) -> DataPlane | None:
+    """A client's ``plane`` (its ``data_plane()``): None when it has none, or
+    :class:`~cuctxd.protos.errors.NotShareable` when ``required``."""
+    if plane is None and required:
+        raise NotShareable(f"the daemon at {endpoint} offers no fd channel to this process (it has one "
+                           "only beside an ipc:// endpoint on this host): connect over ipc:// to map "
+                           "pool shares or host buffers")
+    return plane

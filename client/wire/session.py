@@ -15,13 +15,11 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
-from cuctxd.client.data_plane.plane import DataPlane
 from cuctxd.client.wire.build import Plan, Request
 from cuctxd.client.wire.routes import device_endpoints
 from cuctxd.client.wire.stream_ordered import Outbox
 from cuctxd.client.wire.transport import not_listening
-from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, NoDaemon, NotShareable, SessionLost
-from cuctxd.protos.host import host_identity
+from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, NoDaemon, SessionLost
 
 T = TypeVar("T")
 
@@ -71,27 +69,7 @@ class SessionState:
             return []
         return device_endpoints(self.endpoint, hello.get("endpoints", ()), hello.get("device_endpoints", ()))
 
-    _plane: DataPlane | None = None
     _outbox: Outbox
-
-    def _open_data_plane(self, hello: dict[str, Any]) -> None:
-        """Set up the data plane when ``hello`` names an fd channel this process can reach."""
-        path = hello.get("fd_channel")
-        self._plane = DataPlane(path, self.timeout) if path and hello.get("host") == host_identity() else None
-
-    def _close_data_plane(self) -> None:
-        if self._plane is not None:
-            self._plane.close()
-            self._plane = None
-
-    def data_plane(self, *, required: bool = True) -> DataPlane | None:
-        """The client's data plane; without one (no fd channel: tcp://, another host) None, or
-        :class:`~cuctxd.protos.errors.NotShareable` when ``required``."""
-        if self._plane is None and required:
-            raise NotShareable(f"the daemon at {self.endpoint} offers no fd channel to this process (it has one "
-                               "only beside an ipc:// endpoint on this host): connect over ipc:// to map "
-                               "pool shares or host buffers")
-        return self._plane
 
     def _check_session(self, op: str | None) -> bool:
         """Called when there is no session token: True when the client should start a new session
