@@ -1,4 +1,12 @@
-"""What the front thread knows: sessions, the device list, the backend, its settings."""
+"""Daemon-wide state: sessions, the device list, the endpoints, ``draining`` and the settings admission applies.
+
+The front thread owns it and writes it; every ROUTER's admission reads it
+(:mod:`cuctxd.daemon.intake.admission`, on the front and on each device worker's
+own ROUTER, :mod:`cuctxd.daemon.device.lane`), and the front ops' handlers
+(:mod:`cuctxd.daemon.handlers.session_ops`, :mod:`~cuctxd.daemon.handlers.sharing_ops`)
+answer from it. It lives here, beside the other registries, and not in ``front/``,
+so that no device, intake or handler code imports the front thread's package.
+"""
 
 from __future__ import annotations
 
@@ -15,15 +23,15 @@ from cuctxd.protos.records import DeviceInfo
 
 
 @dataclass(frozen=True)
-class FrontConfig:
-    """The settings the front and the lanes' admission apply, taken from the daemon's configuration."""
+class AdmissionConfig:
+    """The settings the front and each device endpoint's admission apply, taken from the daemon's configuration."""
 
     lease_ttl: float
     orphan_ttl: float
     max_payload: int
     max_sessions_per_peer: int = 0
     max_sessions_per_uid: int = 0
-    #: As configured (``status`` shows them); the endpoints bound are :attr:`FrontState.endpoints`.
+    #: As configured (``status`` shows them); the endpoints bound are :attr:`DaemonState.endpoints`.
     endpoints: tuple[str, ...] = ()
     #: The driver ordinal of each device served, by index.
     device_ordinals: tuple[int, ...] = ()
@@ -32,15 +40,15 @@ class FrontConfig:
 
 
 @dataclass
-class FrontState:
-    """Owned by the front thread; device workers' lanes read it (:mod:`cuctxd.daemon.intake.admission`).
+class DaemonState:
+    """Owned by the front thread; device workers' lanes (their ROUTERs) read it (:mod:`cuctxd.daemon.intake.admission`).
 
     Everything here is written on the front thread only, but for what
     :class:`~cuctxd.daemon.registry.sessions.Session` says a lane may write, and
     ``draining``, set by the daemon (on the front thread too, between serve calls).
     """
 
-    config: FrontConfig
+    config: AdmissionConfig
     backend: str
     devices: list[DeviceInfo]
     shares: ShareRegistry
