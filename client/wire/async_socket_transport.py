@@ -99,7 +99,9 @@ class AsyncTransport:
                 if before is not None:
                     await before()
                 return await self._exchange(op, args, session, payload, into, reach, sent)
-        except TimeoutError:
+        except TimeoutError as exc:
+            if isinstance(exc, CuctxError):  # DaemonTimeout is a TimeoutError too: not this call's timeout
+                raise
             raise no_reply(self.daemon, limit, op, curve=self.curve is not None) from None
 
     @property
