@@ -4,7 +4,6 @@ staging ring, stream-ordered allocation; over real sockets, with real client pro
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,6 @@ from cuctxd.client.wire.shm_lane import ShmTransport
 from tests.helpers import (
     DaemonProcess,
     pattern,
-    remove_tempdir,
     run_client,
     spawn_client,
     start_daemon,
@@ -28,12 +26,9 @@ from tests.helpers import (
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB", "--lease-ttl", "2",
-                           "--host-memory-per-session", "64MiB", "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
-    yield process
-    assert process.stop() == 0, process.log()
-    remove_tempdir(process.socket_dir)
+def daemon_args() -> tuple[str, ...]:
+    return ("--sim-devices", "2", "--sim-memory", "256MiB", "--lease-ttl", "2", "--host-memory-per-session", "64MiB",
+            "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
 
 
 def session_on(c: Client, device: int, session_id: int) -> dict[str, object]:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from cuctxd.client import AsyncClient, Client
 from cuctxd.client.wire import build as wire
-from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, start_daemon
+from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, running_daemon, start_daemon
 from tests.helpers_raw import RawPeer, error_name, raw_peer
 from tests.reliability.strategies import fuzz_settings, garbage_headers, payload_junk, soak_mode
 
@@ -168,17 +168,13 @@ def test_a_client_can_use_the_main_endpoint_only(daemon: DaemonProcess) -> None:
 
 
 def test_a_daemon_without_device_endpoints_serves_everything_on_the_main_one() -> None:
-    daemon = start_daemon("--sim-devices", "2", "--no-device-endpoints")
-    try:
+    with running_daemon("--sim-devices", "2", "--no-device-endpoints") as daemon:
         with raw_peer(daemon.endpoint) as main:
             result, _ = main.ok("hello", {"protocol": 1, "client": "t", "pid": 1})
         assert result["device_endpoints"] == []
         assert not Path(device_endpoint(daemon, 0)[len("ipc://"):]).exists()
         with Client(daemon.endpoint, timeout=10) as session:
             assert session.alloc(16, device=1).device == 1
-    finally:
-        assert daemon.stop() == 0
-        remove_tempdir(daemon.socket_dir)
 
 
 def test_device_endpoints_go_away_with_the_daemon() -> None:
@@ -191,8 +187,7 @@ def test_device_endpoints_go_away_with_the_daemon() -> None:
 
 
 def test_over_tcp_the_client_reaches_device_endpoints_by_the_host_it_used() -> None:
-    daemon = start_daemon("--sim-devices", "1", "--insecure-tcp", "--endpoint", "tcp://127.0.0.1:*")
-    try:
+    with running_daemon("--sim-devices", "1", "--insecure-tcp", "--endpoint", "tcp://127.0.0.1:*") as daemon:
         with raw_peer(daemon.endpoint) as main:
             result, _ = main.ok("hello", {"protocol": 1, "client": "t", "pid": 1})
         tcp_main = next(e for e in result["endpoints"] if e.startswith("tcp://"))
@@ -204,9 +199,6 @@ def test_over_tcp_the_client_reaches_device_endpoints_by_the_host_it_used() -> N
                              env=client_env(), cwd=REPO, check=True).stdout
         assert out.startswith("tcp path ['tcp://localhost:")
         assert tcp_main.rpartition(":")[2] not in out.split("[", 1)[1]  # its own port, not the main one
-    finally:
-        assert daemon.stop() == 0
-        remove_tempdir(daemon.socket_dir)
 
 
 

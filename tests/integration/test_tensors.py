@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -17,15 +16,12 @@ from cuctxd import BadArgument, Client, NameExists, NotFound
 from cuctxd.client.tensors.safetensors_load import load_safetensors
 from cuctxd.client.tensors.tensor_sets import open_tensors, publish_tensors
 from cuctxd.client.wire import build
-from tests.helpers import DaemonProcess, cuctx, remove_tempdir, run_client, start_daemon
+from tests.helpers import DaemonProcess, cuctx, run_client
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    process = start_daemon("--sim-devices", "1", "--sim-memory", "64MiB")
-    yield process
-    assert process.stop() == 0, process.log()
-    remove_tempdir(process.socket_dir)
+def daemon_args() -> tuple[str, ...]:
+    return ("--sim-devices", "1", "--sim-memory", "64MiB")
 
 
 PRODUCER = """
