@@ -1,12 +1,12 @@
 """The cuctxd client library: ``from client import Client, CudaError`` (or ``AsyncClient`` for asyncio)."""
 
-from cuctxd.client.async_client import AsyncClient
-from cuctxd.client.client import Client
-from cuctxd.client.host_buffers import AsyncHostBuffer, HostBuffer
-from cuctxd.client.objects import AsyncBuffer, AsyncContext, Buffer, Context
-from cuctxd.client.pipeline import AsyncPipeline, Pipeline
-from cuctxd.client.sharing import AsyncOpenedShare, OpenedShare
-from cuctxd.client.streams import AsyncEvent, AsyncStream, Event, Stream
+from cuctxd.client.api.async_client import AsyncClient
+from cuctxd.client.api.client import Client
+from cuctxd.client.api.objects import AsyncBuffer, AsyncContext, Buffer, Context
+from cuctxd.client.api.pipeline import AsyncPipeline, Pipeline
+from cuctxd.client.api.sharing import AsyncOpenedShare, OpenedShare
+from cuctxd.client.api.streams import AsyncEvent, AsyncStream, Event, Stream
+from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer, HostBuffer
 from cuctxd.protos.errors import (
     BadArgument,
     BadOp,

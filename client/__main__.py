@@ -2,6 +2,6 @@
 
 import sys
 
-from cuctxd.client.cli import main
+from cuctxd.client.cli.commands import main
 
 sys.exit(main())

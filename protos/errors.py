@@ -184,15 +184,17 @@ class InternalError(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_INTERNAL
 
 
-class DaemonTimeout(CuctxError):
-    """Client side only: the daemon did not answer in time (never sent on the wire)."""
+class DaemonTimeout(CuctxError, TimeoutError):
+    """Client side only: the daemon did not answer in time (never sent on the wire); a TimeoutError as well,
+    so code that handles timeouts in general handles this one."""
 
     def __init__(self, message: str, op: str | None = None) -> None:
         super().__init__(0, "CUCTXD_TIMEOUT", message, op)
 
 
-class ConnectionLost(CuctxError):
-    """Client side only: the client's transport is closed or failed."""
+class ConnectionLost(CuctxError, ConnectionError):
+    """Client side only: the client's transport is closed or failed; a ConnectionError as well (so are
+    :class:`NoDaemon` and :class:`DaemonRestarted`)."""
 
     error_name = "CUCTXD_CONNECTION_LOST"
 

@@ -2,33 +2,49 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from cuctxd.client import Client
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+from tests.helpers import DaemonProcess, running_daemon, start_daemon, stop_and_check
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    """A real sim-backed cuctxd (2 devices, 64 MiB each) shared by a test module."""
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "64MiB")
-    yield process
-    code = process.stop()
-    remove_tempdir(process.socket_dir)
-    assert code == 0, f"cuctxd exited with {code}:\n{process.log()}"
+def daemon_args() -> tuple[str, ...]:
+    """The options of a module's ``daemon``; a module that needs others overrides this fixture (module scope)."""
+    return ("--sim-devices", "2", "--sim-memory", "64MiB")
+
+
+@pytest.fixture(scope="module")
+def daemon(daemon_args: tuple[str, ...]) -> Iterator[DaemonProcess]:
+    """A real sim-backed cuctxd (by default 2 devices, 64 MiB each) shared by a test module."""
+    with running_daemon(*daemon_args) as process:
+        yield process
+
+
+@pytest.fixture
+def start_daemons() -> Iterator[Callable[..., DaemonProcess]]:
+    """The daemon factory of one test: ``start_daemons(*options, **start_daemon's keywords)`` starts one; after
+    the test every one is stopped, last started first, and must exit 0 (:func:`tests.helpers.stop_and_check`)."""
+    started: list[DaemonProcess] = []
+
+    def start(*extra: str, **options: object) -> DaemonProcess:
+        process = start_daemon(*extra, **options)  # type: ignore[arg-type]
+        started.append(process)
+        return process
+
+    yield start
+    stop_and_check(*reversed(started))
 
 
 @pytest.fixture
 def stop_after() -> Iterator[list[DaemonProcess]]:
-    """Daemons a test starts itself: append each; all are stopped afterwards and must exit 0."""
+    """Daemons a test starts itself (with :func:`tests.helpers.start_daemon`): append each; all are stopped
+    afterwards, last appended first, as :func:`start_daemons` does, and must exit 0."""
     started: list[DaemonProcess] = []
     yield started
-    for process in started:
-        code = process.stop()
-        remove_tempdir(process.socket_dir)
-        assert code == 0, process.log()
+    stop_and_check(*reversed(started))
 
 
 @pytest.fixture

@@ -129,6 +129,36 @@ def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
     return daemon
 
 
+def stop_and_check(*processes: DaemonProcess, clean_log: bool = False) -> None:
+    """The one teardown of a test daemon: stop each (SIGTERM, in the order given) and remove its socket
+    directory whatever happens, then require that each exited 0 and, with ``clean_log``, logged no traceback."""
+    codes: list[int | BaseException] = []
+    for process in processes:
+        try:
+            codes.append(process.stop())
+        except AssertionError as exc:  # it did not exit in time (it has been killed): say so below
+            codes.append(exc)
+        finally:
+            remove_tempdir(process.socket_dir)
+    for process, code in zip(processes, codes, strict=True):
+        log = process.log()
+        if isinstance(code, BaseException):
+            raise AssertionError(f"{code}:\n{log[-5000:]}")
+        assert code == 0, f"cuctxd exited with {code}:\n{log[-5000:]}"
+        if clean_log:
+            assert "Traceback" not in log, log[-5000:]
+
+
+@contextmanager
+def running_daemon(*extra: str, clean_log: bool = False, **options: object) -> Iterator[DaemonProcess]:
+    """:func:`start_daemon` (``options``: its keywords) for the ``with`` block, then :func:`stop_and_check`."""
+    process = start_daemon(*extra, **options)  # type: ignore[arg-type]
+    try:
+        yield process
+    finally:
+        stop_and_check(process, clean_log=clean_log)
+
+
 def _limit_open_files(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 

@@ -22,7 +22,7 @@ from bench.records import Figure, measured, skipped
 from bench.run import Bench, alloc_supports_shareable
 from bench.stats import interleaved, median, time_calls, us
 from cuctxd.client import Buffer
-from cuctxd.client import requests as wire
+from cuctxd.client.wire import build as wire
 
 FIGURE = 3
 TITLE = "alloc+free 1 MiB"

@@ -24,7 +24,7 @@ from bench.cuda_local import LocalCuda, LocalDriverUnavailable, LocalSim
 from bench.records import Figure, measured
 from bench.run import Bench
 from bench.stats import gbps, interleaved, median, time_calls, us
-from cuctxd.client import requests as wire
+from cuctxd.client.wire import build as wire
 
 FIGURE = 8
 TITLE = "data plane"

@@ -26,8 +26,8 @@ from bench.cuda_local import LocalCuda, LocalDriverUnavailable, _check
 from bench.records import Figure, measured, skipped
 from bench.run import Bench
 from bench.stats import median
-from cuctxd.client.safetensors_load import load_safetensors
-from cuctxd.client.tensors import publish_tensors
+from cuctxd.client.tensors.safetensors_load import load_safetensors
+from cuctxd.client.tensors.tensor_sets import publish_tensors
 
 FIGURE = 9
 TITLE = "tensors by name"
@@ -41,8 +41,8 @@ _LAYOUT = "bench-layout"
 _START = """
 import sys, time
 from cuctxd import Client
-from cuctxd.client.tensors import open_tensors
-from cuctxd.client.torch_weights import load_state_dict
+from cuctxd.client.tensors.tensor_sets import open_tensors
+from cuctxd.client.tensors.torch_weights import load_state_dict
 backend = sys.argv[2]
 if backend == "cuda":
     import torch

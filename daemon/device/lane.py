@@ -19,24 +19,24 @@ from typing import Any
 
 import zmq
 
-from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.intake.admission import admit, device_job, refusal
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.router_io import BATCH, recv_request, send_parts
+from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.protos.errors import BadRequest, CuctxError
 from cuctxd.protos.messages import encode_error, parse_request, unpack
 
 
 class DeviceLane:
-    """Device ``device``'s ROUTER, with the front's state to admit requests against (read, but for
+    """Device ``device``'s ROUTER, with the daemon-wide state to admit requests against (read, but for
     what :class:`~cuctxd.daemon.registry.sessions.Session` lets a lane write)."""
 
-    def __init__(self, device: int, router: zmq.Socket[Any], front: FrontState,
+    def __init__(self, device: int, router: zmq.Socket[Any], state: DaemonState,
                  observer: RequestObserver | None) -> None:
         self.device = device
         self.router = router
-        self.front = front
+        self.state = state
         self.observer = observer
         #: This lane's slot in each session's ``seen`` (the front has slot 0).
         self.receiver = 1 + device
@@ -77,10 +77,10 @@ class DeviceLane:
             if request.spec.target != "device":
                 raise BadRequest(f"{op_name} is not a device op: send it to the daemon's main endpoint, "
                                  f"not to device {self.device}'s")
-            admitted = admit(self.front, request, payload, self.receiver)
+            admitted = admit(self.state, request, payload, self.receiver)
             if shm is not None and (admitted.session is None or admitted.session.ref.token != shm.session.token):
                 raise BadRequest("a request on an shm lane must be of the session the lane was opened for")
-            queue(device_job(admitted, identity, payload, len(self.front.devices), received, self.device, shm))
+            queue(device_job(admitted, identity, payload, len(self.state.devices), received, self.device, shm))
             return None
         except Exception as exc:
             request_id, error = refusal(header, op_name, exc, self.where)

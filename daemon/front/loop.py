@@ -23,7 +23,6 @@ import zmq
 from cuctxd.daemon.device.queues import check_sent
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
-from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers import FRONT_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Gather, Reply
 from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, device_job, refusal
@@ -31,6 +30,7 @@ from cuctxd.daemon.intake.jobs import payload_bytes
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.peers import peer_of
 from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
+from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.protos.messages import encode_error, encode_result, parse_request, unpack
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class Front:
 
     def __init__(
         self,
-        state: FrontState,
+        state: DaemonState,
         workers: Sequence[DeviceWorker],
         router: zmq.Socket[Any],
         replies: zmq.Socket[Any],

@@ -10,10 +10,10 @@ from cuctxd.daemon import __version__
 from cuctxd.daemon.device.queues import backlog_status
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.status import device_status, first, fit_status
-from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers.registry import front_handler
 from cuctxd.daemon.handlers.replies import FanOut, Reply
 from cuctxd.daemon.intake.peers import peer_or_pid, pid_of, uid_of
+from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.fd_budget import fd_peer
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.protos import ops
@@ -24,7 +24,7 @@ from cuctxd.protos.version import PROTOCOL_VERSION
 
 
 @front_handler(ops.Hello)
-def hello(front: FrontState, session: Session | None, args: ops.Hello, peer: str | None) -> Reply:
+def hello(front: DaemonState, session: Session | None, args: ops.Hello, peer: str | None) -> Reply:
     if args.protocol != PROTOCOL_VERSION:
         raise VersionMismatch(
             f"client speaks protocol {args.protocol}, this daemon speaks {PROTOCOL_VERSION}"
@@ -61,7 +61,7 @@ def hello(front: FrontState, session: Session | None, args: ops.Hello, peer: str
 
 
 @front_handler(ops.Goodbye)
-def goodbye(front: FrontState, session: Session | None, args: ops.Goodbye, peer: str | None) -> FanOut:
+def goodbye(front: DaemonState, session: Session | None, args: ops.Goodbye, peer: str | None) -> FanOut:
     assert session is not None
     front.sessions.close(session.ref.token)
     ref = session.ref
@@ -73,28 +73,28 @@ def goodbye(front: FrontState, session: Session | None, args: ops.Goodbye, peer:
 
 
 @front_handler(ops.Ping)
-def ping(front: FrontState, session: Session | None, args: ops.Ping, peer: str | None) -> Reply:
+def ping(front: DaemonState, session: Session | None, args: ops.Ping, peer: str | None) -> Reply:
     return Reply()
 
 
 @front_handler(ops.DeviceCount)
-def device_count(front: FrontState, session: Session | None, args: ops.DeviceCount, peer: str | None) -> Reply:
+def device_count(front: DaemonState, session: Session | None, args: ops.DeviceCount, peer: str | None) -> Reply:
     return Reply({"count": len(front.devices)})
 
 
 @front_handler(ops.Devices)
-def devices(front: FrontState, session: Session | None, args: ops.Devices, peer: str | None) -> Reply:
+def devices(front: DaemonState, session: Session | None, args: ops.Devices, peer: str | None) -> Reply:
     return Reply({"devices": [d.to_wire() for d in front.devices]})
 
 
 @front_handler(ops.GetDevice)
-def get_device(front: FrontState, session: Session | None, args: ops.GetDevice, peer: str | None) -> Reply:
+def get_device(front: DaemonState, session: Session | None, args: ops.GetDevice, peer: str | None) -> Reply:
     assert session is not None
     return Reply({"device": session.current_device})
 
 
 @front_handler(ops.Status)
-def status(front: FrontState, session: Session | None, args: ops.Status, peer: str | None) -> FanOut:
+def status(front: DaemonState, session: Session | None, args: ops.Status, peer: str | None) -> FanOut:
     """Each device adds its ``queues``: the queued requests and untaken reply bytes there of every session
     with any, read on its worker (which owns those counts), against ``limits``."""
     sessions = front.sessions.all()

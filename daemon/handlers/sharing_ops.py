@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.daemon.device.state import DeviceState
-from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.handlers.registry import device_handler, front_handler
 from cuctxd.daemon.handlers.replies import DeviceTask, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
@@ -81,12 +81,12 @@ def close_shared(state: DeviceState, job: Job) -> Reply:
 
 
 @front_handler(ops.Heartbeat)
-def heartbeat(front: FrontState, session: Session | None, args: ops.Heartbeat, peer: str | None) -> Reply:
+def heartbeat(front: DaemonState, session: Session | None, args: ops.Heartbeat, peer: str | None) -> Reply:
     return Reply({"lease_ttl": front.config.lease_ttl})
 
 
 @front_handler(ops.Unpublish)
-def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Reply:
+def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Reply:
     assert session is not None
     share_id = front.shares.unpublish(args.name, session.ref)
     device = front.shares.device_of(share_id)
@@ -95,11 +95,11 @@ def unpublish(front: FrontState, session: Session | None, args: ops.Unpublish, p
 
 
 @front_handler(ops.Lookup)
-def lookup(front: FrontState, session: Session | None, args: ops.Lookup, peer: str | None) -> Reply:
+def lookup(front: DaemonState, session: Session | None, args: ops.Lookup, peer: str | None) -> Reply:
     return _share_reply(front.shares.lookup(args.name).to_wire())
 
 
 @front_handler(ops.ListShared)
-def list_shared(front: FrontState, session: Session | None, args: ops.ListShared, peer: str | None) -> Reply:
+def list_shared(front: DaemonState, session: Session | None, args: ops.ListShared, peer: str | None) -> Reply:
     shared = front.shares.published()
     return Reply({"shared": shared[:MAX_LISTED], "count": len(shared), "truncated": len(shared) > MAX_LISTED})

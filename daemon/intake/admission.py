@@ -16,8 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from cuctxd.daemon.front.state import FrontState
 from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import (
@@ -47,7 +47,7 @@ class Admitted(NamedTuple):
     args: Any
 
 
-def admit(state: FrontState, request: RequestHeader, payload: Sequence[Any], receiver: int) -> Admitted:
+def admit(state: DaemonState, request: RequestHeader, payload: Sequence[Any], receiver: int) -> Admitted:
     """Check a parsed request against the daemon's state; raises the error to reply with.
 
     ``receiver``: the slot of :attr:`Session.seen` the calling thread owns.
@@ -100,7 +100,7 @@ def refusal(header: Any, op_name: str, exc: Exception, where: str = "") -> tuple
     return request_id, InternalError(f"unexpected failure in {op_name}; see the daemon log")
 
 
-def _session_of(state: FrontState, request: RequestHeader, receiver: int) -> Session | None:
+def _session_of(state: DaemonState, request: RequestHeader, receiver: int) -> Session | None:
     if not request.spec.needs_session:
         return None
     if request.session is None:
@@ -117,7 +117,7 @@ def _session_of(state: FrontState, request: RequestHeader, receiver: int) -> Ses
     return session
 
 
-def _check_payload(state: FrontState, spec: OpSpec, payload: Sequence[Any]) -> None:
+def _check_payload(state: DaemonState, spec: OpSpec, payload: Sequence[Any]) -> None:
     expected = 1 if spec.payload_in else 0
     if len(payload) != expected:
         raise BadRequest(f"{spec.name} takes {expected} payload frame(s), got {len(payload)}")

@@ -1,15 +1,17 @@
-"""The daemon's effective configuration, and parsing of human sizes like ``8GiB``.
+"""The daemon's effective configuration: every setting, declared once, as a field of :class:`DaemonConfig`.
 
 :class:`DaemonConfig` is built once at start (defaults, then the ``--config``
 TOML file, then command-line flags: see :mod:`cuctxd.daemon.service.config_file`) and only read
-afterwards. Every value is checked by the converters in :mod:`cuctxd.daemon.service.config_file`
-before it gets here; :func:`check_config` adds the checks that span keys.
+afterwards. Each field is made by a declaration of :mod:`cuctxd.daemon.service.settings`, which
+holds its default, the check every value goes through before it gets here, its ``--help`` and
+whether it is a row of PROTOCOL.md's limits table; the file's keys (:data:`SETTINGS`) and the
+command line's flags (:mod:`cuctxd.daemon.service.cli`) are made from those.
+:func:`check_config` adds the checks that span keys.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 from cuctxd.daemon.device.queues import (
@@ -21,24 +23,32 @@ from cuctxd.daemon.device.queues import (
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
 from cuctxd.daemon.registry.shares import DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, DEFAULT_MAX_MANIFEST_BYTES_PER_UID
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
+from cuctxd.daemon.service.settings import (
+    LOG_LEVELS,
+    MAX_SIM_DEVICES,
+    NO_DEFAULT,
+    Setting,
+    check_endpoint,
+    choice,
+    count,
+    declared,
+    endpoint_list,
+    existing_path,
+    fault_injection,
+    group_name,
+    ordinals,
+    ordinals_text,
+    seconds,
+    setting,
+    size,
+    string,
+    switch,
+)
 from cuctxd.daemon.side_channel.server import DEFAULT_MAX_FD_CONNECTIONS, DEFAULT_MAX_FD_CONNECTIONS_PER_PEER
+from cuctxd.protos.endpoints import default_endpoint
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 from cuctxd.protos.shm_lane import polls_busily
 
-#: Size suffixes, as docker and systemd read them: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024;
-#: only an explicit KB/MB/GB/TB is decimal. Case does not matter.
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-    "t": 1 << 40, "tib": 1 << 40,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-}
-#: What ``--help`` says a SIZE is.
-SIZE_HELP = ("SIZE is bytes, or a number with K, M, G, T (also KiB, MiB, GiB, TiB: powers of 1024, "
-             "512M = 512MiB) or KB, MB, GB, TB (powers of 1000)")
-#: The units :func:`format_size` may write; binary first, so it wins a tie.
-_RENDER_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10),
-                 ("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000))
 #: Seconds a published buffer whose owner left waits for a consumer before it is freed.
 DEFAULT_ORPHAN_TTL = 600.0
 #: Object limits that protect a shared machine (PROTOCOL.md, "Limits"); 0 in the configuration means none.
@@ -79,39 +89,6 @@ DEFAULT_HANDSHAKE_TIMEOUT = 5.0
 #: Where the metrics endpoint listens unless told otherwise: this host only.
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """``"512MiB"`` and ``"512M"`` -> 536870912, ``"1GB"`` -> 10**9; plain integers are bytes. ValueError on garbage."""
-    if isinstance(text, bool):
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64MiB, 8GiB)")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"size must not be negative: {text}")
-        return text
-    if not isinstance(text, str):
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64MiB, 8GiB)")
-    match = _SIZE.match(text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64MiB, 8GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def format_size(n: int) -> str | int:
-    """The inverse of :func:`parse_size`, exact and short: ``512M`` -> ``"512MiB"``, ``2GB`` -> ``"2GB"``.
-
-    Of the units that divide ``n``, the one leaving the fewest digits (binary on a tie); ``n`` itself
-    when none does.
-    """
-    best: str | int = n
-    digits = len(str(n)) + 1
-    for unit, factor in _RENDER_UNITS:
-        if n >= factor and n % factor == 0 and len(str(n // factor)) < digits:
-            best, digits = f"{n // factor}{unit}", len(str(n // factor))
-    return best
-
-
 class ConfigError(ValueError):
     """A configuration value is wrong; ``key`` names it as the TOML file spells it."""
 
@@ -128,78 +105,138 @@ class DaemonConfig:
 
     ``devices``: the driver ordinals to serve, in the order clients see them as
     devices 0..n-1 (None: every device). ``0`` for a size, count or port means
-    "none"/"off". ``group`` .. ``max_objects_per_session`` are the security and
+    "none"/"off". ``group`` .. ``max_sessions_per_uid`` are the security and
     limit settings: parsed and checked here, enforced by the daemon where the
-    module docstring of :mod:`cuctxd.daemon.service.server` says.
+    module docstring of :mod:`cuctxd.daemon.service.server` says. Each field is its
+    setting's one declaration (:mod:`cuctxd.daemon.service.settings`); new ones go at the end.
     """
 
-    endpoints: tuple[str, ...]
-    backend: str = "auto"
-    sim_devices: int = 2
-    sim_memory: int = 1 << 30
-    devices: tuple[int, ...] | None = None
-    max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES
-    lease_ttl: float = DEFAULT_LEASE_TTL
-    session_quota: int = 0
-    device_reserve: int = 0
-    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
-    log_level: str = "INFO"
-    log_format: str = "text"
-    metrics_port: int = 0
-    metrics_host: str = DEFAULT_METRICS_HOST
-    group: str | None = None
-    insecure_tcp: bool = False
-    server_key: str | None = None
-    allow_dir: str | None = None
-    max_sessions_per_peer: int = 0
-    max_objects_per_session: int = DEFAULT_MAX_OBJECTS_PER_SESSION
-    orphan_ttl: float = DEFAULT_ORPHAN_TTL
-    sim_fault: str | None = None
+    endpoints: tuple[str, ...] = setting(
+        NO_DEFAULT, endpoint_list, "where to listen: ipc://PATH or tcp://HOST:PORT (PORT * takes any free port); "
+        "repeatable", "URL", from_text=check_endpoint, render=list, shown=default_endpoint, flag_name="--endpoint",
+        repeat=True)
+    backend: str = choice("auto", "driver backend; auto uses cuda when a driver and a device are present",
+                          "auto", "cuda", "sim")
+    sim_devices: int = count(2, "devices of the sim backend", low=1, high=MAX_SIM_DEVICES)
+    sim_memory: int = size(1 << 30, "memory per sim device", minimum=1)
+    devices: tuple[int, ...] | None = setting(
+        None, ordinals, "serve only these driver ordinals, e.g. 2,0; clients see them as devices 0..n-1",
+        "ORDINALS", from_text=ordinals_text, render=list, shown="all")
+    max_payload: int = size(DEFAULT_MAX_PAYLOAD_BYTES, "largest payload frame a request or reply may carry",
+                            minimum=1, limit=True)
+    lease_ttl: float = seconds(DEFAULT_LEASE_TTL, "reap a session after this long without a request or heartbeat",
+                               limit=True)
+    session_quota: int = size(0, "most memory one session may hold on each device", zero="no quota", limit=True)
+    device_reserve: int = size(0, "memory of each device that allocations must leave free", limit=True)
+    drain_timeout: float = seconds(DEFAULT_DRAIN_TIMEOUT, "on SIGTERM/SIGINT, wait this long for requests in flight",
+                                   limit=True)
+    log_level: str = choice("INFO", "the log's level", *LOG_LEVELS, fold=str.upper)
+    log_format: str = choice("text", "text, or json: one JSON object per line", "text", "json")
+    metrics_port: int = count(0, "serve Prometheus metrics on this port (needs the 'metrics' extra)", high=65535,
+                              metavar="PORT", zero="off")
+    metrics_host: str = setting(DEFAULT_METRICS_HOST, string, "address the metrics endpoint binds", "ADDRESS")
+    group: str | None = setting(None, group_name, "group whose members may use the ipc:// socket (directory 0770, "
+                                "socket 0660)", "NAME", security=True)
+    insecure_tcp: bool = switch(False, "allow tcp:// endpoints without CURVE (plaintext, no authentication)",
+                                security=True)
+    server_key: str | None = setting(None, existing_path("file"), "CURVE secret key file of the daemon (required "
+                                     "for tcp:// without --insecure-tcp)", "PATH", security=True)
+    allow_dir: str | None = setting(None, existing_path("dir"), "directory of the CURVE public keys (NAME.key) of "
+                                    "clients let in; needed with --server-key", "PATH", security=True)
+    max_sessions_per_peer: int = count(0, "most sessions one peer may hold open", zero="no limit", security=True,
+                                       limit=True)
+    max_objects_per_session: int = count(
+        DEFAULT_MAX_OBJECTS_PER_SESSION, "most contexts, buffers, streams, events and share holds one session may "
+        "have on each device", zero="no limit", security=True, limit=True)
+    orphan_ttl: float = seconds(DEFAULT_ORPHAN_TTL, "free a published buffer whose owner left after this long "
+                                "without a consumer", limit=True)
+    sim_fault: str | None = setting(None, fault_injection, "testing aid (sim backend only): device DEV turns sticky "
+                                    "with ERROR after CALLS more calls", "DEV:CALLS:ERROR")
     #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.device.lane`), told in hello.
-    device_endpoints: bool = True
+    device_endpoints: bool = switch(True, "give each device its own socket next to each endpoint, so device ops "
+                                    "skip a thread hand-off (--no-device-endpoints when only the one socket or port "
+                                    "may be used)")
     #: Per session and device (:mod:`cuctxd.daemon.device.queues`): requests queued, their payload bytes,
     #: and reply payload bytes its client has not taken.
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES
-    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    max_queued_requests: int = count(DEFAULT_MAX_QUEUED_REQUESTS, "most requests one session may have queued on "
+                                     "each device", zero="no limit", security=True, limit=True)
+    max_queued_bytes: int = size(DEFAULT_MAX_QUEUED_BYTES, "most payload bytes one session may have queued on each "
+                                 "device, beyond its first request", zero="no limit", security=True, limit=True)
+    max_reply_bytes: int = size(DEFAULT_MAX_REPLY_BYTES, "read results one session's client may leave untaken on "
+                                "each device before its reads are refused", zero="no limit", security=True,
+                                limit=True)
     #: Contexts one session may create per device; exports + share holds per session per device;
     #: published shares whose owner is gone and nobody holds, daemon-wide (the oldest are freed beyond it).
-    max_contexts_per_session: int = DEFAULT_MAX_CONTEXTS_PER_SESSION
-    max_shares_per_session: int = DEFAULT_MAX_SHARES_PER_SESSION
-    max_orphaned_shares: int = DEFAULT_MAX_ORPHANED_SHARES
+    max_contexts_per_session: int = count(DEFAULT_MAX_CONTEXTS_PER_SESSION, "most contexts one session may create "
+                                          "on each device", zero="no limit", security=True, limit=True)
+    max_shares_per_session: int = count(DEFAULT_MAX_SHARES_PER_SESSION, "most shares one session may have exported "
+                                        "plus held open on each device", zero="no limit", security=True, limit=True)
+    max_orphaned_shares: int = count(DEFAULT_MAX_ORPHANED_SHARES, "most published buffers whose owner left and "
+                                     "nobody holds, daemon-wide; beyond it the oldest are freed", zero="no limit",
+                                     security=True, limit=True)
     #: Most client connections on all sockets together (0: what the open-file limit leaves,
     #: :func:`cuctxd.daemon.intake.connections.connection_cap`).
-    max_connections: int = 0
-    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    max_connections: int = count(0, "most client connections at once; beyond it new ones are refused until some "
+                                 "close", shown="0: half of what the open-file limit leaves once a quarter of it is "
+                                 "kept for the daemon; the other half is max_client_fds", security=True, limit=True)
+    handshake_timeout: float = seconds(DEFAULT_HANDSHAKE_TIMEOUT, "drop a connection that has not finished its "
+                                       "ZeroMQ/CURVE handshake by then", security=True, limit=True)
     #: Bytes of host buffers per session and device, and of all sessions' per device (pinned memory).
-    host_memory_per_session: int = DEFAULT_HOST_MEMORY_PER_SESSION
-    max_host_memory: int = DEFAULT_MAX_HOST_MEMORY
+    host_memory_per_session: int = size(DEFAULT_HOST_MEMORY_PER_SESSION, "bytes of host buffers (host_alloc, "
+                                        "staging rings) one session may have on each device", zero="no limit",
+                                        security=True, limit=True)
+    max_host_memory: int = size(DEFAULT_MAX_HOST_MEMORY, "bytes of host buffers of all sessions on each device, "
+                                "pinned memory", shown="a quarter of the host's memory", zero="no limit",
+                                security=True, limit=True)
     #: The fd channel (:mod:`cuctxd.daemon.side_channel`): connections at once, a ticket's life, and
     #: tickets one session may have waiting.
-    max_fd_connections: int = DEFAULT_MAX_FD_CONNECTIONS
-    fd_ticket_ttl: float = DEFAULT_TICKET_TTL
-    max_tickets_per_session: int = DEFAULT_MAX_TICKETS_PER_SESSION
+    max_fd_connections: int = count(DEFAULT_MAX_FD_CONNECTIONS, "most connections to the fd channel at once",
+                                    security=True, limit=True)
+    fd_ticket_ttl: float = seconds(DEFAULT_TICKET_TTL, "how long a ticket for the fd channel stays redeemable",
+                                   security=True, limit=True)
+    max_tickets_per_session: int = count(DEFAULT_MAX_TICKETS_PER_SESSION, "fd channel tickets one session may have "
+                                         "waiting", zero="no limit", security=True, limit=True)
     #: Shm lanes open to one device at once (:mod:`cuctxd.daemon.device.shm_lanes`).
-    max_shm_lanes: int = DEFAULT_MAX_SHM_LANES
+    max_shm_lanes: int = count(DEFAULT_MAX_SHM_LANES, "shm lanes open to each device at once; beyond, sessions use "
+                               "the socket", zero="no limit", security=True, limit=True)
     #: Microseconds each device worker keeps polling without sleeping after its last request.
-    busy_poll_us: int = DEFAULT_BUSY_POLL_US
+    busy_poll_us: int = count(DEFAULT_BUSY_POLL_US, "microseconds each device worker keeps polling, without "
+                              "sleeping, after a request: a client's next one is then taken at once, at the cost of "
+                              "that CPU time", high=1_000_000, metavar="US",
+                              shown="300 on hosts with 8 or more CPUs, else 0")
     #: Fds the daemon may hold for clients (tickets, shm lanes, host buffers, fd channel connections): in all,
     #: per peer, per session; 0: derived from the open-file limit
     #: (:class:`cuctxd.daemon.registry.fd_budget.FdPlan`). And fd channel connections of one peer.
-    max_client_fds: int = 0
-    max_client_fds_per_peer: int = 0
-    max_client_fds_per_session: int = 0
-    max_fd_connections_per_peer: int = DEFAULT_MAX_FD_CONNECTIONS_PER_PEER
+    max_client_fds: int = count(0, "most fds the daemon holds for clients (tickets, shm lanes, host buffers, fd "
+                                "channel connections)", shown="0: the open-file limit N less the daemon's reserve "
+                                "max(N/4, min(128, N/2)) less max_connections", security=True, limit=True)
+    max_client_fds_per_peer: int = count(0, "of those, most held for one peer: a process, or a group member's uid",
+                                         shown="0: a quarter of max_client_fds", security=True, limit=True)
+    max_client_fds_per_session: int = count(0, "of those, most held for one session",
+                                            shown="0: an eighth of max_client_fds (at most the peer's share)",
+                                            security=True, limit=True)
+    max_fd_connections_per_peer: int = count(DEFAULT_MAX_FD_CONNECTIONS_PER_PEER, "most fd channel connections of "
+                                             "one peer at once", zero="no limit", security=True, limit=True)
     #: Open sessions of one uid, all its processes together (peers whose uid the kernel tells: ipc://).
-    max_sessions_per_uid: int = 0
+    max_sessions_per_uid: int = count(0, "most sessions the processes of one user may hold open together, where "
+                                      "the kernel tells the user (ipc://)", zero="no limit", security=True,
+                                      limit=True)
     #: Bytes of published buffers whose owner is gone and nobody holds, per owner uid and device
     #: (0: half the device's memory).
-    max_orphaned_bytes_per_uid: int = 0
+    max_orphaned_bytes_per_uid: int = size(0, "bytes of published buffers whose owner left and nobody holds, per "
+                                           "user and device; publish is refused beyond it",
+                                           shown="0: half the device's memory", security=True, limit=True)
     #: Bytes of published names (manifests included), per publishing session and per uid, daemon-wide.
-    max_manifest_bytes_per_session: int = DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION
-    max_manifest_bytes_per_uid: int = DEFAULT_MAX_MANIFEST_BYTES_PER_UID
+    max_manifest_bytes_per_session: int = size(DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, "bytes of the names "
+                                               "(manifests included) one session may have published",
+                                               zero="no limit", security=True, limit=True)
+    max_manifest_bytes_per_uid: int = size(DEFAULT_MAX_MANIFEST_BYTES_PER_UID, "bytes of the names (manifests "
+                                           "included) one user's sessions may have published, ended ones included",
+                                           zero="no limit", security=True, limit=True)
     #: Reply payload bytes a peer's clients have not taken, all its sessions together, per device.
-    max_reply_bytes_per_peer: int = DEFAULT_MAX_REPLY_BYTES_PER_PEER
+    max_reply_bytes_per_peer: int = size(DEFAULT_MAX_REPLY_BYTES_PER_PEER, "read results one peer's clients may "
+                                         "leave untaken on each device, all its sessions together, before their "
+                                         "reads are refused", zero="no limit", security=True, limit=True)
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:
@@ -220,3 +257,7 @@ def check_config(config: DaemonConfig) -> None:
             f"{tcp[0]} is a tcp:// endpoint, which needs server_key (CURVE encryption and "
             "authentication) or, to accept plaintext on purpose, insecure_tcp = true (--insecure-tcp)",
         )
+
+
+#: Every setting by name (its configuration-file key), in field order.
+SETTINGS: dict[str, Setting] = declared(DaemonConfig)

@@ -24,7 +24,7 @@ from cuctxd.protos.version import PROTOCOL_VERSION
 if TYPE_CHECKING:
     from cuctxd.daemon.device.state import DeviceState
     from cuctxd.daemon.device.worker import DeviceWorker
-    from cuctxd.daemon.front.state import FrontState
+    from cuctxd.daemon.registry.daemon_state import DaemonState
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class DaemonMetrics:
             histogram = self._latency[op] = self.latency.labels(op)
         histogram.observe(seconds)
 
-    def watch(self, state: FrontState, workers: Sequence[DeviceWorker], ordinals: Sequence[int]) -> None:
+    def watch(self, state: DaemonState, workers: Sequence[DeviceWorker], ordinals: Sequence[int]) -> None:
         """Add the series read at scrape time: sessions, draining, and each device's snapshot."""
         self.registry.register(_StateCollector(state, workers, ordinals))
 
@@ -153,7 +153,7 @@ def ask_worker(worker: DeviceWorker, work: Callable[[DeviceState], Any]) -> Call
 class _StateCollector:
     """Scrape-time series; runs on the HTTP server's threads."""
 
-    def __init__(self, state: FrontState, workers: Sequence[DeviceWorker], ordinals: Sequence[int]) -> None:
+    def __init__(self, state: DaemonState, workers: Sequence[DeviceWorker], ordinals: Sequence[int]) -> None:
         self._state = state
         self._workers = workers
         self._ordinals = ordinals
@@ -212,7 +212,7 @@ class _StateCollector:
         yield from families.values()
 
 
-def _fd_families(state: FrontState) -> Iterator[Any]:
+def _fd_families(state: DaemonState) -> Iterator[Any]:
     """The fd budget and the fd channel's connections (any thread: both read under their own locks)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 

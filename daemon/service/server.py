@@ -58,10 +58,10 @@ from cuctxd.daemon.device.lane import DeviceLane
 from cuctxd.daemon.device.queues import QueueLimits
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
-from cuctxd.daemon.front.state import FrontConfig, FrontState
 from cuctxd.daemon.intake.connections import ConnectionBudget, ConnectionWatch, ListenerGuard, listen_backlog
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
+from cuctxd.daemon.registry.daemon_state import AdmissionConfig, DaemonState
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
@@ -184,7 +184,7 @@ class Daemon:
             raise
         self._side_channel = self._open_side_channel()
         sessions = ObservedSessions(self.metrics, receivers=1 + count)
-        state = FrontState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
+        state = DaemonState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
                            endpoints=list(self.bound), connections=self.connections, fd_channel=self._side_channel,
                            fd_budget=self.fd_budget)
         self._front = Front(state, self._workers, router, replies)
@@ -222,9 +222,9 @@ class Daemon:
         log.info("fd channel on %s", ", ".join(paths))
         return channel
 
-    def _front_config(self) -> FrontConfig:
+    def _front_config(self) -> AdmissionConfig:
         config = self.config
-        return FrontConfig(lease_ttl=config.lease_ttl, orphan_ttl=config.orphan_ttl, max_payload=config.max_payload,
+        return AdmissionConfig(lease_ttl=config.lease_ttl, orphan_ttl=config.orphan_ttl, max_payload=config.max_payload,
                            max_sessions_per_peer=config.max_sessions_per_peer,
                            max_sessions_per_uid=config.max_sessions_per_uid, endpoints=tuple(config.endpoints),
                            device_ordinals=self.ordinals, queue_limits=self._queue_limits())
@@ -252,7 +252,7 @@ class Daemon:
         guard.watch(self.bound)
         return router
 
-    def _open_lanes(self, state: FrontState, observer: RequestObserver) -> list[list[str]]:
+    def _open_lanes(self, state: DaemonState, observer: RequestObserver) -> list[list[str]]:
         """Bind each device's own ROUTER next to every endpoint and hand it to its worker; the endpoints."""
         if not self.config.device_endpoints:
             return []

@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from cuctxd import Client
-from cuctxd.client.objects import Buffer
+from cuctxd.client.api.objects import Buffer
 from cuctxd.protos.messages import pack
 from tests.helpers import DaemonProcess, pattern
 from tests.helpers_raw import RawPeer

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.adversarial.attacks import FIGURES, Bystander, assert_alive, open_bystander, soak_mode
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+from tests.helpers import DaemonProcess, running_daemon
 
 
 @pytest.fixture
@@ -29,15 +29,10 @@ def attack_daemon_args() -> tuple[str, ...]:
 
 @pytest.fixture
 def attack_daemon(attack_daemon_args: tuple[str, ...]) -> Iterator[DaemonProcess]:
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB", *attack_daemon_args)
-    try:
+    with running_daemon("--sim-devices", "2", "--sim-memory", "256MiB", *attack_daemon_args,
+                        clean_log=True) as process:
         yield process
         assert_alive(process)
-    finally:
-        code = process.stop()
-        remove_tempdir(process.socket_dir)
-    assert code == 0, f"cuctxd exited with {code}:\n{process.log()[-5000:]}"
-    assert "Traceback" not in process.log(), process.log()[-5000:]
 
 
 @pytest.fixture

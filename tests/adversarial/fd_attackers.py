@@ -13,8 +13,8 @@ import time
 from multiprocessing.connection import Connection
 
 from cuctxd import Client
-from cuctxd.client import requests
-from cuctxd.client.fd_channel import FdChannel
+from cuctxd.client.wire import build
+from cuctxd.client.wire.fd_channel import FdChannel
 from cuctxd.protos.errors import CuctxError, LimitExceeded
 
 #: Most tickets one session asks for (far more than any share allows).
@@ -35,7 +35,7 @@ def hoard_tickets(endpoint: str, sessions: int, results: Connection) -> None:
             taken, refusal = 0, None
             while taken < MOST_TICKETS:
                 try:
-                    client.run(requests.host_alloc(0, HOST_SIZE))
+                    client.run(build.host_alloc(0, HOST_SIZE))
                 except LimitExceeded as refused:
                     refusal = refused.message
                     break

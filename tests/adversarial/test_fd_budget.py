@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 
 from cuctxd import Client
-from cuctxd.client import requests
+from cuctxd.client.wire import build
 from tests.adversarial.attacks import Bystander, assert_alive, open_bystander
 from tests.adversarial.fd_attackers import data_plane_clients, hoard_tickets, hold_fd_connections
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
+from tests.helpers import DaemonProcess, running_daemon, wait_until
 
 #: The daemon's RLIMIT_NOFILE (soft and hard: it cannot raise it), as in the report.
 OPEN_FILES = 1024
@@ -44,16 +44,11 @@ spawn = multiprocessing.get_context("spawn")
 
 @pytest.fixture
 def daemon() -> Iterator[DaemonProcess]:
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB", open_files=OPEN_FILES)
-    try:
+    with running_daemon("--sim-devices", "2", "--sim-memory", "256MiB", open_files=OPEN_FILES,
+                        clean_log=True) as process:
         yield process
         assert_alive(process)
-    finally:
-        code = process.stop()
-        remove_tempdir(process.socket_dir)
-    log = process.log()
-    assert code == 0, f"cuctxd exited with {code}:\n{log[-5000:]}"
-    assert "Traceback" not in log and "Too many open files" not in log, log[-5000:]
+    assert "Too many open files" not in process.log(), process.log()[-5000:]
 
 
 @pytest.fixture
@@ -136,7 +131,7 @@ def test_ticket_hoarders_get_limit_exceeded_and_everyone_else_is_served(daemon: 
             assert sum(taken) * FDS_PER_HOST_ALLOC <= PER_PEER and max(taken) * FDS_PER_HOST_ALLOC <= PER_SESSION
             assert max(entry["held"] for entry in budget(observer)["top_peers"]) <= PER_PEER
             # another peer still gets tickets, raw and through the whole data plane
-            assert observer.run(requests.host_alloc(0, 4096))["ticket"]
+            assert observer.run(build.host_alloc(0, 4096))["ticket"]
             observer.host_alloc(4096).free()
             bystander.check()
             # four more processes, 8 sessions each: now the daemon-wide budget runs out, not the fds

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from cuctxd import Client, NotFound
-from cuctxd.client.fd_channel import FdChannel
+from cuctxd.client.wire.fd_channel import FdChannel
 from cuctxd.protos.fd_channel import REQUEST_MAGIC, TICKET_BYTES, encode_request, reply_length
 from tests.adversarial.attacks import Bystander
 from tests.helpers import DaemonProcess, wait_for_log, wait_until
@@ -62,10 +62,10 @@ def channel_stats(client: Client) -> dict[str, int]:
 @pytest.fixture
 def host_ticket(attack_daemon: DaemonProcess) -> Iterator[tuple[Client, str]]:
     """A session and a host buffer's ticket it has not redeemed (a raw request, not the client's plan)."""
-    from cuctxd.client import requests
+    from cuctxd.client.wire import build
 
     with Client(attack_daemon.endpoint, timeout=10) as client:
-        result = client.run(requests.host_alloc(0, 4096))
+        result = client.run(build.host_alloc(0, 4096))
         yield client, result["ticket"]
 
 
@@ -153,13 +153,14 @@ def test_unredeemed_tickets_expire_and_their_fds_close(attack_daemon: DaemonProc
 
 
 def test_tickets_waiting_per_session_are_bounded(attack_daemon: DaemonProcess) -> None:
-    from cuctxd.client import LimitExceeded, requests
+    from cuctxd.client import LimitExceeded
+    from cuctxd.client.wire import build
 
     with Client(attack_daemon.endpoint, timeout=10) as client:
         for _ in range(4):
-            client.run(requests.host_alloc(0, 4096))
+            client.run(build.host_alloc(0, 4096))
         with pytest.raises(LimitExceeded, match="max_tickets_per_session"):
-            client.run(requests.host_alloc(0, 4096))
+            client.run(build.host_alloc(0, 4096))
         assert client.status()["devices"][0]["host_bytes"] == 4 * 4096  # the refused one holds nothing
     with Client(attack_daemon.endpoint, timeout=10) as client:
         assert channel_stats(client)["tickets"] == 0  # the session's tickets went with it

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from cuctxd import Client, CudaError, NotFound, Revoked
-from cuctxd.client import requests
-from cuctxd.client.objects import Context
+from cuctxd.client.api.objects import Context
+from cuctxd.client.wire import build
 from cuctxd.protos.errors import LimitExceeded
 from tests.helpers import DaemonProcess, start_daemon, tcp_endpoint
 
@@ -68,7 +68,7 @@ def test_a_context_flood_is_capped_and_its_cleanup_never_stalls_a_bystander(
     contexts = 12_000
     with attacker.pipeline() as pipeline:
         for _ in range(contexts):
-            pipeline.send(requests.create_context(attacker, Context, 0, 0))
+            pipeline.send(build.create_context(attacker, Context, 0, 0))
     bystander.check()
 
     done = threading.Event()

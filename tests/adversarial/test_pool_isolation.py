@@ -1,7 +1,7 @@
 """Reading other sessions' memory through what sharing hands out (issue 25, item 4), on the sim.
 
 The attacker exports its own small buffer, opens it with ``pool_fd`` and maps the whole fd it receives,
-as :class:`cuctxd.client.ipc_sim.SimPoolImport` does, then scans it: it must find nothing of another
+as :class:`cuctxd.client.data_plane.ipc_sim.SimPoolImport` does, then scans it: it must find nothing of another
 session's. Memory that was shared and is freed must not be readable afterwards, neither through a
 mapping the holder kept nor by the next allocation. The bystander (``conftest.py``) is served throughout.
 """
@@ -13,7 +13,7 @@ import os
 import secrets
 
 from cuctxd import Client
-from cuctxd.client import requests
+from cuctxd.client.wire import build
 from tests.adversarial.attacks import Bystander, assert_alive
 from tests.helpers import DaemonProcess, run_client
 
@@ -22,13 +22,13 @@ from tests.helpers import DaemonProcess, run_client
 ATTACKER = """
 import mmap, os
 from cuctxd import Client
-from cuctxd.client import requests
+from cuctxd.client.wire import build
 from tests.helpers import pattern
 
 with Client(ENDPOINT, name="attacker") as c:
     own = c.alloc(256, device=0, shareable=True)
     descriptor = c.export(own)
-    _, ticket = c.run(requests.open_shared(descriptor, pool_fd=True))
+    _, ticket = c.run(build.open_shared(descriptor, pool_fd=True))
     fds, _ = c._plane.channel.fetch(ticket)
     size = os.fstat(fds[0]).st_size
     with mmap.mmap(fds[0], size) as whole:
@@ -79,14 +79,14 @@ def test_freed_shared_memory_is_zeroed_for_a_holder_that_kept_its_mapping_and_fo
     secret = secrets.token_bytes(32)
     run_client(f"SECRET = {secret.hex()!r}\n{VICTIM}", attack_daemon.endpoint)
     with Client(attack_daemon.endpoint, name="attacker") as attacker:
-        descriptor, ticket = attacker.run(requests.open_shared(attacker.lookup("victim-weights"), pool_fd=True))
+        descriptor, ticket = attacker.run(build.open_shared(attacker.lookup("victim-weights"), pool_fd=True))
         assert ticket is not None
         fds, _ = attacker._plane.channel.fetch(ticket)  # type: ignore[union-attr]
         with mmap.mmap(fds[0], os.fstat(fds[0]).st_size) as kept:
             os.close(fds[0])
             assert kept.find(secret) >= 0  # it was shared with everyone: readable while held
             attacker.unpublish("victim-weights")  # the victim's uid, which may once the victim is gone
-            attacker.run(requests.close_shared(descriptor))  # the last hold: the memory is freed
+            attacker.run(build.close_shared(descriptor))  # the last hold: the memory is freed
             assert kept.find(secret) < 0, "the freed share's bytes are still readable through a kept mapping"
         fresh = [attacker.alloc(1000, device=0, shareable=True), attacker.alloc(1000, device=0),
                  attacker.alloc(2 << 20, device=0, shareable=True)]

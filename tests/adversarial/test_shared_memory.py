@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from cuctxd import Client
-from cuctxd.client import requests
-from cuctxd.client.fd_channel import FdChannel
+from cuctxd.client.wire import build
+from cuctxd.client.wire.fd_channel import FdChannel
 from cuctxd.protos.memfd import resize_sealed
 from cuctxd.protos.messages import encode_request
 from cuctxd.protos.shm_lane import REGION_BYTES, REPLY_AT, REQUEST_AT, is_closed, read_message, write_message
@@ -166,9 +166,9 @@ def test_the_python_client_takes_the_socket_once_its_lane_is_closed(attack_daemo
                                                                      bystander: Bystander) -> None:
     with Client(attack_daemon.endpoint, timeout=10) as client:
         buffer = client.alloc(64, device=0)  # opens the client's lane
-        lane = client._shm._lanes[0] if client._shm is not None else None
+        lane = client._router.shm.for_device(0) if client._router.shm is not None else None
         assert lane is not None
-        request = requests.mem_get_info(0)
+        request = build.mem_get_info(0)
         freeze(attack_daemon.process.pid)  # so that the counter is full before the daemon rings
         try:
             call = lane.try_send(request.op, request.args, client._token, into=request.into, convert=request.convert)

@@ -18,8 +18,8 @@ import msgpack
 import pytest
 
 from cuctxd import BadRequest, Client
-from cuctxd.client import requests
-from cuctxd.client.fd_channel import FdChannel
+from cuctxd.client.wire import build
+from cuctxd.client.wire.fd_channel import FdChannel
 from cuctxd.protos.messages import encode_request, parse_reply
 from cuctxd.protos.shm_lane import (
     CLOSED_AT,
@@ -68,7 +68,7 @@ class RawLane:
 def open_raw_lane(daemon: DaemonProcess, client: Client) -> RawLane:
     """The session's lane to device 0, opened by hand (``client`` has ``device_endpoints=False``, so it
     opens no lane of its own)."""
-    ticket = client.run(requests.shm_lane(0))["ticket"]
+    ticket = client.run(build.shm_lane(0))["ticket"]
     channel = FdChannel(daemon.endpoint[len("ipc://"):] + ".fds", 10)
     fds, info = channel.fetch(ticket)
     channel.close()
@@ -261,7 +261,7 @@ def test_rings_without_a_new_request_are_ignored_and_a_flood_costs_nothing(raw_l
 
 def test_a_second_lane_is_refused(raw_lane: RawLane) -> None:
     with pytest.raises(BadRequest, match="already has an shm lane"):
-        raw_lane.client.run(requests.shm_lane(0))
+        raw_lane.client.run(build.shm_lane(0))
 
 
 def test_the_lanes_fds_go_with_the_session(attack_daemon: DaemonProcess) -> None:

@@ -26,7 +26,7 @@ import msgpack
 import pytest
 
 from cuctxd import Client
-from cuctxd.client import requests
+from cuctxd.client.wire import build as requests
 from cuctxd.protos.errors import LimitExceeded
 from cuctxd.protos.layouts import MAX_MANIFEST_BYTES
 from cuctxd.protos.version import PROTOCOL_VERSION

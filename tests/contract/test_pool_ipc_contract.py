@@ -25,17 +25,17 @@ import sys
 fd, backend, uuid, size = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 export = bytes.fromhex(sys.argv[5])
 if backend == "sim":
-    from cuctxd.client.ipc_sim import SimPoolImport
+    from cuctxd.client.data_plane.ipc_sim import SimPoolImport
     pool = SimPoolImport(fd, uuid)
     mapping = pool.import_pointer(export, size)
     seen = bytes(mapping.view[:8])
     mapping.view[8:16] = b"fromkid!"
 else:
     from cuda.bindings import driver as cu
-    from cuctxd.client.ipc_cuda import CudaPoolImport
+    from cuctxd.client.data_plane.ipc_cuda import CudaPoolImport
     pool = CudaPoolImport(fd, uuid)
     mapping = pool.import_pointer(export, size)
-    from cuctxd.client.ipc_cuda import ordinal_of
+    from cuctxd.client.data_plane.ipc_cuda import ordinal_of
     device = ordinal_of(uuid)
     ctx = cu.cuDevicePrimaryCtxRetain(device)[1]
     cu.cuCtxPushCurrent(ctx)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuctxd.client import Client
-from cuctxd.client.pool_imports import POOL_IMPORTS
+from cuctxd.client.data_plane.pool_imports import POOL_IMPORTS
 from tests.helpers import DaemonProcess, pattern, run_client
 
 MIB = 1 << 20
@@ -98,7 +98,7 @@ def test_the_ctypes_driver_maps_a_large_legacy_buffer_and_names_cuda_errors(cuda
     ctypes, its bytes seen; a forged handle fails with CUDA's own error name."""
     import dataclasses
 
-    from cuctxd.client.ipc_cuda import CudaMapping
+    from cuctxd.client.data_plane.ipc_cuda import CudaMapping
     from cuctxd.protos.errors import CudaError
     from cuctxd.protos.limits import POOL_BUFFER_MAX
 

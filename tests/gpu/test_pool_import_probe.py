@@ -24,7 +24,7 @@ SECRET = b"never-exported!!" * 4
 
 CHILD = r"""
 import ctypes, struct, sys
-from cuctxd.client.cuda_driver import driver
+from cuctxd.client.data_plane.cuda_driver import driver
 
 fd, uuid, export_hex, first, second, size, secret_hex = sys.argv[1:]
 fd, first, second, size = int(fd), int(first), int(second), int(size)

@@ -1,10 +1,10 @@
 """Tensors by name on a real GPU: a producer publishes a timm model's state dict and exits; worker
-processes load it zero-copy through cuctxd.client.torch_weights and compute what a private copy does."""
+processes load it zero-copy through cuctxd.client.tensors.torch_weights and compute what a private copy does."""
 
 from __future__ import annotations
 
 from cuctxd import Client
-from cuctxd.client.torch_weights import load_state_dict
+from cuctxd.client.tensors.torch_weights import load_state_dict
 from tests.helpers import DaemonProcess, run_client
 
 COMMON = """
@@ -17,7 +17,7 @@ x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1)).cuda()
 
 PRODUCER = COMMON + """
 from cuctxd import Client
-from cuctxd.client.torch_weights import publish_state_dict
+from cuctxd.client.tensors.torch_weights import publish_state_dict
 model = timm.create_model("resnet18", pretrained=False, num_classes=10).cuda().eval()
 with torch.no_grad():
     print("expected", model(x).double().sum().item(), flush=True)
@@ -28,7 +28,7 @@ with Client(ENDPOINT) as c:
 
 WORKER = COMMON + """
 from cuctxd import Client
-from cuctxd.client.torch_weights import load_state_dict
+from cuctxd.client.tensors.torch_weights import load_state_dict
 model = timm.create_model("resnet18", pretrained=False, num_classes=10).cuda().eval()  # its own random weights
 with Client(ENDPOINT) as c, load_state_dict(c, "resnet18-weights") as loaded:
     model.load_state_dict(loaded.state_dict, assign=True)  # the module now uses the daemon's memory
@@ -54,7 +54,7 @@ def test_workers_compute_with_the_published_weights_zero_copy(cuda_daemon: Daemo
 BFLOAT16 = """
 import torch
 from cuctxd import Client
-from cuctxd.client.torch_weights import load_state_dict, publish_state_dict
+from cuctxd.client.tensors.torch_weights import load_state_dict, publish_state_dict
 weights = {"w": torch.randn(64, 64, device="cuda").to(torch.bfloat16), "b": torch.arange(5, device="cuda")}
 with Client(ENDPOINT) as c:
     publish_state_dict(c, "bf16", weights)
@@ -73,7 +73,7 @@ def test_bfloat16_travels_as_its_bytes(cuda_daemon: DaemonProcess) -> None:
 INTEROP = """
 import torch, cupy
 from cuctxd import Client
-from cuctxd.client.tensors import open_tensors, publish_tensors
+from cuctxd.client.tensors.tensor_sets import open_tensors, publish_tensors
 source = torch.arange(256, dtype=torch.float32, device="cuda").reshape(16, 16)
 with Client(ENDPOINT) as c:
     publish_tensors(c, "interop", {"x": source, "h": torch.ones(8, dtype=torch.float16, device="cuda")})
@@ -98,7 +98,7 @@ def test_dlpack_and_the_array_interface_into_torch_and_cupy(cuda_daemon: DaemonP
 CUPY = """
 import cupy
 from cuctxd import Client
-from cuctxd.client.cupy_arrays import load_arrays, publish_arrays
+from cuctxd.client.tensors.cupy_arrays import load_arrays, publish_arrays
 with Client(ENDPOINT) as c:
     source = cupy.arange(1000, dtype=cupy.float32)
     publish_arrays(c, "cupy-arrays", {"x": source})

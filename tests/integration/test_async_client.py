@@ -40,9 +40,9 @@ from cuctxd.client import (
     TooLarge,
     UnknownHandle,
     WrongBackend,
-    requests,
 )
-from cuctxd.client.lease import AsyncHeartbeat
+from cuctxd.client.wire import build
+from cuctxd.client.wire.lease import AsyncHeartbeat
 from cuctxd.protos.version import PROTOCOL_VERSION
 from tests.helpers import DaemonProcess, freeze, pattern, remove_tempdir, start_daemon
 
@@ -407,7 +407,7 @@ def test_a_frame_over_the_payload_limit_is_refused_before_sending(short_lease: D
         assert c.limits["max_payload_bytes"] == MiB
         buffer = await c.alloc(2 * MiB)
         with pytest.raises(TooLarge) as refused:  # the socket path: one payload frame
-            await c.run(requests.write(buffer, bytes(2 * MiB), 0, None, c.limits["max_payload_bytes"]))
+            await c.run(build.write(buffer, bytes(2 * MiB), 0, None, c.limits["max_payload_bytes"]))
         assert refused.value.op == "write"
         assert await buffer.write(bytes(MiB)) == MiB
         assert await buffer.write(bytes(2 * MiB)) == 2 * MiB  # the staging ring sends no frame

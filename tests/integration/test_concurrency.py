@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from cuctxd.client import Client
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+from tests.helpers import DaemonProcess
 from tests.helpers_raw import raw_peer
 
 MiB = 1 << 20
@@ -20,13 +20,9 @@ CALL_TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
+def daemon_args() -> tuple[str, ...]:
     """Room for several 32 MiB buffers per device."""
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB")
-    yield process
-    code = process.stop()
-    remove_tempdir(process.socket_dir)
-    assert code == 0, f"cuctxd exited with {code}:\n{process.log()}"
+    return ("--sim-devices", "2", "--sim-memory", "256MiB")
 
 
 def timed(call: Callable[[], object]) -> float:

@@ -4,20 +4,18 @@ staging ring, stream-ordered allocation; over real sockets, with real client pro
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 from cuctxd.client import Client, CudaError, LimitExceeded, NotShareable, UnknownHandle
-from cuctxd.client.pool_imports import POOL_IMPORTS
-from cuctxd.client.shm_lane import ShmTransport
-from cuctxd.client.transfers import EDGE_BYTES, RING_MIN_BYTES, RING_SLOT_BYTES, RING_SLOTS, StagingRing
+from cuctxd.client.data_plane.pool_imports import POOL_IMPORTS
+from cuctxd.client.data_plane.transfers import EDGE_BYTES, RING_MIN_BYTES, RING_SLOT_BYTES, RING_SLOTS, StagingRing
+from cuctxd.client.wire.shm_lane import ShmTransport
 from tests.helpers import (
     DaemonProcess,
     pattern,
-    remove_tempdir,
     run_client,
     spawn_client,
     start_daemon,
@@ -28,12 +26,9 @@ from tests.helpers import (
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB", "--lease-ttl", "2",
-                           "--host-memory-per-session", "64MiB", "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
-    yield process
-    assert process.stop() == 0, process.log()
-    remove_tempdir(process.socket_dir)
+def daemon_args() -> tuple[str, ...]:
+    return ("--sim-devices", "2", "--sim-memory", "256MiB", "--lease-ttl", "2", "--host-memory-per-session", "64MiB",
+            "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
 
 
 def session_on(c: Client, device: int, session_id: int) -> dict[str, object]:

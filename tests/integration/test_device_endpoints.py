@@ -21,13 +21,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cuctxd.client import AsyncClient, Client
-from cuctxd.client import requests as wire
-from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, start_daemon
+from cuctxd.client.wire import build as wire
+from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, running_daemon, start_daemon
 from tests.helpers_raw import RawPeer, error_name, raw_peer
 from tests.reliability.strategies import fuzz_settings, garbage_headers, payload_junk, soak_mode
 
 
-def lane(daemon: DaemonProcess, device: int) -> str:
+def device_endpoint(daemon: DaemonProcess, device: int) -> str:
     return f"{daemon.endpoint}-dev{device}"
 
 
@@ -42,16 +42,16 @@ def test_hello_tells_each_devices_endpoint(daemon: DaemonProcess) -> None:
     with raw_peer(daemon.endpoint) as main:
         result, _ = main.ok("hello", {"protocol": 1, "client": "t", "pid": 1})
     assert result["endpoints"] == [daemon.endpoint]
-    assert result["device_endpoints"] == [[lane(daemon, 0)], [lane(daemon, 1)]]
+    assert result["device_endpoints"] == [[device_endpoint(daemon, 0)], [device_endpoint(daemon, 1)]]
     for device in (0, 1):
-        socket_file = Path(lane(daemon, device)[len("ipc://"):])
+        socket_file = Path(device_endpoint(daemon, device)[len("ipc://"):])
         assert stat.S_ISSOCK(socket_file.stat().st_mode)
         assert stat.S_IMODE(socket_file.stat().st_mode) == 0o600
 
 
 def test_a_device_endpoint_runs_device_ops(daemon: DaemonProcess, peer: tuple[RawPeer, str]) -> None:
     _, token = peer
-    with raw_peer(lane(daemon, 1)) as device_1:
+    with raw_peer(device_endpoint(daemon, 1)) as device_1:
         buffer, _ = device_1.ok("alloc", {"size": 64, "device": 1}, token)
         handle = buffer["buffer"]["handle"]
         device_1.ok("write", {"buffer": handle, "device": 1}, token, [b"\x07" * 64])
@@ -61,7 +61,7 @@ def test_a_device_endpoint_runs_device_ops(daemon: DaemonProcess, peer: tuple[Ra
 
 def test_a_device_endpoint_refuses_front_ops(daemon: DaemonProcess, peer: tuple[RawPeer, str]) -> None:
     _, token = peer
-    with raw_peer(lane(daemon, 0)) as device_0:
+    with raw_peer(device_endpoint(daemon, 0)) as device_0:
         header, _ = device_0.call("ping")
         assert error_name(header) == "CUCTXD_ERROR_BAD_REQUEST"
         assert "main endpoint" in header["error"]["message"]
@@ -72,20 +72,20 @@ def test_a_device_endpoint_refuses_front_ops(daemon: DaemonProcess, peer: tuple[
 def test_a_device_endpoint_refuses_another_devices_requests(daemon: DaemonProcess,
                                                            peer: tuple[RawPeer, str]) -> None:
     main, token = peer
-    with raw_peer(lane(daemon, 0)) as device_0:
+    with raw_peer(device_endpoint(daemon, 0)) as device_0:
         header, _ = device_0.call("alloc", {"size": 64, "device": 1}, token)
         assert error_name(header) == "CUCTXD_ERROR_BAD_REQUEST"
         assert "device 1" in header["error"]["message"]
         main.ok("set_device", {"device": 1}, token)  # device 1 is now current: an op without device goes there
         header, _ = device_0.call("alloc", {"size": 64}, token)
         assert error_name(header) == "CUCTXD_ERROR_BAD_REQUEST"
-    with raw_peer(lane(daemon, 1)) as device_1:
+    with raw_peer(device_endpoint(daemon, 1)) as device_1:
         result, _ = device_1.ok("alloc", {"size": 64}, token)
     assert result["buffer"]["device"] == 1
 
 
 def test_a_device_endpoint_checks_sessions_like_the_front(daemon: DaemonProcess) -> None:
-    with raw_peer(lane(daemon, 0)) as device_0:
+    with raw_peer(device_endpoint(daemon, 0)) as device_0:
         header, _ = device_0.call("alloc", {"size": 64})
         assert error_name(header) == "CUCTXD_ERROR_UNKNOWN_SESSION"
         header, _ = device_0.call("alloc", {"size": 64}, "no-such-token")
@@ -97,7 +97,7 @@ def test_a_device_endpoint_checks_sessions_like_the_front(daemon: DaemonProcess)
 def test_set_device_on_a_device_endpoint_moves_the_current_device(daemon: DaemonProcess,
                                                                   peer: tuple[RawPeer, str]) -> None:
     main, token = peer
-    with raw_peer(lane(daemon, 1)) as device_1:
+    with raw_peer(device_endpoint(daemon, 1)) as device_1:
         device_1.ok("set_device", {"device": 1}, token)
     result, _ = main.ok("get_device", None, token)
     assert result["device"] == 1
@@ -124,7 +124,7 @@ KNOWN = b"still serving..."
 def test_garbage_on_a_device_endpoint_gets_an_error_and_the_device_goes_on(
         daemon: DaemonProcess, bystander: tuple[str, int], header: bytes, payload: list[bytes]) -> None:
     token, handle = bystander
-    with raw_peer(lane(daemon, 0)) as device_0:
+    with raw_peer(device_endpoint(daemon, 0)) as device_0:
         device_0.send_frames([header, *payload])
         reply, _ = device_0.recv()
         assert reply["ok"] is False
@@ -164,26 +164,22 @@ def test_a_client_can_use_the_main_endpoint_only(daemon: DaemonProcess) -> None:
         buffer = session.alloc(32)
         buffer.write(b"x" * 32)
         assert buffer.read(4) == b"xxxx"
-        assert not session._router.lane_transports
+        assert not session._router.device_sockets
 
 
 def test_a_daemon_without_device_endpoints_serves_everything_on_the_main_one() -> None:
-    daemon = start_daemon("--sim-devices", "2", "--no-device-endpoints")
-    try:
+    with running_daemon("--sim-devices", "2", "--no-device-endpoints") as daemon:
         with raw_peer(daemon.endpoint) as main:
             result, _ = main.ok("hello", {"protocol": 1, "client": "t", "pid": 1})
         assert result["device_endpoints"] == []
-        assert not Path(lane(daemon, 0)[len("ipc://"):]).exists()
+        assert not Path(device_endpoint(daemon, 0)[len("ipc://"):]).exists()
         with Client(daemon.endpoint, timeout=10) as session:
             assert session.alloc(16, device=1).device == 1
-    finally:
-        assert daemon.stop() == 0
-        remove_tempdir(daemon.socket_dir)
 
 
 def test_device_endpoints_go_away_with_the_daemon() -> None:
     daemon = start_daemon("--sim-devices", "2")
-    files = [Path(lane(daemon, n)[len("ipc://"):]) for n in (0, 1)]
+    files = [Path(device_endpoint(daemon, n)[len("ipc://"):]) for n in (0, 1)]
     assert all(f.exists() for f in files)
     assert daemon.stop() == 0
     assert not any(f.exists() for f in files)
@@ -191,22 +187,18 @@ def test_device_endpoints_go_away_with_the_daemon() -> None:
 
 
 def test_over_tcp_the_client_reaches_device_endpoints_by_the_host_it_used() -> None:
-    daemon = start_daemon("--sim-devices", "1", "--insecure-tcp", "--endpoint", "tcp://127.0.0.1:*")
-    try:
+    with running_daemon("--sim-devices", "1", "--insecure-tcp", "--endpoint", "tcp://127.0.0.1:*") as daemon:
         with raw_peer(daemon.endpoint) as main:
             result, _ = main.ok("hello", {"protocol": 1, "client": "t", "pid": 1})
         tcp_main = next(e for e in result["endpoints"] if e.startswith("tcp://"))
         port = tcp_main.rpartition(":")[2]
         code = ("from client import Client\n"
                 f"with Client('tcp://localhost:{port}', timeout=10) as c:\n"
-                "    b = c.alloc(8); b.write(b'tcp lane'); print(b.read().decode(), c._router.lanes.endpoints)\n")
+                "    b = c.alloc(8); b.write(b'tcp path'); print(b.read().decode(), c._router.routes.endpoints)\n")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              env=client_env(), cwd=REPO, check=True).stdout
-        assert out.startswith("tcp lane ['tcp://localhost:")
+        assert out.startswith("tcp path ['tcp://localhost:")
         assert tcp_main.rpartition(":")[2] not in out.split("[", 1)[1]  # its own port, not the main one
-    finally:
-        assert daemon.stop() == 0
-        remove_tempdir(daemon.socket_dir)
 
 
 
@@ -224,15 +216,15 @@ def test_the_async_client_routes_like_the_sync_one(daemon: DaemonProcess) -> Non
                 p.fill(moved, ord("c"), 48, 16)
                 read = p.read(moved)
                 device = p.send(wire.get_device())
-            return moved.device, len(session._router.lane_transports), read.result(), device.result()
+            return moved.device, len(session._router.device_sockets), read.result(), device.result()
 
-    moved_device, lanes_used, data, current = asyncio.run(body())
+    moved_device, sockets_used, data, current = asyncio.run(body())
     assert moved_device == 1 and current == 1
-    assert lanes_used == 2
+    assert sockets_used == 2
     assert data == b"a" * 32 + b"b" * 16 + b"c" * 16
 
 
-def test_many_async_tasks_share_the_lanes(daemon: DaemonProcess) -> None:
+def test_many_async_tasks_share_the_device_endpoints(daemon: DaemonProcess) -> None:
     async def body() -> list[bytes]:
         async with AsyncClient(daemon.endpoint, timeout=10) as session:
             buffers = [await session.alloc(16, device=n % 2) for n in range(8)]
@@ -251,6 +243,6 @@ def test_the_async_client_can_use_the_main_endpoint_only(daemon: DaemonProcess) 
         async with AsyncClient(daemon.endpoint, timeout=10, device_endpoints=False) as session:
             buffer = await session.alloc(8, device=1)
             await buffer.write(b"12345678")
-            return await buffer.read(), len(session._router.lane_transports)
+            return await buffer.read(), len(session._router.device_sockets)
 
     assert asyncio.run(body()) == (b"12345678", 0)

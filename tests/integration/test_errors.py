@@ -26,9 +26,9 @@ from cuctxd.client import (
     UnknownHandle,
     UnknownSession,
     VersionMismatch,
-    requests,
 )
-from cuctxd.client.transport import Transport
+from cuctxd.client.wire import build
+from cuctxd.client.wire.socket_transport import Transport
 from cuctxd.protos.messages import pack
 from cuctxd.protos.records import BufferRecord, ContextRecord
 from cuctxd.protos.version import PROTOCOL_VERSION
@@ -289,10 +289,10 @@ def test_read_larger_than_max_payload_is_too_large(small_daemon: DaemonProcess) 
         assert client.limits["max_payload_bytes"] == SMALL_PAYLOAD
         buffer = client.alloc(SMALL_PAYLOAD + 1)
         buffer.fill(3)
-        frame = requests.read_frame(buffer, None, 0, None)  # the socket path: one reply frame
+        frame = build.read_frame(buffer, None, 0, None)  # the socket path: one reply frame
         error = raises_named("CUCTXD_ERROR_TOO_LARGE", client.run, frame)
         assert isinstance(error, TooLarge)
-        raises_named("CUCTXD_ERROR_TOO_LARGE", client.run, requests.read_into(buffer, bytearray(SMALL_PAYLOAD + 1), 0,
+        raises_named("CUCTXD_ERROR_TOO_LARGE", client.run, build.read_into(buffer, bytearray(SMALL_PAYLOAD + 1), 0,
                                                                               None))
         assert buffer.read(SMALL_PAYLOAD) == b"\x03" * SMALL_PAYLOAD
         assert buffer.read(offset=SMALL_PAYLOAD) == b"\x03"
@@ -303,7 +303,7 @@ def test_write_larger_than_max_payload_is_too_large(small_daemon: DaemonProcess)
     with Client(small_daemon.endpoint, timeout=10) as client:
         buffer = client.alloc(4 * SMALL_PAYLOAD)
         raises_named("CUCTXD_ERROR_TOO_LARGE", client.run,
-                     requests.write(buffer, b"\x01" * (SMALL_PAYLOAD + 1), 0, None, SMALL_PAYLOAD))
+                     build.write(buffer, b"\x01" * (SMALL_PAYLOAD + 1), 0, None, SMALL_PAYLOAD))
         assert buffer.read(SMALL_PAYLOAD) == bytes(SMALL_PAYLOAD)
         assert buffer.write(b"\x02" * SMALL_PAYLOAD) == SMALL_PAYLOAD
         assert buffer.read(SMALL_PAYLOAD) == b"\x02" * SMALL_PAYLOAD

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from cuctxd.client import Client, CudaError, SessionExpired
 from tests.helpers import (
     DaemonProcess,
-    remove_tempdir,
     session_ids,
     spawn_client,
-    start_daemon,
     wait_for_line,
     wait_until,
 )
@@ -23,12 +20,9 @@ QUOTA = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "64MiB", "--lease-ttl", str(LEASE_TTL),
-                           "--session-quota", "1MiB", "--device-reserve", "4MiB")
-    yield process
-    assert process.stop() == 0, process.log()
-    remove_tempdir(process.socket_dir)
+def daemon_args() -> tuple[str, ...]:
+    return ("--sim-devices", "2", "--sim-memory", "64MiB", "--lease-ttl", str(LEASE_TTL), "--session-quota", "1MiB",
+            "--device-reserve", "4MiB")
 
 
 VICTIM = """

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cuctxd.client import Client, UnknownHandle
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_for_log
+from tests.helpers import DaemonProcess, remove_tempdir, running_daemon, start_daemon, wait_for_log
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +87,10 @@ def test_errors_warn_and_requests_are_debug_lines(json_daemon: DaemonProcess) ->
 
 
 def test_text_is_the_default() -> None:
-    process = start_daemon("--sim-devices", "1", "--sim-memory", "16MiB")
-    try:
+    with running_daemon("--sim-devices", "1", "--sim-memory", "16MiB") as process:
         with Client(process.endpoint, timeout=10, name="text-test") as client:
             session = client.session_id
         wait_for_log(process, re.escape(f"session {session} (text-test"))
-    finally:
-        assert process.stop() == 0
-        remove_tempdir(process.socket_dir)
     line = next(line for line in process.log().splitlines() if f"session {session} opened by text-test" in line)
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO cuctxd.daemon.sessions \[MainThread\] ", line), line
     assert not process.log().lstrip().startswith("{")

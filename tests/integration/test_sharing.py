@@ -6,23 +6,19 @@ import dataclasses
 import pickle
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
 from cuctxd.client import Client, NameExists, NotFound, NotOwner, NotShareable, UnknownHandle
-from tests.helpers import REPO, DaemonProcess, client_env, remove_tempdir, run_client, start_daemon
+from tests.helpers import REPO, DaemonProcess, client_env, run_client
 from tests.helpers_raw import raw_peer
 
 PATTERN = bytes(range(256)) * 16  # 4 KiB
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "64MiB")
-    yield process
-    assert process.stop() == 0, process.log()
-    remove_tempdir(process.socket_dir)
+def daemon_args() -> tuple[str, ...]:
+    return ("--sim-devices", "2", "--sim-memory", "64MiB")
 
 
 def device_totals(c: Client) -> list[tuple[int, int, int]]:

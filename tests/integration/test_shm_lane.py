@@ -7,22 +7,19 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from cuctxd import Client, LimitExceeded, UnknownHandle
-from cuctxd.client import requests, shm_lane
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
+from cuctxd.client.wire import build, shm_lane
+from tests.helpers import DaemonProcess, running_daemon, wait_until
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "256MiB")
-    yield process
-    assert process.stop() == 0, process.log()
-    remove_tempdir(process.socket_dir)
+def daemon_args() -> tuple[str, ...]:
+    return ("--sim-devices", "2", "--sim-memory", "256MiB")
 
 
 def lanes(observer: Client) -> list[int]:
@@ -148,22 +145,18 @@ def test_a_client_without_device_endpoints_opens_no_lane(daemon: DaemonProcess) 
         assert lanes(observer) == [0, 0]
 
 
-def test_beyond_max_shm_lanes_a_session_keeps_to_the_socket() -> None:
-    process = start_daemon("--sim-devices", "1", "--sim-memory", "16MiB", "--max-shm-lanes", "1")
-    try:
-        with Client(process.endpoint) as first, Client(process.endpoint) as second:
-            first.alloc(64).read(1)
-            buf = second.alloc(64)
-            buf.write(b"by socket")
-            assert buf.read(9) == b"by socket"
-            assert (first.shm_lanes, second.shm_lanes) == ((0,), ())
-            assert lanes(first) == [1]
-            with pytest.raises(LimitExceeded, match="max_shm_lanes"):  # what the client fell back from
-                second.run(requests.shm_lane(0))
-            assert first.alloc(64).read(1) is not None  # the lane's session is still served
-    finally:
-        assert process.stop() == 0, process.log()
-        remove_tempdir(process.socket_dir)
+def test_beyond_max_shm_lanes_a_session_keeps_to_the_socket(start_daemons: Callable[..., DaemonProcess]) -> None:
+    process = start_daemons("--sim-devices", "1", "--sim-memory", "16MiB", "--max-shm-lanes", "1")
+    with Client(process.endpoint) as first, Client(process.endpoint) as second:
+        first.alloc(64).read(1)
+        buf = second.alloc(64)
+        buf.write(b"by socket")
+        assert buf.read(9) == b"by socket"
+        assert (first.shm_lanes, second.shm_lanes) == ((0,), ())
+        assert lanes(first) == [1]
+        with pytest.raises(LimitExceeded, match="max_shm_lanes"):  # what the client fell back from
+            second.run(build.shm_lane(0))
+        assert first.alloc(64).read(1) is not None  # the lane's session is still served
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -173,8 +166,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_busy_polling_answers_as_usual_polls_for_its_window_then_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_lane, "BUSY_POLL_S", 500e-6)
-    process = start_daemon("--busy-poll-us", "400000")
-    try:
+    with running_daemon("--busy-poll-us", "400000") as process:
         with Client(process.endpoint) as c:
             buf = c.alloc(1 << 20)
             for value in range(200):
@@ -190,6 +182,3 @@ def test_busy_polling_answers_as_usual_polls_for_its_window_then_sleeps(monkeypa
             idle = _cpu_seconds(process.process.pid) - before
         assert polling > 0.1, f"the worker used {polling:.2f} s of CPU in its first 0.3 s of busy polling"
         assert idle < 0.15, f"the daemon used {idle:.2f} s of CPU in 1 s with nothing to do"
-    finally:
-        assert process.stop() == 0, process.log()
-        remove_tempdir(process.socket_dir)

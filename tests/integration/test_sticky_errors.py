@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from cuctxd.client import Client, CudaError
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
+from tests.helpers import DaemonProcess
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
+def daemon_args() -> tuple[str, ...]:
     # Device 1 turns sticky after 40 more context calls.
-    process = start_daemon("--sim-devices", "2", "--sim-memory", "64MiB",
-                           "--sim-fault", "1:40:CUDA_ERROR_ILLEGAL_ADDRESS")
-    yield process
-    assert process.stop() == 0, process.log()
-    remove_tempdir(process.socket_dir)
+    return ("--sim-devices", "2", "--sim-memory", "64MiB", "--sim-fault", "1:40:CUDA_ERROR_ILLEGAL_ADDRESS")
 
 
 def test_a_sticky_error_fails_its_device_and_spares_the_others(daemon: DaemonProcess) -> None:

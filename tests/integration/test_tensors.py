@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -14,24 +13,21 @@ import numpy as np
 import pytest
 
 from cuctxd import BadArgument, Client, NameExists, NotFound
-from cuctxd.client import requests
-from cuctxd.client.safetensors_load import load_safetensors
-from cuctxd.client.tensors import open_tensors, publish_tensors
-from tests.helpers import DaemonProcess, cuctx, remove_tempdir, run_client, start_daemon
+from cuctxd.client.tensors.safetensors_load import load_safetensors
+from cuctxd.client.tensors.tensor_sets import open_tensors, publish_tensors
+from cuctxd.client.wire import build
+from tests.helpers import DaemonProcess, cuctx, run_client
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    process = start_daemon("--sim-devices", "1", "--sim-memory", "64MiB")
-    yield process
-    assert process.stop() == 0, process.log()
-    remove_tempdir(process.socket_dir)
+def daemon_args() -> tuple[str, ...]:
+    return ("--sim-devices", "1", "--sim-memory", "64MiB")
 
 
 PRODUCER = """
 import numpy as np
 from cuctxd import Client
-from cuctxd.client.tensors import publish_tensors
+from cuctxd.client.tensors.tensor_sets import publish_tensors
 with Client(ENDPOINT) as c:
     publish_tensors(c, "toy-model", {
         "embed.weight": np.arange(4 * 8, dtype=np.float32).reshape(4, 8),
@@ -44,7 +40,7 @@ with Client(ENDPOINT) as c:
 CONSUMER = """
 import numpy as np
 from cuctxd import Client
-from cuctxd.client.tensors import open_tensors
+from cuctxd.client.tensors.tensor_sets import open_tensors
 with Client(ENDPOINT) as c, open_tensors(c, "toy-model") as ts:
     w = np.asarray(ts["embed.weight"])
     print(sorted(ts), ts.metadata["arch"], w.shape, float(w.sum()), np.asarray(ts["norm.bias"]).dtype,
@@ -105,7 +101,7 @@ def test_a_bad_manifest_publishes_nothing(daemon: DaemonProcess, manifest: objec
     with Client(daemon.endpoint) as c:
         buf = c.alloc(4096, shareable=True)
         with pytest.raises(BadArgument, match=message):
-            c.run(requests.publish(buf, "bad-layout", msgpack.packb(manifest)))
+            c.run(build.publish(buf, "bad-layout", msgpack.packb(manifest)))
         with pytest.raises(NotFound):
             c.lookup("bad-layout")
         assert buf.export().share_id not in {s["share_id"] for s in c.list_shared()}
@@ -113,7 +109,7 @@ def test_a_bad_manifest_publishes_nothing(daemon: DaemonProcess, manifest: objec
 
 def test_garbage_instead_of_a_manifest_is_refused(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c, pytest.raises(BadArgument, match=r"not msgpack|'tensors' list"):
-        c.run(requests.publish(c.alloc(64, shareable=True), "garbage-layout", b"\xc1\xff\x00"))
+        c.run(build.publish(c.alloc(64, shareable=True), "garbage-layout", b"\xc1\xff\x00"))
 
 
 def test_a_taken_name_leaves_nothing_allocated(daemon: DaemonProcess) -> None:
@@ -137,7 +133,7 @@ def test_a_plain_buffer_is_not_a_layout(daemon: DaemonProcess) -> None:
 def test_dlpack_views_on_the_sim_are_zero_copy_host_arrays(daemon: DaemonProcess) -> None:
     import gc
 
-    from cuctxd.client import dlpack
+    from cuctxd.client.tensors import dlpack
 
     with Client(daemon.endpoint) as c:
         publish_tensors(c, "dlpack-model", {"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
@@ -256,7 +252,7 @@ def test_a_plain_publish_is_freed_after_its_first_consumer(daemon: DaemonProcess
 
 
 def test_the_array_adapter_gives_read_only_numpy_views_on_the_sim(daemon: DaemonProcess) -> None:
-    from cuctxd.client.cupy_arrays import load_arrays, publish_arrays
+    from cuctxd.client.tensors.cupy_arrays import load_arrays, publish_arrays
 
     with Client(daemon.endpoint) as c:
         publish_arrays(c, "arrays", {"a": np.arange(6, dtype=np.int32).reshape(2, 3)}, {"v": 1})

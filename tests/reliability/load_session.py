@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cuctxd.client import Buffer, Client, UnknownHandle
-from cuctxd.client.transfers import RING_MIN_BYTES
+from cuctxd.client.data_plane.transfers import RING_MIN_BYTES
 
 DEVICES = 3
 KiB = 1 << 10

@@ -7,6 +7,7 @@ subpackage that is not listed would be missing from installs: this test fails fi
 
 from __future__ import annotations
 
+import importlib
 import tomllib
 
 from tests.helpers import REPO
@@ -54,3 +55,11 @@ def test_authors_and_urls() -> None:
     assert project["authors"] == [{"name": "cuctxd developers"}]
     assert set(project["urls"]) >= {"Homepage", "Repository", "Issues"}
     assert all(url.startswith("https://github.com/cuctxd/cuctxd") for url in project["urls"].values())
+
+
+def test_the_entry_points_resolve() -> None:
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == {"cuctxd", "cuctx"}
+    for target in scripts.values():
+        module, _, name = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), name)), target

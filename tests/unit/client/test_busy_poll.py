@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cuctxd.client.shm_lane import BusyPoll
+from cuctxd.client.wire.shm_lane import BusyPoll
 
 
 def test_a_lane_polls_busily_while_replies_come_within_the_window() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuctxd.client.format import human_duration, watch_frame
+from cuctxd.client.cli.tables import human_duration, watch_frame
 from cuctxd.protos.sizes import human_size
 
 

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from cuctxd.client import host_copy
+from cuctxd.client.data_plane import host_copy
 from cuctxd.protos.host import buffer_address
 
 MiB = 1 << 20

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from cuctxd.client.ipc_cuda import CudaPoolImport, copy_device_to_device
+from cuctxd.client.data_plane.ipc_cuda import CudaPoolImport, copy_device_to_device
 from cuctxd.protos.errors import NotShareable
 from tests.helpers import cuda_driver_loads
 

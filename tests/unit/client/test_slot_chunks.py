@@ -3,7 +3,7 @@ and nothing is split except at a slot's end and before a long write's last EDGE_
 
 from __future__ import annotations
 
-from cuctxd.client.transfers import EDGE_BYTES, GAP_BYTES, RING_SLOT_BYTES, _slot_chunks, _split_tail
+from cuctxd.client.data_plane.transfers import EDGE_BYTES, GAP_BYTES, RING_SLOT_BYTES, _slot_chunks, _split_tail
 
 
 def _pieces(*spans: tuple[int, int]) -> list[tuple[int, memoryview]]:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from cuctxd.client.transport import CurveKeys, curve_keys, no_reply
+from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys
+from cuctxd.client.wire.transport import no_reply
 from cuctxd.daemon.backends.sim import SimDriver
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.state import DeviceState
@@ -45,8 +46,7 @@ def test_write_key_pair_and_load_it_back(tmp_path: Path) -> None:
 
 def test_a_curve_timeout_points_at_the_keys() -> None:
     assert "allow_dir" not in str(no_reply("tcp://h:1", 2, "hello"))
-    keys = CurveKeys(*(zmq.curve_keypair() + zmq.curve_keypair()[:1]))
-    assert "allow_dir" in str(no_reply("tcp://h:1", 2, "hello", keys))
+    assert "allow_dir" in str(no_reply("tcp://h:1", 2, "hello", curve=True))
 
 
 def test_peer_of_a_plain_inproc_frame_is_unknown_and_falls_back_to_the_pid() -> None:

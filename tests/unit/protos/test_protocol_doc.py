@@ -14,8 +14,8 @@ record field or a limit, or bumps the version, has to write it down:
 * a table row ``| `NAME` | code |`` for every ``ErrorCode`` and ``CUresult``;
 * a field table for every record in ``cuctxd.protos.records``;
 * a table row ``| `NAME` | value |`` for every constant in ``cuctxd.protos.limits``;
-* under ``### Daemon limits``, one row per limit key of ``DaemonConfig`` (every
-  ``max_*`` key and the few others named here), in the config's order, with its flag.
+* under ``### Daemon limits``, one row per limit setting of ``DaemonConfig`` (declared ``limit=True``),
+  in the config's order, with its flag and default as the declaration makes them.
 """
 
 from __future__ import annotations
@@ -248,21 +248,16 @@ def test_every_limit_is_documented(doc: str, name: str) -> None:
     assert row[1] == str(_LIMITS[name]), f"{name}: PROTOCOL.md says {row[1]}, protos/limits.py says {_LIMITS[name]}"
 
 
-#: DaemonConfig keys that are limits though their names do not start with ``max_``; every ``max_*`` key is one.
-_OTHER_LIMIT_KEYS = {"lease_ttl", "session_quota", "device_reserve", "drain_timeout", "orphan_ttl", "handshake_timeout",
-                     "host_memory_per_session", "fd_ticket_ttl"}
+def test_the_daemon_limits_table_lists_every_limit_setting_in_config_order(doc: str) -> None:
+    """Key, flag and default of each row are made from the settings' declarations (DaemonConfig's fields,
+    :func:`cuctxd.daemon.service.settings.limit_rows`); what a limit bounds and what a client gets is the spec's."""
+    from cuctxd.daemon.service.config import SETTINGS
+    from cuctxd.daemon.service.settings import limit_rows
 
-
-def test_the_daemon_limits_table_lists_every_limit_key_in_config_order(doc: str) -> None:
-    from cuctxd.daemon.service.config import DaemonConfig
-
-    keys = [f.name for f in dataclasses.fields(DaemonConfig)]
-    limit_keys = [k for k in keys if k.startswith("max_") or k in _OTHER_LIMIT_KEYS]
+    expected = limit_rows(SETTINGS)
     rows = _table_rows(_section(doc, "### Daemon limits").splitlines())
-    documented = _first_column_names(rows)
-    assert documented == limit_keys, (
-        f"PROTOCOL.md's daemon limits table lists {documented}; DaemonConfig's limit keys, in order, are {limit_keys}")
+    documented = [tuple(row[:3]) for row in rows]
+    assert documented == expected, "PROTOCOL.md's daemon limits table should start its rows with:\n" + "\n".join(
+        f"| {key} | {flag} | {default} |" for key, flag, default in expected)
     for row in rows:
-        key = row[0].strip("`")
-        assert row[1] == f"`--{key.replace('_', '-')}`", f"{key}: flag cell {row[1]!r}"
-        assert row[2] and row[4], f"{key}: the default and what happens when it is reached must be given"
+        assert row[3] and row[4], f"{row[0]}: what it bounds and what happens when it is reached must be given"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import os
 import tomllib
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cuctxd.daemon.service.cli import parse_config
-from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config, format_size, parse_size
-from cuctxd.daemon.service.config_file import KEYS, load_file, render_toml
+from cuctxd.daemon.service.cli import build_parser, parse_config
+from cuctxd.daemon.service.config import SETTINGS, ConfigError, DaemonConfig, check_config
+from cuctxd.daemon.service.config_file import load_file, render_toml
+from cuctxd.daemon.service.settings import count, declared, format_size, parse_size
 
 MiB = 1 << 20
 
@@ -171,7 +173,7 @@ def test_print_config_reads_back_to_the_same_configuration(tmp_path: Path) -> No
     assert 'sim_memory = "96MiB"' in text
     assert "max_payload = 1001" in text
     assert "# server_key is not set" in text
-    assert set(tomllib.loads(text)) == set(KEYS) - {"group", "server_key", "allow_dir", "sim_fault"}
+    assert set(tomllib.loads(text)) == set(SETTINGS) - {"group", "server_key", "allow_dir", "sim_fault"}
     again = config_from(tmp_path, text)
     assert again == config
 
@@ -205,3 +207,32 @@ def test_a_size_prints_back_as_it_was_given() -> None:
     assert 'sim_memory = "512MiB"' in text
     assert 'session_quota = "2GB"' in text
     assert 'device_reserve = "4KiB"' in text
+
+
+def test_every_setting_is_one_declaration_with_its_key_flag_and_default_in_help() -> None:
+    parser = build_parser()
+    flags = {option: action for action in parser._actions for option in action.option_strings}
+    assert list(SETTINGS) == [field.name for field in dataclasses.fields(DaemonConfig)]
+    for name, declared_setting in SETTINGS.items():
+        action = flags[declared_setting.flag]
+        assert action.dest == name
+        shown = declared_setting.shown_default()
+        assert action.help is not None and (shown is None or f"(default {shown}" in action.help), name
+    assert SETTINGS["max_payload"].help_text().endswith("(default 1GiB)")
+    assert SETTINGS["max_queued_requests"].help_text().endswith("(default 512; 0: no limit)")
+    assert SETTINGS["lease_ttl"].shown_default() == "5 s"
+    assert SETTINGS["endpoints"].flag == "--endpoint"
+
+
+def test_every_max_key_is_a_limit() -> None:
+    assert all(declared_setting.limit for name, declared_setting in SETTINGS.items() if name.startswith("max_"))
+
+
+def test_a_field_without_a_declaration_is_refused() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Partial:
+        declared_one: int = count(1, "a count")
+        plain: int = 2
+
+    with pytest.raises(TypeError, match=r"Partial\.plain"):
+        declared(Partial)

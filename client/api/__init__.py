@@ -1,0 +1,1 @@
+"""The public face: Client, AsyncClient and the objects they return (contexts, buffers, streams, shares), pipelines."""

@@ -1,0 +1,162 @@
+"""A shared buffer opened in this process: :class:`OpenedShare` and :class:`AsyncOpenedShare`.
+
+Opening tells the daemon this session holds the share (so it stays alive),
+then maps it here: a device pointer with the cuda backend, a host memoryview
+of the same bytes with the sim backend. Nothing is copied through the daemon.
+Mapping and unmapping are local, synchronous work; only taking and dropping the
+daemon's hold are requests, so :meth:`AsyncOpenedShare.close` is a coroutine
+(and ``async with`` closes it) while everything else is the same as the sync class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from cuctxd.client.data_plane.pool_imports import POOL_IMPORTS
+from cuctxd.client.presentation import docs_from
+from cuctxd.client.wire import build
+from cuctxd.client.wire.build import Local, Plan
+from cuctxd.client.wire.session import AsyncSession, Session
+from cuctxd.protos.errors import NotShareable, WrongBackend
+from cuctxd.protos.host import host_identity
+from cuctxd.protos.records import ShareDescriptor
+
+ShareT = TypeVar("ShareT")
+
+
+
+def check_same_host(descriptor: ShareDescriptor) -> None:
+    if descriptor.host != host_identity():
+        raise NotShareable(
+            f"share {descriptor.share_id} lives on {descriptor.host}; IPC mappings only work on the "
+            f"same host (this is {host_identity()})"
+        )
+
+
+def byte_interface(ptr: int, size: int, readonly: bool) -> dict[str, Any]:
+    """CUDA array interface v3 of ``size`` bytes at ``ptr``, as a flat ``uint8`` array."""
+    return {"shape": (size,), "typestr": "|u1", "data": (ptr, readonly), "version": 3, "strides": None}
+
+
+class MappedShare:
+    """What both flavours of an opened share hold and show: the descriptor and this process's mapping."""
+
+    def __init__(self, client: Any, descriptor: ShareDescriptor, mapping: Any) -> None:
+        self.client = client
+        self.descriptor = descriptor
+        self._mapping = mapping
+        self.closed = False
+
+    @property
+    def size(self) -> int:
+        return self.descriptor.size
+
+    @property
+    def device(self) -> int:
+        return self.descriptor.device
+
+    @property
+    def backend(self) -> str:
+        return self.descriptor.backend
+
+    @property
+    def ptr(self) -> int:
+        """The device pointer in this process (cuda backend only; else :class:`WrongBackend`, an
+        AttributeError, so ``hasattr`` says False)."""
+        if self.backend != "cuda":
+            raise WrongBackend(f"a {self.backend} share has no device pointer; use host_view()")
+        return int(self._mapping.ptr)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """Version 3 of the CUDA array interface: a flat ``uint8`` array of ``size`` bytes (cuda backend
+        only: on others ``hasattr(share, "__cuda_array_interface__")`` is False)."""
+        if self.backend != "cuda":
+            raise WrongBackend(f"a {self.backend} share is host memory, not a CUDA array; use host_view()")
+        return byte_interface(self.ptr, self.size, self.descriptor.read_only)
+
+    def host_view(self) -> memoryview:
+        """The shared bytes themselves (sim backend only); read-only for a share published read-only."""
+        if self.backend != "sim":
+            raise NotShareable("a cuda share lives in device memory; use ptr or __cuda_array_interface__")
+        view: memoryview = self._mapping.view
+        return view.toreadonly() if self.descriptor.read_only else view
+
+
+class OpenedShare(MappedShare):
+    """A mapped share; close it (or use ``with``) to unmap and drop the daemon's hold."""
+
+    client: Session
+
+    def close(self) -> None:
+        """Unmap, then drop the daemon's hold (even if unmapping failed); nothing the second time."""
+        self.client.run(close_share(self))
+
+    def __enter__(self) -> OpenedShare:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@docs_from(OpenedShare)
+class AsyncOpenedShare(MappedShare):
+    """An :class:`OpenedShare` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: ``await share.close()``,
+    or ``async with await client.open_shared(name) as share:``."""
+
+    client: AsyncSession
+
+    async def close(self) -> None:
+        await self.client.run(close_share(self))
+
+    async def __aenter__(self) -> AsyncOpenedShare:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def map_share(descriptor: ShareDescriptor, pool_fd: int | None) -> Any:
+    """Map a share in this process as its ``mechanism`` says: from its pool (imported from ``pool_fd``
+    unless already, :mod:`cuctxd.client.data_plane.pool_imports`), or with the backend's legacy IPC handle."""
+    check_same_host(descriptor)
+    if descriptor.mechanism == "pool":
+        return POOL_IMPORTS.map(descriptor, pool_fd)
+    if descriptor.backend == "sim":
+        from cuctxd.client.data_plane.ipc_sim import SimMapping
+
+        return SimMapping(descriptor)
+    if descriptor.backend == "cuda":
+        from cuctxd.client.data_plane.ipc_cuda import CudaMapping
+
+        return CudaMapping(descriptor)
+    raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")
+
+
+def open_share(owner: Any, kind: Callable[[Any, ShareDescriptor, Any], ShareT],
+               share: str | ShareDescriptor) -> Plan[ShareT]:
+    """Look the share up (by name), hold it, map it here (asking for its pool's fd when this process has
+    not imported that pool yet); a failed mapping drops the hold again."""
+    descriptor = (yield build.lookup(share)) if isinstance(share, str) else share
+    check_same_host(descriptor)
+    need_pool = descriptor.mechanism == "pool" and not POOL_IMPORTS.has(descriptor.pool_id)
+    plane = owner.data_plane() if need_pool else None
+    descriptor, ticket = yield build.open_shared(descriptor, pool_fd=need_pool)
+    try:
+        mapping = yield Local(lambda: map_share(descriptor, plane.receive_fd(ticket) if plane and ticket else None))
+    except BaseException:
+        yield build.close_shared(descriptor)
+        raise
+    return kind(owner, descriptor, mapping)
+
+
+def close_share(share: MappedShare) -> Plan[None]:
+    """Unmap once, then drop the daemon's hold, even when unmapping raised."""
+    if share.closed:
+        return
+    share.closed = True
+    try:
+        share._mapping.close()
+    finally:
+        yield build.close_shared(share.descriptor)

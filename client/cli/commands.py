@@ -1,0 +1,263 @@
+"""``cuctx``: talk to a running cuctxd from the shell.
+
+The global options (``--endpoint``, ``--timeout``, ``--json``, the CURVE keys)
+are accepted before or after the command: ``cuctx devices --json`` and
+``cuctx --json devices`` mean the same; where both are given, the later wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from cuctxd.client.api.client import Client
+from cuctxd.client.cli.doctor import FAIL, run_checks
+from cuctxd.client.cli.tables import (
+    devices_table,
+    doctor_text,
+    human_duration,
+    shared_table,
+    status_text,
+    watch_frame,
+)
+from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys
+from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
+from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.sizes import human_size
+from cuctxd.protos.version import __version__
+
+#: Exit status for a usage error (what argparse uses too).
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad option value found after parsing (an endpoint, a key file): one line, exit 2."""
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The options every command takes; on a command's parser (``defaults=False``) an option left out
+    keeps what was given before the command, or the main parser's default."""
+
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    group = parser.add_argument_group("global options (before or after the command)")
+    group.add_argument("--endpoint", default=default(None),
+                       help=f"daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: ${ENDPOINT_ENV}, "
+                            "else the per-user socket)")
+    group.add_argument("--timeout", type=_positive, default=default(10.0),
+                       help="seconds to wait for the daemon (default 10)")
+    group.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
+    group.add_argument("--server-key", metavar="PATH", default=default(None),
+                       help="CURVE: the daemon's public key file (server.key); needed for a daemon with server_key")
+    group.add_argument("--client-key", metavar="PATH", default=default(None),
+                       help="CURVE: this client's secret key file (NAME.key_secret; its NAME.key must be in the "
+                            "daemon's allow_dir)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cuctx", description="Query a running cuctxd daemon.",
+                                     epilog="'cuctx help COMMAND' shows the options of one command.")
+    parser.add_argument("--version", action="version", version=f"cuctx {__version__}")
+    _add_global_options(parser, defaults=True)
+    globals_ = argparse.ArgumentParser(add_help=False)
+    _add_global_options(globals_, defaults=False)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, description=help, parents=[globals_])
+
+    ping = command("ping", "round-trip time to the daemon")
+    ping.add_argument("-c", "--count", type=_count, default=1, help="number of pings")
+    command("devices", "the devices the daemon serves")
+    status = command("status", "sessions, contexts and memory per device")
+    status.add_argument("-w", "--watch", action="store_true", help="refresh like top until Ctrl-C")
+    status.add_argument("-n", "--interval", type=_positive, default=2.0, metavar="S",
+                        help="seconds between refreshes with --watch (default 2)")
+    status.add_argument("--count", type=_count, metavar="N", help="with --watch: stop after N refreshes")
+    command("shared", "published buffers and who holds them")
+    load = command("load", "publish the tensors of a .safetensors file as one layout")
+    load.add_argument("file", metavar="FILE.safetensors", help="the file to load")
+    load.add_argument("--name", required=True, help="the name to publish the layout under")
+    load.add_argument("--device", type=_count, default=None, metavar="N", help="the device (default: 0)")
+    load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
+    command("doctor", "check that this process can use the daemon (exit 1 on any FAIL)")
+    help_ = commands.add_parser("help", help="this help, or the help of one command",
+                                description="this help, or the help of one command")
+    help_.add_argument("topic", nargs="?", metavar="COMMAND", help="the command to explain")
+    parser.set_defaults(command_parsers=commands.choices)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except BrokenPipeError:  # the reader went away (``cuctx status -w | head``): no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit fails no more
+        return 1
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """:func:`main` without the broken-pipe handling: parse, then run one command; the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "help":
+        return show_help(parser, args.topic)
+    try:
+        endpoint = _endpoint(args.endpoint)
+        curve = curve_keys(args.server_key, args.client_key)
+    except (UsageError, ValueError) as exc:
+        print(f"cuctx: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "doctor":
+        return doctor(args, endpoint, curve)
+    if args.command == "status" and args.watch:
+        return watch_status(args, endpoint, curve)
+    try:
+        with Client(endpoint, timeout=args.timeout, name="cuctx", server_key=curve) as client:
+            if args.command == "ping":
+                times = [client.ping() for _ in range(args.count)]
+                if args.json:
+                    print(json.dumps({"endpoint": client.endpoint, "rtt_s": times}))
+                else:
+                    for t in times:
+                        print(f"pong from {client.endpoint}: {human_duration(t)} "
+                              f"(cuctxd {client.daemon_version}, backend {client.backend})")
+            elif args.command == "devices":
+                devices = client.devices()
+                if args.json:
+                    print(json.dumps([d.to_wire() for d in devices]))
+                else:
+                    print(devices_table(devices))
+            elif args.command == "status":
+                status = client.status()
+                print(json.dumps(status) if args.json else status_text(status, own_session=client.session_id))
+            elif args.command == "shared":
+                shared = client.list_shared()
+                print(json.dumps(shared) if args.json else shared_table(shared))
+            elif args.command == "load":
+                return load_file(client, args)
+    except CuctxError as exc:
+        print(f"cuctx: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def load_file(client: Client, args: argparse.Namespace) -> int:
+    """``cuctx load``: the file's tensors published as ``--name``, with a progress line on a terminal."""
+    from cuctxd.client.tensors.safetensors_load import load_safetensors
+
+    def progress(done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            print(f"\rloading {args.file}: {100 * done // max(total, 1):3d}% ({human_size(done)} of "
+                  f"{human_size(total)})", end="", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    descriptor = load_safetensors(client, args.file, args.name, device=args.device, progress=progress,
+                                  read_only=args.read_only)
+    took = time.perf_counter() - started
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    if args.json:
+        print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took,
+                          "share_id": descriptor.share_id}))
+    else:
+        print(f"published {args.file} as {args.name!r}: {human_size(descriptor.size)} on device "
+              f"{descriptor.device} in {human_duration(took)}")
+    return 0
+
+
+def show_help(parser: argparse.ArgumentParser, topic: str | None) -> int:
+    """``cuctx help [COMMAND]``: the general help, or one command's; exit 2 for a command that does not exist."""
+    if topic is None:
+        parser.print_help()
+        return 0
+    commands: dict[str, argparse.ArgumentParser] = parser.get_default("command_parsers")
+    if topic not in commands:
+        print(f"cuctx: no command {topic!r} (commands: {', '.join(commands)})", file=sys.stderr)
+        return EXIT_USAGE
+    commands[topic].print_help()
+    return 0
+
+
+def _endpoint(explicit: str | None) -> str:
+    """The endpoint to use, checked; :class:`UsageError` naming where a bad one came from."""
+    endpoint = client_endpoint(explicit)
+    try:
+        return check_endpoint(endpoint)
+    except BadEndpoint as exc:
+        source = "--endpoint" if explicit else f"${ENDPOINT_ENV}"
+        raise UsageError(f"{source}: {exc}") from None
+
+
+def watch_status(args: argparse.Namespace, endpoint: str, curve: CurveKeys | None) -> int:
+    """Redraw ``status`` every ``--interval`` s; survives a daemon restart (reconnects). Ctrl-C exits 0.
+
+    On a terminal each refresh clears the screen first; into a pipe or a file,
+    frames follow one another as plain text. Exits 1 only when ``--count`` ran
+    out and the last refresh failed.
+    """
+    clear = sys.stdout.isatty()
+    client: Client | None = None
+    failed = False
+    shown = 0
+    try:
+        while True:
+            try:
+                if client is None:
+                    client = Client(endpoint, timeout=args.timeout, name="cuctx", server_key=curve)
+                status = client.status()
+                body = json.dumps(status) if args.json else status_text(status, own_session=client.session_id)
+                failed = False
+            except CuctxError as exc:
+                body, failed = f"cuctx: {exc}", True
+                if client is not None:
+                    client.close()
+                    client = None
+            if args.json:
+                print(body, flush=True)
+            else:
+                sys.stdout.write(watch_frame(body, endpoint, args.interval, time.strftime("%H:%M:%S"), clear=clear))
+                sys.stdout.flush()
+            shown += 1
+            if args.count is not None and shown >= args.count:
+                break
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        failed = False
+    finally:
+        if client is not None:
+            client.close()
+    return 1 if failed else 0
+
+
+def doctor(args: argparse.Namespace, endpoint: str, curve: CurveKeys | None) -> int:
+    checks = run_checks(endpoint, args.timeout, curve)
+    if args.json:
+        print(json.dumps([c.to_wire() for c in checks]))
+    else:
+        print(doctor_text(checks))
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Mapping a cuda-backend share in this process: a pool import and ``cuMemPoolImportPointer``, or a
+legacy ``cuIpcOpenMemHandle``.
+
+The mapping lives in this process's primary context of the same GPU (found by
+UUID, so ``CUDA_VISIBLE_DEVICES`` renumbering does not matter), which is the
+context CuPy and PyTorch use too: the pointer works directly with them. The
+driver calls go through :mod:`cuctxd.client.data_plane.cuda_driver` (ctypes on libcuda).
+"""
+
+from __future__ import annotations
+
+from cuctxd.client.data_plane.cuda_driver import Driver, driver
+from cuctxd.protos.records import ShareDescriptor
+
+
+class _Primary:
+    """A reference on this process's primary context of one GPU, held until :meth:`release`."""
+
+    def __init__(self, cu: Driver, device_uuid: str) -> None:
+        self.cu = cu
+        self.device = cu.find_device(device_uuid)
+        self.context = cu.retain_primary(self.device)
+
+    def release(self) -> None:
+        self.cu.release_primary(self.device)
+
+
+class CudaMapping:
+    """A device pointer to the shared allocation, valid in this process until :meth:`close`."""
+
+    def __init__(self, descriptor: ShareDescriptor) -> None:
+        self._primary = primary = _Primary(driver("map a cuda share"), descriptor.device_uuid)
+        try:
+            with primary.cu.current(primary.context):
+                self.ptr = primary.cu.ipc_open(descriptor.ipc_handle)
+        except BaseException:
+            primary.release()
+            raise
+
+    def close(self) -> None:
+        primary = self._primary
+        try:
+            with primary.cu.current(primary.context):
+                primary.cu.ipc_close(self.ptr)
+        finally:
+            primary.release()
+
+
+class CudaPoolImport:
+    """A daemon pool imported into this process (``cuMemPoolImportFromShareableHandle``) from the fd the
+    fd channel delivered (the caller still closes it); its buffers are imported one by one with
+    :meth:`import_pointer`, in this process's primary context of the same GPU."""
+
+    def __init__(self, fd: int, device_uuid: str) -> None:
+        self._primary = primary = _Primary(driver("map a cuda share"), device_uuid)
+        try:
+            with primary.cu.current(primary.context):
+                self._pool = primary.cu.pool_import(fd)
+        except BaseException:
+            primary.release()
+            raise
+
+    def import_pointer(self, export_data: bytes, size: int) -> CudaPoolMapping:
+        """One buffer of the pool (``cuMemPoolImportPointer``, about 2 us)."""
+        primary = self._primary
+        with primary.cu.current(primary.context):
+            ptr = primary.cu.pool_import_pointer(self._pool, export_data)
+        return CudaPoolMapping(primary, ptr)
+
+    def close(self) -> None:
+        """``cuMemPoolDestroy`` of the import, once its buffers are closed; then the primary's reference."""
+        primary = self._primary
+        try:
+            with primary.cu.current(primary.context):
+                primary.cu.pool_destroy(self._pool)
+        finally:
+            primary.release()
+
+
+class CudaPoolMapping:
+    """A buffer imported from a pool: ``ptr`` until :meth:`close` frees the import (before the owner frees)."""
+
+    def __init__(self, primary: _Primary, ptr: int) -> None:
+        self._primary = primary
+        self.ptr = ptr
+
+    def close(self) -> None:
+        with self._primary.cu.current(self._primary.context):
+            self._primary.cu.free(self.ptr)
+
+
+def copy_device_to_device(device_uuid: str, dst: int, src: int, size: int) -> None:
+    """``cuMemcpyDtoD`` in this process's primary context of that GPU, finished before it returns
+    (a layout's tensors copied into a daemon buffer mapped here)."""
+    primary = _Primary(driver("copy device memory"), device_uuid)
+    try:
+        with primary.cu.current(primary.context):
+            primary.cu.copy_device_to_device(dst, src, size)
+    finally:
+        primary.release()
+
+
+def ordinal_of(device_uuid: str) -> int:
+    """This process's CUDA ordinal of the GPU with that UUID."""
+    return driver("find a GPU").find_device(device_uuid)

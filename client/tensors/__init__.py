@@ -1,0 +1,5 @@
+"""Tensors and framework adapters: tensor sets by name, DLPack, torch state dicts, CuPy arrays, safetensors files."""
+
+from cuctxd.client.tensors.tensor_sets import open_tensors, publish_tensors
+
+__all__ = ["open_tensors", "publish_tensors"]

@@ -1,0 +1,333 @@
+"""Tensors by name: many tensors in one shared buffer, published with their layout and opened as views.
+
+:func:`publish_tensors` lays the tensors out in one daemon allocation (each at a
+multiple of ``ALIGNMENT`` bytes), copies them in (device to device when they are
+on the buffer's GPU in this process; through the data plane from host memory)
+and publishes the buffer with its manifest (:mod:`cuctxd.protos.layouts`). A
+failure frees the buffer: nothing is left half published. :func:`open_tensors`
+looks the name up, opens the share once (one pool import, one pointer import)
+and returns a :class:`TensorSet` of zero-copy :class:`SharedTensor` views: CUDA
+array interface v3 on the cuda backend (torch, CuPy, numba), numpy's array
+interface on the sim. Which thread may call: the client's callers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from cuctxd.client.api.sharing import OpenedShare, byte_interface
+from cuctxd.client.data_plane import transfers
+from cuctxd.client.tensors import dlpack
+from cuctxd.client.wire import build
+from cuctxd.protos.errors import BadArgument, WrongBackend
+from cuctxd.protos.host import buffer_address
+from cuctxd.protos.layouts import ALIGNMENT, BY_TYPESTR, DTYPES, Manifest, TensorSpec, c_strides, check_manifest
+from cuctxd.protos.records import ShareDescriptor
+
+
+class RawBytes:
+    """A tensor given as its bytes (a host buffer), its dtype name and its shape: what a file holds."""
+
+    def __init__(self, data: memoryview, dtype: str, shape: tuple[int, ...]) -> None:
+        self.data, self.dtype, self.shape = data, dtype, shape
+
+
+class _Source:
+    """Where one tensor's bytes come from: a device pointer in this process, or a host buffer."""
+
+    def __init__(self, name: str, value: Any) -> None:
+        """``value``: a CUDA array or host buffer, or ``(array, dtype name)`` to publish its bytes as another
+        dtype of the same size (bfloat16, which the array interfaces cannot name)."""
+        self.name = name
+        self.dtype = ""
+        self.shape: tuple[int, ...] = ()
+        self.device_ptr: int | None = None
+        self.host: memoryview | None = None
+        dtype = None
+        if isinstance(value, tuple):
+            value, dtype = value
+        self._read(value)
+        if dtype is not None:
+            if dtype not in DTYPES or DTYPES[dtype].itemsize != DTYPES[self.dtype].itemsize:
+                raise BadArgument(f"tensor {name!r}: cannot publish {self.dtype} elements as {dtype!r}")
+            self.dtype = dtype
+        self.nbytes = DTYPES[self.dtype].itemsize * math.prod(self.shape)
+
+    def _read(self, value: Any) -> None:
+        if isinstance(value, RawBytes):
+            if value.dtype not in DTYPES:
+                raise BadArgument(f"tensor {self.name!r}: unknown dtype {value.dtype!r}")
+            expected = DTYPES[value.dtype].itemsize * math.prod(value.shape)
+            if value.data.nbytes != expected:
+                raise BadArgument(f"tensor {self.name!r} of shape {value.shape} ({value.dtype}) needs {expected} "
+                                  f"bytes, not {value.data.nbytes}")
+            self.dtype, self.shape, self.host = value.dtype, value.shape, value.data.cast("B")
+            return
+        interface = getattr(value, "__cuda_array_interface__", None)
+        if interface is not None:
+            self.dtype = _dtype_of(self.name, interface["typestr"])
+            self.shape = tuple(interface["shape"])
+            self._require_contiguous(interface.get("strides"))
+            self.device_ptr = int(interface["data"][0])
+        else:
+            view = _host_view(self.name, value)
+            self.host = view
+            self.dtype = _dtype_of(self.name, view.format)
+            self.shape = tuple(view.shape or ())
+
+    def _require_contiguous(self, strides: Any) -> None:
+        if strides is not None and tuple(strides) != tuple(s * DTYPES[self.dtype].itemsize
+                                                           for s in c_strides(self.shape)):
+            raise BadArgument(f"tensor {self.name!r} is not C-contiguous: make it contiguous first")
+
+
+def _host_view(name: str, value: Any) -> memoryview:
+    try:
+        view = memoryview(value)
+    except TypeError:
+        try:
+            import numpy
+        except ImportError:
+            raise BadArgument(f"tensor {name!r}: {type(value).__name__} is neither a CUDA array nor a "
+                              "host buffer") from None
+        view = numpy.ascontiguousarray(value).data
+    if not view.c_contiguous:
+        raise BadArgument(f"tensor {name!r} is not C-contiguous: make it contiguous first")
+    return view
+
+
+_FORMATS = {"b": "|i1", "B": "|u1", "h": "<i2", "H": "<u2", "i": "<i4", "I": "<u4", "l": "<i8", "L": "<u8",
+            "q": "<i8", "Q": "<u8", "e": "<f2", "f": "<f4", "d": "<f8", "?": "|b1", "Zf": "<c8", "Zd": "<c16"}
+
+
+def _dtype_of(name: str, typestr: str) -> str:
+    key = typestr if typestr in BY_TYPESTR else _FORMATS.get(typestr.lstrip("|<=@"))
+    if key is None or key not in BY_TYPESTR:
+        raise BadArgument(f"tensor {name!r}: element type {typestr!r} has no dtype in a layout "
+                          f"(known: {', '.join(DTYPES)})")
+    return BY_TYPESTR[key]
+
+
+def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
+                ) -> tuple[Manifest, list[_Source], int]:
+    """Where each tensor goes (C order, each at a multiple of ALIGNMENT): the manifest, the sources, the size."""
+    sources = [_Source(str(name), value) for name, value in tensors.items()]
+    specs, at = [], 0
+    for source in sources:
+        specs.append(TensorSpec(source.name, source.dtype, source.shape, c_strides(source.shape), at))
+        at += -(-max(source.nbytes, 1) // ALIGNMENT) * ALIGNMENT
+    return Manifest(tuple(specs), dict(metadata or {})), sources, max(at, ALIGNMENT)
+
+
+def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
+                    *, device: int | None = None, progress: Callable[[int, int], None] | None = None,
+                    persistent: bool = True, read_only: bool = False) -> ShareDescriptor:
+    """Put ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`) in one buffer on ``device``
+    and publish it as ``name`` with their manifest; returns the share's descriptor. ``progress(done,
+    total)``: bytes copied so far. ``persistent`` (the default): the layout stays until unpublished, so
+    workers can come and go (``False``: freed once its last consumer closes it, as a plain publish).
+    ``read_only``: consumers may open it only read-only. Nothing stays published or allocated when this
+    raises."""
+    manifest, sources, size = plan_layout(tensors, metadata)
+    packed = manifest.pack()
+    check_manifest(packed, size)  # what the daemon will check, said before any memory is taken
+    buffer = client.alloc(size, device, shareable=True)
+    try:
+        device_sources = [(spec, source) for spec, source in zip(manifest.tensors, sources, strict=True)
+                          if source.device_ptr is not None]
+        host_sources = [(spec.offset, source.host) for spec, source in zip(manifest.tensors, sources, strict=True)
+                        if source.host is not None and source.nbytes]
+        _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
+        if device_sources:
+            _copy_from_device(client, buffer, device_sources)
+        return client.run(build.publish(buffer, name, packed, persistent, read_only))  # type: ignore[no-any-return]
+    except BaseException:
+        buffer.free()
+        raise
+
+
+#: Bytes written between two progress reports of :func:`publish_tensors`.
+PROGRESS_BYTES = 256 << 20
+
+
+def _write_host_sources(client: Any, buffer: Any, pieces: list[tuple[int, memoryview]], total: int,
+                        progress: Callable[[int, int], None] | None) -> None:
+    """The host tensors into the buffer through the staging ring, many per DMA
+    (:func:`~cuctxd.client.data_plane.transfers.write_pieces`), in batches of :data:`PROGRESS_BYTES` between
+    progress reports."""
+    done, batch, batch_bytes = 0, [], 0
+    for index, (offset, view) in enumerate(pieces):
+        batch.append((offset, view))
+        batch_bytes += view.nbytes
+        if batch_bytes >= PROGRESS_BYTES or index == len(pieces) - 1:
+            done += client.run(transfers.write_pieces(client, buffer, batch))
+            batch, batch_bytes = [], 0
+            if progress is not None:
+                progress(done, total)
+
+
+def _copy_from_device(client: Any, buffer: Any, sources: list[tuple[TensorSpec, _Source]]) -> None:
+    """Device-to-device copies into the daemon's buffer, mapped here through its pool."""
+    if client.backend != "cuda":
+        raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
+    from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
+
+    with client.open_shared(client.export(buffer)) as mapped:
+        for spec, source in sources:
+            assert source.device_ptr is not None
+            copy_device_to_device(mapped.descriptor.device_uuid, mapped.ptr + spec.offset, source.device_ptr,
+                                  source.nbytes)
+
+
+class SharedTensor:
+    """One tensor of an opened layout: a zero-copy view of the daemon's buffer."""
+
+    def __init__(self, tensors: TensorSet, spec: TensorSpec) -> None:
+        self._set = tensors
+        self.spec = spec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+    def _interface(self, data: int, readonly: bool | None = None) -> dict[str, Any]:
+        typestr = DTYPES[self.dtype].typestr
+        if typestr is None:
+            raise TypeError(f"{self.dtype} has no array-interface type: view the tensor through "
+                            "cuctxd.client.tensors.tensor_sets.raw_interface and reinterpret its bytes")
+        itemsize = DTYPES[self.dtype].itemsize
+        return {"shape": self.shape, "typestr": typestr, "data": (data, self.readonly_flag(readonly)), "version": 3,
+                "strides": tuple(s * itemsize for s in self.spec.strides)}
+
+    def readonly_flag(self, asked: bool | None) -> bool:
+        """The array interfaces' read-only flag: ``asked``, else the set's own (not ``writable``)."""
+        return not self._set.writable if asked is None else asked
+
+    def cuda_interface(self, *, readonly: bool | None = None) -> CudaArray:
+        """The CUDA array interface with the read-only flag given (torch and CuPy take only False)."""
+        return CudaArray(self._interface(self._set.share.ptr + self.spec.offset, readonly))
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA array interface v3 (cuda backend): ``torch.as_tensor(t, device="cuda")``, ``cupy.asarray(t)``."""
+        if self._set.share.backend != "cuda":
+            raise WrongBackend(f"a {self._set.share.backend} layout lives in host memory; use numpy.asarray")
+        return self._interface(self._set.share.ptr + self.spec.offset)
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        """numpy's array interface (sim backend): ``numpy.asarray(t)`` shares the daemon's bytes."""
+        if self._set.share.backend != "sim":
+            raise WrongBackend("a cuda layout lives in device memory; use __cuda_array_interface__")
+        return self._interface(self._set.host_address + self.spec.offset)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(kDLCUDA, this process's ordinal of the GPU) on cuda; (kDLCPU, 0) on the sim."""
+        if self._set.share.backend == "cuda":
+            return dlpack.KDL_CUDA, self._set.cuda_ordinal()
+        return dlpack.KDL_CPU, 0
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: bool | None = None) -> Any:
+        """A DLPack capsule of the tensor (zero-copy; ``copy=True`` is refused). ``stream``: the
+        consumer's stream; nothing needs ordering before it, since a layout's bytes were complete
+        when it was published (and ``publish`` waited for them)."""
+        if copy:
+            raise BufferError("a shared tensor is exported without copying; copy it on the consumer's side")
+        if self._set.share.backend == "cuda":
+            data = self._set.share.ptr + self.spec.offset
+        else:
+            data = self._set.host_address + self.spec.offset
+        return dlpack.capsule(data, self.__dlpack_device__(), DTYPES[self.dtype].dlpack, self.shape,
+                              self.spec.strides, self._set)
+
+    def __repr__(self) -> str:
+        return f"SharedTensor({self.name!r}, {self.dtype}, shape={self.shape})"
+
+
+class CudaArray:
+    """An object that carries a CUDA array interface (what ``torch.as_tensor``/``cupy.asarray`` read)."""
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__cuda_array_interface__ = interface
+
+
+class TensorSet(Mapping[str, SharedTensor]):
+    """The tensors published under one name, mapped in this process until :meth:`close` (or ``with``)."""
+
+    def __init__(self, share: OpenedShare, manifest: Manifest, writable: bool) -> None:
+        self.share = share
+        self.manifest = manifest
+        self.writable = writable
+        self.metadata = manifest.metadata
+        self.host_address = 0
+        if share.backend == "sim":
+            with buffer_address(share.host_view()) as address:
+                self.host_address = address  # valid while the share stays mapped
+        self._tensors = {spec.name: SharedTensor(self, spec) for spec in manifest.tensors}
+
+    def __getitem__(self, name: str) -> SharedTensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"the layout {self.share.descriptor.name!r} has no tensor {name!r} "
+                           f"(it has {len(self._tensors)}: {', '.join(list(self._tensors)[:8])}...)") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def cuda_ordinal(self) -> int:
+        """This process's ordinal of the layout's GPU (DLPack names devices by it)."""
+        from cuctxd.client.data_plane.ipc_cuda import ordinal_of
+
+        return ordinal_of(self.share.descriptor.device_uuid)
+
+    def close(self) -> None:
+        """Unmap the layout and drop the hold; views made from it must not be used afterwards."""
+        self.share.close()
+
+    def __enter__(self) -> TensorSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_tensors(client: Any, name: str, *, writable: bool = False) -> TensorSet:
+    """Map the tensors published as ``name`` (read-only views unless ``writable``, which a layout
+    published ``read_only`` refuses; both are advisory: a mapping of device memory cannot be made
+    read-only)."""
+    descriptor = client.lookup(name)
+    if not descriptor.manifest:
+        raise BadArgument(f"{name!r} was published as a plain buffer, without a tensor layout")
+    if writable and descriptor.read_only:
+        raise BadArgument(f"{name!r} was published read-only: open it with writable=False")
+    manifest = check_manifest(descriptor.manifest, descriptor.size)
+    return TensorSet(client.open_shared(descriptor), manifest, writable)
+
+
+def raw_interface(tensor: SharedTensor, *, readonly: bool | None = None) -> dict[str, Any]:
+    """The tensor's bytes as a flat uint8 CUDA array interface (for dtypes the interface cannot name);
+    ``readonly`` defaults to the set's own (torch accepts only False)."""
+    return byte_interface(tensor._set.share.ptr + tensor.spec.offset, tensor.nbytes, tensor.readonly_flag(readonly))
+
+
+__all__ = ["CudaArray", "RawBytes", "SharedTensor", "TensorSet", "open_tensors", "plan_layout", "publish_tensors",
+           "raw_interface"]

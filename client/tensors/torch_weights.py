@@ -1,0 +1,84 @@
+"""PyTorch on top of :mod:`cuctxd.client.tensors.tensor_sets`: publish a state dict once, load it zero-copy anywhere.
+
+``publish_state_dict(client, name, module_or_state_dict)`` puts every tensor in one
+daemon buffer (device to device from the same GPU; bfloat16 travels as its bytes);
+``load_state_dict(client, name)`` gives a :class:`LoadedState`, whose
+``state_dict`` holds tensors that alias the daemon's memory (cuda backend: on the
+GPU; sim: CPU tensors over the shared bytes). Keep the :class:`LoadedState` open
+(``with``) while they are used: closing it unmaps them. torch has no read-only
+tensors, so ``writable=False`` is a promise of the caller there, not enforced.
+torch is imported only when these are called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from cuctxd.client.api.sharing import byte_interface
+from cuctxd.client.tensors.tensor_sets import CudaArray, TensorSet, open_tensors, publish_tensors
+from cuctxd.protos.records import ShareDescriptor
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metadata: Mapping[str, Any] | None = None,
+                       *, device: int | None = None) -> ShareDescriptor:
+    """Publish a module's (or a state dict's) tensors as ``name``; ``metadata`` goes with them."""
+    torch = _torch()
+    state = module_or_state_dict.state_dict() if hasattr(module_or_state_dict, "state_dict") else module_or_state_dict
+    tensors: dict[str, Any] = {}
+    for key, tensor in state.items():
+        tensor = tensor.detach().contiguous()
+        if tensor.dtype == torch.bfloat16:  # no array interface names it: publish its bytes as bfloat16
+            tensors[key] = (tensor.view(torch.int16), "bfloat16")
+        elif tensor.is_cuda:
+            tensors[key] = tensor
+        else:
+            tensors[key] = tensor.numpy()
+    return publish_tensors(client, name, tensors, metadata, device=device)
+
+
+class LoadedState:
+    """The tensors published as one name, as torch tensors aliasing the daemon's memory: views of one
+    uint8 tensor over the whole buffer (one ``torch.as_tensor``, then a slice and a view per tensor,
+    which costs a fraction of an array-interface import each)."""
+
+    def __init__(self, tensors: TensorSet) -> None:
+        torch = _torch()
+        self.tensors = tensors
+        self.metadata = tensors.metadata
+        share = tensors.share
+        if share.backend == "cuda":
+            # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
+            base = torch.as_tensor(CudaArray(byte_interface(share.ptr, share.size, False)), device="cuda")
+        else:
+            import numpy
+
+            base = torch.from_numpy(numpy.frombuffer(share.host_view(), numpy.uint8, share.size))
+        self.state_dict: dict[str, Any] = {}
+        for key, shared in tensors.items():
+            spec = shared.spec
+            typed = base[spec.offset:spec.extent()].view(getattr(torch, spec.dtype))
+            self.state_dict[key] = typed.as_strided(spec.shape, spec.strides)
+
+    def close(self) -> None:
+        """Unmap: the tensors in ``state_dict`` must not be used afterwards."""
+        self.state_dict.clear()
+        self.tensors.close()
+
+    def __enter__(self) -> LoadedState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_state_dict(client: Any, name: str, *, writable: bool = False) -> LoadedState:
+    """Map the state dict published as ``name``; ``module.load_state_dict(loaded.state_dict, assign=True)``
+    makes a module use the shared memory itself."""
+    return LoadedState(open_tensors(client, name, writable=writable))

@@ -1,0 +1,69 @@
+"""Daemon-wide state: sessions, the device list, the endpoints, ``draining`` and the settings admission applies.
+
+The front thread owns it and writes it; every ROUTER's admission reads it
+(:mod:`cuctxd.daemon.intake.admission`, on the front and on each device worker's
+own ROUTER, :mod:`cuctxd.daemon.device.lane`), and the front ops' handlers
+(:mod:`cuctxd.daemon.handlers.session_ops`, :mod:`~cuctxd.daemon.handlers.sharing_ops`)
+answer from it. It lives here, beside the other registries, and not in ``front/``,
+so that no device, intake or handler code imports the front thread's package.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cuctxd.daemon.device.queues import QueueLimits
+from cuctxd.daemon.intake.connections import ConnectionBudget
+from cuctxd.daemon.registry.fd_budget import FdBudget
+from cuctxd.daemon.registry.sessions import SessionRegistry
+from cuctxd.daemon.registry.shares import ShareRegistry
+from cuctxd.daemon.side_channel.server import SideChannel
+from cuctxd.protos.records import DeviceInfo
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """The settings the front and each device endpoint's admission apply, taken from the daemon's configuration."""
+
+    lease_ttl: float
+    orphan_ttl: float
+    max_payload: int
+    max_sessions_per_peer: int = 0
+    max_sessions_per_uid: int = 0
+    #: As configured (``status`` shows them); the endpoints bound are :attr:`DaemonState.endpoints`.
+    endpoints: tuple[str, ...] = ()
+    #: The driver ordinal of each device served, by index.
+    device_ordinals: tuple[int, ...] = ()
+    #: Per session and device: queued requests and unread replies (:mod:`cuctxd.daemon.device.queues`).
+    queue_limits: QueueLimits = field(default_factory=QueueLimits)
+
+
+@dataclass
+class DaemonState:
+    """Owned by the front thread; device workers' lanes (their ROUTERs) read it (:mod:`cuctxd.daemon.intake.admission`).
+
+    Everything here is written on the front thread only, but for what
+    :class:`~cuctxd.daemon.registry.sessions.Session` says a lane may write, and
+    ``draining``, set by the daemon (on the front thread too, between serve calls).
+    """
+
+    config: AdmissionConfig
+    backend: str
+    devices: list[DeviceInfo]
+    shares: ShareRegistry
+    sessions: SessionRegistry = field(default_factory=SessionRegistry)
+    sessions_reaped: int = 0
+    #: The endpoints the front's ROUTER bound, and per device those its own ROUTER bound next to each
+    #: (same order; empty when ``device_endpoints`` is off); both told to clients in hello.
+    endpoints: list[str] = field(default_factory=list)
+    device_endpoints: list[list[str]] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    #: Set by the daemon when a shutdown starts: every new request is answered ShuttingDown.
+    draining: bool = False
+    #: Client connections on every ROUTER against ``max_connections`` (``status`` shows them).
+    connections: ConnectionBudget | None = None
+    #: The fd channel beside the ipc:// endpoints (None without one): its path goes out in hello.
+    fd_channel: SideChannel | None = None
+    #: The fds the daemon holds for clients against its open-file limit (``status`` shows them).
+    fd_budget: FdBudget | None = None
