@@ -31,6 +31,7 @@ from collections.abc import MutableSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.protos.errors import NameExists, NotFound, NotOwner
 from cuctxd.protos.records import ShareDescriptor
@@ -121,6 +122,9 @@ class ShareRegistry:
         self._namings: dict[str, Naming] = {}
         #: Ids of published shares kept alive by their names alone, on every device.
         self._orphaned: set[str] = set()
+        #: Where persistent shares are parked to survive the daemon (:mod:`cuctxd.daemon.registry.parking`):
+        #: set before the workers start when a service manager keeps fds, else None.
+        self.parking: ParkingLot | None = None
 
     def add(self, share: ShareRecord) -> None:
         with self._lock:
@@ -193,6 +197,12 @@ class ShareRegistry:
         """The name and what it was published with go (under the lock)."""
         self._names.pop(name, None)
         self._namings.pop(name, None)
+
+    def namings(self, share: ShareRecord) -> dict[str, Naming]:
+        """Each name of ``share`` with what it was published with."""
+        with self._lock:
+            return {name: self._namings.get(name, PLAIN) for name in share.names
+                    if self._names.get(name) == share.share_id}
 
     def lookup(self, name: str) -> ShareDescriptor:
         """The descriptor published as ``name``, with its ``publisher``."""

@@ -1,6 +1,7 @@
 """The daemon assembled: backend, one worker per device, the front socket, and its life cycle.
 
-Start: every worker opens its device, then the front's ROUTER binds (tcp://
+Start: every worker opens its device and re-adopts the shares a previous daemon parked with
+the service manager (:mod:`cuctxd.daemon.service.adoption`), then the front's ROUTER binds (tcp://
 only with CURVE or ``insecure_tcp``), then each device's own ROUTER binds next
 to every endpoint and goes to its worker (:mod:`cuctxd.daemon.device.lane`; unless
 ``device_endpoints`` is off), then the metrics endpoint (if configured) and the
@@ -65,6 +66,7 @@ from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
+from cuctxd.daemon.service.adoption import adopt_parked, open_parking
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
 from cuctxd.daemon.service.endpoint import (
     clear_stale_socket,
@@ -164,6 +166,7 @@ class Daemon:
                               self.config.host_memory_per_session, self.config.max_host_memory,
                               self.config.max_shm_lanes)
         shares = ShareRegistry()
+        parking, passed = open_parking(shares)
         self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session, self.fd_budget)
         queue_limits = self._queue_limits()
         self._workers = [
@@ -176,6 +179,8 @@ class Daemon:
         for worker in self._workers:
             worker.peers = peers
             devices.append(worker.start().info)
+        if parking is not None:
+            adopt_parked(parking, passed, self._workers, devices)
         try:
             router = self._bind_router()
         except BaseException:
