@@ -272,10 +272,10 @@ class ParkingLot:
                 self.forget(name, "not a name cuctxd stores (or stored twice)")
         chosen: list[ParkedShare] | None = None
         for generation, name, fd in sorted(registries, reverse=True):
+            self._generation = max(self._generation, generation)  # a later registry never takes a name found
             try:
                 if chosen is None:
                     _, chosen = decode(_read_registry(fd))
-                    self._generation = max(self._generation, generation)
             except ParkError as exc:
                 log.error("the parked registry %s cannot be used (%s): its shares are not adopted", name, exc)
                 recovered.skipped += 1
