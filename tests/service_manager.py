@@ -177,7 +177,8 @@ class ServiceManager:
 
     # --- the service --------------------------------------------------------------------
 
-    def start(self, *extra: str, endpoint: str | None = None) -> DaemonProcess:
+    def start(self, *extra: str, endpoint: str | None = None, backend: str = "sim",
+              ready_timeout: float = 30.0) -> DaemonProcess:
         """Start the daemon with ``NOTIFY_SOCKET``, ``FDSTORE`` and whatever the store holds from fd 3 on;
         returns once it listens."""
         self.sync()
@@ -190,7 +191,8 @@ class ServiceManager:
             env.update(LISTEN_FDS=str(len(stored)), LISTEN_FDNAMES=":".join(s.name for s in stored),
                        CUCTXD_TEST_LISTEN_FDS=",".join(str(s.fd) for s in stored))
         self.daemon = launch_daemon([sys.executable, "-c", _EXEC_WRAPPER], *extra, endpoint=endpoint, env=env,
-                                    pass_fds=tuple(s.fd for s in stored))
+                                    pass_fds=tuple(s.fd for s in stored), backend=backend,
+                                    ready_timeout=ready_timeout)
         return self.daemon
 
     def kill(self) -> None:
@@ -203,19 +205,19 @@ class ServiceManager:
         daemon.close_pipes()
         self.sync()
 
-    def restart(self, *extra: str) -> DaemonProcess:
+    def restart(self, *extra: str, backend: str = "sim", ready_timeout: float = 30.0) -> DaemonProcess:
         """SIGKILL the daemon (as a crash or an OOM kill would) and start it again on the same endpoint
         with the stored fds."""
         daemon = self.daemon
         assert daemon is not None
         self.kill()
-        return self.start(*extra, endpoint=daemon.endpoint)
+        return self.start(*extra, endpoint=daemon.endpoint, backend=backend, ready_timeout=ready_timeout)
 
-    def close(self) -> int | None:
+    def close(self, timeout: float = 20.0) -> int | None:
         """Stop the daemon (SIGTERM; its exit code), close the socket and every stored fd."""
         code = None
         if self.daemon is not None:
-            code = self.daemon.stop()
+            code = self.daemon.stop(timeout)
         self._send_self("X-TEST-QUIT=1")
         self._thread.join(5)
         self.socket.close()

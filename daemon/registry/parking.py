@@ -57,6 +57,9 @@ class FdStore(Protocol):
     def remove(self, name: str) -> bool:
         """``FDSTOREREMOVE=1`` with ``FDNAME=name``."""
 
+    def close(self) -> None:
+        """No more datagrams (the daemon is done)."""
+
 
 class ParkError(ValueError):
     """A parked registry that cannot be read: corrupt, truncated or of a newer format."""
@@ -301,6 +304,11 @@ class ParkingLot:
         with self._lock:
             self.store.store(share.fdname, fd)
             self._parked[share.share_id] = share
+
+    def close(self) -> None:
+        """At the daemon's end, once the workers stopped: what is parked stays in the store."""
+        with self._lock:
+            self.store.close()
 
     def commit(self) -> None:
         """After every adoption at start: store the registry of what was adopted and remove the old ones."""

@@ -64,6 +64,7 @@ from cuctxd.daemon.intake.connections import ConnectionBudget, ConnectionWatch, 
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
+from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.daemon.service.adoption import adopt_parked, open_parking
@@ -139,6 +140,7 @@ class Daemon:
         self._tickets: TicketBook | None = None
         self._side_channel: SideChannel | None = None
         self.fd_budget: FdBudget | None = None
+        self._parking: ParkingLot | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -167,6 +169,7 @@ class Daemon:
                               self.config.max_shm_lanes)
         shares = ShareRegistry()
         parking, passed = open_parking(shares)
+        self._parking = parking
         self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session, self.fd_budget)
         queue_limits = self._queue_limits()
         self._workers = [
@@ -513,6 +516,8 @@ class Daemon:
         os.close(self._stop_read)
         os.close(self._stop_write)
         self.notifier.close()
+        if self._parking is not None:
+            self._parking.close()
         if self._backstop is not None:
             self._backstop.cancel()
         log.info("stopped")
