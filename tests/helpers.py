@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,16 +87,25 @@ def start_daemon(*extra: str, backend: str = "sim", ready_timeout: float = 30.0,
     ``open_files``: the daemon's RLIMIT_NOFILE, soft and hard (set in the child before exec, which has
     no threads yet).
     """
+    return launch_daemon([sys.executable], *extra, backend=backend, ready_timeout=ready_timeout, endpoint=endpoint,
+                         open_files=open_files, ipc=ipc)
+
+
+def launch_daemon(launcher: Sequence[str], *extra: str, backend: str = "sim", ready_timeout: float = 30.0,
+                  endpoint: str | None = None, open_files: int | None = None, ipc: bool = True,
+                  env: dict[str, str] | None = None, pass_fds: Sequence[int] = ()) -> DaemonProcess:
+    """:func:`start_daemon` run as ``launcher + ["-m", "cuctxd.daemon", ...]`` (an exec wrapper: the daemon
+    keeps its pid), in ``env`` (default :func:`client_env`), with ``pass_fds`` inherited."""
     if endpoint is None:
         socket_dir = short_tempdir()
         endpoint = f"ipc://{socket_dir}/d.sock"
     else:
         socket_dir = Path(endpoint[len("ipc://"):]).parent
-    env = client_env()
     process = subprocess.Popen(
-        [sys.executable, "-m", "cuctxd.daemon", *(("--endpoint", endpoint) if ipc else ()), "--backend", backend,
+        [*launcher, "-m", "cuctxd.daemon", *(("--endpoint", endpoint) if ipc else ()), "--backend", backend,
          *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=client_env() if env is None else env,
+        cwd=REPO, pass_fds=tuple(pass_fds),
         preexec_fn=None if open_files is None else functools.partial(_limit_open_files, open_files),
     )
     daemon = DaemonProcess(process, endpoint, socket_dir)

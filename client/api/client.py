@@ -67,7 +67,12 @@ class Client(SessionState):
     When the daemon stops, or restarts and no longer knows the session, calls raise
     :class:`~cuctxd.protos.errors.SessionLost` (the session's objects are gone) until
     :meth:`reconnect` starts a new session; with ``reconnect=True`` the next call
-    after that error does so by itself.
+    after that error does so by itself. The default is not to: a new, empty session
+    silently put in place of the old one would leave the caller's handles naming
+    nothing. Shares mapped before a restart stay mapped; names the new daemon
+    re-adopted open as before in the new session. ``instance`` is the daemon run's
+    id from ``hello``; ``restarted`` says whether it differs from the previous
+    session's (a reconnect after a restart).
 
     CURVE (a daemon with ``server_key``): ``server_key`` is the daemon's public
     key file (``server.key``), ``client_key`` this client's secret key file

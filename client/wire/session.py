@@ -61,6 +61,12 @@ class SessionState:
         self._outbox = Outbox()
         self.session_id: int = hello["session_id"]
         self.daemon_version: str = hello["daemon_version"]
+        previous = getattr(self, "instance", None)
+        #: The daemon's instance id (random per daemon start; None from a daemon that does not say).
+        self.instance: str | None = hello.get("instance")
+        #: Whether this session is with another daemon instance than the client's previous session was (a
+        #: reconnect after a restart): shares opened before stay mapped; re-adopted names can be opened again.
+        self.restarted: bool = previous is not None and previous != self.instance
         self.protocol: int = hello["protocol"]
         self.backend: str = hello["backend"]
         self.limits: dict[str, int] = hello["limits"]

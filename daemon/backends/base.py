@@ -243,6 +243,36 @@ class Driver(ABC):
     def mem_free_async(self, ptr: int, stream: Stream | None) -> None:
         """``cuMemFreeAsync``: the memory returns to its pool in stream order."""
 
+    # --- parking: memory an fd keeps alive past this process ----------------------------------
+
+    @abstractmethod
+    def mem_pool_import_fd(self, ordinal: int, fd: int) -> Pool:
+        """``cuMemPoolImportFromShareableHandle``: the pool of device ``ordinal`` that ``fd`` (from
+        :meth:`mem_pool_export_fd`, maybe of a process now gone) names; the caller keeps ``fd``. An imported
+        pool allocates nothing; destroy it with :meth:`mem_pool_destroy` once its pointers are freed.
+        ``CUDA_ERROR_INVALID_VALUE`` for an fd that is no such pool."""
+
+    @abstractmethod
+    def mem_pool_import_pointer(self, pool: Pool, export_data: bytes) -> int:
+        """``cuMemPoolImportPointer``: the allocation of an imported pool that ``export_data`` (from
+        :meth:`mem_pool_export_pointer`) names, freed with :meth:`mem_free_async` or :meth:`mem_free`
+        before its pool is destroyed; ``CUDA_ERROR_INVALID_VALUE`` for data naming no live allocation."""
+
+    @abstractmethod
+    def mem_get_address_range(self, ptr: int) -> tuple[int, int]:
+        """``cuMemGetAddressRange``: (base, size) of the allocation holding ``ptr``."""
+
+    @abstractmethod
+    def mem_export_fd(self, ptr: int) -> int | None:
+        """A new fd (the caller's) that keeps the :meth:`mem_alloc` allocation at ``ptr`` alive without
+        this process, or None where there is none: ``cuMemAlloc`` memory (cuda) has no fd."""
+
+    @abstractmethod
+    def mem_import_fd(self, fd: int, size: int) -> int:
+        """Map the ``size``-byte allocation ``fd`` (from :meth:`mem_export_fd`) keeps alive into the current
+        context; the caller keeps ``fd``; free with :meth:`mem_free`. ``CUDA_ERROR_INVALID_VALUE`` for an
+        fd of another kind or size, ``CUDA_ERROR_NOT_SUPPORTED`` where :meth:`mem_export_fd` gives None."""
+
     # --- pinned host memory -------------------------------------------------------------------
 
     @abstractmethod

@@ -38,6 +38,7 @@ from cuda.bindings.driver import (
     CUmemLocationType,
     CUmemPool_attribute,
     CUmemPoolProps,
+    CUmemPoolPtrExportData,
     CUstream,
     CUstream_flags,
     cuCtxCreate,
@@ -84,6 +85,7 @@ from cuda.bindings.driver import (
     cuMemFree,
     cuMemFreeAsync,
     cuMemFreeHost,
+    cuMemGetAddressRange,
     cuMemGetInfo,
     cuMemHostRegister,
     cuMemHostUnregister,
@@ -92,6 +94,8 @@ from cuda.bindings.driver import (
     cuMemPoolExportPointer,
     cuMemPoolExportToShareableHandle,
     cuMemPoolGetAttribute,
+    cuMemPoolImportFromShareableHandle,
+    cuMemPoolImportPointer,
     cuMemPoolSetAttribute,
     cuMemPoolTrimTo,
     cuMemsetD8,
@@ -459,6 +463,31 @@ class CudaDriver(Driver):
 
     def mem_free_async(self, ptr: int, stream: Stream | None) -> None:
         check_result(cuMemFreeAsync(ptr, _stream(stream)))
+
+    # --- parking ---------------------------------------------------------------------------------
+
+    def mem_pool_import_fd(self, ordinal: int, fd: int) -> Pool:
+        # A POSIX fd goes by value where the C API takes a void*: the bindings take the int.
+        return Pool(check_result(cuMemPoolImportFromShareableHandle(fd, _POSIX_FD, 0)))
+
+    def mem_pool_import_pointer(self, pool: Pool, export_data: bytes) -> int:
+        if len(export_data) != IPC_HANDLE_SIZE:
+            raise _invalid_value(f"pool export data of {len(export_data)} bytes, not {IPC_HANDLE_SIZE}")
+        # Written through the struct's pointer, as the IPC handle's bytes are read (no field to set them by).
+        data = CUmemPoolPtrExportData()
+        ctypes.memmove(data.getPtr(), export_data, IPC_HANDLE_SIZE)
+        return int(check_result(cuMemPoolImportPointer(pool, data)))
+
+    def mem_get_address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = check_result(cuMemGetAddressRange(ptr))
+        return int(base), int(size)
+
+    def mem_export_fd(self, ptr: int) -> int | None:
+        return None  # cuMemAlloc memory has no shareable fd; only its legacy IPC handle
+
+    def mem_import_fd(self, fd: int, size: int) -> int:
+        raise CudaError.of(CUresult.CUDA_ERROR_NOT_SUPPORTED,
+                           "cuMemAlloc memory is never parked by an fd on cuda, so there is none to import")
 
     # --- pinned host memory -------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ context's queued work before its memory goes.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -97,8 +98,9 @@ from cuctxd.daemon.backends.sim_streams import StreamScheduler, Work
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.host import buffer_address
+from cuctxd.protos.memfd import resize_sealed
 from cuctxd.protos.records import DeviceInfo
-from cuctxd.protos.sim_ipc import encode_handle, encode_pool_pointer
+from cuctxd.protos.sim_ipc import decode_pool_pointer, encode_handle, encode_pool_pointer
 
 #: What ``cuCtxGetApiVersion`` reports on current drivers.
 API_VERSION = 3020
@@ -456,9 +458,11 @@ class SimDriver(Driver):
             sim_pool.arena.close()
 
     def mem_pool_export_fd(self, pool: Pool) -> int:
-        """A new fd of an IPC-capable pool's memfd; ``CUDA_ERROR_INVALID_VALUE`` for another pool."""
-        arena = self._pool(pool).arena
-        if arena is None:
+        """A new fd of an IPC-capable pool's memfd; ``CUDA_ERROR_INVALID_VALUE`` for another pool (an imported
+        one too)."""
+        sim_pool = self._pool(pool)
+        arena = sim_pool.arena
+        if arena is None or sim_pool.imported:
             raise CudaError.of(_INVALID_VALUE, "the pool was not made IPC-capable")
         return arena.export_fd()
 
@@ -485,7 +489,10 @@ class SimDriver(Driver):
         """
         self._live_current()
         self._streams.check_stream(stream)
-        return self._memory.pool_allocate(self._pool(pool), size)
+        sim_pool = self._pool(pool)
+        if sim_pool.imported:
+            raise CudaError.of(_INVALID_VALUE, "an imported pool allocates nothing")
+        return self._memory.pool_allocate(sim_pool, size)
 
     def mem_free_async(self, ptr: int, stream: Stream | None) -> None:
         """Free when the stream reaches this point (at once if it is idle); 0 is a no-op.
@@ -502,6 +509,65 @@ class SimDriver(Driver):
             self._memory.release(allocation)
         else:
             self._streams.submit(context, stream, partial(self._memory.release, allocation))
+
+    # --- parking ---------------------------------------------------------------------------------
+
+    def mem_pool_import_fd(self, ordinal: int, fd: int) -> Pool:
+        """The pool whose memfd ``fd`` is (sealed against resizing, as every pool's): mapped whole, with no block
+        in use until :meth:`mem_pool_import_pointer`; anything else is ``CUDA_ERROR_INVALID_VALUE``."""
+        self._check_initialized()
+        if not 0 <= ordinal < len(self._devices):
+            raise CudaError.of(_INVALID_VALUE, f"no device {ordinal} to import a pool on")
+        if not resize_sealed(fd):
+            raise CudaError.of(_INVALID_VALUE, "the fd is not a sim pool's memory (a sealed memfd)")
+        span = os.fstat(fd).st_size
+        if span <= 0:
+            raise CudaError.of(_INVALID_VALUE, "the pool's memory is empty")
+        try:
+            arena = PoolArena(span, os.dup(fd))  # closes its fd if it cannot map it
+        except OSError as failure:
+            raise CudaError.of(_INVALID_VALUE, f"cannot map the pool's memory: {failure}") from None
+        return Pool(SimPool(ordinal, arena, imported=True))
+
+    def mem_pool_import_pointer(self, pool: Pool, export_data: bytes) -> int:
+        """The block ``export_data`` names (:func:`cuctxd.protos.sim_ipc.decode_pool_pointer`) of an imported pool,
+        counted against its device as the exporter's was; ``CUDA_ERROR_INVALID_VALUE`` for a block that is
+        not free in it, or data of another kind."""
+        self._live_current()
+        sim_pool = self._pool(pool)
+        if not sim_pool.imported:
+            raise CudaError.of(_INVALID_VALUE, "the pool was not imported")
+        try:
+            offset, size = decode_pool_pointer(export_data)
+        except ValueError as failure:
+            raise CudaError.of(_INVALID_VALUE, str(failure)) from None
+        return self._memory.pool_import(sim_pool, offset, size)
+
+    def mem_get_address_range(self, ptr: int) -> tuple[int, int]:
+        self._live_current()
+        allocation, _ = self._memory.resolve(ptr, 0)
+        return allocation.base, allocation.size
+
+    def mem_export_fd(self, ptr: int) -> int | None:
+        """A new fd of the memfd holding the allocation at ``ptr`` (moved there as :meth:`ipc_get_mem_handle` does)."""
+        context = self._live_current()
+        allocation, _ = self._memory.resolve(ptr, 0)
+        if allocation.pool is not None:
+            raise CudaError.of(_INVALID_VALUE, "memory from a stream-ordered pool is parked by its pool's fd")
+        try:
+            self._streams.run_legacy(context, partial(self._memory.export, allocation))
+            return os.dup(allocation.storage.fd)
+        except (OSError, ValueError) as failure:
+            raise CudaError.of(CUresult.CUDA_ERROR_MAP_FAILED, str(failure)) from failure
+
+    def mem_import_fd(self, fd: int, size: int) -> int:
+        """The memfd ``fd`` (of exactly ``size`` bytes, sealed) as an allocation of the current context."""
+        context = self._live_current()
+        if not resize_sealed(fd):
+            raise CudaError.of(_INVALID_VALUE, "the fd is not sim device memory (a sealed memfd)")
+        if size <= 0 or os.fstat(fd).st_size != size:
+            raise CudaError.of(_INVALID_VALUE, f"the memory is {os.fstat(fd).st_size} bytes, not {size}")
+        return self._memory.adopt(context.device, os.dup(fd), size, context)
 
     # --- pinned host memory ----------------------------------------------------------------
 

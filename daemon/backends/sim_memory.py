@@ -80,6 +80,17 @@ class Storage:
         storage.offset = offset
         return storage
 
+    @classmethod
+    def from_memfd(cls, fd: int, size: int) -> Storage:
+        """The ``size`` bytes of a memfd (owned from now on): exported memory adopted from another process."""
+        storage = cls.__new__(cls)
+        storage._buffer = mmap.mmap(fd, size)
+        storage.view = memoryview(storage._buffer)
+        storage.fd = fd
+        storage._arena = None
+        storage.offset = 0
+        return storage
+
     def export(self) -> str:
         """The ``/proc/<pid>/fd/<n>`` path of the memfd holding these bytes, made (and filled) on the first call.
 
@@ -166,10 +177,12 @@ class SimPool:
     would otherwise run out of memory). Compared by identity, like the driver's handles.
     """
 
-    __slots__ = ("_cache", "alive", "allocations", "arena", "cached_bytes", "device")
+    __slots__ = ("_cache", "alive", "allocations", "arena", "cached_bytes", "device", "imported")
 
-    def __init__(self, device: int, arena: PoolArena | None = None) -> None:
+    def __init__(self, device: int, arena: PoolArena | None = None, *, imported: bool = False) -> None:
         self.device = device
+        #: Imported from another process's fd: it allocates nothing, its blocks are imported pointers.
+        self.imported = imported
         #: The pool's shared memory, when it is IPC-capable.
         self.arena = arena
         self.alive = True
@@ -417,6 +430,39 @@ class DeviceMemory:
         if offset is None:
             raise CudaError.of(_OUT_OF_MEMORY, f"{reserved} bytes: the pool's shared memory is fragmented")
         return Storage.in_arena(arena, offset, reserved)
+
+    def pool_import(self, pool: SimPool, offset: int, size: int) -> int:
+        """The block ``[offset, offset + size)`` of an imported pool's shared memory as an allocation of it,
+        counted against its device; ``INVALID_VALUE`` where that is not a free, whole block of it."""
+        arena = pool.arena
+        reserved = align_up(size)
+        if arena is None or size <= 0 or offset % ALIGNMENT or offset + reserved > arena.span \
+                or not arena.claim(offset, reserved):
+            raise CudaError.of(_INVALID_VALUE, f"{size} bytes at offset {offset} are no block of the imported pool")
+        try:
+            with self._lock:
+                if not pool.alive:
+                    raise CudaError.of(_INVALID_VALUE, "the pool was destroyed")
+                return self._insert(pool.device, size, reserved, pool, Storage.in_arena(arena, offset, reserved), pool)
+        except BaseException:
+            arena.give(offset, reserved)
+            raise
+
+    def adopt(self, device: int, fd: int, size: int, owner: LiveOwner) -> int:
+        """A memfd of ``size`` bytes (owned from now on) as an allocation of ``owner``, counted against ``device``."""
+        try:
+            storage = Storage.from_memfd(fd, size)
+        except (OSError, ValueError) as failure:
+            os.close(fd)
+            raise CudaError.of(_INVALID_VALUE, f"cannot map the memory: {failure}") from None
+        try:
+            with self._lock:
+                if not owner.alive:
+                    raise CudaError.of(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED)
+                return self._insert(device, size, align_up(size), owner, storage, None)
+        except BaseException:
+            storage.release()
+            raise
 
     def export_pointer(self, ptr: int) -> tuple[int, int]:
         """(offset in its pool's shared memory, size) of a usable block of an IPC-capable pool at ``ptr``."""

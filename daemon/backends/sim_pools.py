@@ -28,8 +28,9 @@ class PoolArena:
     """One pool's memfd of ``span`` bytes (sparse: only written pages cost memory), mapped here; sealed against
     resizing (:mod:`cuctxd.protos.memfd`), so an importer cannot cut off pages this process touches."""
 
-    def __init__(self, span: int) -> None:
-        self.fd = sealed_memfd("cuctxd-sim-pool", span)
+    def __init__(self, span: int, fd: int = -1) -> None:
+        """A new memfd of ``span`` bytes, or (``fd`` given, owned from now on) an existing one: an imported pool's."""
+        self.fd = sealed_memfd("cuctxd-sim-pool", span) if fd < 0 else fd
         try:
             self._map = mmap.mmap(self.fd, span)
         except OSError:
@@ -58,6 +59,17 @@ class PoolArena:
                 self.blocks += 1
                 return offset
         return None
+
+    def claim(self, offset: int, size: int) -> bool:
+        """Take the block ``[offset, offset + size)`` if it is free (an imported pointer's); False otherwise."""
+        with self._lock:
+            for index, (start, length) in enumerate(self._free):
+                if start <= offset and offset + size <= start + length:
+                    pieces = [(start, offset - start), (offset + size, start + length - offset - size)]
+                    self._free[index:index + 1] = [piece for piece in pieces if piece[1]]
+                    self.blocks += 1
+                    return True
+        return False
 
     def give(self, offset: int, size: int) -> None:
         """Return a block: its whole pages are punched out of the memfd (memory given back, zeros after)."""

@@ -131,6 +131,10 @@ class Contexts:
         self.primary_refs += 1
         return ctx
 
+    def retain_primary_for_share(self) -> SessionContext:
+        """One more reference on the primary, described for a share of no session (an adopted one), current."""
+        return self._describe(self.retain_primary(), is_primary=True)
+
     def release_primary(self, primary: SessionContext) -> None:
         """Drop one reference; with the last, the primary's markers, pool and staging go first."""
         if self.primary_refs == 1:

@@ -31,6 +31,7 @@ export, instead of branches on a flag.
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,15 @@ class PoolEntry:
     ipc: bool
     #: The context it was made in (``cuCtxGetId``): it goes before that context does.
     context_id: int = 0
+    #: An adopted pool (imported from its parked fd, :mod:`cuctxd.daemon.device.parking`): that fd, which
+    #: importers get copies of, and its one buffer's export data, as the pool's first owner exported them.
+    fd: int = -1
+    export_data: bytes = b""
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class Pools:
@@ -96,18 +106,28 @@ class Pools:
         self.own[ptr] = PoolEntry(pool, secrets.token_hex(12), True, context.context_id)
         return ptr
 
+    def adopt(self, ptr: int, pool: Pool, context_id: int, fd: int, export_data: bytes) -> PoolEntry:
+        """Take an imported pool (fd owned from now on) with its one imported buffer at ``ptr`` as a pool of its own."""
+        entry = self.own[ptr] = PoolEntry(pool, secrets.token_hex(12), True, context_id, fd, export_data)
+        return entry
+
     def free_own(self, ptr: int, stream: Stream | None) -> None:
         """Free a pool of its own's buffer in stream order and destroy the pool (the driver lets its
         memory go once the free has happened)."""
         entry = self.own.pop(ptr)
-        self.driver.mem_free_async(ptr, stream)
-        self.driver.mem_pool_destroy(entry.pool)
+        try:
+            self.driver.mem_free_async(ptr, stream)
+            self.driver.mem_pool_destroy(entry.pool)
+        finally:
+            entry.close()
 
     def export_fd(self, ptr: int) -> int:
         """A new fd of the pool of its own of the buffer at ``ptr``, for an importer (the caller owns it)."""
         entry = self.own.get(ptr)
         if entry is None:
             raise NotShareable(f"this buffer on device {self.device} has no pool of its own to export")
+        if entry.fd >= 0:
+            return os.dup(entry.fd)
         return self.driver.mem_pool_export_fd(entry.pool)
 
     def forget(self, context: SessionContext) -> None:
@@ -115,7 +135,9 @@ class Pools:
         for key in [key for key in self.entries if key[0] == context.context_id]:
             self.driver.mem_pool_destroy(self.entries.pop(key).pool)
         for ptr in [ptr for ptr, entry in self.own.items() if entry.context_id == context.context_id]:
-            self.driver.mem_pool_destroy(self.own.pop(ptr).pool)
+            entry = self.own.pop(ptr)
+            entry.close()
+            self.driver.mem_pool_destroy(entry.pool)
 
     def trim(self) -> None:
         """Give cached pool memory back to the device (after a session ends, or on OOM)."""
@@ -173,8 +195,9 @@ class OwnPoolMemory:
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
         """Share descriptor fields naming the buffer (its context current)."""
-        return {"mechanism": "pool", "pool_id": self.pools.own[ptr].pool_id,
-                "export_data": self.driver.mem_pool_export_pointer(ptr), "ipc_handle": b""}
+        entry = self.pools.own[ptr]
+        return {"mechanism": "pool", "pool_id": entry.pool_id,
+                "export_data": entry.export_data or self.driver.mem_pool_export_pointer(ptr), "ipc_handle": b""}
 
     def scrub(self, ptr: int, size: int) -> None:
         """``cuMemsetD8`` of the buffer to 0 on the legacy stream (its context current), before its free."""

@@ -27,18 +27,30 @@ import logging
 import secrets
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionOnDevice, Share, check_limit
-from cuctxd.daemon.registry.shares import ShareRegistry
-from cuctxd.protos.errors import LimitExceeded, NotFound, NotOwner, NotShareable, Revoked
+from cuctxd.daemon.registry.shares import Naming, ShareRegistry
+from cuctxd.protos.errors import CuctxError, LimitExceeded, NotFound, NotOwner, NotShareable, Revoked
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 log = logging.getLogger(__name__)
+
+
+class ParkingHooks(Protocol):
+    """What sharing tells the device's parking (:class:`cuctxd.daemon.device.parking.DeviceParking`)."""
+
+    def sync(self, share: Share) -> None:
+        """``share`` changed (names, holders, freed): park, update or unpark it."""
+
+    def keeps(self, share: Share) -> bool:
+        """Whether ``share`` is parked, so that a shutdown must leave its memory to the service manager."""
+
 
 class Sharing:
     """Export, open, close and settle the device's shares."""
@@ -62,6 +74,8 @@ class Sharing:
         self.orphaned_bytes: defaultdict[int | None, int] = defaultdict(int)
         #: ``max_orphaned_bytes_per_uid`` in effect here (0 in the configuration: half the device's memory).
         self.orphan_bytes_limit = limits.max_orphaned_bytes_per_uid or info.total_memory // 2
+        #: Told of every change to a share, where persistent shares are parked (set by DeviceState).
+        self.parking: ParkingHooks | None = None
 
     def _check_share_room(self, state: SessionOnDevice) -> None:
         check_limit("max_shares_per_session", self.limits.max_shares_per_session, state.share_count(),
@@ -240,9 +254,29 @@ class Sharing:
             self.registry.drop_names(share)
             self.settle(share)
 
+    def adopt(self, share: Share, namings: Iterable[tuple[str, Naming]]) -> list[str]:
+        """A share re-adopted at start (its owner gone, persistent): indexed and named again, kept by its names;
+        the names restored (one that cannot be is logged and left out; without any the share is freed)."""
+        share.context.shares.add(share.share_id)
+        self.shares[share.share_id] = share
+        self.registry.add(share)
+        restored = []
+        for name, naming in namings:
+            try:
+                self.registry.publish(name, share, naming)
+                restored.append(name)
+            except CuctxError as exc:
+                log.warning("device %d: the parked name %r is not restored: %s", self.device, name, exc)
+        share.orphaned_at = time.monotonic()
+        self.settle(share)
+        return restored
+
     def drop_all(self) -> None:
-        """At shutdown, after every session closed: free what published names and orphans kept."""
+        """At shutdown, after every session closed: free what published names and orphans kept, except what is
+        parked with the service manager (its memory is left to the fd store for the next start)."""
         for share in list(self.shares.values()):
+            if self.parking is not None and self.parking.keeps(share):
+                continue
             self.registry.drop_names(share)
             share.owner_present = False
             share.holders.clear()
@@ -272,6 +306,8 @@ class Sharing:
             if share.persistent and not share.owner_present and not share.holders \
                     and share.share_id not in self.orphaned:  # kept by its names alone again: counted
                 self._orphan(share)
+            if self.parking is not None and share.share_id in self.shares:
+                self.parking.sync(share)
             return
         context = share.context
         self.current.activate(context)
@@ -286,6 +322,8 @@ class Sharing:
             self.contexts.release_primary(context)
         elif not context.shares and self.contexts.orphans.pop(context.context_id, None) is not None:
             self.contexts.end(context)
+        if self.parking is not None:
+            self.parking.sync(share)
 
 
 def _uid_text(uid: int | None) -> str:

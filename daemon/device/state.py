@@ -13,7 +13,8 @@ uses when built:
 * :class:`~cuctxd.daemon.device.sharing.Sharing` — exported buffers and holds;
 * :class:`~cuctxd.daemon.device.memory.Memory` — allocations, quota and reserve;
 * :class:`~cuctxd.daemon.device.host.HostBuffers` — shared page-locked host buffers;
-* :class:`~cuctxd.daemon.device.shm_lanes.ShmLanes` — the sessions' shm lanes (device ops through shared memory).
+* :class:`~cuctxd.daemon.device.shm_lanes.ShmLanes` — the sessions' shm lanes (device ops through shared memory);
+* :class:`~cuctxd.daemon.device.parking.DeviceParking` — persistent shares parked with the service manager.
 
 Each session gets a :class:`~cuctxd.daemon.device.entries.SessionOnDevice`
 (records in :mod:`cuctxd.daemon.device.entries`). This class ties the parts
@@ -38,6 +39,7 @@ from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import DeviceLimits, SessionContext, SessionOnDevice
 from cuctxd.daemon.device.host import HostBuffers
 from cuctxd.daemon.device.memory import Memory
+from cuctxd.daemon.device.parking import DeviceParking
 from cuctxd.daemon.device.pools import Pools
 from cuctxd.daemon.device.sharing import Sharing
 from cuctxd.daemon.device.shm_lanes import ShmLanes
@@ -79,6 +81,9 @@ class DeviceState:
         self.memory = Memory(driver, device, limits, self.current, self.pools, self.sharing)
         self.host = HostBuffers(driver, device, limits, self.current, self.streams, tickets.budget)
         self.shm_lanes = ShmLanes(limits.max_shm_lanes, tickets.budget)
+        self.parking = DeviceParking(driver, info, self.current, self.contexts, self.pools, self.sharing, registry,
+                                     self.memory.own_pool_memory, self.memory.legacy_memory)
+        self.sharing.parking = self.parking
         #: The sticky CUDA error that made this device unusable, if one struck.
         self.failure: CudaError | None = None
         self.worker_thread: threading.Thread | None = None

@@ -44,6 +44,7 @@ def hello(front: DaemonState, session: Session | None, args: ops.Hello, peer: st
         "session": opened.ref.token,
         "session_id": opened.ref.public_id,
         "daemon_version": __version__,
+        "instance": front.instance,
         "protocol": PROTOCOL_VERSION,
         "backend": front.backend,
         "devices": [d.to_wire() for d in front.devices],

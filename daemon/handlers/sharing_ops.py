@@ -48,6 +48,7 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending:
     share = state.sharing.export(session, buffer)
     state.registry.publish(job.args.name, share, naming)
     share.persistent = share.persistent or job.args.persistent
+    state.parking.sync(share)
     return _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": job.args.name,
                                                              "read_only": job.args.read_only}))
 

@@ -10,6 +10,7 @@ so that no device, intake or handler code imports the front thread's package.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -59,6 +60,8 @@ class DaemonState:
     endpoints: list[str] = field(default_factory=list)
     device_endpoints: list[list[str]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
+    #: Random per daemon start: ``hello`` says it, so a client tells a restarted daemon from the one it knew.
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
     #: Set by the daemon when a shutdown starts: every new request is answered ShuttingDown.
     draining: bool = False
     #: Client connections on every ROUTER against ``max_connections`` (``status`` shows them).

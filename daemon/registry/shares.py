@@ -36,6 +36,7 @@ from collections.abc import MutableSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.protos.errors import LimitExceeded, NameExists, NotFound, NotOwner
 from cuctxd.protos.records import ShareDescriptor
@@ -144,6 +145,9 @@ class ShareRegistry:
         #: Bytes of the published names (:meth:`Naming.charged`) by publishing session token, and by uid.
         self._name_bytes_by_session: dict[str, int] = {}
         self._name_bytes_by_uid: dict[int | None, int] = {}
+        #: Where persistent shares are parked to survive the daemon (:mod:`cuctxd.daemon.registry.parking`):
+        #: set before the workers start when a service manager keeps fds, else None.
+        self.parking: ParkingLot | None = None
 
     def add(self, share: ShareRecord) -> None:
         with self._lock:
@@ -242,6 +246,12 @@ class ShareRegistry:
             top = sorted(self._name_bytes_by_uid.items(), key=lambda item: -item[1])[:_TOP_UIDS]
             return {"count": len(self._names), "bytes": sum(self._name_bytes_by_uid.values()),
                     "top_uids": [{"uid": uid, "bytes": size} for uid, size in top]}
+
+    def namings(self, share: ShareRecord) -> dict[str, Naming]:
+        """Each name of ``share`` with what it was published with."""
+        with self._lock:
+            return {name: self._namings.get(name, PLAIN) for name in share.names
+                    if self._names.get(name) == share.share_id}
 
     def lookup(self, name: str) -> ShareDescriptor:
         """The descriptor published as ``name``, with its ``publisher``."""

@@ -1,6 +1,7 @@
 """The daemon assembled: backend, one worker per device, the front socket, and its life cycle.
 
-Start: every worker opens its device, then the front's ROUTER binds (tcp://
+Start: every worker opens its device and re-adopts the shares a previous daemon parked with
+the service manager (:mod:`cuctxd.daemon.service.adoption`), then the front's ROUTER binds (tcp://
 only with CURVE or ``insecure_tcp``), then each device's own ROUTER binds next
 to every endpoint and goes to its worker (:mod:`cuctxd.daemon.device.lane`; unless
 ``device_endpoints`` is off), then the metrics endpoint (if configured) and the
@@ -63,8 +64,10 @@ from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
 from cuctxd.daemon.registry.daemon_state import AdmissionConfig, DaemonState
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
+from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
+from cuctxd.daemon.service.adoption import adopt_parked, open_parking
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
 from cuctxd.daemon.service.endpoint import (
     clear_stale_socket,
@@ -137,6 +140,7 @@ class Daemon:
         self._tickets: TicketBook | None = None
         self._side_channel: SideChannel | None = None
         self.fd_budget: FdBudget | None = None
+        self._parking: ParkingLot | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -165,6 +169,8 @@ class Daemon:
                               self.config.max_shm_lanes,
                               max_orphaned_bytes_per_uid=self.config.max_orphaned_bytes_per_uid)
         shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid)
+        parking, passed = open_parking(shares)
+        self._parking = parking
         self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session, self.fd_budget)
         queue_limits = self._queue_limits()
         self._workers = [
@@ -177,6 +183,8 @@ class Daemon:
         for worker in self._workers:
             worker.peers = peers
             devices.append(worker.start().info)
+        if parking is not None:
+            adopt_parked(parking, passed, self._workers, devices)
         try:
             router = self._bind_router()
         except BaseException:
@@ -510,6 +518,8 @@ class Daemon:
         os.close(self._stop_read)
         os.close(self._stop_write)
         self.notifier.close()
+        if self._parking is not None:
+            self._parking.close()
         if self._backstop is not None:
             self._backstop.cancel()
         log.info("stopped")

@@ -1,0 +1,200 @@
+"""One device's side of parking: persistent shares handed to the service manager's fd store, and adopted back.
+
+Owned by the device's worker thread, as part of its
+:class:`~cuctxd.daemon.device.state.DeviceState`; the daemon-wide
+:class:`~cuctxd.daemon.registry.parking.ParkingLot` (lock-protected) keeps the store and the
+parked registry. Sharing tells this of every change to a share (:meth:`DeviceParking.sync`):
+a share is parked while it is persistent, named and not revoked.
+
+What keeps a share's memory alive outside the daemon is an fd: a pool of its own's
+(``cuMemPoolExportToShareableHandle``; the sim's pool memfd) or, for a ``cuMemAlloc`` buffer,
+the allocation's own (the sim's memfd; cuda has none: such a share is logged as not parkable).
+A new daemon re-adopts it from that fd (:meth:`DeviceParking.adopt`): it imports the pool and
+the buffer (``cuMemPoolImportFromShareableHandle``, ``cuMemPoolImportPointer`` with the parked
+export data) or maps the memory, checks its size, and restores its names with the publisher
+gone, in the primary context; the memory counts against the device again, and the share is
+freed as any other once it is unpublished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+
+from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.device.contexts import Contexts
+from cuctxd.daemon.device.current import CurrentContext
+from cuctxd.daemon.device.entries import MemoryKind, SessionContext, Share
+from cuctxd.daemon.device.pools import LegacyMemory, OwnPoolMemory, Pools, round_to_granularity
+from cuctxd.daemon.device.sharing import Sharing
+from cuctxd.daemon.registry.parking import ParkedName, ParkedShare, ParkingLot
+from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.daemon.registry.shares import Naming, ShareRegistry
+from cuctxd.protos.errors import CuctxError, CudaError
+from cuctxd.protos.host import host_identity
+from cuctxd.protos.records import DeviceInfo, ShareDescriptor
+
+log = logging.getLogger(__name__)
+
+
+class NotAdopted(Exception):
+    """A parked share this device cannot verify (the message says why)."""
+
+
+class DeviceParking:
+    """Park, update and unpark this device's persistent shares; adopt parked ones at start (worker thread)."""
+
+    def __init__(self, driver: Driver, info: DeviceInfo, current: CurrentContext, contexts: Contexts, pools: Pools,
+                 sharing: Sharing, registry: ShareRegistry, own_pool_memory: OwnPoolMemory,
+                 legacy_memory: LegacyMemory) -> None:
+        self.driver = driver
+        self.device = contexts.device
+        self.info = info
+        self.current = current
+        self.contexts = contexts
+        self.pools = pools
+        self.sharing = sharing
+        self.registry = registry
+        self.own_pool_memory = own_pool_memory
+        self.legacy_memory = legacy_memory
+        #: Shares already reported as not parkable (said once each).
+        self._unparkable: set[str] = set()
+
+    @property
+    def lot(self) -> ParkingLot | None:
+        return self.registry.parking
+
+    def keeps(self, share: Share) -> bool:
+        lot = self.lot
+        return lot is not None and lot.parked(share.share_id) is not None
+
+    def sync(self, share: Share) -> None:
+        """Park ``share`` if it should be and is not, update its registry entry, or unpark it (sharing calls this
+        after each change). Never raises: a share that cannot be parked is logged and stays unparked."""
+        lot = self.lot
+        if lot is None:
+            return
+        try:
+            parked = lot.parked(share.share_id)
+            live = share.share_id in self.sharing.shares
+            if not (live and share.persistent and share.names and not share.revoked):
+                if parked is not None:
+                    lot.unpark(share.share_id)
+                if not live:
+                    self._unparkable.discard(share.share_id)
+                return
+            record = self._record(share)
+            if parked is not None:
+                lot.update(record)
+            elif share.share_id not in self._unparkable:
+                self._park(lot, share, record)
+        except (CuctxError, OSError) as exc:
+            log.warning("device %d: share %s… could not be parked: %s", self.device, share.share_id[:8], exc)
+            self._unparkable.add(share.share_id)
+
+    def _record(self, share: Share) -> ParkedShare:
+        descriptor = share.descriptor
+        names = tuple(ParkedName(name, naming.manifest, naming.tensors, naming.read_only)
+                      for name, naming in sorted(self.registry.namings(share).items()))
+        owner = share.owner
+        return ParkedShare(share.share_id, self.device, descriptor.device_uuid, descriptor.size, descriptor.backend,
+                           descriptor.mechanism, descriptor.export_data if descriptor.mechanism == "pool" else b"",
+                           names, {"session": owner.public_id, "client": owner.client, "pid": owner.pid,
+                                   "uid": owner.uid})
+
+    def _park(self, lot: ParkingLot, share: Share, record: ParkedShare) -> None:
+        if share.ptr in self.pools.own:
+            fd: int | None = self.pools.export_fd(share.ptr)
+        else:
+            self.current.activate(share.context)
+            fd = self.driver.mem_export_fd(share.ptr)
+        if fd is None:
+            self._unparkable.add(share.share_id)
+            log.warning("device %d: share %s… (%d bytes, names %s) cannot be parked with the service manager: "
+                        "%s memory of this size has no fd (cuMemAlloc + cuIpc); a restart of the daemon forgets "
+                        "it", self.device, share.share_id[:8], share.descriptor.size, sorted(share.names),
+                        self.driver.name)
+            return
+        try:
+            if not lot.park(record, fd):
+                self._unparkable.add(share.share_id)
+        finally:
+            os.close(fd)
+
+    # --- at start -------------------------------------------------------------------------
+
+    def adopt(self, record: ParkedShare, fd: int) -> bool:
+        """Re-import a parked share from ``fd`` (the caller's; kept stored) and restore its names; False (and a
+        log line, and the fd dropped from the store) for one that cannot be verified."""
+        lot = self.lot
+        assert lot is not None, "adoption needs the parking lot"
+        names = [n.name for n in record.names]
+        try:
+            share = self._import(record, fd)
+        except (NotAdopted, CuctxError, OSError) as exc:
+            log.warning("device %d: parked share %s… (names %s) not adopted: %s", self.device, record.share_id[:8],
+                        names, exc)
+            lot.forget(record.fdname, "its memory could not be adopted")
+            return False
+        adopted = ParkedShare(record.share_id, self.device, record.device_uuid, record.size, record.backend,
+                              record.mechanism, record.export_data, record.names, record.publisher)
+        lot.adopted(adopted, fd)
+        restored = self.sharing.adopt(share, [(n.name, Naming(n.manifest, n.tensors, n.read_only))
+                                              for n in record.names])
+        log.info("device %d: adopted parked share %s… (%d bytes, %s) as %s", self.device, record.share_id[:8],
+                 record.size, record.mechanism, restored)
+        return bool(restored)
+
+    def _import(self, record: ParkedShare, fd: int) -> Share:
+        if record.backend != self.driver.name:
+            raise NotAdopted(f"parked by the {record.backend} backend, this daemon runs {self.driver.name}")
+        if record.device_uuid != self.info.uuid:
+            raise NotAdopted(f"parked on device {record.device_uuid}, this is {self.info.uuid}")
+        if record.share_id in self.sharing.shares:
+            raise NotAdopted("a share of that id exists already")
+        context = self.contexts.retain_primary_for_share()
+        try:
+            kind: MemoryKind
+            if record.mechanism == "pool":
+                pool = self.driver.mem_pool_import_fd(self.device, fd)
+                try:
+                    ptr = self.driver.mem_pool_import_pointer(pool, record.export_data)
+                except BaseException:
+                    self.driver.mem_pool_destroy(pool)
+                    raise
+                self.pools.adopt(ptr, pool, context.context_id, os.dup(fd), record.export_data)
+                kind = self.own_pool_memory
+            else:
+                ptr = self.driver.mem_import_fd(fd, round_to_granularity(record.size))
+                kind = self.legacy_memory
+            self._check_size(record, ptr, kind)
+            return self._share(record, context, ptr, kind)
+        except BaseException:
+            self.current.activate(context)
+            self.contexts.release_primary(context)
+            raise
+
+    def _check_size(self, record: ParkedShare, ptr: int, kind: MemoryKind) -> None:
+        try:
+            base, size = self.driver.mem_get_address_range(ptr)
+        except CudaError:
+            base, size = -1, -1
+        if base != ptr or size < record.size:
+            kind.free(ptr)
+            raise NotAdopted(f"its memory is {size} bytes at {base:#x}, the registry says {record.size} at {ptr:#x}")
+
+    def _share(self, record: ParkedShare, context: SessionContext, ptr: int, kind: MemoryKind) -> Share:
+        publisher = record.publisher
+        owner = SessionRef(token="parked-" + secrets.token_hex(16), public_id=_int(publisher.get("session")),
+                           client=str(publisher.get("client") or ""), pid=_int(publisher.get("pid")),
+                           uid=publisher.get("uid") if isinstance(publisher.get("uid"), int) else None)
+        descriptor = ShareDescriptor(share_id=record.share_id, device=self.device, device_uuid=self.info.uuid,
+                                     size=record.size, backend=self.driver.name, host=host_identity(),
+                                     **kind.export(context, ptr))
+        # The primary's reference retain_primary_for_share took is the share's own, released when it is freed.
+        return Share(descriptor, ptr, context, owner, kind, owner_present=False, persistent=True)
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,0 +1,88 @@
+"""Parking on a real GPU: a layout in a pool of its own parked in the fd store (tests/service_manager.py stands
+in for systemd) survives a SIGKILL of the daemon; a worker started after the restart computes with it, a worker
+that mapped it before keeps computing, and unpublishing after the restart gives the memory back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from cuctxd import Client
+from tests.helpers import remove_tempdir, run_client, short_tempdir, spawn_client, wait_for_line
+from tests.service_manager import ServiceManager
+
+PRODUCER = """
+import torch
+from cuctxd import Client
+from cuctxd.client.tensors.torch_weights import publish_state_dict
+weights = {"w": torch.arange(1 << 20, device="cuda", dtype=torch.float32), "b": torch.ones(7, device="cuda")}
+with Client(ENDPOINT) as c:
+    publish_state_dict(c, "parked-weights", weights)
+    big = {"w": torch.ones(48 << 20, device="cuda", dtype=torch.uint8)}  # above POOL_BUFFER_MAX: legacy memory
+    publish_state_dict(c, "unparkable", big)
+print("published", flush=True)
+"""
+
+WORKER = """
+import torch
+from cuctxd import Client
+from cuctxd.client.tensors.torch_weights import load_state_dict
+with Client(ENDPOINT) as c, load_state_dict(c, "parked-weights") as loaded:
+    print("sum", loaded.state_dict["w"].double().sum().item(), loaded.state_dict["b"].sum().item(), flush=True)
+"""
+
+OLD_WORKER = """
+import os, time, torch
+from cuctxd import Client
+from cuctxd.client.tensors.torch_weights import load_state_dict
+c = Client(ENDPOINT)
+loaded = load_state_dict(c, "parked-weights")
+w = loaded.state_dict["w"]
+print("ready", w.double().sum().item(), flush=True)
+while not os.path.exists(GO):  # the daemon is killed and restarted meanwhile
+    time.sleep(0.05)
+print("after", w.double().sum().item(), flush=True)
+"""
+
+EXPECTED = str(float(sum(range(1 << 20))))
+
+
+@pytest.fixture
+def manager() -> Iterator[ServiceManager]:
+    directory = short_tempdir()
+    service = ServiceManager(directory)
+    yield service
+    service.close(timeout=60)
+    remove_tempdir(directory)
+
+
+def test_a_parked_layout_survives_a_sigkill_on_the_gpu(manager: ServiceManager) -> None:
+    daemon = manager.start(backend="cuda", ready_timeout=120)
+    with Client(daemon.endpoint) as c:
+        free_at_start = c.mem_get_info()[0]
+    run_client(PRODUCER, daemon.endpoint, timeout=300)
+    assert "cannot be parked" in daemon.log()  # the 48 MiB one: cuMemAlloc memory has no fd
+    go = manager.workdir / "go"
+    old = spawn_client(f"GO = {str(go)!r}\n{OLD_WORKER}", daemon.endpoint)
+    try:
+        assert wait_for_line(old, "ready", 120).split()[1] == EXPECTED
+        daemon = manager.restart(backend="cuda", ready_timeout=120)
+        ready = time.monotonic()
+        with Client(daemon.endpoint) as c:
+            assert [s["name"] for s in c.list_shared()] == ["parked-weights"]
+            assert time.monotonic() - ready < 1.0
+            out = run_client(WORKER, daemon.endpoint, timeout=300)
+            assert next(line for line in out.splitlines() if line.startswith("sum")).split()[1:] == [EXPECTED, "7.0"]
+            go.touch()
+            assert wait_for_line(old, "after", 60).split()[1] == EXPECTED
+            c.unpublish("parked-weights")
+            deadline = time.monotonic() + 10
+            while c.mem_get_info()[0] < free_at_start - (64 << 20) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.mem_get_info()[0] >= free_at_start - (64 << 20), "the unpublished memory was not given back"
+        assert not [n for n in manager.names() if n.startswith("cuctxd-share-")]
+    finally:
+        old.kill()
+        old.communicate(timeout=30)

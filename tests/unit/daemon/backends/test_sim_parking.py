@@ -1,0 +1,75 @@
+"""The sim's side of parking: memory exported by one driver (a daemon that then dies) adopted by another."""
+
+from __future__ import annotations
+
+import os
+
+from cuctxd.daemon.backends.sim import SimDriver
+from tests.helpers import primary_current, raises_cuda
+
+MIB = 1 << 20
+
+
+def drivers() -> tuple[SimDriver, SimDriver]:
+    old, new = SimDriver(1, 64 * MIB), SimDriver(1, 64 * MIB)
+    old.init()
+    new.init()
+    return old, new
+
+
+def test_a_pool_buffer_is_adopted_from_its_pool_fd_and_export_data() -> None:
+    old, new = drivers()
+    with primary_current(old):
+        pool = old.mem_pool_create(0, ipc=True, max_size=2 * MIB)
+        ptr = old.mem_alloc_from_pool(MIB, pool, None)
+        old.memcpy_htod(ptr, b"weights" * 1000, 7000)
+        fd, data = old.mem_pool_export_fd(pool), old.mem_pool_export_pointer(ptr)
+    with primary_current(new):
+        free = new.mem_get_info()[0]
+        imported = new.mem_pool_import_fd(0, fd)
+        os.close(fd)
+        adopted = new.mem_pool_import_pointer(imported, data)
+        assert new.mem_get_info()[0] == free - MIB  # counted against the device again
+        assert new.mem_get_address_range(adopted + 10) == (adopted, MIB)
+        out = bytearray(7000)
+        new.memcpy_dtoh(out, adopted, 7000)
+        assert bytes(out) == b"weights" * 1000
+        with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+            new.mem_pool_import_pointer(imported, data)  # that block is taken already
+        with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+            new.mem_alloc_from_pool(4096, imported, None)  # an imported pool allocates nothing
+        new.mem_free_async(adopted, None)
+        new.mem_pool_destroy(imported)
+        assert new.mem_get_info()[0] == free
+
+
+def test_a_legacy_buffer_is_adopted_from_its_memfd() -> None:
+    old, new = drivers()
+    with primary_current(old):
+        ptr = old.mem_alloc(2 * MIB)
+        old.memcpy_htod(ptr, b"x" * 100, 100)
+        fd = old.mem_export_fd(ptr)
+        assert fd is not None
+    with primary_current(new):
+        with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+            new.mem_import_fd(fd, 4 * MIB)  # the size must match
+        adopted = new.mem_import_fd(fd, 2 * MIB)
+        os.close(fd)
+        out = bytearray(100)
+        new.memcpy_dtoh(out, adopted, 100)
+        assert bytes(out) == b"x" * 100
+        new.mem_free(adopted)
+
+
+def test_an_fd_of_something_else_is_refused() -> None:
+    _, new = drivers()
+    read_end, write_end = os.pipe()
+    try:
+        with primary_current(new):
+            with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+                new.mem_pool_import_fd(0, read_end)
+            with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+                new.mem_import_fd(read_end, MIB)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
