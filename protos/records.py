@@ -79,8 +79,11 @@ class ShareDescriptor(_Record):
     ``mechanism`` says how to map it. ``"pool"``: the buffer lives in an IPC-capable
     pool; the opener imports that pool (``pool_id``, unique per daemon run) once per
     process through the fd channel, then the buffer from ``export_data`` (the 64 bytes
-    of ``cuMemPoolExportPointer``). ``"ipc"``: ``ipc_handle`` is the backend's legacy
-    64-byte handle (``CUipcMemHandle`` for cuda), the fallback where pools cannot export.
+    of ``cuMemPoolExportPointer``). ``"vmm"``: the buffer is a VMM allocation of its own
+    (``cuMemCreate``) of ``allocation_size`` bytes; the opener gets its fd through the fd
+    channel, imports it (``cuMemImportFromShareableHandle``) and maps it whole. ``"ipc"``:
+    ``ipc_handle`` is the backend's legacy 64-byte handle (``CUipcMemHandle`` for cuda), the
+    fallback where neither serves.
     ``host`` and ``device_uuid`` let the opener check it is on the same machine and GPU.
     ``manifest`` (from ``lookup`` of a name published with one): the packed layout of the tensors in
     the buffer (:mod:`cuctxd.protos.layouts`).
@@ -99,6 +102,7 @@ class ShareDescriptor(_Record):
     mechanism: str = "ipc"
     pool_id: str = ""
     export_data: bytes = b""
+    allocation_size: int = 0
     manifest: bytes = b""
     name: str | None = None
     publisher: dict[str, Any] | None = None

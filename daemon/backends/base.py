@@ -273,6 +273,44 @@ class Driver(ABC):
         context; the caller keeps ``fd``; free with :meth:`mem_free`. ``CUDA_ERROR_INVALID_VALUE`` for an
         fd of another kind or size, ``CUDA_ERROR_NOT_SUPPORTED`` where :meth:`mem_export_fd` gives None."""
 
+    # --- virtual memory management: allocations an fd names -----------------------------------
+
+    @abstractmethod
+    def vmm_supported(self, ordinal: int) -> bool:
+        """Whether the device can make VMM allocations exportable as POSIX fds
+        (``CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`` and
+        ``CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED``); may be called from any thread."""
+
+    @abstractmethod
+    def vmm_granularity(self, ordinal: int) -> int:
+        """``cuMemGetAllocationGranularity`` (recommended) of a pinned, POSIX-fd-exportable allocation on the
+        device: what :meth:`vmm_alloc` and :meth:`vmm_import_fd` sizes are multiples of; any thread."""
+
+    @abstractmethod
+    def vmm_alloc(self, ordinal: int, size: int) -> int:
+        """``cuMemCreate`` of ``size`` bytes (a multiple of :meth:`vmm_granularity`) pinned on device ``ordinal``
+        with ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``, then ``cuMemAddressReserve``, ``cuMemMap`` and
+        ``cuMemSetAccess`` (read-write for the device): the mapped address, freed with :meth:`vmm_free`. Needs a
+        current context (of that device). ``CUDA_ERROR_NOT_SUPPORTED`` where :meth:`vmm_supported` is False."""
+
+    @abstractmethod
+    def vmm_export_fd(self, ptr: int) -> int:
+        """``cuMemExportToShareableHandle`` (POSIX fd) of the allocation :meth:`vmm_alloc` or :meth:`vmm_import_fd`
+        mapped at ``ptr``: a new fd, the caller's, that keeps the memory alive in any process that holds it;
+        ``CUDA_ERROR_INVALID_VALUE`` for any other pointer."""
+
+    @abstractmethod
+    def vmm_import_fd(self, ordinal: int, fd: int, size: int) -> int:
+        """``cuMemImportFromShareableHandle`` of ``fd`` (from :meth:`vmm_export_fd`, maybe of a process now gone),
+        reserved, mapped whole (``size`` bytes) and made read-write for device ``ordinal``; the caller keeps ``fd``;
+        free with :meth:`vmm_free`. ``CUDA_ERROR_INVALID_VALUE`` for an fd of another kind or size."""
+
+    @abstractmethod
+    def vmm_free(self, ptr: int) -> None:
+        """``cuMemUnmap``, ``cuMemAddressFree`` and ``cuMemRelease`` of what :meth:`vmm_alloc` or
+        :meth:`vmm_import_fd` mapped at ``ptr`` (the physical memory goes once no process maps it and no fd of
+        it is left); the caller has synchronised the work that uses it."""
+
     # --- pinned host memory -------------------------------------------------------------------
 
     @abstractmethod

@@ -26,6 +26,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from typing import Any
 
 from cuda.bindings.driver import (
@@ -33,7 +34,11 @@ from cuda.bindings.driver import (
     CUcontext,
     CUdevice_attribute,
     CUevent_flags,
+    CUmemAccess_flags,
+    CUmemAccessDesc,
+    CUmemAllocationGranularity_flags,
     CUmemAllocationHandleType,
+    CUmemAllocationProp,
     CUmemAllocationType,
     CUmemLocationType,
     CUmemPool_attribute,
@@ -73,6 +78,8 @@ from cuda.bindings.driver import (
     cuGetErrorString,
     cuInit,
     cuIpcGetMemHandle,
+    cuMemAddressFree,
+    cuMemAddressReserve,
     cuMemAlloc,
     cuMemAllocFromPoolAsync,
     cuMemAllocHost,
@@ -82,13 +89,18 @@ from cuda.bindings.driver import (
     cuMemcpyDtoHAsync,
     cuMemcpyHtoD,
     cuMemcpyHtoDAsync,
+    cuMemCreate,
+    cuMemExportToShareableHandle,
     cuMemFree,
     cuMemFreeAsync,
     cuMemFreeHost,
     cuMemGetAddressRange,
+    cuMemGetAllocationGranularity,
     cuMemGetInfo,
     cuMemHostRegister,
     cuMemHostUnregister,
+    cuMemImportFromShareableHandle,
+    cuMemMap,
     cuMemPoolCreate,
     cuMemPoolDestroy,
     cuMemPoolExportPointer,
@@ -98,8 +110,11 @@ from cuda.bindings.driver import (
     cuMemPoolImportPointer,
     cuMemPoolSetAttribute,
     cuMemPoolTrimTo,
+    cuMemRelease,
+    cuMemSetAccess,
     cuMemsetD8,
     cuMemsetD8Async,
+    cuMemUnmap,
     cuStreamCreate,
     cuStreamDestroy,
     cuStreamQuery,
@@ -127,6 +142,8 @@ _NULL_CONTEXT = CUcontext(0)
 _POSIX_FD = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 _POOLS_SUPPORTED = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED
 _POOL_HANDLE_TYPES = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES
+_VMM_SUPPORTED = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+_VMM_POSIX_FD = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
 _CC_MAJOR = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 _CC_MINOR = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
 _SM_COUNT = CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
@@ -230,6 +247,13 @@ class CudaDriver(Driver):
         self._devices: dict[int, Any] = {}
         #: Whether each device's pools can be exported (asked once; any thread may ask).
         self._pool_ipc: dict[int, bool] = {}
+        #: Whether each device has VMM with POSIX fds, and its granularity (asked once each).
+        self._vmm: dict[int, bool] = {}
+        self._vmm_granularity: dict[int, int] = {}
+        #: What vmm_alloc/vmm_import_fd mapped, by address: (CUmemGenericAllocationHandle, mapped size). Each
+        #: worker adds and removes only its own device's addresses; the lock keeps the table whole.
+        self._vmm_mappings: dict[int, tuple[Any, int]] = {}
+        self._vmm_lock = threading.Lock()
 
     def init(self) -> None:
         check_result(cuInit(0))
@@ -489,6 +513,94 @@ class CudaDriver(Driver):
         raise CudaError.of(CUresult.CUDA_ERROR_NOT_SUPPORTED,
                            "cuMemAlloc memory is never parked by an fd on cuda, so there is none to import")
 
+    # --- virtual memory management ---------------------------------------------------------------
+
+    def vmm_supported(self, ordinal: int) -> bool:
+        supported = self._vmm.get(ordinal)
+        if supported is None:
+            device = self._device(ordinal)
+            supported = bool(check_result(cuDeviceGetAttribute(_VMM_SUPPORTED, device))) and bool(
+                check_result(cuDeviceGetAttribute(_VMM_POSIX_FD, device)))
+            self._vmm[ordinal] = supported
+        return supported
+
+    def vmm_granularity(self, ordinal: int) -> int:
+        granularity = self._vmm_granularity.get(ordinal)
+        if granularity is None:
+            recommended = CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+            granularity = int(check_result(cuMemGetAllocationGranularity(_vmm_prop(ordinal), recommended)))
+            self._vmm_granularity[ordinal] = granularity
+        return granularity
+
+    def vmm_alloc(self, ordinal: int, size: int) -> int:
+        if not self.vmm_supported(ordinal):
+            raise CudaError.of(CUresult.CUDA_ERROR_NOT_SUPPORTED,
+                               f"device {ordinal} has no VMM allocations exportable as POSIX file descriptors")
+        self._check_vmm_size(ordinal, size)
+        handle = check_result(cuMemCreate(size, _vmm_prop(ordinal), 0))
+        try:
+            return self._vmm_map(ordinal, handle, size)
+        except BaseException:
+            cuMemRelease(handle)
+            raise
+
+    def vmm_export_fd(self, ptr: int) -> int:
+        with self._vmm_lock:
+            mapping = self._vmm_mappings.get(ptr)
+        if mapping is None:
+            raise _invalid_value(f"{ptr:#x} is not the address of a VMM allocation of this process")
+        return int(check_result(cuMemExportToShareableHandle(mapping[0], _POSIX_FD, 0)))
+
+    def vmm_import_fd(self, ordinal: int, fd: int, size: int) -> int:
+        self._check_vmm_size(ordinal, size)
+        # A POSIX fd goes by value where the C API takes a void*, as for pools: the bindings take the int.
+        handle = check_result(cuMemImportFromShareableHandle(fd, _POSIX_FD))
+        try:
+            return self._vmm_map(ordinal, handle, size)
+        except BaseException:
+            cuMemRelease(handle)
+            raise
+
+    def vmm_free(self, ptr: int) -> None:
+        with self._vmm_lock:
+            mapping = self._vmm_mappings.pop(ptr, None)
+        if mapping is None:
+            raise _invalid_value(f"{ptr:#x} is not the address of a VMM allocation of this process")
+        handle, size = mapping
+        try:
+            check_result(cuMemUnmap(ptr, size))
+            check_result(cuMemAddressFree(ptr, size))
+        finally:
+            check_result(cuMemRelease(handle))
+
+    def _check_vmm_size(self, ordinal: int, size: int) -> None:
+        granularity = self.vmm_granularity(ordinal)
+        if size <= 0 or size % granularity:
+            raise _invalid_value(f"VMM size {size} is not a positive multiple of the granularity {granularity}")
+
+    def _vmm_map(self, ordinal: int, handle: Any, size: int) -> int:
+        """Reserve ``size`` bytes of address space, map ``handle`` there whole and let the device read and write
+        it; undone step by step if a step fails (the handle stays the caller's then)."""
+        ptr = check_result(cuMemAddressReserve(size, self.vmm_granularity(ordinal), 0, 0))
+        try:
+            check_result(cuMemMap(ptr, size, 0, handle, 0))
+            try:
+                access = CUmemAccessDesc()
+                access.location.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                access.location.id = ordinal
+                access.flags = CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                check_result(cuMemSetAccess(ptr, size, [access], 1))
+            except BaseException:
+                cuMemUnmap(ptr, size)
+                raise
+        except BaseException:
+            cuMemAddressFree(ptr, size)
+            raise
+        address = int(ptr)
+        with self._vmm_lock:
+            self._vmm_mappings[address] = (handle, size)
+        return address
+
     # --- pinned host memory -------------------------------------------------------------------
 
     def mem_alloc_host(self, size: int) -> memoryview:
@@ -537,6 +649,16 @@ def _pinned_array(size: int) -> Any:
     """The ctypes array type of ``size`` bytes marked :class:`_Pinned` (one type per size: the staging
     buffers all have one size)."""
     return type(f"_Pinned{size}", (ctypes.c_char * size, _Pinned), {})
+
+
+def _vmm_prop(ordinal: int) -> Any:
+    """The ``CUmemAllocationProp`` of a VMM allocation: pinned on device ``ordinal``, exportable as a POSIX fd."""
+    prop = CUmemAllocationProp()
+    prop.type = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.requestedHandleTypes = _POSIX_FD
+    prop.location.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    return prop
 
 
 _LEGACY_STREAM = CUstream(0)

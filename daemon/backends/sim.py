@@ -98,7 +98,7 @@ from cuctxd.daemon.backends.sim_streams import StreamScheduler, Work
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.host import buffer_address
-from cuctxd.protos.memfd import resize_sealed
+from cuctxd.protos.memfd import resize_sealed, sealed_memfd
 from cuctxd.protos.records import DeviceInfo
 from cuctxd.protos.sim_ipc import decode_pool_pointer, encode_handle, encode_pool_pointer
 
@@ -110,6 +110,8 @@ CU_CTX_MAP_HOST = 0x08
 _CTX_FLAGS_MASK = 0xFF
 _SCHED_VALUES = (0x00, 0x01, 0x02, 0x04)
 MAX_DEVICES = 16
+#: What the sim's VMM allocations are multiples of (``cuMemGetAllocationGranularity`` on an H200).
+VMM_GRANULARITY = 2 << 20
 
 _INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
 _INVALID_CONTEXT = CUresult.CUDA_ERROR_INVALID_CONTEXT
@@ -123,18 +125,24 @@ class SimDriver(Driver):
     ``device_count`` (0 to 16; 0 makes :meth:`init` raise ``CUDA_ERROR_NO_DEVICE``)
     devices of ``memory_per_device`` bytes each. ``ipc_pools``: whether pools can be
     made IPC-capable (like a GPU whose ``MEMPOOL_SUPPORTED_HANDLE_TYPES`` has POSIX
-    fds); without, sharing falls back to legacy IPC handles.
+    fds); without, sharing falls back to legacy IPC handles. ``vmm``: whether the devices
+    have VMM allocations exportable as POSIX fds (:meth:`vmm_alloc`: a sealed memfd from the
+    start, whose fd :meth:`vmm_export_fd` hands out).
     """
 
     name = "sim"
 
-    def __init__(self, device_count: int = 2, memory_per_device: int = 1 << 30, *, ipc_pools: bool = True) -> None:
+    def __init__(self, device_count: int = 2, memory_per_device: int = 1 << 30, *, ipc_pools: bool = True,
+                 vmm: bool = True) -> None:
         if not 0 <= device_count <= MAX_DEVICES:
             raise ValueError(f"device_count must be 0..{MAX_DEVICES}, got {device_count}")
         if not 0 < memory_per_device <= DEVICE_SPAN // 4:
             limit = DEVICE_SPAN // 4
             raise ValueError(f"memory_per_device must be 1..{limit} bytes, got {memory_per_device}")
         self._ipc_pools = ipc_pools
+        self._vmm = vmm
+        #: Addresses of the VMM allocations mapped here (vmm_alloc, vmm_import_fd), under ``_lock``.
+        self._vmm_ptrs: set[int] = set()
         self._registered = HostRegistrations()
         self._devices = [SimDevice(ordinal, memory_per_device) for ordinal in range(device_count)]
         self._memory = DeviceMemory(memory_per_device, device_count)
@@ -305,6 +313,8 @@ class SimDriver(Driver):
         context = self._live_current()
         if ptr == 0:
             return
+        if self._is_vmm(ptr):
+            raise CudaError.of(_INVALID_VALUE, f"{ptr:#x} is VMM memory: unmap and release it (vmm_free)")
         allocation = self._memory.claim(ptr)
         if allocation.pool is None:
             self._streams.run_legacy(context, partial(self._memory.release, allocation))
@@ -344,8 +354,8 @@ class SimDriver(Driver):
         """
         context = self._live_current()
         allocation, _ = self._memory.resolve(ptr, 0)
-        if allocation.pool is not None:
-            raise CudaError.of(_INVALID_VALUE, "memory from a stream-ordered pool has no legacy IPC handle")
+        if allocation.pool is not None or self._is_vmm(allocation.base):
+            raise CudaError.of(_INVALID_VALUE, "memory from a stream-ordered pool or VMM has no legacy IPC handle")
         try:
             return encode_handle(self._streams.run_legacy(context, partial(self._memory.export, allocation)))
         except (OSError, ValueError) as failure:
@@ -552,8 +562,8 @@ class SimDriver(Driver):
         """A new fd of the memfd holding the allocation at ``ptr`` (moved there as :meth:`ipc_get_mem_handle` does)."""
         context = self._live_current()
         allocation, _ = self._memory.resolve(ptr, 0)
-        if allocation.pool is not None:
-            raise CudaError.of(_INVALID_VALUE, "memory from a stream-ordered pool is parked by its pool's fd")
+        if allocation.pool is not None or self._is_vmm(allocation.base):
+            raise CudaError.of(_INVALID_VALUE, "memory from a stream-ordered pool or VMM is parked by its own fd")
         try:
             self._streams.run_legacy(context, partial(self._memory.export, allocation))
             return os.dup(allocation.storage.fd)
@@ -568,6 +578,72 @@ class SimDriver(Driver):
         if size <= 0 or os.fstat(fd).st_size != size:
             raise CudaError.of(_INVALID_VALUE, f"the memory is {os.fstat(fd).st_size} bytes, not {size}")
         return self._memory.adopt(context.device, os.dup(fd), size, context)
+
+    # --- virtual memory management -------------------------------------------------------------
+
+    def vmm_supported(self, ordinal: int) -> bool:
+        self._device(ordinal)
+        return self._vmm
+
+    def vmm_granularity(self, ordinal: int) -> int:
+        self._device(ordinal)
+        return VMM_GRANULARITY
+
+    def vmm_alloc(self, ordinal: int, size: int) -> int:
+        """A zero-filled allocation of device ``ordinal`` held in a sealed memfd from the start (counted against the
+        device; freed with :meth:`vmm_free`, or with the current context, which owns it here)."""
+        context = self._live_current()
+        self._device(ordinal)
+        if not self._vmm:
+            raise CudaError.of(CUresult.CUDA_ERROR_NOT_SUPPORTED, "this sim has no VMM (made with vmm=False)")
+        self._check_vmm_size(size)
+        try:
+            fd = sealed_memfd("cuctxd-sim-vmm", size)
+        except OSError as failure:
+            raise CudaError.of(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"a memfd of {size} bytes: {failure}") from None
+        return self._vmm_mapped(self._memory.adopt(ordinal, fd, size, context))
+
+    def vmm_export_fd(self, ptr: int) -> int:
+        """A new fd of the memfd that holds the VMM allocation at ``ptr``."""
+        self._live_current()
+        if not self._is_vmm(ptr):
+            raise CudaError.of(_INVALID_VALUE, f"{ptr:#x} is not the address of a VMM allocation")
+        allocation, _ = self._memory.resolve(ptr, 0)
+        return os.dup(allocation.storage.fd)
+
+    def vmm_import_fd(self, ordinal: int, fd: int, size: int) -> int:
+        """The memfd ``fd`` (sealed, of exactly ``size`` bytes) mapped as a VMM allocation of device ``ordinal``."""
+        context = self._live_current()
+        self._device(ordinal)
+        self._check_vmm_size(size)
+        if not resize_sealed(fd):
+            raise CudaError.of(_INVALID_VALUE, "the fd is not sim VMM memory (a sealed memfd)")
+        if os.fstat(fd).st_size != size:
+            raise CudaError.of(_INVALID_VALUE, f"the memory is {os.fstat(fd).st_size} bytes, not {size}")
+        return self._vmm_mapped(self._memory.adopt(ordinal, os.dup(fd), size, context))
+
+    def vmm_free(self, ptr: int) -> None:
+        """Unmap and release, as legacy-stream work of the current context (the caller synchronised its work)."""
+        context = self._live_current()
+        with self._lock:
+            if ptr not in self._vmm_ptrs:
+                raise CudaError.of(_INVALID_VALUE, f"{ptr:#x} is not the address of a VMM allocation")
+            self._vmm_ptrs.discard(ptr)
+        allocation = self._memory.claim(ptr)
+        self._streams.run_legacy(context, partial(self._memory.release, allocation))
+
+    def _check_vmm_size(self, size: int) -> None:
+        if size <= 0 or size % VMM_GRANULARITY:
+            raise CudaError.of(_INVALID_VALUE, f"VMM size {size} is not a positive multiple of {VMM_GRANULARITY}")
+
+    def _vmm_mapped(self, ptr: int) -> int:
+        with self._lock:
+            self._vmm_ptrs.add(ptr)
+        return ptr
+
+    def _is_vmm(self, ptr: int) -> bool:
+        with self._lock:
+            return ptr in self._vmm_ptrs
 
     # --- pinned host memory ----------------------------------------------------------------
 
@@ -685,6 +761,8 @@ class SimDriver(Driver):
         """After ``context`` died: end its streams and events (their queued work completes
         first), then free its memory. Call holding the lifecycle lock only."""
         self._streams.retire(context)
+        with self._lock:
+            self._vmm_ptrs.difference_update(context.allocations)
         self._memory.release_owner(context)
 
 

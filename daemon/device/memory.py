@@ -3,7 +3,8 @@
 Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`. Buffers come from the private pool of
 their context and their session's uid; ``shareable`` ones from a pool of their own, or
-from ``cuMemAlloc`` where pools cannot export (:mod:`cuctxd.daemon.device.pools`).
+from ``cuMemAlloc`` where pools cannot export; buffers above ``POOL_BUFFER_MAX`` from VMM
+(``shareable`` ones, where the device has it) or ``cuMemAlloc`` (:mod:`cuctxd.daemon.device.pools`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cuctxd.daemon.device.entries import (
     SessionOnDevice,
     new_handle,
 )
-from cuctxd.daemon.device.pools import LegacyMemory, OwnPoolMemory, Pools, PrivatePoolMemory
+from cuctxd.daemon.device.pools import LegacyMemory, OwnPoolMemory, Pools, PrivatePoolMemory, VmmMemory
 from cuctxd.daemon.device.sharing import Sharing
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
@@ -42,12 +43,14 @@ class Memory:
         self.private_memory = PrivatePoolMemory(driver, pools)
         self.own_pool_memory = OwnPoolMemory(driver, pools)
         self.legacy_memory = LegacyMemory(driver)
+        self.vmm_memory = VmmMemory(driver, device)
 
     def kind_for(self, size: int, shareable: bool) -> MemoryKind:
-        """Legacy memory above :data:`POOL_BUFFER_MAX`; else a ``shareable`` buffer gets a pool of its own
-        (legacy memory where pools cannot export), any other one the private pool."""
+        """Above :data:`POOL_BUFFER_MAX`, VMM memory for a ``shareable`` buffer where the device has it (an fd
+        keeps it alive: it can be parked), else legacy memory; up to it, a ``shareable`` buffer gets a pool of
+        its own (legacy memory where pools cannot export), any other one the private pool."""
         if size > POOL_BUFFER_MAX:
-            return self.legacy_memory
+            return self.vmm_memory if shareable and self.vmm_memory.supported else self.legacy_memory
         if shareable:
             return self.own_pool_memory if self.pools.ipc else self.legacy_memory
         return self.private_memory

@@ -7,11 +7,13 @@ parked registry. Sharing tells this of every change to a share (:meth:`DevicePar
 a share is parked while it is persistent, named and not revoked.
 
 What keeps a share's memory alive outside the daemon is an fd: a pool of its own's
-(``cuMemPoolExportToShareableHandle``; the sim's pool memfd) or, for a ``cuMemAlloc`` buffer,
-the allocation's own (the sim's memfd; cuda has none: such a share is logged as not parkable).
+(``cuMemPoolExportToShareableHandle``; the sim's pool memfd), a VMM allocation's
+(``cuMemExportToShareableHandle``; the sim's memfd) or, for a ``cuMemAlloc`` buffer, the
+allocation's own (the sim's memfd; cuda has none: such a share is logged as not parkable).
 A new daemon re-adopts it from that fd (:meth:`DeviceParking.adopt`): it imports the pool and
 the buffer (``cuMemPoolImportFromShareableHandle``, ``cuMemPoolImportPointer`` with the parked
-export data) or maps the memory, checks its size, and restores its names with the publisher
+export data), imports and maps the VMM allocation (``cuMemImportFromShareableHandle``,
+``cuMemMap`` of its whole size) or maps the memory, checks its size, and restores its names with the publisher
 gone, in the primary context; the memory counts against the device again, and the share is
 freed as any other once it is unpublished.
 """
@@ -26,7 +28,7 @@ from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import MemoryKind, SessionContext, Share
-from cuctxd.daemon.device.pools import LegacyMemory, OwnPoolMemory, Pools, round_to_granularity
+from cuctxd.daemon.device.pools import LegacyMemory, OwnPoolMemory, Pools, VmmMemory, round_to_granularity
 from cuctxd.daemon.device.sharing import Sharing
 from cuctxd.daemon.registry.parking import ParkedName, ParkedShare, ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
@@ -47,7 +49,7 @@ class DeviceParking:
 
     def __init__(self, driver: Driver, info: DeviceInfo, current: CurrentContext, contexts: Contexts, pools: Pools,
                  sharing: Sharing, registry: ShareRegistry, own_pool_memory: OwnPoolMemory,
-                 legacy_memory: LegacyMemory) -> None:
+                 legacy_memory: LegacyMemory, vmm_memory: VmmMemory) -> None:
         self.driver = driver
         self.device = contexts.device
         self.info = info
@@ -58,6 +60,7 @@ class DeviceParking:
         self.registry = registry
         self.own_pool_memory = own_pool_memory
         self.legacy_memory = legacy_memory
+        self.vmm_memory = vmm_memory
         #: Shares already reported as not parkable (said once each).
         self._unparkable: set[str] = set()
 
@@ -106,6 +109,8 @@ class DeviceParking:
     def _park(self, lot: ParkingLot, share: Share, record: ParkedShare) -> None:
         if share.ptr in self.pools.own:
             fd: int | None = self.pools.export_fd(share.ptr)
+        elif share.kind is self.vmm_memory:
+            fd = self.vmm_memory.export_fd(share.ptr)
         else:
             self.current.activate(share.context)
             fd = self.driver.mem_export_fd(share.ptr)
@@ -165,6 +170,11 @@ class DeviceParking:
                     raise
                 self.pools.adopt(ptr, pool, context.context_id, os.dup(fd), record.export_data)
                 kind = self.own_pool_memory
+            elif record.mechanism == "vmm":
+                # Mapped at the size the registry implies, which checks it: cuMemMap refuses a range past the
+                # allocation's end, the sim a memfd of another size.
+                ptr = self.vmm_memory.adopt(fd, record.size)
+                return self._share(record, context, ptr, self.vmm_memory)
             else:
                 ptr = self.driver.mem_import_fd(fd, round_to_granularity(record.size))
                 kind = self.legacy_memory

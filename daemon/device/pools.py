@@ -1,4 +1,4 @@
-"""Stream-ordered memory pools of one device and the three kinds of device memory.
+"""Stream-ordered memory pools of one device and the four kinds of device memory.
 
 Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`. No pool that holds one tenant's
@@ -16,10 +16,16 @@ memory is ever handed to another (PROTOCOL.md, section 7, "Which memory can be s
   pool's fd must be assumed able to forge ``CUmemPoolPtrExportData`` for any
   allocation of the pool (tests/gpu/test_pool_import_probe.py probes it); on the
   sim, the fd is the pool's whole memfd.
+* **VMM memory** (:class:`VmmMemory`): ``cuMemCreate`` with a POSIX-fd handle type, mapped
+  with ``cuMemAddressReserve``/``cuMemMap``/``cuMemSetAccess``, for ``shareable`` buffers above
+  :data:`~cuctxd.protos.limits.POOL_BUFFER_MAX` where the device has VMM with POSIX fds. Its fd
+  (``cuMemExportToShareableHandle``, what ``open_shared`` with ``pool_fd`` hands out) names
+  this one allocation, and keeps it alive without the daemon: such a share can be parked.
+  Sizes are rounded up to the device's VMM granularity.
 * **Legacy memory** (:class:`LegacyMemory`): ``cuMemAlloc``, exported with
   ``cuIpcGetMemHandle``, for buffers above :data:`~cuctxd.protos.limits.POOL_BUFFER_MAX`
-  (why: that constant's comment) and for ``shareable`` ones where pools cannot
-  export. Sizes are rounded up to :data:`IPC_GRANULARITY`: the CUDA programming
+  (why: that constant's comment) that are not ``shareable`` or where the device has no VMM,
+  and for ``shareable`` ones where pools cannot export. Sizes are rounded up to :data:`IPC_GRANULARITY`: the CUDA programming
   guide warns that ``cuMemAlloc`` may sub-allocate smaller allocations from one
   block, and that the IPC API then shares the whole block with its neighbours.
 
@@ -227,3 +233,58 @@ class LegacyMemory:
     def scrub(self, ptr: int, size: int) -> None:
         """The whole allocation, padding included: an importer maps all of it."""
         self.driver.memset_d8(ptr, 0, round_to_granularity(size))
+
+
+class VmmMemory:
+    """``shareable`` memory above ``POOL_BUFFER_MAX`` with an fd of its own (see the module docstring): one
+    ``cuMemCreate`` allocation per buffer, of the device's granularity. Keeps the mapped size of each of its
+    buffers (worker thread only)."""
+
+    exportable = True
+
+    def __init__(self, driver: Driver, device: int) -> None:
+        self.driver = driver
+        self.device = device
+        #: Whether the device has VMM with POSIX fds (asked of the driver once).
+        self.supported = driver.vmm_supported(device)
+        #: Mapped bytes by the address of each buffer (its size rounded up to the granularity).
+        self.sizes: dict[int, int] = {}
+
+    def rounded(self, size: int) -> int:
+        granularity = self.driver.vmm_granularity(self.device)
+        return -(-size // granularity) * granularity
+
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
+                 uid: int | None = None) -> int:
+        """``cuMemCreate`` + map: synchronous, so any stream is already in order."""
+        mapped = self.rounded(size)
+        ptr = self.driver.vmm_alloc(self.device, mapped)
+        self.sizes[ptr] = mapped
+        return ptr
+
+    def adopt(self, fd: int, size: int) -> int:
+        """The allocation ``fd`` names (the caller keeps ``fd``), imported and mapped for a ``size``-byte buffer."""
+        mapped = self.rounded(size)
+        ptr = self.driver.vmm_import_fd(self.device, fd, mapped)
+        self.sizes[ptr] = mapped
+        return ptr
+
+    def free(self, ptr: int, stream: Stream | None = None) -> None:
+        """Unmap and release once the context's work is done (``cuMemUnmap`` does not wait for work that uses the
+        range, as ``cuMemFree`` does); the memory goes when no importer maps it and no fd of it is left."""
+        self.driver.ctx_synchronize()
+        self.driver.vmm_free(ptr)
+        del self.sizes[ptr]
+
+    def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
+        return {"mechanism": "vmm", "ipc_handle": b"", "allocation_size": self.sizes[ptr]}
+
+    def export_fd(self, ptr: int) -> int:
+        """A new fd of the buffer's allocation (``cuMemExportToShareableHandle``), the caller's."""
+        if ptr not in self.sizes:
+            raise NotShareable(f"this buffer on device {self.device} is not VMM memory")
+        return self.driver.vmm_export_fd(ptr)
+
+    def scrub(self, ptr: int, size: int) -> None:
+        """The whole allocation, padding included: an importer maps all of it."""
+        self.driver.memset_d8(ptr, 0, self.sizes[ptr])

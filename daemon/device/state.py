@@ -82,7 +82,8 @@ class DeviceState:
         self.host = HostBuffers(driver, device, limits, self.current, self.streams, tickets.budget)
         self.shm_lanes = ShmLanes(limits.max_shm_lanes, tickets.budget)
         self.parking = DeviceParking(driver, info, self.current, self.contexts, self.pools, self.sharing, registry,
-                                     self.memory.own_pool_memory, self.memory.legacy_memory)
+                                     self.memory.own_pool_memory, self.memory.legacy_memory,
+                                     self.memory.vmm_memory)
         self.sharing.parking = self.parking
         #: The sticky CUDA error that made this device unusable, if one struck.
         self.failure: CudaError | None = None

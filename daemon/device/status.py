@@ -105,6 +105,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "share_count": len(state.sharing.shares),
         "host_bytes": state.host.total_bytes,
         "pools": {"count": len(state.pools), "ipc": state.pools.ipc},
+        "vmm": {"supported": state.memory.vmm_memory.supported, "buffers": len(state.memory.vmm_memory.sizes)},
         "shm_lanes": len(state.shm_lanes),
         "orphaned": orphaned_status(state),
         "truncated": truncated,

@@ -58,11 +58,15 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
     share = state.sharing.open(session, job.args.share_id)
     result: dict[str, object] = {"share": share.descriptor.to_wire()}
-    if job.args.pool_fd and share.descriptor.mechanism == "pool":
+    mechanism = share.descriptor.mechanism
+    if job.args.pool_fd and mechanism in ("pool", "vmm"):
         try:
-            fd = state.pools.export_fd(share.ptr)
-            result["ticket"] = state.tickets.issue(job.session.token, job.session.uid, [fd],
-                                                   {"pool_id": share.descriptor.pool_id}, job.session.fd_peer)
+            if mechanism == "pool":
+                fd, info = state.pools.export_fd(share.ptr), {"pool_id": share.descriptor.pool_id}
+            else:
+                fd, info = state.memory.vmm_memory.export_fd(share.ptr), {"share_id": share.share_id}
+            result["ticket"] = state.tickets.issue(job.session.token, job.session.uid, [fd], info,
+                                                   job.session.fd_peer)
         except BaseException:
             state.sharing.close(session, share.share_id)
             raise

@@ -79,7 +79,8 @@ class ParkedName:
 class ParkedShare:
     """What a new daemon needs to re-adopt one share: its memory's kind and size, device, names and publisher.
 
-    ``mechanism``: ``"pool"`` (the fd is its pool's; ``export_data`` names the buffer in it) or
+    ``mechanism``: ``"pool"`` (the fd is its pool's; ``export_data`` names the buffer in it),
+    ``"vmm"`` (the fd is its VMM allocation's, ``cuMemExportToShareableHandle``) or
     ``"ipc"`` (the fd is the allocation's own memory: the sim's memfd).
     """
 
@@ -142,7 +143,7 @@ def _share(entry: dict[str, Any]) -> ParkedShare:
     if size <= 0:
         raise ParkError(f"share {share_id}: size {size}")
     mechanism = _typed(entry["mechanism"], str)
-    if mechanism not in ("pool", "ipc"):
+    if mechanism not in ("pool", "vmm", "ipc"):
         raise ParkError(f"share {share_id}: unknown mechanism {mechanism!r}")
     return ParkedShare(share_id, _typed(entry["device"], int), _typed(entry["device_uuid"], str), size,
                        _typed(entry["backend"], str), mechanism,

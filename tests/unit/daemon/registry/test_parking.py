@@ -63,7 +63,7 @@ def test_a_registry_decodes_to_what_was_encoded() -> None:
     b"", b"[]", b"{", json.dumps({"format": FORMAT_VERSION + 1, "generation": 1, "shares": []}).encode(),
     json.dumps({"generation": 1, "shares": []}).encode(),
     encode([SHARE], 1).replace(b'"size":4096', b'"size":"4096"'),
-    encode([SHARE], 1).replace(b'"mechanism":"pool"', b'"mechanism":"vmm"'),
+    encode([SHARE], 1).replace(b'"mechanism":"pool"', b'"mechanism":"nvlink"'),
     encode([SHARE], 1).replace(b"ab" * 16, b"../etc"),
     encode([SHARE], 1)[:-10],
 ])
