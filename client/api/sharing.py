@@ -10,6 +10,7 @@ daemon's hold are requests, so :meth:`AsyncOpenedShare.close` is a coroutine
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -119,10 +120,13 @@ class AsyncOpenedShare(MappedShare):
 
 def map_share(descriptor: ShareDescriptor, pool_fd: int | None) -> Any:
     """Map a share in this process as its ``mechanism`` says: from its pool (imported from ``pool_fd``
-    unless already, :mod:`cuctxd.client.data_plane.pool_imports`), or with the backend's legacy IPC handle."""
+    unless already, :mod:`cuctxd.client.data_plane.pool_imports`), its VMM allocation's fd (``pool_fd``), or
+    with the backend's legacy IPC handle. ``pool_fd`` is closed here."""
     check_same_host(descriptor)
     if descriptor.mechanism == "pool":
         return POOL_IMPORTS.map(descriptor, pool_fd)
+    if descriptor.mechanism == "vmm":
+        return _map_vmm(descriptor, pool_fd)
     if descriptor.backend == "sim":
         from cuctxd.client.data_plane.ipc_sim import SimMapping
 
@@ -134,15 +138,34 @@ def map_share(descriptor: ShareDescriptor, pool_fd: int | None) -> Any:
     raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")
 
 
+def _map_vmm(descriptor: ShareDescriptor, fd: int | None) -> Any:
+    if fd is None:
+        raise NotShareable(f"share {descriptor.share_id} is VMM memory, mapped from its fd: open it with a session "
+                           "that has the fd channel (ipc://, same host)")
+    try:
+        if descriptor.backend == "sim":
+            from cuctxd.client.data_plane.ipc_sim import SimVmmMapping
+
+            return SimVmmMapping(descriptor, fd)
+        if descriptor.backend == "cuda":
+            from cuctxd.client.data_plane.ipc_cuda import CudaVmmMapping
+
+            return CudaVmmMapping(descriptor, fd)
+        raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")
+    finally:
+        os.close(fd)
+
+
 def open_share(owner: Any, kind: Callable[[Any, ShareDescriptor, Any], ShareT],
                share: str | ShareDescriptor) -> Plan[ShareT]:
-    """Look the share up (by name), hold it, map it here (asking for its pool's fd when this process has
-    not imported that pool yet); a failed mapping drops the hold again."""
+    """Look the share up (by name), hold it, map it here (asking for its fd: a VMM share's always, a pool
+    share's when this process has not imported that pool yet); a failed mapping drops the hold again."""
     descriptor = (yield build.lookup(share)) if isinstance(share, str) else share
     check_same_host(descriptor)
-    need_pool = descriptor.mechanism == "pool" and not POOL_IMPORTS.has(descriptor.pool_id)
-    plane = owner.data_plane() if need_pool else None
-    descriptor, ticket = yield build.open_shared(descriptor, pool_fd=need_pool)
+    need_fd = descriptor.mechanism == "vmm" or (
+        descriptor.mechanism == "pool" and not POOL_IMPORTS.has(descriptor.pool_id))
+    plane = owner.data_plane() if need_fd else None
+    descriptor, ticket = yield build.open_shared(descriptor, pool_fd=need_fd)
     try:
         mapping = yield Local(lambda: map_share(descriptor, plane.receive_fd(ticket) if plane and ticket else None))
     except BaseException:

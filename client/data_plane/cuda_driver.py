@@ -20,12 +20,19 @@ from cuctxd.protos.errors import CudaError, NotShareable
 #: ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`` and ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``.
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
 HANDLE_TYPE_POSIX_FD = 1
+#: ``CU_MEM_ALLOCATION_TYPE_PINNED``, ``CU_MEM_LOCATION_TYPE_DEVICE``, ``CU_MEM_ACCESS_FLAGS_PROT_READWRITE``,
+#: ``CU_MEM_ALLOC_GRANULARITY_MINIMUM``.
+ALLOCATION_TYPE_PINNED = 1
+LOCATION_TYPE_DEVICE = 1
+ACCESS_FLAGS_PROT_READWRITE = 3
+ALLOC_GRANULARITY_MINIMUM = 0
 
 _CUresult = ctypes.c_int
 _CUdevice = ctypes.c_int
 _CUcontext = ctypes.c_void_p
 _CUdeviceptr = ctypes.c_uint64
 _CUmemoryPool = ctypes.c_void_p
+_CUmemGenericAllocationHandle = ctypes.c_ulonglong
 
 
 class IpcMemHandle(ctypes.Structure):
@@ -38,6 +45,30 @@ class PoolPtrExportData(ctypes.Structure):
     """``CUmemPoolPtrExportData``: 64 opaque bytes, passed by pointer."""
 
     _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class MemLocation(ctypes.Structure):
+    """``CUmemLocation``: a type and an id (a union with the 2-byte ``localized`` form in CUDA 13.4+, same size)."""
+
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class MemAllocationProp(ctypes.Structure):
+    """``CUmemAllocationProp``, passed by pointer (32 bytes)."""
+
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", MemLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class MemAccessDesc(ctypes.Structure):
+    """``CUmemAccessDesc``: a location and its ``CUmemAccess_flags``, passed by pointer."""
+
+    _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
 
 
 class _Uuid(ctypes.Structure):
@@ -64,6 +95,16 @@ _SIGNATURES: dict[str, list[type]] = {
     "cuMemPoolImportPointer": [ctypes.POINTER(_CUdeviceptr), _CUmemoryPool, ctypes.POINTER(PoolPtrExportData)],
     "cuMemPoolDestroy": [_CUmemoryPool],
     "cuMemFree_v2": [_CUdeviceptr],
+    "cuMemGetAllocationGranularity": [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(MemAllocationProp),
+                                      ctypes.c_int],
+    "cuMemImportFromShareableHandle": [ctypes.POINTER(_CUmemGenericAllocationHandle), ctypes.c_void_p, ctypes.c_int],
+    "cuMemAddressReserve": [ctypes.POINTER(_CUdeviceptr), ctypes.c_size_t, ctypes.c_size_t, _CUdeviceptr,
+                            ctypes.c_ulonglong],
+    "cuMemMap": [_CUdeviceptr, ctypes.c_size_t, ctypes.c_size_t, _CUmemGenericAllocationHandle, ctypes.c_ulonglong],
+    "cuMemSetAccess": [_CUdeviceptr, ctypes.c_size_t, ctypes.POINTER(MemAccessDesc), ctypes.c_size_t],
+    "cuMemUnmap": [_CUdeviceptr, ctypes.c_size_t],
+    "cuMemAddressFree": [_CUdeviceptr, ctypes.c_size_t],
+    "cuMemRelease": [_CUmemGenericAllocationHandle],
     "cuMemcpyDtoD_v2": [_CUdeviceptr, _CUdeviceptr, ctypes.c_size_t],
 }
 
@@ -150,6 +191,47 @@ class Driver:
 
     def free(self, ptr: int) -> None:
         self.call("cuMemFree_v2", _CUdeviceptr(ptr))
+
+    def vmm_granularity(self, device: int) -> int:
+        """``cuMemGetAllocationGranularity`` (minimum) of a pinned, POSIX-fd allocation on ``device``."""
+        prop = MemAllocationProp(type=ALLOCATION_TYPE_PINNED, requestedHandleTypes=HANDLE_TYPE_POSIX_FD,
+                                 location=MemLocation(LOCATION_TYPE_DEVICE, device))
+        granularity = ctypes.c_size_t()
+        self.call("cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(prop),
+                  ALLOC_GRANULARITY_MINIMUM)
+        return granularity.value
+
+    def vmm_import(self, fd: int, size: int, device: int) -> tuple[int, int]:
+        """(address, allocation handle) of the VMM allocation ``fd`` names (the caller keeps the fd), mapped whole
+        (``size`` bytes) and made read-write for ``device``; undone step by step if a step fails."""
+        handle = _CUmemGenericAllocationHandle()
+        self.call("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd), HANDLE_TYPE_POSIX_FD)
+        try:
+            ptr = _CUdeviceptr()
+            self.call("cuMemAddressReserve", ctypes.byref(ptr), size, self.vmm_granularity(device), _CUdeviceptr(0), 0)
+            try:
+                self.call("cuMemMap", ptr, size, 0, handle, 0)
+                try:
+                    access = MemAccessDesc(MemLocation(LOCATION_TYPE_DEVICE, device), ACCESS_FLAGS_PROT_READWRITE)
+                    self.call("cuMemSetAccess", ptr, size, ctypes.byref(access), 1)
+                except BaseException:
+                    self._lib.cuMemUnmap(ptr, size)
+                    raise
+            except BaseException:
+                self._lib.cuMemAddressFree(ptr, size)
+                raise
+        except BaseException:
+            self._lib.cuMemRelease(handle)
+            raise
+        return ptr.value, handle.value
+
+    def vmm_unmap(self, ptr: int, size: int, handle: int) -> None:
+        """``cuMemUnmap``, ``cuMemAddressFree`` and ``cuMemRelease`` of what :meth:`vmm_import` mapped."""
+        try:
+            self.call("cuMemUnmap", _CUdeviceptr(ptr), size)
+            self.call("cuMemAddressFree", _CUdeviceptr(ptr), size)
+        finally:
+            self.call("cuMemRelease", _CUmemGenericAllocationHandle(handle))
 
     def copy_device_to_device(self, dst: int, src: int, size: int) -> None:
         self.call("cuMemcpyDtoD_v2", _CUdeviceptr(dst), _CUdeviceptr(src), size)

@@ -1,4 +1,5 @@
-"""Mapping a cuda-backend share in this process: a pool import and ``cuMemPoolImportPointer``, or a
+"""Mapping a cuda-backend share in this process: a pool import and ``cuMemPoolImportPointer``, a VMM
+allocation imported from its fd and mapped (``cuMemImportFromShareableHandle``, ``cuMemMap``), or a
 legacy ``cuIpcOpenMemHandle``.
 
 The mapping lives in this process's primary context of the same GPU (found by
@@ -42,6 +43,30 @@ class CudaMapping:
         try:
             with primary.cu.current(primary.context):
                 primary.cu.ipc_close(self.ptr)
+        finally:
+            primary.release()
+
+
+class CudaVmmMapping:
+    """A ``"vmm"`` share mapped in this process from its fd (the caller still closes it): imported, mapped whole at
+    an address of its own and made read-write for the GPU; ``ptr`` until :meth:`close` unmaps it and releases the
+    import (the memory itself lives on while the daemon, or its fd store, keeps it)."""
+
+    def __init__(self, descriptor: ShareDescriptor, fd: int) -> None:
+        self._primary = primary = _Primary(driver("map a cuda share"), descriptor.device_uuid)
+        self._size = descriptor.allocation_size
+        try:
+            with primary.cu.current(primary.context):
+                self.ptr, self._handle = primary.cu.vmm_import(fd, self._size, primary.device)
+        except BaseException:
+            primary.release()
+            raise
+
+    def close(self) -> None:
+        primary = self._primary
+        try:
+            with primary.cu.current(primary.context):
+                primary.cu.vmm_unmap(self.ptr, self._size, self._handle)
         finally:
             primary.release()
 

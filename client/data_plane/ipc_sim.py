@@ -1,5 +1,5 @@
-"""Mapping a sim-backend share in this process: a block of its imported pool's memfd, or (legacy) the
-allocation's own memfd opened by its ``/proc`` path, mmapped."""
+"""Mapping a sim-backend share in this process: a block of its imported pool's memfd, a VMM allocation's
+memfd (from the fd channel), or (legacy) the allocation's own memfd opened by its ``/proc`` path, mmapped."""
 
 from __future__ import annotations
 
@@ -30,6 +30,23 @@ class SimMapping:
         finally:
             os.close(fd)
         self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        self.view.release()
+        self._map.close()
+
+
+class SimVmmMapping:
+    """A ``"vmm"`` sim share: its memfd (from the fd channel; the caller still closes the fd) mapped whole, shared;
+    ``view`` is the buffer's ``size`` bytes of it."""
+
+    def __init__(self, descriptor: ShareDescriptor, fd: int) -> None:
+        length = os.fstat(fd).st_size
+        if length != descriptor.allocation_size or descriptor.size > length:
+            raise NotShareable(f"share {descriptor.share_id}: its memory is {length} bytes, the descriptor says "
+                               f"{descriptor.allocation_size}")
+        self._map = mmap.mmap(fd, length)
+        self.view = memoryview(self._map)[:descriptor.size]
 
     def close(self) -> None:
         self.view.release()

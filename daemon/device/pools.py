@@ -25,9 +25,9 @@ memory is ever handed to another (PROTOCOL.md, section 7, "Which memory can be s
 * **Legacy memory** (:class:`LegacyMemory`): ``cuMemAlloc``, exported with
   ``cuIpcGetMemHandle``, for buffers above :data:`~cuctxd.protos.limits.POOL_BUFFER_MAX`
   (why: that constant's comment) that are not ``shareable`` or where the device has no VMM,
-  and for ``shareable`` ones where pools cannot export. Sizes are rounded up to :data:`IPC_GRANULARITY`: the CUDA programming
-  guide warns that ``cuMemAlloc`` may sub-allocate smaller allocations from one
-  block, and that the IPC API then shares the whole block with its neighbours.
+  and for ``shareable`` ones where pools cannot export. Sizes are rounded up to
+  :data:`IPC_GRANULARITY`: the CUDA programming guide warns that ``cuMemAlloc`` may
+  sub-allocate smaller allocations from one block, and that the IPC API then shares the whole block with its neighbours.
 
 Memory that was shared is scrubbed (``cuMemsetD8`` to 0) before it is freed
 (:meth:`cuctxd.daemon.device.sharing.Sharing.settle`), so the next user of those

@@ -204,7 +204,10 @@ class Sharing:
 
     def _orphan(self, share: Share) -> None:
         """``share`` is kept alive by its names alone now: counted (daemon-wide and against its owner's
-        uid), then the oldest orphans go beyond either limit."""
+        uid), then the oldest orphans go beyond either limit. Once: a persistent share's settle may have counted it
+        already (counting it twice passed ``max_orphaned_bytes_per_uid`` at half the bytes)."""
+        if share.share_id in self.orphaned:
+            return
         self.orphaned[share.share_id] = share
         self.orphaned_bytes[share.owner.uid] += share.descriptor.size
         self.registry.count_orphan(share.share_id, True)

@@ -458,6 +458,24 @@ def test_open_shared_maps_a_published_buffer(daemon: DaemonProcess) -> None:
     run(daemon, body)
 
 
+def test_open_shared_maps_a_vmm_buffer_through_its_fd(daemon: DaemonProcess) -> None:
+    """A shareable buffer above POOL_BUFFER_MAX (32 MiB) is VMM memory: the async client asks for its fd too."""
+    size = 40 * MiB
+
+    async def body(owner: AsyncClient) -> None:
+        source = await owner.alloc(size, device=0, shareable=True)
+        await source.write(b"the end", offset=size - 7)
+        exported = await source.export()  # not published: 64 MiB devices leave no room for 40 MiB orphans
+        assert exported.mechanism == "vmm" and exported.allocation_size == size
+        async with AsyncClient(daemon.endpoint, timeout=10) as holder, await holder.open_shared(exported) as shared:
+            assert bytes(shared.host_view()[-7:]) == b"the end" and len(shared.host_view()) == size
+            shared.host_view()[:3] = b"abc"
+            assert await source.read(3) == b"abc"
+        await source.free()
+
+    run(daemon, body)
+
+
 # --- leases --------------------------------------------------------------------------------------
 
 

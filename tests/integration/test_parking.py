@@ -27,7 +27,7 @@ from tests.helpers import (
 from tests.service_manager import ServiceManager
 
 SIM = ("--sim-devices", "1", "--sim-memory", "256MiB")
-#: Above POOL_BUFFER_MAX: a legacy buffer (on the sim, its own memfd).
+#: Above POOL_BUFFER_MAX: a legacy buffer when not shareable (on the sim, its own memfd), a VMM one when shareable.
 BIG = 40 << 20
 WEIGHTS = {"embed.weight": np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
            "norm.bias": np.full(32, 0.5, dtype=np.float16)}
@@ -61,9 +61,10 @@ def publish_three(endpoint: str) -> dict[str, str]:
         plain = c.alloc(1 << 20, shareable=True)
         c.write(plain, pattern(1 << 20))
         plain_share = c.run(requests.publish(plain, "plain", None, True, False))
-        big = c.alloc(BIG, shareable=True)
+        big = c.alloc(BIG)  # not shareable: legacy memory (shareable: VMM, test_a_vmm_share_survives_a_sigkill)
         c.write(big, pattern(BIG, 1))
         big_share = c.run(requests.publish(big, "big", None, True, True))
+        assert big_share.mechanism == "ipc"
         passing = c.alloc(4096, shareable=True)
         c.publish(passing, "passing")
     return {"model": layout.share_id, "plain": plain_share.share_id, "big": big_share.share_id}
@@ -118,6 +119,44 @@ def test_layouts_plain_and_read_only_names_survive_a_sigkill(manager: ServiceMan
     assert share_fdnames(manager) == []
     assert {("remove", f"cuctxd-share-{share_id}") for share_id in ids.values()} <= set(manager.events)
     assert "adopted 3 parked share(s)" in daemon.log()
+    old.close()
+
+
+def test_a_vmm_share_survives_a_sigkill(manager: ServiceManager) -> None:
+    """A shareable buffer above POOL_BUFFER_MAX is VMM memory: opened through its fd, parked by it, re-adopted by
+    importing it; a mapping from before the kill still reads and writes the same memory as one made after."""
+    daemon = manager.start(*SIM)
+    with Client(daemon.endpoint, name="producer") as c:
+        weights = c.alloc(BIG, shareable=True)
+        c.write(weights, pattern(BIG, 2))
+        share = c.run(requests.publish(weights, "vmm-weights", None, True, False))
+        assert share.mechanism == "vmm" and share.allocation_size == BIG and share.ipc_handle == b""
+        assert c.status()["devices"][0]["vmm"] == {"supported": True, "buffers": 1}
+    assert share_fdnames(manager) == [f"cuctxd-share-{share.share_id}"]
+    old = Client(daemon.endpoint, name="old consumer")
+    old_mapping = old.open_shared("vmm-weights")
+    assert old_mapping.descriptor.mechanism == "vmm"
+    assert bytes(old_mapping.host_view()[-4096:]) == pattern(BIG, 2)[-4096:]
+    with Client(daemon.endpoint) as c:
+        free_before = c.mem_get_info()[0]
+
+    daemon = manager.restart(*SIM)
+    with Client(daemon.endpoint) as c:
+        (listed,) = c.list_shared()
+        assert listed["name"] == "vmm-weights" and listed["share_id"] == share.share_id and listed["size"] == BIG
+        assert not listed["owner_present"]
+        assert c.mem_get_info()[0] == free_before  # the adopted memory counts against the device again
+        with c.open_shared("vmm-weights") as mapped:
+            assert mapped.descriptor.mechanism == "vmm" and mapped.descriptor.allocation_size == BIG
+            assert bytes(mapped.host_view()) == pattern(BIG, 2)
+            mapped.host_view()[:5] = b"after"
+            assert bytes(old_mapping.host_view()[:5]) == b"after"  # one memory: the old mapping sees the write
+        c.unpublish("vmm-weights")
+        assert wait_until_free(c, 256 << 20)
+    assert share_fdnames(manager) == []
+    assert ("remove", f"cuctxd-share-{share.share_id}") in manager.events
+    assert "adopted 1 parked share(s)" in daemon.log() and "vmm" in daemon.log()
+    old_mapping._mapping.close()  # its session died with the old daemon; the mapping is this process's own
     old.close()
 
 
@@ -200,18 +239,22 @@ def not_the_memory(kind: str) -> int:
         read_end, write_end = os.pipe()
         os.close(write_end)
         return read_end
-    return sealed_memfd("too-small", 4096)  # a memfd, but no block of 1 MiB in it
+    return sealed_memfd("too-small", 4096)  # a memfd, but no block of 1 MiB in it, nor 40 MiB of VMM
 
 
-@pytest.mark.parametrize("kind", ["small memfd", "pipe"])
-def test_a_registry_entry_whose_memory_does_not_match_is_skipped(manager: ServiceManager, kind: str) -> None:
+@pytest.mark.parametrize("kind,size", [("small memfd", 1 << 20), ("pipe", 1 << 20), ("small memfd", BIG),
+                                       ("pipe", BIG)])
+def test_a_registry_entry_whose_memory_does_not_match_is_skipped(manager: ServiceManager, kind: str,
+                                                                 size: int) -> None:
+    """A pool share (1 MiB) or a VMM share (``BIG``) whose fd is not its memory is not adopted."""
     daemon = manager.start(*SIM)
     with Client(daemon.endpoint) as c:
         for name in ("kept", "swapped"):
-            buffer = c.alloc(1 << 20, shareable=True)
-            c.write(buffer, pattern(1 << 20))
+            buffer = c.alloc(size, shareable=True)
+            c.write(buffer, pattern(size))
             c.run(requests.publish(buffer, name, None, True, False))
         swapped = c.lookup("swapped").share_id
+        assert c.lookup("swapped").mechanism == ("vmm" if size > (32 << 20) else "pool")
     manager.kill()
     for fd in manager.take(f"cuctxd-share-{swapped}"):
         os.close(fd)

@@ -61,6 +61,47 @@ def test_a_legacy_buffer_is_adopted_from_its_memfd() -> None:
         new.mem_free(adopted)
 
 
+def test_a_vmm_allocation_is_exported_and_imported_by_its_fd() -> None:
+    old, new = drivers()
+    with primary_current(old):
+        assert old.vmm_supported(0) and old.vmm_granularity(0) == 2 * MIB
+        with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+            old.vmm_alloc(0, 3 * MIB)  # not a multiple of the granularity
+        free = old.mem_get_info()[0]
+        ptr = old.vmm_alloc(0, 4 * MIB)
+        assert old.mem_get_info()[0] == free - 4 * MIB
+        old.memcpy_htod(ptr + MIB, b"vmm" * 100, 300)
+        fd = old.vmm_export_fd(ptr)
+        with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+            old.mem_free(ptr)  # VMM memory is unmapped and released, never cuMemFree'd
+        with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+            old.ipc_get_mem_handle(ptr)  # nor shared by a legacy IPC handle
+        with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+            old.vmm_export_fd(ptr + 4096)
+        old.vmm_free(ptr)
+        assert old.mem_get_info()[0] == free
+    with primary_current(new):  # the fd alone kept the memory: the exporter freed its mapping
+        with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+            new.vmm_import_fd(0, fd, 2 * MIB)  # the size must match
+        adopted = new.vmm_import_fd(0, fd, 4 * MIB)
+        os.close(fd)
+        out = bytearray(300)
+        new.memcpy_dtoh(out, adopted + MIB, 300)
+        assert bytes(out) == b"vmm" * 100
+        new.vmm_free(adopted)
+        with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+            new.vmm_free(adopted)
+
+
+def test_without_vmm_a_vmm_allocation_is_not_supported() -> None:
+    driver = SimDriver(1, 64 * MIB, vmm=False)
+    driver.init()
+    with primary_current(driver):
+        assert not driver.vmm_supported(0)
+        with raises_cuda("CUDA_ERROR_NOT_SUPPORTED"):
+            driver.vmm_alloc(0, 2 * MIB)
+
+
 def test_an_fd_of_something_else_is_refused() -> None:
     _, new = drivers()
     read_end, write_end = os.pipe()
@@ -70,6 +111,8 @@ def test_an_fd_of_something_else_is_refused() -> None:
                 new.mem_pool_import_fd(0, read_end)
             with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
                 new.mem_import_fd(read_end, MIB)
+            with raises_cuda("CUDA_ERROR_INVALID_VALUE"):
+                new.vmm_import_fd(0, read_end, 2 * MIB)
     finally:
         os.close(read_end)
         os.close(write_end)

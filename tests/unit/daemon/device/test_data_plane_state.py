@@ -25,8 +25,8 @@ MEMORY = 1 << 24
 ENTRY = struct.Struct(STREAM_ORDERED_ENTRY)
 
 
-def make_state(ipc_pools: bool = True, memory: int = MEMORY, **limits: Any) -> DeviceState:
-    driver = SimDriver(device_count=1, memory_per_device=memory, ipc_pools=ipc_pools)
+def make_state(ipc_pools: bool = True, memory: int = MEMORY, vmm: bool = True, **limits: Any) -> DeviceState:
+    driver = SimDriver(device_count=1, memory_per_device=memory, ipc_pools=ipc_pools, vmm=vmm)
     driver.init()
     return DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=4096, **limits),
                        ShareRegistry(), TicketBook())
@@ -101,6 +101,35 @@ def test_buffers_above_the_pool_maximum_are_legacy_allocations_shared_by_ipc_han
     assert above["shareable"] and share["mechanism"] == "ipc" and len(share["ipc_handle"]) == 64
     assert "ticket" not in run(state, new_ref(), "open_shared", share_id=share["share_id"], pool_fd=True).result
     run(state, ref, "free", buffer=above["handle"])
+    state.tickets.close()
+
+
+@pytest.mark.parametrize("vmm", [True, False])
+def test_shareable_buffers_above_the_pool_maximum_are_vmm_allocations_where_the_device_has_vmm(vmm: bool) -> None:
+    state = make_state(memory=4 * POOL_BUFFER_MAX, vmm=vmm)
+    ref, other = new_ref(), new_ref()
+    size = POOL_BUFFER_MAX + 1
+    buffer = run(state, ref, "alloc", size=size, shareable=True).result["buffer"]
+    run(state, ref, "write", (b"tail!",), buffer=buffer["handle"], offset=size - 5)
+    share = run(state, ref, "export", buffer=buffer["handle"]).result["share"]
+    if not vmm:
+        assert share["mechanism"] == "ipc" and len(share["ipc_handle"]) == 64
+        return
+    granularity = state.driver.vmm_granularity(0)
+    assert share["mechanism"] == "vmm" and share["ipc_handle"] == b"" and share["export_data"] == b""
+    assert share["allocation_size"] == -(-size // granularity) * granularity
+    opened = run(state, other, "open_shared", share_id=share["share_id"], pool_fd=True).result
+    fds, info = state.tickets.redeem(opened["ticket"], None)
+    assert info == {"share_id": share["share_id"]} and len(fds) == 1
+    assert os.fstat(fds[0]).st_size == share["allocation_size"]  # the fd reaches this allocation and no other
+    with mmap.mmap(fds[0], share["allocation_size"]) as mapped:
+        assert mapped[size - 5:size] == b"tail!"
+    os.close(fds[0])
+    free = state.driver.mem_get_info()[0]
+    run(state, ref, "free", buffer=buffer["handle"])
+    run(state, other, "close_shared", share_id=share["share_id"])
+    assert state.driver.mem_get_info()[0] == free + share["allocation_size"]
+    assert not state.memory.vmm_memory.sizes
     state.tickets.close()
 
 
