@@ -4,7 +4,10 @@
   process, from the call to a usable array for every tensor (``torch_weights.load_state_dict`` on the
   GPU, ``open_tensors`` and ``numpy.asarray`` on the sim), its start and connection not counted.
   Anchor (cuda): the same number and sizes of allocations opened one legacy ``cuIpcOpenMemHandle``
-  each, timed the same way.
+  each, timed the same way. The layout's buffer is ``shareable``, so VMM memory where the device has it
+  (``cuMemImportFromShareableHandle`` + ``cuMemMap`` of 16 GiB in the consumer); a second figure opens the
+  same layout in a legacy buffer (``cuMemAlloc``, one ``cuIpcOpenMemHandle``), against the VMM one: the
+  cost of the memory a restart keeps.
 * GPU memory (``cuMemGetInfo``) while :data:`CONSUMERS` processes hold that layout as torch tensors,
   against the layout's bytes plus :data:`CONSUMERS` times what one process's CUDA context takes
   (measured here by a process that starts torch and connects, without opening the layout).
@@ -21,13 +24,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from bench.cuda_local import LocalCuda, LocalDriverUnavailable, _check
 from bench.records import Figure, measured, skipped
 from bench.run import Bench
 from bench.stats import median
 from cuctxd.client.tensors.safetensors_load import load_safetensors
-from cuctxd.client.tensors.tensor_sets import publish_tensors
+from cuctxd.client.tensors.tensor_sets import plan_layout, publish_tensors
+from cuctxd.client.wire import build
 
 FIGURE = 9
 TITLE = "tensors by name"
@@ -122,10 +127,12 @@ def run(bench: Bench) -> Iterator[Figure]:
     with bench.client() as client:
         used_before = _used(local) if local else 0
         host = memoryview(bytearray(size))
-        descriptor = publish_tensors(client, _LAYOUT, {f"layer{i}.weight": host for i in range(COUNT)})
+        tensors = {f"layer{i}.weight": host for i in range(COUNT)}
+        descriptor = publish_tensors(client, _LAYOUT, tensors)
         try:
             times = [_child(_OPEN, [bench.endpoint(), bench.backend]) for _ in range(3)]
             ours = sorted(times)[1]
+            yield _legacy_layout(bench, client, name, descriptor.mechanism, ours, tensors)
             if local is None:
                 yield skipped(FIGURE, name, "ms", "the same tensors opened one legacy IPC handle each",
                               f"{reason} ({ours:.1f} ms measured on {bench.backend})")
@@ -139,6 +146,23 @@ def run(bench: Bench) -> Iterator[Figure]:
         finally:
             client.unpublish(_LAYOUT)
         yield _load(bench, client, local, reason)
+
+
+def _legacy_layout(bench: Bench, client: Any, name: str, mechanism: str, ours: float,
+                   tensors: dict[str, memoryview]) -> Figure:
+    """The same layout in a buffer allocated without ``shareable`` (legacy ``cuMemAlloc`` memory, which a restart
+    of the daemon does not keep), opened the same way, against the default one (``mechanism``)."""
+    manifest, _, size = plan_layout(tensors)
+    buffer = client.alloc(size)  # not shareable: legacy memory, shared by one IPC handle; contents irrelevant here
+    try:
+        client.run(build.publish(buffer, _LAYOUT + "-legacy", manifest.pack(), False, False))
+        legacy_open = _OPEN.replace('"bench-layout"', '"bench-layout-legacy"')
+        legacy = sorted(_child(legacy_open, [bench.endpoint(), bench.backend]) for _ in range(3))[1]
+    finally:
+        buffer.free()  # unpublishes it too
+    return measured(FIGURE, f"{name}, legacy cuMemAlloc layout", legacy, "ms",
+                    f"the same layout as a {mechanism} share (the default; VMM is what a restart keeps)", ours,
+                    target=None, note="median of 3 fresh processes")
 
 
 def _used(local: LocalCuda) -> int:
