@@ -326,8 +326,11 @@ def wait_for_line(process: subprocess.Popen[str], expected: str, timeout: float 
 
     threading.Thread(target=pump, daemon=True).start()
     if not found.wait(timeout):
+        exited = process.poll()
         process.kill()
-        raise AssertionError(f"no {expected!r} from client process; it printed {''.join(seen)!r}")
+        errors = process.stderr.read()[-3000:] if process.stderr is not None and exited is not None else ""
+        raise AssertionError(f"no {expected!r} from client process (exit status {exited}); it printed "
+                             f"{''.join(seen)!r}; stderr {errors!r}")
     return seen[-1]
 
 
