@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -312,26 +313,59 @@ def spawn_client(code: str, endpoint: str) -> subprocess.Popen[str]:
                             text=True, env=client_env(), cwd=REPO)
 
 
-def wait_for_line(process: subprocess.Popen[str], expected: str, timeout: float = 30.0) -> str:
-    """Read the process's stdout until a line contains ``expected``."""
-    found = threading.Event()
-    seen: list[str] = []
+class _LinePump:
+    """One reader of a client process's stdout, however many times a test waits on it: lines are kept in order
+    and each :func:`wait_for_line` takes them from where the last one stopped (two readers of one pipe would
+    each take some of the lines)."""
 
-    def pump() -> None:
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self.taken = 0
+        self.ended = False
+        self.changed = threading.Condition()
+        threading.Thread(target=self._pump, args=(process,), daemon=True).start()
+
+    def _pump(self, process: subprocess.Popen[str]) -> None:
         assert process.stdout is not None
         for line in process.stdout:
-            seen.append(line)
-            if expected in line:
-                found.set()
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.ended = True
+            self.changed.notify_all()
 
-    threading.Thread(target=pump, daemon=True).start()
-    if not found.wait(timeout):
+    def take_until(self, expected: str, timeout: float) -> str | None:
+        """The first line from here on that contains ``expected`` (taking it and those before it), or None."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                for index in range(self.taken, len(self.lines)):
+                    if expected in self.lines[index]:
+                        self.taken = index + 1
+                        return self.lines[index]
+                left = deadline - time.monotonic()
+                if self.ended or left <= 0:
+                    return None
+                self.changed.wait(left)
+
+
+_PUMPS: weakref.WeakKeyDictionary[subprocess.Popen[str], _LinePump] = weakref.WeakKeyDictionary()
+
+
+def wait_for_line(process: subprocess.Popen[str], expected: str, timeout: float = 30.0) -> str:
+    """Read the process's stdout until a line contains ``expected`` (after what earlier waits took)."""
+    pump = _PUMPS.get(process)
+    if pump is None:
+        pump = _PUMPS[process] = _LinePump(process)
+    line = pump.take_until(expected, timeout)
+    if line is None:
         exited = process.poll()
         process.kill()
         errors = process.stderr.read()[-3000:] if process.stderr is not None and exited is not None else ""
         raise AssertionError(f"no {expected!r} from client process (exit status {exited}); it printed "
-                             f"{''.join(seen)!r}; stderr {errors!r}")
-    return seen[-1]
+                             f"{''.join(pump.lines)!r}; stderr {errors!r}")
+    return line
 
 
 class HostThread:

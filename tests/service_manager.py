@@ -5,7 +5,7 @@
 * ``$NOTIFY_SOCKET`` is an AF_UNIX datagram socket; each datagram is ``KEY=value`` lines
   (sd_notify(3)), with file descriptors attached as ``SCM_RIGHTS`` (sd_pid_notify_with_fds(3)).
 * ``FDSTORE=1`` keeps the attached fds in the store under ``FDNAME=`` (``"stored"`` without one);
-  an fd already in the store (same file) is not stored twice, as systemd's ``same_fd()`` check does.
+  an fd already in the store (same open file) is not stored twice, as systemd's ``same_fd()`` check does.
   ``FDSTOREREMOVE=1`` with ``FDNAME=`` closes every stored fd of that name. fds attached to any
   other message are closed.
 * ``$FDSTORE`` tells the service how many fds the store keeps (``FileDescriptorStoreMax=``); beyond
@@ -24,6 +24,7 @@ import array
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -229,6 +230,11 @@ class ServiceManager:
 
 
 def _same_file(a: int, b: int) -> bool:
+    """Whether two fds are one open file, as systemd's ``same_fd()`` tells with ``kcmp(KCMP_FILE)``: the same
+    inode, except for character devices, where one inode is every open of the device (CUDA's exported pool
+    and VMM fds are all opens of ``/dev/nvidiactl``), so those are taken as different files."""
     first, second = os.fstat(a), os.fstat(b)
+    if stat.S_ISCHR(first.st_mode):
+        return False
     return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
 

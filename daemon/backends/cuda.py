@@ -253,6 +253,9 @@ class CudaDriver(Driver):
         #: What vmm_alloc/vmm_import_fd mapped, by address: (CUmemGenericAllocationHandle, mapped size). Each
         #: worker adds and removes only its own device's addresses; the lock keeps the table whole.
         self._vmm_mappings: dict[int, tuple[Any, int]] = {}
+        #: A copy of the fd each imported allocation came from, by address: what :meth:`vmm_export_fd` hands out
+        #: for it (one fd held per re-adopted VMM share).
+        self._vmm_imported: dict[int, int] = {}
         self._vmm_lock = threading.Lock()
 
     def init(self) -> None:
@@ -547,8 +550,11 @@ class CudaDriver(Driver):
     def vmm_export_fd(self, ptr: int) -> int:
         with self._vmm_lock:
             mapping = self._vmm_mappings.get(ptr)
+            imported = self._vmm_imported.get(ptr)
         if mapping is None:
             raise _invalid_value(f"{ptr:#x} is not the address of a VMM allocation of this process")
+        if imported is not None:  # the driver will not export a handle it imported (H200: INVALID_VALUE)
+            return os.dup(imported)
         return int(check_result(cuMemExportToShareableHandle(mapping[0], _POSIX_FD, 0)))
 
     def vmm_import_fd(self, ordinal: int, fd: int, size: int) -> int:
@@ -556,14 +562,20 @@ class CudaDriver(Driver):
         # A POSIX fd goes by value where the C API takes a void*, as for pools: the bindings take the int.
         handle = check_result(cuMemImportFromShareableHandle(fd, _POSIX_FD))
         try:
-            return self._vmm_map(ordinal, handle, size)
+            ptr = self._vmm_map(ordinal, handle, size)
         except BaseException:
             cuMemRelease(handle)
             raise
+        with self._vmm_lock:  # what vmm_export_fd hands out for it
+            self._vmm_imported[ptr] = os.dup(fd)
+        return ptr
 
     def vmm_free(self, ptr: int) -> None:
         with self._vmm_lock:
             mapping = self._vmm_mappings.pop(ptr, None)
+            imported = self._vmm_imported.pop(ptr, None)
+        if imported is not None:
+            os.close(imported)
         if mapping is None:
             raise _invalid_value(f"{ptr:#x} is not the address of a VMM allocation of this process")
         handle, size = mapping

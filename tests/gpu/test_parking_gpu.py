@@ -72,7 +72,7 @@ def test_a_parked_layout_survives_a_sigkill_on_the_gpu(manager: ServiceManager) 
         daemon = manager.restart(backend="cuda", ready_timeout=120)
         ready = time.monotonic()
         with Client(daemon.endpoint) as c:
-            assert sorted(s["name"] for s in c.list_shared()) == ["big-weights", "parked-weights"]
+            assert sorted(s["name"] for s in c.list_shared()) == ["big-weights", "parked-weights"], daemon.log()[-4000:]
             assert time.monotonic() - ready < 1.0
             out = run_client(WORKER, daemon.endpoint, timeout=300)
             assert next(line for line in out.splitlines() if line.startswith("sum")).split()[1:] == [EXPECTED, "7.0"]
