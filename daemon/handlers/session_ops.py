@@ -104,6 +104,7 @@ def status(front: FrontState, session: Session | None, args: ops.Status, peer: s
         "protocol": PROTOCOL_VERSION,
         "backend": front.backend,
         "pid": os.getpid(),
+        "node": front.config.node_name,
         "uptime_s": time.time() - front.started_at,
         "endpoints": list(front.config.endpoints),
         "sessions": [s.to_status() for s in first(sessions)],

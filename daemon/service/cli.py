@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics on this port (default 0: off; needs the 'metrics' extra)")
     add("--metrics-host", type=_flag_type("metrics_host"), metavar="ADDRESS",
         help=f"address the metrics endpoint binds (default {DEFAULT_METRICS_HOST})")
+    add("--node-name", type=_flag_type("node_name"), metavar="NAME",
+        help="what status and the metrics call this machine (default: the host name; in a Kubernetes pod, "
+             "pass the node's name)")
     security = parser.add_argument_group("security and limits")
     security.add_argument("--group", type=_flag_type("group"), metavar="NAME",
                           help="group whose members may use the ipc:// socket (directory 0770, socket 0660)")

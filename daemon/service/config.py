@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 from cuctxd.daemon.device.queues import (
@@ -78,6 +79,9 @@ DEFAULT_DRAIN_TIMEOUT = 10.0
 DEFAULT_HANDSHAKE_TIMEOUT = 5.0
 #: Where the metrics endpoint listens unless told otherwise: this host only.
 DEFAULT_METRICS_HOST = "127.0.0.1"
+#: The machine ``status`` and the metrics name (``node_name``): the host name, unless a cluster says better
+#: (in a Kubernetes pod the host name is the pod's; the DaemonSet passes the node's name).
+DEFAULT_NODE_NAME = socket.gethostname()
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -200,6 +204,8 @@ class DaemonConfig:
     max_manifest_bytes_per_uid: int = DEFAULT_MAX_MANIFEST_BYTES_PER_UID
     #: Reply payload bytes a peer's clients have not taken, all its sessions together, per device.
     max_reply_bytes_per_peer: int = DEFAULT_MAX_REPLY_BYTES_PER_PEER
+    #: What ``status`` (``node``) and the metrics (``cuctxd_info{node}``) call the machine this daemon serves.
+    node_name: str = DEFAULT_NODE_NAME
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -212,6 +212,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("max_manifest_bytes_per_session", _size(), render=_size_render),
     Key("max_manifest_bytes_per_uid", _size(), render=_size_render),
     Key("max_reply_bytes_per_peer", _size(), render=_size_render),
+    Key("node_name", _string),
 )}
 
 assert set(KEYS) == {f.name for f in fields(DaemonConfig)}, "every DaemonConfig field has a key"
