@@ -13,12 +13,17 @@ from pathlib import Path
 
 @cache
 def host_identity() -> str:
-    """``hostname/boot-id``: equal for two processes only on the same running machine."""
+    """``boot:<boot id>``: equal for two processes only on the same running machine, containers included.
+
+    The kernel's boot id is one random value per boot, the same in every container (a Kubernetes pod
+    next to the daemon's has its own host name, but not its own kernel): the host name is not part
+    of it (NCCL tells hosts apart the same way). Where the boot id cannot be read, ``<hostname>/unknown-boot``.
+    """
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
+        boot = ""
+    return f"boot:{boot}" if boot else f"{socket.gethostname()}/unknown-boot"
 
 
 class _PyBuffer(ctypes.Structure):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cuctxd.client.tensors.tensor_sets import RawBytes, publish_tensors
-from cuctxd.protos.errors import BadArgument
+from cuctxd.protos.errors import BadArgument, CuctxError
 from cuctxd.protos.records import ShareDescriptor
 
 #: safetensors dtype names -> layout dtype names.
@@ -69,8 +69,11 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
                     raise BadArgument(f"{path}: tensor {key!r} claims bytes {begin}..{end} of {data_bytes}: "
                                       "the file is truncated or its header lies")
                 sources[key] = RawBytes(data[start + begin:start + end], dtype, tuple(entry["shape"]))
-            return publish_tensors(client, name, sources, metadata, device=device, progress=progress,
-                                   read_only=read_only)
+            try:
+                return publish_tensors(client, name, sources, metadata, device=device, progress=progress,
+                                       read_only=read_only)
+            except CuctxError as error:  # its traceback's frames hold views of the mapping, which must close
+                raise error.with_traceback(None) from None
         finally:
             sources.clear()
             data.release()

@@ -94,6 +94,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "device": state.device,
         "closing_sessions": len(state.closing),
         "name": state.info.name,
+        "uuid": state.info.uuid,
         "failed": None if state.failure is None else f"{state.failure.name}: {state.failure.message}",
         "worker": {"name": thread.name, "native_id": thread.native_id, "alive": thread.is_alive()},
         "primary_context": {"active": bool(active), "flags": flags, "references": state.contexts.primary_refs},

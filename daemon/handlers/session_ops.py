@@ -105,6 +105,7 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
         "protocol": PROTOCOL_VERSION,
         "backend": front.backend,
         "pid": os.getpid(),
+        "node": front.config.node_name,
         "uptime_s": time.time() - front.started_at,
         "endpoints": list(front.config.endpoints),
         "sessions": [s.to_status() for s in first(sessions)],

@@ -38,6 +38,8 @@ class AdmissionConfig:
     device_ordinals: tuple[int, ...] = ()
     #: Per session and device: queued requests and unread replies (:mod:`cuctxd.daemon.device.queues`).
     queue_limits: QueueLimits = field(default_factory=QueueLimits)
+    #: What ``status`` and the metrics call the machine (``node_name``).
+    node_name: str = ""
 
 
 @dataclass

@@ -12,6 +12,7 @@ command line's flags (:mod:`cuctxd.daemon.service.cli`) are made from those.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 from cuctxd.daemon.device.queues import (
@@ -88,6 +89,9 @@ DEFAULT_DRAIN_TIMEOUT = 10.0
 DEFAULT_HANDSHAKE_TIMEOUT = 5.0
 #: Where the metrics endpoint listens unless told otherwise: this host only.
 DEFAULT_METRICS_HOST = "127.0.0.1"
+#: The machine ``status`` and the metrics name (``node_name``): the host name, unless a cluster says better
+#: (in a Kubernetes pod the host name is the pod's; the DaemonSet passes the node's name).
+DEFAULT_NODE_NAME = socket.gethostname()
 
 class ConfigError(ValueError):
     """A configuration value is wrong; ``key`` names it as the TOML file spells it."""
@@ -237,6 +241,9 @@ class DaemonConfig:
     max_reply_bytes_per_peer: int = size(DEFAULT_MAX_REPLY_BYTES_PER_PEER, "read results one peer's clients may "
                                          "leave untaken on each device, all its sessions together, before their "
                                          "reads are refused", zero="no limit", security=True, limit=True)
+    #: What ``status`` (``node``) and the metrics (``cuctxd_info{node}``) call the machine this daemon serves.
+    node_name: str = setting(DEFAULT_NODE_NAME, string, "what status and the metrics call this machine (in a "
+                             "Kubernetes pod, pass the node's name)", "NAME", shown="the host name")
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -165,9 +165,10 @@ class _StateCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         state = self._state
-        info = GaugeMetricFamily("cuctxd_info", "The daemon's version, protocol and backend.",
-                                 labels=["version", "protocol", "backend"])
-        info.add_metric([__version__, str(PROTOCOL_VERSION), state.backend], 1)
+        node = state.config.node_name
+        info = GaugeMetricFamily("cuctxd_info", "The daemon's version, protocol, backend and node.",
+                                 labels=["version", "protocol", "backend", "node"])
+        info.add_metric([__version__, str(PROTOCOL_VERSION), state.backend, node], 1)
         yield info
         yield GaugeMetricFamily("cuctxd_sessions", "Open sessions.", value=len(state.sessions))
         yield GaugeMetricFamily("cuctxd_draining", "1 while shutting down.", value=int(state.draining))
@@ -191,12 +192,13 @@ class _StateCollector:
                 ("memory_used_bytes", "Total minus free memory (whole device; only while a context lives)."),
             )
         }
-        device_info = GaugeMetricFamily("cuctxd_device_info", "A served device: its driver ordinal and identity.",
-                                        labels=["device", "ordinal", "name", "uuid", "pci_bus_id"])
+        device_info = GaugeMetricFamily("cuctxd_device_info",
+                                        "A served device: its driver ordinal and identity, and the node.",
+                                        labels=["device", "ordinal", "name", "uuid", "pci_bus_id", "node"])
         for index, (device, wait) in enumerate(zip(state.devices, waits, strict=True)):
             label = [str(index)]
             device_info.add_metric([str(index), str(self._ordinals[index]), device.name, device.uuid,
-                                    device.pci_bus_id], 1)
+                                    device.pci_bus_id, node], 1)
             families["queue_depth"].add_metric(label, depths[index])
             families["memory_total_bytes"].add_metric(label, device.total_memory)
             snapshot = wait(max(0.0, deadline - time.monotonic()))

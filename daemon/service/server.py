@@ -235,7 +235,8 @@ class Daemon:
         return AdmissionConfig(lease_ttl=config.lease_ttl, orphan_ttl=config.orphan_ttl, max_payload=config.max_payload,
                            max_sessions_per_peer=config.max_sessions_per_peer,
                            max_sessions_per_uid=config.max_sessions_per_uid, endpoints=tuple(config.endpoints),
-                           device_ordinals=self.ordinals, queue_limits=self._queue_limits())
+                           device_ordinals=self.ordinals, queue_limits=self._queue_limits(),
+                           node_name=config.node_name)
 
     def _queue_limits(self) -> QueueLimits:
         config = self.config

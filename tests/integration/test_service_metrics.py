@@ -111,7 +111,7 @@ def test_devices_and_sessions_are_shown(metrics_daemon: tuple[DaemonProcess, str
         info = [labels for (name, labels) in samples if name == "cuctxd_device_info"]
         assert sorted(dict(labels)["ordinal"] for labels in info) == ["0", "1"]
         assert value(samples, "cuctxd_info", version=client.daemon_version, protocol=str(client.protocol),
-                     backend="sim") == 1
+                     backend="sim", node=socket.gethostname()) == 1
     assert value(scrape(url), "cuctxd_device_allocations", device="1") == 0  # freed with the session
     assert value(samples, "cuctxd_draining") == 0
 

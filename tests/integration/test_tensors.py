@@ -265,3 +265,15 @@ def test_the_array_adapter_gives_read_only_numpy_views_on_the_sim(daemon: Daemon
         with load_arrays(c, "arrays") as loaded:
             assert int(loaded.arrays["a"][0, 0]) == 7
         c.unpublish("arrays")
+
+
+def test_loading_a_taken_name_says_so_and_closes_the_file(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """The daemon's refusal comes back as itself, not as a BufferError from closing the file's mapping
+    while the error's traceback still held views of it."""
+    pytest.importorskip("safetensors", reason="the safetensors package reads the format")
+    path, _ = _safetensors_file(tmp_path)
+    with Client(daemon.endpoint, timeout=10) as client:
+        load_safetensors(client, str(path), "taken-by-load")
+        with pytest.raises(NameExists):
+            load_safetensors(client, str(path), "taken-by-load")
+        client.unpublish("taken-by-load")
