@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cuctxd.client import BadArgument, Client, NameExists, NotFound, NotOwner, NotShareable, UnknownHandle
+from cuctxd.client import BadArgument, Client, NameExists, NotFound, NotShareable, UnknownHandle
 from tests.helpers import REPO, DaemonProcess, client_env, run_client, wait_until
 from tests.helpers_raw import raw_peer
 
@@ -74,8 +74,7 @@ def test_a_name_published_once_is_freed_after_its_first_consumer(daemon: DaemonP
     with Client(daemon.endpoint) as observer:
         run_client(PRODUCER.replace('c.publish(buf, "weights")', 'c.publish(buf, "weights", once=True)'),
                    daemon.endpoint)
-        device, size, data = run_client(CONSUMER, daemon.endpoint).split()
-        assert bytes.fromhex(data) == PATTERN
+        assert bytes.fromhex(run_client(CONSUMER, daemon.endpoint).split()[2]) == PATTERN
         assert observer.list_shared() == []
         assert device_totals(observer)[1] == (0, 0, 0)
         with pytest.raises(BadArgument, match="cannot be persistent"):
