@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cuctxd.client import BadArgument, Client, NameExists, NotFound, NotShareable, UnknownHandle
+from cuctxd.client import BadArgument, Client, NameExists, NotFound, NotShareable, OutOfRange, UnknownHandle
 from tests.helpers import REPO, DaemonProcess, client_env, run_client, wait_until
 from tests.helpers_raw import raw_peer
 
@@ -224,3 +224,30 @@ def test_a_name_nobody_holds_goes_when_its_orphan_ttl_passes(start_daemons: Call
         assert time.monotonic() - started >= 0.5
         assert [s["name"] for s in consumer.list_shared()] == ["kept"]
         consumer.unpublish("kept")
+
+
+def test_an_opened_share_reads_and_writes_its_bytes_whatever_the_backend(daemon: DaemonProcess) -> None:
+    """``read``, ``read_into`` and ``write`` of an OpenedShare: the same calls on the sim and on a GPU
+    (tests/gpu/test_tensors_gpu.py runs them on cuda)."""
+    with Client(daemon.endpoint) as owner, Client(daemon.endpoint) as reader:
+        buf = owner.alloc(4096, shareable=True)
+        buf.write(PATTERN)
+        with reader.open_shared(buf.export()) as shared:
+            assert shared.read() == PATTERN
+            assert shared.read(16, offset=4080) == PATTERN[4080:]
+            into = bytearray(100)
+            assert shared.read_into(into, offset=256) == 100 and bytes(into) == PATTERN[256:356]
+            assert shared.write(b"through the mapping", offset=8) == 19
+            assert buf.read(19, offset=8) == b"through the mapping"
+            with pytest.raises(OutOfRange):
+                shared.read(2, offset=4095)
+            with pytest.raises(BadArgument, match="writable"):
+                shared.read_into(b"not writable")
+        with pytest.raises(BadArgument, match="closed"):
+            shared.read()
+        owner.publish(buf, "read-only-bytes", read_only=True)
+        with reader.open_shared("read-only-bytes") as shared:
+            with pytest.raises(BadArgument, match="read-only"):
+                shared.write(b"x")
+            assert shared.read(4) == b"\x00\x01\x02\x03"
+        owner.unpublish("read-only-bytes")
