@@ -7,6 +7,7 @@ from cuctxd.client.api.pipeline import AsyncPipeline, Pipeline
 from cuctxd.client.api.sharing import AsyncOpenedShare, OpenedShare
 from cuctxd.client.api.streams import AsyncEvent, AsyncStream, Event, Stream
 from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer, HostBuffer
+from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors, publish_tensors
 from cuctxd.protos.errors import (
     BadArgument,
     BadOp,
@@ -18,12 +19,14 @@ from cuctxd.protos.errors import (
     DaemonTimeout,
     LimitExceeded,
     NameExists,
+    NoAccess,
     NoDaemon,
     NotFound,
     NotOwner,
     NotShareable,
     OutOfRange,
     Revoked,
+    SessionClosed,
     SessionExpired,
     SessionLost,
     TooLarge,
@@ -38,7 +41,8 @@ __all__ = [
     "AsyncBuffer", "AsyncClient", "AsyncContext", "AsyncEvent", "AsyncHostBuffer", "AsyncOpenedShare",
     "AsyncPipeline", "AsyncStream", "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost",
     "Context", "CuctxError", "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "Event", "HostBuffer",
-    "LimitExceeded", "NameExists", "NoDaemon", "NotFound", "NotOwner", "NotShareable", "OpenedShare", "OutOfRange",
-    "Pipeline", "Revoked", "SessionExpired", "SessionLost", "ShareDescriptor", "Stream", "TooLarge",
-    "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend",
+    "LimitExceeded", "NameExists", "NoAccess", "NoDaemon", "NotFound", "NotOwner", "NotShareable", "OpenedShare",
+    "OutOfRange", "Pipeline", "Revoked", "SessionClosed", "SessionExpired", "SessionLost", "ShareDescriptor",
+    "Stream", "TensorSet", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend",
+    "open_tensors", "publish_tensors",
 ]

@@ -34,6 +34,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_NOT_FOUND = 10014
     CUCTXD_ERROR_NOT_OWNER = 10015
     CUCTXD_ERROR_REVOKED = 10016
+    CUCTXD_ERROR_SESSION_CLOSED = 10017
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -178,6 +179,12 @@ class Revoked(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_REVOKED
 
 
+class SessionClosed(DaemonError):
+    """Another session closed this one (``close_session``, ``cuctx kill``): its objects are gone."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_SESSION_CLOSED
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -200,6 +207,14 @@ class ConnectionLost(CuctxError, ConnectionError):
 
     def __init__(self, message: str, op: str | None = None) -> None:
         super().__init__(0, self.error_name, message, op)
+
+
+class NoAccess(ConnectionLost, PermissionError):
+    """Client side only: this process may not connect to the ipc:// endpoint (a directory on its path it
+    may not enter, or a socket file it may not write); raised at once, with what to change. A
+    PermissionError as well."""
+
+    error_name = "CUCTXD_NO_ACCESS"
 
 
 class NoDaemon(ConnectionLost):
@@ -242,7 +257,7 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, InternalError,
     )
 }
 

@@ -32,9 +32,12 @@ class Export:
 @op("publish", target="device")
 class Publish:
     """Export a buffer and publish it under ``name``, visible to every session; with ``manifest`` (a
-    packed layout, :mod:`cuctxd.protos.layouts`), as the tensors it lists; ``persistent``: the name
-    keeps it alive until unpublished, however often it is opened and closed; ``read_only``: openers
-    are told to map it without write access (``read_only`` in the descriptor). Result: ``share``."""
+    packed layout, :mod:`cuctxd.protos.layouts`), as the tensors it lists. A name keeps the buffer
+    alive until it is unpublished or, once its owner is gone and nobody holds it, ``orphan_ttl``
+    passes (PROTOCOL.md, "Lifetime of shared memory"); ``persistent``: no ``orphan_ttl`` (and parked
+    where a service manager keeps fds); ``once``: consume-once, the name stops keeping it once a
+    session opened it after its owner let go; ``read_only``: openers are told to map it without
+    write access (``read_only`` in the descriptor). Result: ``share``."""
 
     buffer: int = handle_field()
     name: str = name_field()
@@ -42,11 +45,13 @@ class Publish:
     manifest: bytes | None = None
     persistent: bool = False
     read_only: bool = False
+    once: bool = False
 
 
 @op("unpublish", target="front")
 class Unpublish:
-    """Remove a name this session published; holders keep their mappings. Result: ``{}``."""
+    """Remove a name published by a session of this session's user (or, for the daemon's own user, any
+    name); holders keep their mappings. Result: ``{}``."""
 
     name: str = name_field()
 

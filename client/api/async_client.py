@@ -41,9 +41,9 @@ from cuctxd.client.wire.lease import AsyncHeartbeat
 from cuctxd.client.wire.routes import MAIN, Route, Router
 from cuctxd.client.wire.session import SessionState
 from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, curve_keys
-from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, listening, no_daemon
+from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, listening, no_access, no_daemon
 from cuctxd.protos.endpoints import client_endpoint
-from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, UnknownSession
+from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, SessionClosed, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 T = TypeVar("T")
@@ -99,6 +99,9 @@ class AsyncClient(SessionState):
 
     async def _connect(self) -> None:
         """Say hello on a fresh socket: a new session."""
+        denied = no_access(self.endpoint, "hello")
+        if denied is not None:
+            raise denied
         if not listening(self.endpoint):
             raise no_daemon(self.endpoint, "hello")
         main = AsyncTransport(self.endpoint, self.timeout, self.curve)
@@ -134,7 +137,7 @@ class AsyncClient(SessionState):
                 else:
                     run.resume(result)
             return run.value
-        except (UnknownSession, NoDaemon) as exc:
+        except (UnknownSession, SessionClosed, NoDaemon) as exc:
             raise self._lose(exc) from exc
 
     async def _execute(self, step: Step) -> Any:
@@ -238,6 +241,12 @@ class AsyncClient(SessionState):
 
     async def status(self) -> dict[str, Any]:
         return await self.run(build.status())
+
+    async def close_session(self, session_id: int) -> None:
+        await self.run(build.close_session(session_id))
+
+    async def shutdown(self) -> None:
+        await self.run(build.shutdown())
 
     async def get_device(self) -> int:
         return await self.run(build.get_device())
@@ -343,8 +352,9 @@ class AsyncClient(SessionState):
     async def export(self, buffer: AsyncBuffer) -> ShareDescriptor:
         return await self.run(build.export(buffer))
 
-    async def publish(self, buffer: AsyncBuffer, name: str, *, read_only: bool = False) -> ShareDescriptor:
-        return await self.run(build.publish(buffer, name, read_only=read_only))
+    async def publish(self, buffer: AsyncBuffer, name: str, *, persistent: bool = False, once: bool = False,
+                      read_only: bool = False) -> ShareDescriptor:
+        return await self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once))
 
     async def unpublish(self, name: str) -> None:
         await self.run(build.unpublish(name))

@@ -30,9 +30,9 @@ from cuctxd.client.wire.routes import Router
 from cuctxd.client.wire.session import SessionState
 from cuctxd.client.wire.shm_lane import ShmTransport
 from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, Transport, curve_keys
-from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, Call, listening, no_daemon
+from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, Call, listening, no_access, no_daemon
 from cuctxd.protos.endpoints import client_endpoint
-from cuctxd.protos.errors import CuctxError, NoDaemon, UnknownSession
+from cuctxd.protos.errors import CuctxError, NoDaemon, SessionClosed, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 __all__ = ["CHUNK_BYTES", "HELLO_TIMEOUT", "Client"]
@@ -112,6 +112,9 @@ class Client(SessionState):
 
     def _connect(self) -> None:
         """Say hello on a fresh socket: a new session."""
+        denied = no_access(self.endpoint, "hello")
+        if denied is not None:
+            raise denied
         if not listening(self.endpoint):
             raise no_daemon(self.endpoint, "hello")
         main = Transport(self.endpoint, self.timeout, self.curve)
@@ -174,7 +177,7 @@ class Client(SessionState):
                 else:
                     run.resume(result)
             return run.value
-        except (UnknownSession, NoDaemon) as exc:
+        except (UnknownSession, SessionClosed, NoDaemon) as exc:
             raise self._lose(exc) from exc
 
     def _execute(self, step: Step) -> Any:
@@ -304,6 +307,15 @@ class Client(SessionState):
 
     def status(self) -> dict[str, Any]:
         return self.run(build.status())
+
+    def close_session(self, session_id: int) -> None:
+        """Close the session ``session_id`` (its public id, as ``status`` lists it) as its ``goodbye``
+        would: allowed to that session's user and the daemon's own user."""
+        self.run(build.close_session(session_id))
+
+    def shutdown(self) -> None:
+        """Ask the daemon to shut down as SIGTERM does (drain, then exit): only its own user may."""
+        self.run(build.shutdown())
 
     def get_device(self) -> int:
         """``cudaGetDevice``: the session's current device."""
@@ -435,12 +447,19 @@ class Client(SessionState):
         """Make ``buffer`` shareable; the descriptor is plain data another process can open."""
         return self.run(build.export(buffer))
 
-    def publish(self, buffer: Buffer, name: str, *, read_only: bool = False) -> ShareDescriptor:
-        """Export ``buffer`` and publish it under ``name`` for every session to look up; ``read_only``:
-        openers map it without write access (advisory: section 9 of PROTOCOL.md says where it holds)."""
-        return self.run(build.publish(buffer, name, read_only=read_only))
+    def publish(self, buffer: Buffer, name: str, *, persistent: bool = False, once: bool = False,
+                read_only: bool = False) -> ShareDescriptor:
+        """Export ``buffer`` and publish it under ``name`` for every session to look up. The name keeps the
+        buffer until it is unpublished or, once this session let the buffer go and nobody holds it, the
+        daemon's ``orphan_ttl`` passes; ``persistent``: no ``orphan_ttl`` (and the name survives a daemon
+        restart where a service manager keeps it); ``once``: consume-once, the name stops keeping the
+        buffer once a session opened it after its owner let go (PROTOCOL.md, "Lifetime of shared memory");
+        ``read_only``: openers map it without write access (advisory: section 9 of PROTOCOL.md says where
+        it holds)."""
+        return self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once))
 
     def unpublish(self, name: str) -> None:
+        """Remove a name published by this user's sessions (any name, as the daemon's own user)."""
         self.run(build.unpublish(name))
 
     def lookup(self, name: str) -> ShareDescriptor:

@@ -19,12 +19,11 @@ from cuctxd.client.presentation import docs_from
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import Local, Plan
 from cuctxd.client.wire.session import AsyncSession, Session
-from cuctxd.protos.errors import NotShareable, WrongBackend
-from cuctxd.protos.host import host_identity
+from cuctxd.protos.errors import BadArgument, NotShareable, OutOfRange, WrongBackend
+from cuctxd.protos.host import buffer_address, host_identity
 from cuctxd.protos.records import ShareDescriptor
 
 ShareT = TypeVar("ShareT")
-
 
 
 def check_same_host(descriptor: ShareDescriptor) -> None:
@@ -83,6 +82,65 @@ class MappedShare:
             raise NotShareable("a cuda share lives in device memory; use ptr or __cuda_array_interface__")
         view: memoryview = self._mapping.view
         return view.toreadonly() if self.descriptor.read_only else view
+
+    # Copies through this process's mapping, whatever the backend: a local copy (cuMemcpyDtoH/HtoD on the
+    # cuda backend, finished before they return; a memory copy on the sim), nothing through the daemon.
+    # Synchronous in both client flavours. Order them against GPU work on the share yourself (PROTOCOL.md,
+    # section 9, "Opening and closing").
+
+    def read(self, size: int | None = None, offset: int = 0) -> bytes:
+        """``size`` bytes (default: to the end) from ``offset`` of the shared buffer, as bytes."""
+        size = self._span(offset, size, "read")
+        out = bytearray(size)
+        self.read_into(out, offset)
+        return bytes(out)
+
+    def read_into(self, destination: Any, offset: int = 0) -> int:
+        """Fill ``destination`` (a writable buffer: bytearray, memoryview, numpy array, a host buffer) with the
+        shared bytes from ``offset``; returns how many bytes were copied (its size)."""
+        with memoryview(destination) as view:
+            if view.readonly:
+                raise BadArgument("read_into needs a writable destination buffer")
+            size = self._span(offset, view.nbytes, "read_into")
+            if self.backend == "sim":
+                view.cast("B")[:] = self._mapping.view[offset:offset + size]
+                return size
+            self._copy_with_host(view, offset, size, to_host=True)
+        return size
+
+    def write(self, data: Any, offset: int = 0) -> int:
+        """Copy ``data`` (any bytes-like object) into the shared buffer at ``offset``; returns the bytes written.
+        Refused (``BadArgument``) for a share published read-only."""
+        if self.descriptor.read_only:
+            raise BadArgument(f"{self.descriptor.name or self.descriptor.share_id!r} was published read-only")
+        with memoryview(data) as view:
+            size = self._span(offset, view.nbytes, "write")
+            if self.backend == "sim":
+                self._mapping.view[offset:offset + size] = view.cast("B")
+                return size
+            self._copy_with_host(view, offset, size, to_host=False)
+        return size
+
+    def _span(self, offset: int, size: int | None, what: str) -> int:
+        """``size`` (default: from ``offset`` to the end), checked to lie inside the buffer."""
+        if self.closed:
+            raise BadArgument(f"{what}: this share is closed (unmapped)")
+        if size is None:
+            size = self.size - min(offset, self.size)
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise OutOfRange(f"{what}: bytes {offset}..{offset + size} reach outside the share's {self.size} bytes")
+        return size
+
+    def _copy_with_host(self, view: memoryview, offset: int, size: int, *, to_host: bool) -> None:
+        if self.backend != "cuda":
+            raise NotShareable(f"cannot copy with a {self.backend} share")
+        from cuctxd.client.data_plane.ipc_cuda import copy_with_host
+
+        if not view.c_contiguous:
+            raise BadArgument("the host buffer must be contiguous")
+        if size:
+            with buffer_address(view) as address:
+                copy_with_host(self.descriptor.device_uuid, self.ptr + offset, address, size, to_host=to_host)
 
 
 class OpenedShare(MappedShare):

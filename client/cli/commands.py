@@ -8,11 +8,14 @@ are accepted before or after the command: ``cuctx devices --json`` and
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from cuctxd.client.api.client import Client
 from cuctxd.client.cli.doctor import FAIL, run_checks
@@ -25,6 +28,7 @@ from cuctxd.client.cli.tables import (
     watch_frame,
 )
 from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys
+from cuctxd.client.wire.transport import listening
 from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
 from cuctxd.protos.errors import CuctxError
 from cuctxd.protos.sizes import human_size
@@ -38,17 +42,58 @@ class UsageError(Exception):
     """A bad option value found after parsing (an endpoint, a key file): one line, exit 2."""
 
 
-def _positive(text: str) -> float:
-    value = float(text)
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line, with a "did you mean" for a misspelled choice, and a pointer
+    to ``--help`` instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {did_you_mean(message)} (try '{self.prog} --help')\n")
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<given>[^']*)' \(choose from (?P<choices>.*)\)$")
+
+
+def did_you_mean(message: str) -> str:
+    """argparse's "invalid choice" message with the closest choice suggested, when one is close."""
+    match = _INVALID_CHOICE.search(message)
+    if match is None:
+        return message
+    choices = re.findall(r"'([^']*)'", match.group("choices"))
+    close = difflib.get_close_matches(match.group("given"), choices, n=1, cutoff=0.6)
+    if not close:
+        return message
+    return (f"{message[:match.start()]}invalid choice: '{match.group('given')}'; did you mean '{close[0]}'? "
+            f"(choose from {match.group('choices')})")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
     return value
 
 
 def _count(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def _ordinal(text: str) -> int:
+    """A device index or a session id: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 
@@ -63,8 +108,8 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
     group.add_argument("--endpoint", default=default(None),
                        help=f"daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: ${ENDPOINT_ENV}, "
                             "else the per-user socket)")
-    group.add_argument("--timeout", type=_positive, default=default(10.0),
-                       help="seconds to wait for the daemon (default 10)")
+    group.add_argument("--timeout", type=_seconds, default=default(10.0),
+                       help="seconds to wait for the daemon, connecting included (default 10)")
     group.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
     group.add_argument("--server-key", metavar="PATH", default=default(None),
                        help="CURVE: the daemon's public key file (server.key); needed for a daemon with server_key")
@@ -74,13 +119,13 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cuctx", description="Query a running cuctxd daemon.",
-                                     epilog="'cuctx help COMMAND' shows the options of one command.")
+    parser = _Parser(prog="cuctx", description="Query and manage a running cuctxd daemon.",
+                     epilog="'cuctx help COMMAND' shows the options of one command.")
     parser.add_argument("--version", action="version", version=f"cuctx {__version__}")
     _add_global_options(parser, defaults=True)
-    globals_ = argparse.ArgumentParser(add_help=False)
+    globals_ = _Parser(add_help=False)
     _add_global_options(globals_, defaults=False)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return commands.add_parser(name, help=help, description=help, parents=[globals_])
@@ -90,15 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     command("devices", "the devices the daemon serves")
     status = command("status", "sessions, contexts and memory per device")
     status.add_argument("-w", "--watch", action="store_true", help="refresh like top until Ctrl-C")
-    status.add_argument("-n", "--interval", type=_positive, default=2.0, metavar="S",
+    status.add_argument("-n", "--interval", type=_seconds, default=2.0, metavar="S",
                         help="seconds between refreshes with --watch (default 2)")
     status.add_argument("--count", type=_count, metavar="N", help="with --watch: stop after N refreshes")
     command("shared", "published buffers and who holds them")
     load = command("load", "publish the tensors of a .safetensors file as one layout")
     load.add_argument("file", metavar="FILE.safetensors", help="the file to load")
     load.add_argument("--name", required=True, help="the name to publish the layout under")
-    load.add_argument("--device", type=_count, default=None, metavar="N", help="the device (default: 0)")
+    load.add_argument("--device", type=_ordinal, default=None, metavar="N", help="the device (default: 0)")
     load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
+    unpublish = command("unpublish", "remove a published name (one published by your user; any, as the "
+                                     "daemon's user)")
+    unpublish.add_argument("name", metavar="NAME", help="the name, as 'cuctx shared' lists it")
+    kill = command("kill", "close a session as its own goodbye would (your user's sessions; any, as the "
+                           "daemon's user)")
+    kill.add_argument("session", metavar="SESSION", type=_ordinal, help="the session's id, as 'cuctx status' "
+                                                                        "lists it")
+    command("shutdown", "stop the daemon as SIGTERM does: drain, then exit (only the daemon's own user)")
     command("doctor", "check that this process can use the daemon (exit 1 on any FAIL)")
     help_ = commands.add_parser("help", help="this help, or the help of one command",
                                 description="this help, or the help of one command")
@@ -125,6 +178,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         endpoint = _endpoint(args.endpoint)
         curve = curve_keys(args.server_key, args.client_key)
+        if args.command == "load" and not args.name:
+            raise UsageError("--name: the name to publish under must not be empty")
     except (UsageError, ValueError) as exc:
         print(f"cuctx: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -133,7 +188,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.command == "status" and args.watch:
         return watch_status(args, endpoint, curve)
     try:
-        with Client(endpoint, timeout=args.timeout, name="cuctx", server_key=curve) as client:
+        with _client(endpoint, args, curve) as client:
             if args.command == "ping":
                 times = [client.ping() for _ in range(args.count)]
                 if args.json:
@@ -144,10 +199,11 @@ def run(argv: Sequence[str] | None = None) -> int:
                               f"(cuctxd {client.daemon_version}, backend {client.backend})")
             elif args.command == "devices":
                 devices = client.devices()
+                memory = _memory_by_device(client.status())
                 if args.json:
-                    print(json.dumps([d.to_wire() for d in devices]))
+                    print(json.dumps([{**d.to_wire(), "memory": memory.get(d.index)} for d in devices]))
                 else:
-                    print(devices_table(devices))
+                    print(devices_table(devices, memory))
             elif args.command == "status":
                 status = client.status()
                 print(json.dumps(status) if args.json else status_text(status, own_session=client.session_id))
@@ -156,8 +212,53 @@ def run(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(shared) if args.json else shared_table(shared))
             elif args.command == "load":
                 return load_file(client, args)
+            elif args.command == "unpublish":
+                client.unpublish(args.name)
+                _say(args, {"unpublished": args.name}, f"unpublished {args.name!r}")
+            elif args.command == "kill":
+                client.close_session(args.session)
+                _say(args, {"closed": args.session}, f"closed session {args.session}")
+            elif args.command == "shutdown":
+                pid = client.status()["pid"]
+                client.shutdown()
+                client.close()  # before the drain ends it
+                return _wait_for_exit(args, endpoint, pid)
     except CuctxError as exc:
         print(f"cuctx: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _client(endpoint: str, args: argparse.Namespace, curve: CurveKeys | None) -> Client:
+    """A session for one command: ``--timeout`` bounds every wait, the handshake included."""
+    return Client(endpoint, timeout=args.timeout, hello_timeout=args.timeout, name="cuctx", server_key=curve)
+
+
+def _say(args: argparse.Namespace, wire: dict[str, Any], text: str) -> None:
+    print(json.dumps(wire) if args.json else text)
+
+
+def _memory_by_device(status: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each device's ``memory`` from a status map (daemons before it do not say)."""
+    return {dev["device"]: dev["memory"] for dev in status.get("devices", []) if "memory" in dev}
+
+
+def _wait_for_exit(args: argparse.Namespace, endpoint: str, pid: int) -> int:
+    """After ``shutdown``: wait (up to ``--timeout``) for an ipc:// daemon's socket to go, and say so."""
+    deadline = time.monotonic() + args.timeout
+    stopped = None
+    if endpoint.startswith("ipc://"):
+        while listening(endpoint) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stopped = not listening(endpoint)
+    if args.json:
+        print(json.dumps({"shutdown": True, "pid": pid, "stopped": stopped}))
+    elif stopped is None:
+        print(f"cuctxd (pid {pid}) at {endpoint} is shutting down")
+    elif stopped:
+        print(f"cuctxd (pid {pid}) at {endpoint} has stopped")
+    else:
+        print(f"cuctxd (pid {pid}) at {endpoint} is still draining after {args.timeout:g} s", file=sys.stderr)
         return 1
     return 0
 
@@ -193,7 +294,9 @@ def show_help(parser: argparse.ArgumentParser, topic: str | None) -> int:
         return 0
     commands: dict[str, argparse.ArgumentParser] = parser.get_default("command_parsers")
     if topic not in commands:
-        print(f"cuctx: no command {topic!r} (commands: {', '.join(commands)})", file=sys.stderr)
+        close = difflib.get_close_matches(topic, list(commands), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"cuctx: no command {topic!r}{hint} (commands: {', '.join(commands)})", file=sys.stderr)
         return EXIT_USAGE
     commands[topic].print_help()
     return 0
@@ -224,7 +327,7 @@ def watch_status(args: argparse.Namespace, endpoint: str, curve: CurveKeys | Non
         while True:
             try:
                 if client is None:
-                    client = Client(endpoint, timeout=args.timeout, name="cuctx", server_key=curve)
+                    client = _client(endpoint, args, curve)
                 status = client.status()
                 body = json.dumps(status) if args.json else status_text(status, own_session=client.session_id)
                 failed = False

@@ -23,6 +23,7 @@ from typing import Any
 from cuctxd.client.api.client import Client
 from cuctxd.client.cli.tables import human_duration
 from cuctxd.client.wire.socket_transport import CurveKeys, Transport
+from cuctxd.client.wire.transport import access_problem
 from cuctxd.protos.errors import CuctxError, VersionMismatch
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.version import PROTOCOL_VERSION
@@ -48,6 +49,13 @@ def run_checks(endpoint: str, timeout: float, curve: CurveKeys | None = None) ->
 
 def _checks(endpoint: str, timeout: float, curve: CurveKeys | None) -> Iterator[Check]:
     yield from _driver_checks()
+    denied = access_problem(endpoint)
+    if denied is not None:  # a daemon may well be running: say what stops this user, and wait for nothing
+        yield Check("socket", FAIL, denied)
+        yield Check("daemon", WARN, "not checked: this user may not connect to the socket (above)")
+        for name in ("protocol", "ipc"):
+            yield Check(name, WARN, "not checked: the daemon is not reachable")
+        return
     yield _socket_check(endpoint)
     reachable = _reachable_check(endpoint, timeout, curve)
     yield reachable
@@ -56,7 +64,8 @@ def _checks(endpoint: str, timeout: float, curve: CurveKeys | None) -> Iterator[
             yield Check(name, WARN, "not checked: the daemon is not reachable")
         return
     try:
-        client = Client(endpoint, timeout=timeout, name="cuctx-doctor", heartbeat=False, server_key=curve)
+        client = Client(endpoint, timeout=timeout, hello_timeout=timeout, name="cuctx-doctor", heartbeat=False,
+                        server_key=curve)
     except VersionMismatch as exc:
         yield Check("protocol", FAIL, f"{exc.message} (this client speaks protocol {PROTOCOL_VERSION})")
         yield Check("ipc", WARN, "not checked: no session with the daemon")

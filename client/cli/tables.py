@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cuctxd.protos.records import DeviceInfo
@@ -25,15 +25,39 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def devices_table(devices: Sequence[DeviceInfo]) -> str:
+def devices_table(devices: Sequence[DeviceInfo], memory: Mapping[int, dict[str, Any]] | None = None) -> str:
+    """One row per device; ``memory``: each device's ``memory`` from ``status`` (USED and FREE are the
+    driver's, the whole device; "-" until the daemon has a context there)."""
+    memory = memory or {}
     return table(
-        ["DEV", "NAME", "CC", "MEMORY", "SMS", "PCI BUS ID", "UUID"],
+        ["DEV", "NAME", "CC", "MEMORY", "USED", "FREE", "CUCTXD", "SMS", "PCI BUS ID", "UUID"],
         [
             [d.index, d.name, "{}.{}".format(*d.compute_capability), human_size(d.total_memory),
-             d.multiprocessor_count, d.pci_bus_id, d.uuid]
+             *_memory_cells(memory.get(d.index)), d.multiprocessor_count, d.pci_bus_id, d.uuid]
             for d in devices
         ],
     )
+
+
+def _memory_cells(memory: dict[str, Any] | None) -> list[str]:
+    """USED, FREE and CUCTXD (what the daemon holds) of a device's ``memory``."""
+    if memory is None:
+        return ["-", "-", "-"]
+    return [_size_or_dash(memory.get("used")), _size_or_dash(memory.get("free")),
+            _size_or_dash(memory.get("allocated"))]
+
+
+def _size_or_dash(size: int | None) -> str:
+    return "-" if size is None else human_size(size)
+
+
+def memory_line(memory: dict[str, Any]) -> str:
+    """A device's memory in ``cuctx status``."""
+    held = f"cuctxd holds {human_size(memory['allocated'])}"
+    if memory.get("free") is None:
+        return f"  memory: {human_size(memory['total'])}; {held}; used/free: not known until a context lives there"
+    return (f"  memory: {human_size(memory['used'])} used, {human_size(memory['free'])} free of "
+            f"{human_size(memory['total'])} (whole device); {held}")
 
 
 def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
@@ -65,6 +89,8 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
             f"{'alive' if worker['alive'] else 'DEAD'}); primary context "
             f"{'active' if primary['active'] else 'inactive'}, {primary['references']} reference(s)",
         ]
+        if dev.get("memory"):
+            lines.append(memory_line(dev["memory"]))
         if dev.get("failed"):
             lines.append(f"  FAILED: {dev['failed']} (this device refuses all work until the daemon restarts)")
         if dev.get("shm_lanes"):

@@ -106,6 +106,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "cuMemAddressFree": [_CUdeviceptr, ctypes.c_size_t],
     "cuMemRelease": [_CUmemGenericAllocationHandle],
     "cuMemcpyDtoD_v2": [_CUdeviceptr, _CUdeviceptr, ctypes.c_size_t],
+    "cuMemcpyDtoH_v2": [ctypes.c_void_p, _CUdeviceptr, ctypes.c_size_t],
+    "cuMemcpyHtoD_v2": [_CUdeviceptr, ctypes.c_void_p, ctypes.c_size_t],
 }
 
 
@@ -236,6 +238,14 @@ class Driver:
     def copy_device_to_device(self, dst: int, src: int, size: int) -> None:
         self.call("cuMemcpyDtoD_v2", _CUdeviceptr(dst), _CUdeviceptr(src), size)
         self.call("cuCtxSynchronize")
+
+    def copy_to_host(self, host: int, src: int, size: int) -> None:
+        """``cuMemcpyDtoH`` (synchronous) of ``size`` bytes at device ``src`` to the host address ``host``."""
+        self.call("cuMemcpyDtoH_v2", ctypes.c_void_p(host), _CUdeviceptr(src), size)
+
+    def copy_from_host(self, dst: int, host: int, size: int) -> None:
+        """``cuMemcpyHtoD`` (synchronous) of ``size`` bytes at the host address ``host`` to device ``dst``."""
+        self.call("cuMemcpyHtoD_v2", _CUdeviceptr(dst), ctypes.c_void_p(host), size)
 
 
 _driver: Driver | None = None

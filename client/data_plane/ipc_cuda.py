@@ -125,6 +125,21 @@ def copy_device_to_device(device_uuid: str, dst: int, src: int, size: int) -> No
         primary.release()
 
 
+def copy_with_host(device_uuid: str, device_ptr: int, host: int, size: int, *, to_host: bool) -> None:
+    """A synchronous copy between a mapped share and host memory (``cuMemcpyDtoH``/``cuMemcpyHtoD``) in this
+    process's primary context of that GPU: :meth:`~cuctxd.client.api.sharing.MappedShare.read_into` and
+    ``write`` of a cuda share."""
+    primary = _Primary(driver("copy device memory"), device_uuid)
+    try:
+        with primary.cu.current(primary.context):
+            if to_host:
+                primary.cu.copy_to_host(host, device_ptr, size)
+            else:
+                primary.cu.copy_from_host(device_ptr, host, size)
+    finally:
+        primary.release()
+
+
 def ordinal_of(device_uuid: str) -> int:
     """This process's CUDA ordinal of the GPU with that UUID."""
     return driver("find a GPU").find_device(device_uuid)

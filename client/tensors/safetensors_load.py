@@ -10,6 +10,7 @@ before anything is published, and the buffer is freed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -56,7 +57,8 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
     only read-only); ``progress(done, total)`` in bytes."""
     header, metadata, start = _read_header(path)
     data_bytes = os.path.getsize(path) - start
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         data = memoryview(mapped)
         sources: dict[str, RawBytes] = {}
         try:
@@ -77,6 +79,10 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
         finally:
             sources.clear()
             data.release()
+            # views of it may live on in a failure's traceback: the mapping then goes with them, and the
+            # failure is what the caller sees (not "cannot close exported pointers exist")
+            with contextlib.suppress(BufferError):
+                mapped.close()
 
 
 __all__ = ["load_safetensors"]

@@ -293,6 +293,12 @@ class TensorSet(Mapping[str, SharedTensor]):
     def __len__(self) -> int:
         return len(self._tensors)
 
+    @property
+    def backend(self) -> str:
+        """The daemon's backend: ``"cuda"`` (tensors in device memory: ``torch.from_dlpack``,
+        ``cupy.from_dlpack``) or ``"sim"`` (host memory: ``numpy.asarray``)."""
+        return self.share.backend
+
     def cuda_ordinal(self) -> int:
         """This process's ordinal of the layout's GPU (DLPack names devices by it)."""
         from cuctxd.client.data_plane.ipc_cuda import ordinal_of

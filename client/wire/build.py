@@ -236,6 +236,14 @@ def status() -> Request[dict[str, Any]]:
     return _STATUS
 
 
+def close_session(session_id: int) -> Request[None]:
+    return _request("close_session", _nothing, session_id=session_id)
+
+
+def shutdown() -> Request[None]:
+    return _request("shutdown", _nothing)
+
+
 def get_device() -> Request[int]:
     return _GET_DEVICE
 
@@ -448,9 +456,10 @@ def export(buffer: OnDevice) -> Request[ShareDescriptor]:
 
 
 def publish(buffer: OnDevice, name: str, manifest: bytes | None = None, persistent: bool = False,
-            read_only: bool = False) -> Request[ShareDescriptor]:
+            read_only: bool = False, once: bool = False) -> Request[ShareDescriptor]:
     return _request("publish", _share, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest,
-                                             persistent=persistent or None, read_only=read_only or None))
+                                             persistent=persistent or None, read_only=read_only or None,
+                                             once=once or None))
 
 
 def unpublish(name: str) -> Request[None]:

@@ -19,7 +19,7 @@ from cuctxd.client.wire.build import Plan, Request
 from cuctxd.client.wire.routes import device_endpoints
 from cuctxd.client.wire.stream_ordered import Outbox
 from cuctxd.client.wire.transport import not_listening
-from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, NoDaemon, SessionLost
+from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, NoDaemon, SessionClosed, SessionLost
 
 T = TypeVar("T")
 
@@ -91,6 +91,8 @@ class SessionState:
         calls fail at once (or reconnect), and return the error to raise."""
         if isinstance(error, NoDaemon) and not isinstance(error, DaemonRestarted):
             why = f"{not_listening(self.endpoint)} any more"
+        elif isinstance(error, SessionClosed):
+            why = f"the daemon at {self.endpoint} says {error.message}"
         else:
             why = f"the daemon at {self.endpoint} no longer knows this session (it was restarted)"
         self._token = None

@@ -11,12 +11,16 @@ probes an ipc:// daemon while a reply is awaited (:func:`listening`).
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import socket
+import stat
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from cuctxd.protos.errors import CuctxError, DaemonRestarted, DaemonTimeout, NoDaemon
+from cuctxd.protos.errors import CuctxError, DaemonRestarted, DaemonTimeout, NoAccess, NoDaemon
 
 T = TypeVar("T")
 
@@ -67,6 +71,76 @@ def listening(endpoint: str) -> bool:
         except OSError:
             return True
     return True
+
+
+def access_problem(endpoint: str) -> str | None:
+    """Why this process may not connect to an ipc:// endpoint (the kernel said "permission denied"): the first
+    directory on the socket's path it may not enter, or the socket file it may not write, with what to change.
+    None when it may (or the endpoint is not an ipc:// file, or nothing is there: :func:`listening` says)."""
+    path = _ipc_path(endpoint)
+    if path is None or path.startswith("\0"):
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(path)
+        except PermissionError:
+            pass
+        except OSError:
+            return None
+        else:
+            return None
+    socket_path = Path(path)
+    you = f"this user ({_user(os.getuid())}, uid {os.getuid()})"
+    for directory in reversed(socket_path.parents):  # from / down
+        if not os.access(directory, os.X_OK):
+            return (f"cannot reach {endpoint}: permission denied: {you} may not enter {directory} "
+                    f"({_owner_text(directory)}); {_fix(directory)}")
+    return (f"cannot reach {endpoint}: permission denied: {you} may not write the socket {socket_path} "
+            f"({_owner_text(socket_path)}); {_fix(socket_path)}")
+
+
+def no_access(endpoint: str, op: str | None = None) -> NoAccess | None:
+    """:class:`NoAccess` when :func:`access_problem` finds one, else None."""
+    problem = access_problem(endpoint)
+    return None if problem is None else NoAccess(problem, op)
+
+
+def _owner_text(path: Path) -> str:
+    try:
+        info = path.stat()
+    except OSError:
+        return "owner unknown"
+    return (f"mode {stat.S_IMODE(info.st_mode):04o}, owner {_user(info.st_uid)}, group "
+            f"{_group(info.st_gid)}")
+
+
+def _fix(path: Path) -> str:
+    """What to change so that this user may connect: the daemon's user, or its ``group`` setting."""
+    try:
+        info = path.stat()
+    except OSError:
+        return "run as the daemon's user, or have the daemon let your group in"
+    owner, group = _user(info.st_uid), _group(info.st_gid)
+    if info.st_mode & stat.S_IRWXG:
+        return (f"run as {owner}, or join the group {group} (then log in again) that the daemon lets in "
+                "(its `group` setting)")
+    return (f"only {owner} may connect: run as {owner}, or have the daemon started with `group = \"GROUP\"` "
+            "(--group) so the members of GROUP may connect, and join that group")
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"gid {gid}"
 
 
 def not_listening(endpoint: str) -> str:

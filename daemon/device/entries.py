@@ -119,13 +119,16 @@ class Share:
     holders: dict[str, int] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
     opened_since_orphaned: bool = False
-    #: ``time.monotonic()`` when the owner let go (None while the owner holds it).
+    #: ``time.monotonic()`` when it came to be kept by its names alone (its ``orphan_ttl`` counts from then).
     orphaned_at: float | None = None
     #: The owner revoked it: no new opens, and each holder's next use of it answers REVOKED.
     revoked: bool = False
-    #: Published ``persistent``: its names keep it alive however often it is opened and closed
-    #: (model weights that outlive their loader and survive their workers' restarts).
+    #: Published ``persistent``: no ``orphan_ttl``, and parked where a service manager keeps fds
+    #: (model weights that outlive their loader and survive the daemon's restarts).
     persistent: bool = False
+    #: Published ``once``: consume-once, its names stop keeping it once a session opened it after its
+    #: owner let go (the names of other shares keep theirs however often they are opened).
+    once: bool = False
 
     @property
     def share_id(self) -> str:
@@ -134,7 +137,7 @@ class Share:
     def keeps_alive(self) -> bool:
         if self.owner_present or self.holders:
             return True
-        return bool(self.names) and (self.persistent or not self.opened_since_orphaned)
+        return bool(self.names) and not (self.once and self.opened_since_orphaned)
 
 
 @dataclass(eq=False)

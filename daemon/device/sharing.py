@@ -194,20 +194,19 @@ class Sharing:
         if share.share_id in state.holds:
             state.bytes_held += share.descriptor.size
         share.owner_present = False
-        share.orphaned_at = time.monotonic()
         share.opened_since_orphaned = bool(share.holders)
         if unpublish:
             self.registry.drop_names(share)
-        self.settle(share)
-        if share.share_id in self.shares and not share.holders:
-            self._orphan(share)
+        self.settle(share)  # kept by its names alone from now on: counted as an orphan there
 
     def _orphan(self, share: Share) -> None:
         """``share`` is kept alive by its names alone now: counted (daemon-wide and against its owner's
-        uid), then the oldest orphans go beyond either limit. Once: a persistent share's settle may have counted it
-        already (counting it twice passed ``max_orphaned_bytes_per_uid`` at half the bytes)."""
+        uid) and its ``orphan_ttl`` starts, then the oldest orphans go beyond either limit. Once: a persistent
+        share's settle may have counted it already (counting it twice passed ``max_orphaned_bytes_per_uid`` at
+        half the bytes)."""
         if share.share_id in self.orphaned:
             return
+        share.orphaned_at = time.monotonic()
         self.orphaned[share.share_id] = share
         self.orphaned_bytes[share.owner.uid] += share.descriptor.size
         self.registry.count_orphan(share.share_id, True)
@@ -247,8 +246,8 @@ class Sharing:
             self.settle(share)
 
     def expire_orphans(self, now: float, ttl: float) -> None:
-        """Free published buffers whose owner left ``ttl`` seconds ago and nobody has open
-        (oldest first: stops at the first younger one)."""
+        """Unpublish (and so free) the buffers kept by their names alone for ``ttl`` seconds: owner gone,
+        nobody holding them since (oldest first: stops at the first younger one); not persistent ones."""
         for share in list(self.orphaned.values()):
             if share.persistent:
                 continue  # waits for its unpublish (or eviction beyond max_orphaned_shares)
@@ -270,7 +269,6 @@ class Sharing:
                 restored.append(name)
             except CuctxError as exc:
                 log.warning("device %d: the parked name %r is not restored: %s", self.device, name, exc)
-        share.orphaned_at = time.monotonic()
         self.settle(share)
         return restored
 
@@ -306,8 +304,7 @@ class Sharing:
         """Free a share's memory once nothing keeps it alive (deferred free)."""
         if share.keeps_alive():
             self.registry.update(share)
-            if share.persistent and not share.owner_present and not share.holders \
-                    and share.share_id not in self.orphaned:  # kept by its names alone again: counted
+            if not share.owner_present and not share.holders:  # kept by its names alone (again): counted
                 self._orphan(share)
             if self.parking is not None and share.share_id in self.shares:
                 self.parking.sync(share)

@@ -4,13 +4,17 @@ that keep the whole ``status`` reply under ``MAX_HEADER_BYTES`` however many obj
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from cuctxd.daemon.device.state import DeviceState
+from cuctxd.protos.errors import CuctxError
 from cuctxd.protos.limits import MAX_HEADER_BYTES, MAX_LISTED
 from cuctxd.protos.messages import pack
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -25,6 +29,26 @@ _ENVELOPE_BYTES = 64
 def first(items: Iterable[T], limit: int = MAX_LISTED) -> list[T]:
     """At most ``limit`` of ``items``, in order, without walking past them."""
     return list(itertools.islice(items, limit))
+
+
+def memory_status(state: DeviceState, live: list[Any] | None = None) -> dict[str, Any]:
+    """The device's memory: ``total``; ``free`` and ``used`` as the driver's ``cuMemGetInfo`` says (the whole
+    device, every process), None while the daemon has no context there (making one just to ask would cost
+    device memory); ``allocated``: what cuctxd holds there (its sessions' buffers and the shares their owners
+    left). Worker thread."""
+    contexts = state.live_contexts() if live is None else live
+    allocated = sum(s.bytes_allocated for s in state.sessions.values()) + sum(
+        share.descriptor.size for share in state.sharing.shares.values() if not share.owner_present)
+    memory: dict[str, Any] = {"total": state.info.total_memory, "free": None, "used": None, "allocated": allocated}
+    if contexts:
+        try:
+            state.activate(contexts[0])
+            free, total = state.driver.mem_get_info()
+        except CuctxError as exc:
+            log.debug("device %d: no memory info: %s", state.device, exc)
+        else:
+            memory.update(total=total, free=free, used=total - free)
+    return memory
 
 
 def device_status(state: DeviceState) -> dict[str, Any]:
@@ -104,6 +128,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "session_count": len(state.sessions),
         "shares": shares,
         "share_count": len(state.sharing.shares),
+        "memory": memory_status(state, live),
         "host_bytes": state.host.total_bytes,
         "pools": {"count": len(state.pools), "ipc": state.pools.ipc},
         "vmm": {"supported": state.memory.vmm_memory.supported, "buffers": len(state.memory.vmm_memory.sizes)},

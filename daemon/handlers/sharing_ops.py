@@ -38,6 +38,8 @@ def export(state: DeviceState, job: Job) -> Reply | Pending:
 def publish(state: DeviceState, job: Job) -> Reply | Pending:
     if not job.args.name:
         raise BadArgument("publish needs a non-empty name")
+    if job.args.once and job.args.persistent:
+        raise BadArgument("a name published once (consume-once) cannot be persistent")
     session = state.session(job.session)
     buffer = session.buffers[job.args.buffer]
     naming = Naming(read_only=job.args.read_only)
@@ -48,6 +50,7 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending:
     share = state.sharing.export(session, buffer)
     state.registry.publish(job.args.name, share, naming)
     share.persistent = share.persistent or job.args.persistent
+    share.once = share.once or job.args.once
     state.parking.sync(share)
     return _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": job.args.name,
                                                              "read_only": job.args.read_only}))

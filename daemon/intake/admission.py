@@ -25,6 +25,7 @@ from cuctxd.protos.errors import (
     CuctxError,
     CudaError,
     InternalError,
+    SessionClosed,
     SessionExpired,
     ShuttingDown,
     TooLarge,
@@ -107,6 +108,9 @@ def _session_of(state: DaemonState, request: RequestHeader, receiver: int) -> Se
         raise UnknownSession(f"{request.spec.name} needs a session: send hello first")
     session = state.sessions.get(request.session)
     if session is None:
+        closed_by = state.sessions.closed_by(request.session)
+        if closed_by is not None:
+            raise SessionClosed(f"this session was closed by {closed_by}")
         if state.sessions.was_expired(request.session):
             raise SessionExpired(
                 f"the session's lease ran out ({state.config.lease_ttl:g} s without a request "

@@ -197,14 +197,15 @@ class ObservedSessions(SessionRegistry):
             self.metrics.sessions_opened.inc()
         return session
 
-    def close(self, token: str) -> Session | None:
-        session = super().close(token)
+    def close(self, token: str, closed_by: str | None = None) -> Session | None:
+        session = super().close(token, closed_by)
         if session is not None:
             ref = session.ref
             lived = time.time() - session.opened_at
-            session_log.info("session %d (%s, pid %d) closed after %.1f s", ref.public_id, ref.client, ref.pid,
-                             lived, extra={"session": ref.public_id, "client": ref.client, "pid": ref.pid,
-                                           "lived_s": round(lived, 3)})
+            by = "" if closed_by is None else f" by {closed_by}"
+            session_log.info("session %d (%s, pid %d) closed%s after %.1f s", ref.public_id, ref.client, ref.pid,
+                             by, lived, extra={"session": ref.public_id, "client": ref.client, "pid": ref.pid,
+                                               "lived_s": round(lived, 3)})
             if self.metrics is not None:
                 self.metrics.sessions_closed.inc()
         return session

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cuctxd.daemon.device.queues import QueueLimits
@@ -72,3 +73,6 @@ class DaemonState:
     fd_channel: SideChannel | None = None
     #: The fds the daemon holds for clients against its open-file limit (``status`` shows them).
     fd_budget: FdBudget | None = None
+    #: Starts the daemon's shutdown as SIGTERM does (the op ``shutdown``); its argument says who asked, for the
+    #: log. Set by the daemon; None: the op is refused (a front run without a daemon around it, in tests).
+    request_stop: Callable[[str], None] | None = None

@@ -97,7 +97,8 @@ class Session:
         }
 
 
-#: How many reaped tokens are remembered, to answer "expired" rather than "unknown".
+#: How many reaped (or closed by another session) tokens are remembered, to answer "expired" or "closed"
+#: rather than "unknown".
 _EXPIRED_MEMORY = 4096
 
 
@@ -110,6 +111,8 @@ class SessionRegistry:
         self.receivers = receivers
         self._sessions: dict[str, Session] = {}
         self._expired: OrderedDict[str, None] = OrderedDict()
+        #: Tokens of sessions another session closed (``close_session``), with who closed them.
+        self._closed: OrderedDict[str, str] = OrderedDict()
         self._public_ids = itertools.count(1)
 
     def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "") -> Session:
@@ -122,8 +125,22 @@ class SessionRegistry:
     def get(self, token: str) -> Session | None:
         return self._sessions.get(token)
 
-    def close(self, token: str) -> Session | None:
+    def close(self, token: str, closed_by: str | None = None) -> Session | None:
+        """Remove the session; ``closed_by``: another session closed it (``close_session``), said to its
+        client's next request (:meth:`closed_by`)."""
+        if closed_by is not None:
+            self._closed[token] = closed_by
+            while len(self._closed) > _EXPIRED_MEMORY:
+                self._closed.popitem(last=False)
         return self._sessions.pop(token, None)
+
+    def closed_by(self, token: str) -> str | None:
+        """Who closed the session of ``token``, when another session did (recently enough to remember)."""
+        return self._closed.get(token)
+
+    def by_public_id(self, public_id: int) -> Session | None:
+        """The open session whose public id is ``public_id``."""
+        return next((s for s in self._sessions.values() if s.ref.public_id == public_id), None)
 
     def expire(self, now: float, ttl: float) -> list[Session]:
         """Remove and return the sessions not heard from for ``ttl`` seconds."""

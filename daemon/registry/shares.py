@@ -3,23 +3,23 @@
 Each share's own record (:class:`cuctxd.daemon.device.entries.Share`) lives on its device's
 worker thread; this index lets the front look names up and list shares without asking a worker.
 
-Lifetime rule (PROTOCOL.md, "Sharing"): a share is kept alive by its owner
-(until the owner frees the buffer or its session ends), by every open hold,
-and by its published names while its owner is gone and nobody has consumed it
-yet. An explicit ``free`` unpublishes the buffer's names; a session that ends
-leaves its published buffers behind for the sessions that open them (the
-producer may exit first). The memory is freed once nothing keeps it alive. A
-published buffer whose owner is gone and that nobody opens is freed after the
-daemon's ``orphan_ttl``, so abandoned names cannot pile up outside every quota;
-beyond ``max_orphaned_shares`` of those, the oldest go first
-(:meth:`cuctxd.daemon.device.sharing.Sharing.owner_left`).
+Lifetime rule (PROTOCOL.md, section 9, "Lifetime of shared memory", the one place it is written): a share
+is kept alive by its owner (until the owner frees the buffer or its session ends), by every open hold, and by
+its published names. A name stays until it is unpublished, its buffer freed by its owner (``free``
+unpublishes) or revoked, or, once its owner is gone and nobody holds it, until ``orphan_ttl`` passes
+(not for a ``persistent`` name) or the orphan limits evict it
+(:meth:`cuctxd.daemon.device.sharing.Sharing.owner_left`). A name published ``once`` is consume-once: it
+stops keeping the buffer once a session opened it after its owner let go. The memory is freed once nothing
+keeps it alive.
 
 Names have owners. ``lookup`` and ``list_shared`` say who published (session,
 client name, pid, uid where known). A *scoped* name ``user/name`` may be
 published only by a session whose peer runs as ``user`` (or as the daemon's own
-user, or root); other names are first come, first served. A name is removed
-only by the session that published it, or, once that session has let the
-buffer go, by another session of the same uid.
+user, or root); other names are first come, first served. A name belongs to the
+user who published it: it is removed only by a session of that uid (the
+publishing session, a later run of the same producer, ``cuctx unpublish``), or
+by one of the daemon's own uid (its administrator). A session whose uid is
+unknown (tcp://) can remove only the names it published itself.
 
 Names cost the daemon memory, so they are charged: each name's bytes (its manifest, if any, plus
 the name itself) count against the session that published it (``max_manifest_bytes_per_session``)
@@ -122,6 +122,26 @@ def check_scope(name: str, uid: int | None) -> None:
         raise NotOwner(f"{name!r} is scoped to user {scope!r}; this session runs as uid {uid}")
 
 
+def may_unpublish(owner: SessionRef, caller: SessionRef) -> bool:
+    """Whether ``caller`` may remove a name ``owner`` published: the same session, a session of the same
+    (known) uid, or one of the daemon's own uid."""
+    if caller.token == owner.token:
+        return True
+    return caller.uid is not None and caller.uid in (owner.uid, os.geteuid())
+
+
+def _uid_text(uid: int | None) -> str:
+    return "uid unknown (tcp://)" if uid is None else f"uid {uid}"
+
+
+def _who_may_unpublish(owner: SessionRef) -> str:
+    if owner.uid is None:
+        return f"session {owner.public_id} itself (its uid is unknown) or the daemon's user (uid {os.geteuid()})"
+    if owner.uid == os.geteuid():
+        return f"a session of uid {owner.uid} (the daemon's user)"
+    return f"a session of uid {owner.uid} or of the daemon's user (uid {os.geteuid()})"
+
+
 class ShareRegistry:
     """Every live share and published name, daemon-wide.
 
@@ -165,8 +185,9 @@ class ShareRegistry:
             share_id = self._names.get(name)
             if share_id is not None:
                 who = self._shares[share_id].owner
-                raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
-                                 f"client {who.client!r}); only its publisher may unpublish it")
+                raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, client "
+                                 f"{who.client!r}, {_uid_text(who.uid)}); {_who_may_unpublish(who)} may unpublish "
+                                 f"it first (cuctx unpublish {name})")
             by_session = self._name_bytes_by_session.get(owner.token, 0)
             by_uid = self._name_bytes_by_uid.get(owner.uid, 0)
             _check_name_room("max_manifest_bytes_per_session", self.max_manifest_bytes_per_session, by_session,
@@ -182,17 +203,16 @@ class ShareRegistry:
         share.names.add(name)
 
     def unpublish(self, name: str, caller: SessionRef) -> str:
-        """Remove ``name`` if ``caller`` may (module docstring); returns its share id."""
+        """Remove ``name`` if ``caller`` may (module docstring: a session of the publisher's uid, or of the
+        daemon's); returns its share id."""
         with self._lock:
             share_id = self._names.get(name)
             if share_id is None:
                 raise NotFound(f"no buffer is published as {name!r}")
-            listing = self._shares[share_id]
-            owner = listing.owner
-            same_user = not listing.owner_present and owner.uid is not None and owner.uid == caller.uid
-            if owner.token != caller.token and not same_user:
-                raise NotOwner(f"{name!r} was published by session {owner.public_id} ({owner.client!r}); "
-                               "only it may unpublish the name (or, once it let the buffer go, its user)")
+            owner = self._shares[share_id].owner
+            if not may_unpublish(owner, caller):
+                raise NotOwner(f"{name!r} was published by session {owner.public_id} ({owner.client!r}, "
+                               f"{_uid_text(owner.uid)}); only {_who_may_unpublish(owner)} may unpublish it")
             self._forget_name(name)
             return share_id
 

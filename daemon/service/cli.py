@@ -10,12 +10,14 @@ with a message naming it; ``--print-config`` shows the result as TOML.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 
@@ -38,6 +40,30 @@ log = logging.getLogger("cuctxd.daemon")
 
 #: Exit status for a bad configuration or anything else that stops the daemon from starting.
 EXIT_CONFIG = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the flag (with a "did you mean" for a misspelled choice
+    or flag) and a pointer to ``--help``, not the usage block (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG, f"{self.prog}: {self._suggest(message)} (try '{self.prog} --help')\n")
+
+    def _suggest(self, message: str) -> str:
+        choice = re.search(r"invalid choice: '(?P<given>[^']*)' \(choose from (?P<choices>.*)\)$", message)
+        if choice is not None:
+            options = re.findall(r"'([^']*)'", choice.group("choices"))
+            close = difflib.get_close_matches(choice.group("given"), options, n=1, cutoff=0.6)
+            return message if not close else (
+                f"{message[:choice.start()]}invalid choice: '{choice.group('given')}'; did you mean "
+                f"'{close[0]}'? (choose from {choice.group('choices')})")
+        unknown = re.fullmatch(r"unrecognized arguments: (?P<given>\S+)(?P<rest>.*)", message)
+        if unknown is not None and unknown.group("given").startswith("--"):
+            flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+            close = difflib.get_close_matches(unknown.group("given").split("=")[0], flags, n=1, cutoff=0.6)
+            if close:
+                return f"{message}; did you mean {close[0]}?"
+        return message
 
 
 def _flag_type(declared: Setting) -> Callable[[str], Any]:
@@ -65,7 +91,7 @@ def _add_flag(group: argparse._ActionsContainer, declared: Setting) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cuctxd",
         description="CUDA context daemon: serves the machine's GPUs to client processes over ZeroMQ. "
                     "'cuctxd keygen DIR [--name NAME]' writes a CURVE key pair.",
@@ -95,7 +121,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[DaemonConfig, bool]
     try:
         from_file = load_file(path) if path is not None else {}
         config = build_config(from_file, args, default_endpoint())
-        check_config(config)
+        check_config(config, from_flags=frozenset(args))
     except ConfigError as exc:
         parser.exit(EXIT_CONFIG, f"cuctxd: {exc}\n")
     return config, print_config

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from cuctxd.daemon.device.queues import (
@@ -96,11 +97,12 @@ DEFAULT_NODE_NAME = socket.gethostname()
 class ConfigError(ValueError):
     """A configuration value is wrong; ``key`` names it as the TOML file spells it."""
 
-    def __init__(self, key: str, message: str, source: str | None = None) -> None:
+    def __init__(self, key: str, message: str, source: str | None = None, *, flag: str | None = None) -> None:
+        """``flag``: the value came from the command line, as this flag: the message names it instead of the key."""
         self.key = key
         self.source = source
         where = f" (in {source})" if source else ""
-        super().__init__(f"configuration key '{key}'{where}: {message}")
+        super().__init__(f"{flag}: {message}" if flag else f"configuration key '{key}'{where}: {message}")
 
 
 @dataclass(frozen=True)
@@ -250,8 +252,9 @@ class DaemonConfig:
         return tuple(e for e in self.endpoints if e.startswith("tcp://"))
 
 
-def check_config(config: DaemonConfig) -> None:
-    """Checks that span keys; raises :class:`ConfigError` naming the key to change.
+def check_config(config: DaemonConfig, from_flags: Collection[str] = ()) -> None:
+    """Checks that span keys; raises :class:`ConfigError` naming the key to change, or the flag where the
+    value came from the command line (``from_flags``: the settings given as flags).
 
     tcp:// is refused unless CURVE can protect it (``server_key``) or the
     operator accepted plaintext (``insecure_tcp``): anyone who reaches a tcp
@@ -259,6 +262,10 @@ def check_config(config: DaemonConfig) -> None:
     """
     tcp = config.tcp_endpoints
     if tcp and config.server_key is None and not config.insecure_tcp:
+        if "endpoints" in from_flags:
+            raise ConfigError("endpoints", f"{tcp[0]} is a tcp:// endpoint, which needs CURVE keys (--server-key "
+                              "FILE --allow-dir DIR, made with 'cuctxd keygen') or, to accept plaintext on purpose, "
+                              "--insecure-tcp", flag="--endpoint")
         raise ConfigError(
             "endpoints",
             f"{tcp[0]} is a tcp:// endpoint, which needs server_key (CURVE encryption and "

@@ -52,9 +52,12 @@ def prepare_ipc(path: Path, group: str | None = None) -> None:
     The directory is never reached through a symbolic link and must belong to
     this user. A directory this call creates is private (0700), or 0770 owned by
     ``group`` so its members can reach the socket (:func:`open_ipc_socket` sets
-    the file's own mode); one that already exists keeps its mode and group: the
-    daemon never changes a directory it did not make (a warning says when group
-    members could not enter it). A socket file left by a daemon that ended
+    the file's own mode); so is the service manager's runtime directory for this
+    service (``$RUNTIME_DIRECTORY``, systemd's ``RuntimeDirectory=``, made 0700
+    by the shipped unit), which exists for the daemon alone. Any other directory
+    that already exists keeps its mode and group: the daemon never changes a
+    directory it was not given (a warning says when group members could not
+    enter it). A socket file left by a daemon that ended
     without cleaning up (SIGKILL, a crash) is removed, and the log says so, as
     is one it left moved aside while paused at ``max_connections``
     (:func:`clear_stale_paused`).
@@ -65,24 +68,25 @@ def prepare_ipc(path: Path, group: str | None = None) -> None:
     something that is not a socket sits at ``path``.
     """
     directory = path.parent
-    directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
+        directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         directory.mkdir(mode=0o700)
         created = True
     except FileExistsError:
         created = False
+    except (NotADirectoryError, FileNotFoundError):
+        raise PermissionError(_not_a_directory(directory)) from None
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as error:
         if error.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise PermissionError(f"{directory} is not a plain directory (a symbolic link?): refusing to bind "
-                                  "a socket there") from None
+            raise PermissionError(_not_a_directory(directory)) from None
         raise
     try:
         info = os.fstat(fd)
         if info.st_uid != os.geteuid():
             raise PermissionError(f"{directory} belongs to uid {info.st_uid}, not to this user")
-        if created:
+        if created or _is_runtime_directory(directory):
             _make_private(fd, directory, group)
         elif group is not None and not info.st_mode & stat.S_IXGRP:
             log.warning("group %s cannot enter %s (mode %04o); it was not made by this daemon, so its mode stays: "
@@ -92,6 +96,32 @@ def prepare_ipc(path: Path, group: str | None = None) -> None:
         os.close(fd)
     clear_stale_paused(path)
     clear_stale_socket(path)
+
+
+def _not_a_directory(directory: Path) -> str:
+    """Why ``directory`` cannot hold the socket: the first part of its path that is a symbolic link or a
+    file, not a directory."""
+    for part in [*reversed(directory.parents), directory]:
+        try:
+            mode = part.lstat().st_mode
+        except OSError:
+            break
+        if stat.S_ISLNK(mode):
+            return (f"{part} is a symbolic link: refusing to bind a socket through it (give the endpoint's real "
+                    "directory)")
+        if not stat.S_ISDIR(mode):
+            return f"{part} is a file, not a directory: the endpoint's socket cannot go under it"
+    return f"{directory} is not a plain directory: refusing to bind a socket there"
+
+
+#: Set by systemd (v240+) for a unit with ``RuntimeDirectory=``: the directories made for this service.
+RUNTIME_DIRECTORY_ENV = "RUNTIME_DIRECTORY"
+
+
+def _is_runtime_directory(directory: Path) -> bool:
+    """Whether the service manager made ``directory`` for this service alone (``$RUNTIME_DIRECTORY``)."""
+    given = [Path(entry) for entry in os.environ.get(RUNTIME_DIRECTORY_ENV, "").split(":") if entry]
+    return any(entry == directory for entry in given)
 
 
 def _make_private(fd: int, directory: Path, group: str | None) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cuctxd.daemon import __version__
-from cuctxd.protos.errors import CuctxError
+from cuctxd.daemon.device.status import memory_status
 from cuctxd.protos.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
@@ -108,9 +108,10 @@ def device_snapshot(state: DeviceState) -> dict[str, Any]:
 
     ``memory_free``/``memory_used`` are the driver's ``cuMemGetInfo`` (the whole
     device, every process), read only while the daemon already has a context on
-    the device: creating one just to be scraped would cost device memory.
+    the device (:func:`cuctxd.daemon.device.status.memory_status`).
     """
     contexts = state.live_contexts()
+    memory = memory_status(state, contexts)
     snapshot: dict[str, Any] = {
         "contexts": len(contexts),
         "sessions": len(state.sessions),
@@ -118,16 +119,10 @@ def device_snapshot(state: DeviceState) -> dict[str, Any]:
         "allocated_bytes": sum(s.bytes_allocated for s in state.sessions.values()),
         "shares": len(state.sharing.shares),
         "shm_lanes": len(state.shm_lanes),
-        "memory_total": state.info.total_memory,
+        "memory_total": memory["total"],
     }
-    if contexts:
-        try:
-            state.activate(contexts[0])
-            free, total = state.driver.mem_get_info()
-        except CuctxError as exc:
-            log.debug("device %d: no memory info for metrics: %s", state.device, exc)
-        else:
-            snapshot.update(memory_free=free, memory_used=total - free, memory_total=total)
+    if memory["free"] is not None:
+        snapshot.update(memory_free=memory["free"], memory_used=memory["used"])
     return snapshot
 
 

@@ -194,7 +194,7 @@ class Daemon:
         sessions = ObservedSessions(self.metrics, receivers=1 + count)
         state = DaemonState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
                            endpoints=list(self.bound), connections=self.connections, fd_channel=self._side_channel,
-                           fd_budget=self.fd_budget)
+                           fd_budget=self.fd_budget, request_stop=self._stop_asked)
         self._front = Front(state, self._workers, router, replies)
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
@@ -380,6 +380,12 @@ class Daemon:
         self._stop_requested = True
         with contextlib.suppress(BlockingIOError):  # a stop is already pending
             os.write(self._stop_write, b"x")
+
+    def _stop_asked(self, who: str) -> None:
+        """The op ``shutdown`` (front thread): the same drain as SIGTERM, logged with who asked."""
+        if not self._stop_requested:
+            log.info("shutdown asked by %s: shutting down", who)
+        self.stop()
 
     @property
     def stop_requested(self) -> bool:

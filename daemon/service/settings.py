@@ -25,6 +25,7 @@ plus its row in PROTOCOL.md's table (what it bounds, what a client gets when it 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import grp
 import math
 import os
@@ -130,7 +131,9 @@ def bytes_at_least(minimum: int = 0) -> Callable[[Any], int]:
 def one_of(*choices: str, fold: Callable[[str], str] = str.lower) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if not isinstance(value, str) or fold(value) not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
+            close = difflib.get_close_matches(fold(value), choices, n=1) if isinstance(value, str) else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}{hint}")
         return fold(value)
     return check
 

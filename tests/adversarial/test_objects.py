@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cuctxd import Client, CudaError, NotFound, Revoked
+from cuctxd import Client, CudaError, NotFound, NotOwner, Revoked
 from cuctxd.client.api.objects import Context
 from cuctxd.client.wire import build
 from cuctxd.protos.errors import LimitExceeded
@@ -186,17 +186,25 @@ def test_an_owner_revokes_a_share_and_the_holder_is_told(stop_after: list[Daemon
                     if descriptor.share_id.startswith(s["share_id"])]
 
 
-def test_lookup_says_who_published(stop_after: list[DaemonProcess]) -> None:
-    daemon = daemon_with(stop_after)  # ipc://: the kernel says which user the publisher runs as
-    with Client(daemon.endpoint, name="producer") as producer, Client(daemon.endpoint) as consumer:
+def test_lookup_says_who_published_and_only_that_user_may_unpublish(stop_after: list[DaemonProcess]) -> None:
+    # ipc://: the kernel says which user the publisher runs as; tcp://: nobody says, so not the same user
+    daemon = daemon_with(stop_after, "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
+    with Client(daemon.endpoint, name="producer") as producer, Client(daemon.endpoint) as consumer, \
+            Client(tcp_endpoint(daemon)) as stranger:
         producer.alloc(64, 0, shareable=True).publish("weights")
         publisher = consumer.lookup("weights").publisher
         assert publisher == {"session": producer.session_id, "client": "producer", "pid": os.getpid(),
                              "uid": os.getuid()}
         listed = consumer.list_shared()
         assert listed[0]["publisher"]["client"] == "producer"
-        with pytest.raises(Exception, match="NOT_OWNER"):
-            consumer.unpublish("weights")
+        with pytest.raises(NotOwner, match=f"only a session of uid {os.getuid()}"):
+            stranger.unpublish("weights")
+        stranger.alloc(64, 0, shareable=True).publish("the-strangers")
+        with Client(tcp_endpoint(daemon)) as another, pytest.raises(NotOwner, match="itself"):
+            another.unpublish("the-strangers")  # its uid unknown: no other session is its user
+        consumer.unpublish("weights")  # the publisher's user, from another session
+        consumer.unpublish("the-strangers")  # the daemon's own user administers every name
+        assert consumer.list_shared() == []
 
 
 def test_a_scoped_name_needs_a_known_uid(stop_after: list[DaemonProcess]) -> None:

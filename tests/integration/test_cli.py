@@ -79,7 +79,8 @@ def test_devices(daemon: DaemonProcess) -> None:
     done = cuctx("--endpoint", daemon.endpoint, "devices")
     assert done.returncode == 0, done.stderr
     header, *rows = done.stdout.splitlines()
-    assert header.split() == ["DEV", "NAME", "CC", "MEMORY", "SMS", "PCI", "BUS", "ID", "UUID"]
+    assert header.split() == ["DEV", "NAME", "CC", "MEMORY", "USED", "FREE", "CUCTXD", "SMS", "PCI", "BUS", "ID",
+                              "UUID"]
     assert len(rows) == 2
     for index, row in enumerate(rows):
         assert row.split()[0] == str(index)

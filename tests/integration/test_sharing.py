@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import pytest
 
-from cuctxd.client import Client, NameExists, NotFound, NotOwner, NotShareable, UnknownHandle
-from tests.helpers import REPO, DaemonProcess, client_env, run_client
+from cuctxd.client import BadArgument, Client, NameExists, NotFound, NotShareable, OutOfRange, UnknownHandle
+from tests.helpers import REPO, DaemonProcess, client_env, run_client, wait_until
 from tests.helpers_raw import raw_peer
 
 PATTERN = bytes(range(256)) * 16  # 4 KiB
@@ -47,7 +50,8 @@ with Client(ENDPOINT) as c:
 """
 
 
-def test_published_buffer_outlives_its_producer_and_is_freed_after_the_consumer(daemon: DaemonProcess) -> None:
+def test_published_buffer_outlives_its_producer_and_serves_every_consumer_until_unpublished(
+        daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as observer:
         free_before = observer.mem_get_info(1)[0]
         assert "published" in run_client(PRODUCER, daemon.endpoint)
@@ -55,11 +59,26 @@ def test_published_buffer_outlives_its_producer_and_is_freed_after_the_consumer(
         assert [(s["name"], s["device"], s["size"], s["owner_present"]) for s in listed] == [
             ("weights", 1, 4096, False)
         ]
-        device, size, data = run_client(CONSUMER, daemon.endpoint).split()
-        assert (int(device), int(size), bytes.fromhex(data)) == (1, 4096, PATTERN)
+        for _ in range(2):  # one consumer after the other: the name is not consumed
+            device, size, data = run_client(CONSUMER, daemon.endpoint).split()
+            assert (int(device), int(size), bytes.fromhex(data)) == (1, 4096, PATTERN)
+        assert [s["name"] for s in observer.list_shared()] == ["weights"]
+        assert device_totals(observer)[1] == (0, 0, 1)
+        observer.unpublish("weights")  # the publisher's user (this test's) may, the publisher being gone
+        assert wait_until(lambda: device_totals(observer)[1] == (0, 0, 0), timeout=5)
+        assert observer.list_shared() == []
+        assert observer.mem_get_info(1)[0] == free_before
+
+
+def test_a_name_published_once_is_freed_after_its_first_consumer(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as observer:
+        run_client(PRODUCER.replace('c.publish(buf, "weights")', 'c.publish(buf, "weights", once=True)'),
+                   daemon.endpoint)
+        assert bytes.fromhex(run_client(CONSUMER, daemon.endpoint).split()[2]) == PATTERN
         assert observer.list_shared() == []
         assert device_totals(observer)[1] == (0, 0, 0)
-        assert observer.mem_get_info(1)[0] == free_before
+        with pytest.raises(BadArgument, match="cannot be persistent"):
+            observer.publish(observer.alloc(64, shareable=True), "both", once=True, persistent=True)
 
 
 def test_owner_free_is_deferred_while_another_session_holds_the_buffer(daemon: DaemonProcess) -> None:
@@ -104,20 +123,22 @@ def test_descriptor_is_plain_picklable_data(daemon: DaemonProcess) -> None:
         assert descriptor.size == 512
 
 
-def test_names_are_owned_by_their_publisher(daemon: DaemonProcess) -> None:
+def test_a_name_belongs_to_its_publishers_user(daemon: DaemonProcess) -> None:
+    """The NameExists message says who may unpublish, and that is who can: another session of the same uid
+    (a producer run again), while the first one still runs too."""
     with Client(daemon.endpoint) as a, Client(daemon.endpoint) as b:
         buf = a.alloc(256, shareable=True)
         a.publish(buf, "model")
-        with pytest.raises(NameExists):
+        with pytest.raises(NameExists, match=rf"a session of uid {os.getuid()} .* may unpublish it first "
+                                             r"\(cuctx unpublish model\)"):
             b.publish(b.alloc(256, shareable=True), "model")
-        with pytest.raises(NotOwner):
-            b.unpublish("model")
         assert b.lookup("model").size == 256
-        a.unpublish("model")
+        b.unpublish("model")
         with pytest.raises(NotFound):
             b.lookup("model")
         with pytest.raises(NotFound):
             a.unpublish("model")
+        assert buf.read(4) == bytes(4)  # the owner keeps its buffer: only the name went
 
 
 def test_explicit_free_unpublishes(daemon: DaemonProcess) -> None:
@@ -185,3 +206,48 @@ def test_writes_pipelined_before_goodbye_land_in_a_published_buffer(daemon: Daem
     with Client(daemon.endpoint) as consumer, consumer.open_shared("pipelined") as shared:
         view = bytes(shared.host_view())
     assert [view[n * chunk] for n in range(chunks)] == [n + 1 for n in range(chunks)]
+
+
+def test_a_name_nobody_holds_goes_when_its_orphan_ttl_passes(start_daemons: Callable[..., DaemonProcess]) -> None:
+    """The TTL counts while the buffer is kept by its names alone: a hold longer than the TTL does not end
+    the name, and its close starts the TTL again; a persistent name has none."""
+    daemon = start_daemons("--sim-devices", "1", "--orphan-ttl", "1")
+    with Client(daemon.endpoint) as producer:
+        producer.publish(producer.alloc(64, shareable=True), "ttl")
+        producer.publish(producer.alloc(64, shareable=True), "kept", persistent=True)
+    with Client(daemon.endpoint) as consumer:
+        with consumer.open_shared("ttl"):
+            time.sleep(1.5)  # held past the TTL: the name stays
+        assert consumer.lookup("ttl").size == 64  # the TTL started again at the close
+        started = time.monotonic()
+        assert wait_until(lambda: "ttl" not in {s["name"] for s in consumer.list_shared()}, timeout=5)
+        assert time.monotonic() - started >= 0.5
+        assert [s["name"] for s in consumer.list_shared()] == ["kept"]
+        consumer.unpublish("kept")
+
+
+def test_an_opened_share_reads_and_writes_its_bytes_whatever_the_backend(daemon: DaemonProcess) -> None:
+    """``read``, ``read_into`` and ``write`` of an OpenedShare: the same calls on the sim and on a GPU
+    (tests/gpu/test_tensors_gpu.py runs them on cuda)."""
+    with Client(daemon.endpoint) as owner, Client(daemon.endpoint) as reader:
+        buf = owner.alloc(4096, shareable=True)
+        buf.write(PATTERN)
+        with reader.open_shared(buf.export()) as shared:
+            assert shared.read() == PATTERN
+            assert shared.read(16, offset=4080) == PATTERN[4080:]
+            into = bytearray(100)
+            assert shared.read_into(into, offset=256) == 100 and bytes(into) == PATTERN[256:356]
+            assert shared.write(b"through the mapping", offset=8) == 19
+            assert buf.read(19, offset=8) == b"through the mapping"
+            with pytest.raises(OutOfRange):
+                shared.read(2, offset=4095)
+            with pytest.raises(BadArgument, match="writable"):
+                shared.read_into(b"not writable")
+        with pytest.raises(BadArgument, match="closed"):
+            shared.read()
+        owner.publish(buf, "read-only-bytes", read_only=True)
+        with reader.open_shared("read-only-bytes") as shared:
+            with pytest.raises(BadArgument, match="read-only"):
+                shared.write(b"x")
+            assert shared.read(4) == b"\x00\x01\x02\x03"
+        owner.unpublish("read-only-bytes")

@@ -242,13 +242,18 @@ def test_a_persistent_layout_survives_its_consumers_until_unpublished(daemon: Da
         assert all(s["share_id"] != share_prefix for s in c.status()["devices"][0]["shares"])
 
 
-def test_a_plain_publish_is_freed_after_its_first_consumer(daemon: DaemonProcess) -> None:
-    producer = PRODUCER.replace("toy-model", "one-shot").replace("{\"arch\": \"toy\", \"layers\": 1})",
-                                                                 "{\"arch\": \"toy\"}, persistent=False)")
+def test_a_layout_that_is_not_persistent_also_stays_for_every_consumer(daemon: DaemonProcess) -> None:
+    """One lifetime rule for plain buffers and layouts: opening does not consume a name; only the orphan
+    TTL (not for persistent ones) or an unpublish ends it."""
+    producer = PRODUCER.replace("toy-model", "not-persistent").replace("{\"arch\": \"toy\", \"layers\": 1})",
+                                                                       "{\"arch\": \"toy\"}, persistent=False)")
     run_client(producer, daemon.endpoint)
-    assert "toy (4, 8)" in run_client(CONSUMER.replace("toy-model", "one-shot"), daemon.endpoint)
-    with Client(daemon.endpoint) as c, pytest.raises(NotFound):
-        c.lookup("one-shot")
+    for _ in range(2):
+        assert "toy (4, 8)" in run_client(CONSUMER.replace("toy-model", "not-persistent"), daemon.endpoint)
+    with Client(daemon.endpoint) as c:
+        c.unpublish("not-persistent")
+        with pytest.raises(NotFound):
+            c.lookup("not-persistent")
 
 
 def test_the_array_adapter_gives_read_only_numpy_views_on_the_sim(daemon: DaemonProcess) -> None:
