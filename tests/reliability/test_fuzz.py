@@ -240,12 +240,11 @@ class Harness:
         return self.peer.ok(op, args, token)[0]
 
     def release_orphans(self) -> None:
-        """Free shares whose fuzz owner ended while they were published: open and close them once."""
+        """Free shares whose fuzz owner ended while they were published: a name stays until unpublished (or its
+        orphan TTL), and the probe, of the fuzz sessions' uid, may unpublish it."""
         for entry in self.call("list_shared", {}, self.probe)["shared"]:
             if entry["owner"] != self.bystander.client.session_id and not entry["owner_present"]:
-                where = {"share_id": entry["share_id"], "device": entry["device"]}
-                self.call("open_shared", where, self.probe)
-                self.call("close_shared", where, self.probe)
+                self.call("unpublish", {"name": entry["name"]}, self.probe)
 
 
 @pytest.fixture(scope="module")
