@@ -93,7 +93,7 @@ from cuctxd.client import Client
 with Client(ENDPOINT) as c:
     buf = c.alloc(4096, shareable=True)
     buf.write(b"produced" * 512)
-    c.publish(buf, "handoff")
+    c.publish(buf, "handoff", once=True)
 """
 
 CONSUMER = """
@@ -109,6 +109,7 @@ with Client(ENDPOINT) as c, c.open_shared("handoff") as shared:
 
 
 def test_published_buffer_outlives_its_producer_on_cuda(cuda_daemon: DaemonProcess) -> None:
+    """A consume-once name (``once=True``) keeps the buffer past its producer until its one consumer is done."""
     with Client(cuda_daemon.endpoint) as observer:
         run_client(PRODUCER, cuda_daemon.endpoint, timeout=120)
         out = run_client(CONSUMER, cuda_daemon.endpoint, timeout=120)
