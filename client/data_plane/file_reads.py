@@ -1,23 +1,53 @@
-"""File ranges into a daemon buffer, hashed on the way: what ``cuctx load`` moves.
+"""File ranges into a daemon buffer at the storage and DMA limits, hashed on the way: what ``cuctx load`` moves.
 
 :func:`load_file_ranges` reads each :class:`FileRange` (a tensor's bytes in a checkpoint file) into
 the buffer at its offset and returns each range's digest (:mod:`cuctxd.protos.digests`), computed from
-the bytes as they pass, never by a second read. Which thread may call: the client's callers (one load
-at a time per client).
+the bytes while they are in the staging memory, never by a second read.
+
+The ranges are packed into chunks (a slot's worth of consecutive buffer bytes, :func:`plan_chunks`).
+A host buffer of :data:`SLOT_BYTES` slots, one more than :func:`reader_threads` plus one, is shared with
+the daemon; reader threads each fill a slot with ``pread`` (from the page cache: the kernel copies, no
+faults on a mapping; on the H200 host 16 threads read 44 GB/s, a mapping copied on 8 threads 33 GB/s)
+and hash its pieces, while the calling thread sends each filled slot's DMA (``memcpy_htod``) in order
+and hands a slot back once its DMA is answered. A chunk whose file bytes are mostly not in the page
+cache (``mincore``) is read with ``O_DIRECT`` into its slot and its pieces moved into place there (on
+the H200 host's disk 2.31 GB/s against 1.96 GB/s buffered). Without a data plane (tcp://) the ranges
+go as payload frames instead (:func:`~cuctxd.client.data_plane.transfers.write_pieces`).
+
+Which thread may call: the client's callers (one load at a time per client); the readers are threads of
+the call, gone when it returns.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import mmap
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from cuctxd.client.data_plane import transfers
+from cuctxd.client.wire import build
+from cuctxd.client.wire.build import Local, Plan, Send, Wait
 from cuctxd.protos import digests
+from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.host import buffer_address
 
-#: Bytes read and written between two progress reports (and the most held in this process at once).
-BATCH_BYTES = 64 << 20
+#: Buffer bytes one slot carries (one DMA). A multiple of the digest's leaf, so that a tensor cut between
+#: chunks is cut at a leaf's edge.
+SLOT_BYTES = 8 << 20
+#: ``O_DIRECT`` reads whole aligned blocks: a slot has room for a block's worth before and after its chunk.
+BLOCK = 4096
+SLOT_SPAN = SLOT_BYTES + 2 * BLOCK
+#: Most reader threads.
+MAX_READERS = 16
+#: Below this share of a chunk's file pages in the page cache, it is read with ``O_DIRECT``.
+DIRECT_BELOW = 0.5
 
 
 @dataclass(frozen=True)
@@ -30,6 +60,71 @@ class FileRange:
     device_offset: int
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The part of range ``index`` (from its byte ``start``) a chunk carries, at ``place`` in the chunk."""
+
+    index: int
+    fd: int
+    file_offset: int
+    nbytes: int
+    place: int
+    start: int
+
+
+@dataclass
+class Chunk:
+    """Consecutive buffer bytes from ``device_offset``, filled from its pieces, sent as one DMA."""
+
+    device_offset: int
+    size: int = 0
+    pieces: list[Piece] = field(default_factory=list)
+
+
+def reader_threads() -> int:
+    """Threads reading at once: the CPUs this process may run on, at most :data:`MAX_READERS`."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_READERS, cpus))
+
+
+def plan_chunks(ranges: Sequence[FileRange], slot: int = SLOT_BYTES,
+                gap: int = transfers.GAP_BYTES) -> Iterator[Chunk]:
+    """Pack the ranges (ascending by ``device_offset``) into chunks of at most ``slot`` buffer bytes;
+    ranges less than ``gap`` apart share a chunk, and a range longer than what is left of a chunk is cut
+    at a multiple of the digest's leaf from its start (a range longer than a slot spans chunks)."""
+    chunk: Chunk | None = None
+    for index, item in enumerate(ranges):
+        done = 0
+        while done < item.nbytes or (item.nbytes == 0 and done == 0):
+            at = item.device_offset + done
+            if chunk is not None and (at - chunk.device_offset - chunk.size > gap
+                                      or at - chunk.device_offset >= slot):
+                yield chunk
+                chunk = None
+            room = slot - (at - chunk.device_offset) if chunk is not None else slot
+            left = item.nbytes - done
+            if chunk is not None and left > room and room < digests.LEAF_BYTES:
+                yield chunk
+                chunk = None
+                room = slot
+            if chunk is None:
+                chunk = Chunk(at)
+            size = left if left <= room else room - room % digests.LEAF_BYTES
+            chunk.pieces.append(Piece(index, item.fd, item.offset + done, size, at - chunk.device_offset, done))
+            chunk.size = at - chunk.device_offset + size
+            done += size
+            if item.nbytes == 0:
+                break
+    if chunk is not None:
+        yield chunk
+
+
+def _hash_piece(leaves: list[bytes], piece: Piece, data: memoryview) -> None:
+    """The digests of the leaves of range ``piece.index`` that ``data`` (the piece's bytes) holds."""
+    for step in range(0, piece.nbytes, digests.LEAF_BYTES):
+        leaves[(piece.start + step) // digests.LEAF_BYTES] = digests.leaf(data[step:step + digests.LEAF_BYTES])
+
+
 def _read_exactly(fd: int, into: memoryview, offset: int) -> None:
     done = 0
     while done < into.nbytes:
@@ -39,34 +134,224 @@ def _read_exactly(fd: int, into: memoryview, offset: int) -> None:
         done += got
 
 
+class _Residency:
+    """Which pages of each file are in the page cache (``mincore`` over a mapping), asked once per load."""
+
+    def __init__(self) -> None:
+        self._pages: dict[int, bytes | None] = {}
+        self._libc = ctypes.CDLL(None, use_errno=True)
+
+    def share(self, fd: int, offset: int, nbytes: int) -> float:
+        """The share of ``nbytes`` at ``offset`` in the page cache (1.0 where it cannot be told)."""
+        if fd not in self._pages:
+            self._pages[fd] = self._scan(fd)
+        pages = self._pages[fd]
+        if pages is None or nbytes == 0:
+            return 1.0
+        page = mmap.PAGESIZE
+        first, last = offset // page, min(len(pages), -(-(offset + nbytes) // page))
+        if last <= first:
+            return 1.0
+        return 1.0 - pages[first:last].count(0) / (last - first)
+
+    def _scan(self, fd: int) -> bytes | None:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return None
+        try:
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None
+        try:
+            vector = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+            with buffer_address(mapped) as address:
+                failed = self._libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector)
+            return None if failed else vector.raw
+        finally:
+            mapped.close()
+
+
+class _Reader:
+    """What the reader threads share: the slots' memory, the files' ``O_DIRECT`` twins, the leaf digests."""
+
+    def __init__(self, host: Any, ranges: Sequence[FileRange], digest: bool) -> None:
+        self.view = memoryview(host)
+        self.digest = digest
+        self.leaves: list[list[bytes]] = [[b""] * -(-r.nbytes // digests.LEAF_BYTES) for r in ranges]
+        self.direct: dict[int, int | None] = {}
+        self.residency = _Residency()
+
+    def close(self) -> None:
+        for fd in self.direct.values():
+            if fd is not None:
+                os.close(fd)
+        self.view.release()
+
+    def direct_twin(self, fd: int) -> int | None:
+        """The file of ``fd`` opened again with ``O_DIRECT`` (None where the filesystem refuses it).
+        Opened on the calling thread, before the readers start."""
+        if fd not in self.direct:
+            try:
+                self.direct[fd] = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            except OSError:
+                self.direct[fd] = None
+        return self.direct[fd]
+
+    def plan_direct(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` is read with ``O_DIRECT``: one file, in order, and mostly not in the page cache."""
+        if not hasattr(os, "O_DIRECT") or not chunk.pieces:
+            return False
+        first, last = chunk.pieces[0], chunk.pieces[-1]
+        if any(p.fd != first.fd for p in chunk.pieces):
+            return False
+        span = last.file_offset + last.nbytes - first.file_offset
+        if any(b.file_offset < a.file_offset + a.nbytes for a, b in zip(chunk.pieces, chunk.pieces[1:], strict=False)):
+            return False  # out of file order: the pieces could not be moved into place within the slot
+        if any(p.file_offset - first.file_offset > p.place for p in chunk.pieces):
+            return False  # a file gap wider than the chunk's: the same
+        if self.residency.share(first.fd, first.file_offset, span) >= DIRECT_BELOW:
+            return False
+        return self.direct_twin(first.fd) is not None
+
+    def fill(self, slot: int, chunk: Chunk, direct: bool) -> int:
+        """Fill the slot at ``slot`` with ``chunk``'s bytes and hash them; returns where in the slot the
+        chunk's image starts (a reader thread)."""
+        image = self._fill_direct(slot, chunk) if direct else self._fill_buffered(slot, chunk)
+        if self.digest:
+            for piece in chunk.pieces:
+                at = slot + image + piece.place
+                with self.view[at:at + piece.nbytes] as data:
+                    _hash_piece(self.leaves[piece.index], piece, data)
+        return image
+
+    def _fill_buffered(self, slot: int, chunk: Chunk) -> int:
+        for piece in chunk.pieces:
+            with self.view[slot + piece.place:slot + piece.place + piece.nbytes] as into:
+                _read_exactly(piece.fd, into, piece.file_offset)
+        return 0
+
+    def _fill_direct(self, slot: int, chunk: Chunk) -> int:
+        """Whole aligned blocks into the slot, then each piece moved to its place (places only grow
+        faster than file offsets: a layout pads, a file does not), last piece first."""
+        first, last = chunk.pieces[0], chunk.pieces[-1]
+        begin = first.file_offset - first.file_offset % BLOCK
+        end = last.file_offset + last.nbytes
+        length = -(-(end - begin) // BLOCK) * BLOCK
+        fd = self.direct[first.fd]
+        assert fd is not None
+        got = 0
+        with self.view[slot:slot + length] as into:
+            while got < end - begin:
+                step = os.preadv(fd, [into[got:]], begin + got)
+                if step == 0:
+                    raise EOFError(f"the file ended {end - begin - got} bytes early (at byte {begin + got})")
+                got += step
+        image = first.file_offset - begin
+        with buffer_address(self.view) as base:
+            for piece in reversed(chunk.pieces):
+                source = slot + piece.file_offset - begin
+                target = slot + image + piece.place
+                if source != target:
+                    ctypes.memmove(base + target, base + source, piece.nbytes)
+        return image
+
+
 def load_file_ranges(client: Any, buffer: Any, ranges: Sequence[FileRange], *, digest: bool = True,
                      progress: Callable[[int, int], None] | None = None) -> list[str | None]:
-    """Copy every range into ``buffer`` (ranges ascending by ``device_offset``, not overlapping); returns
-    each range's digest (None without ``digest``). ``progress(done, total)`` in bytes. A short file raises
-    :class:`EOFError`; what was written stays in the buffer, which the caller frees."""
+    """Copy every range into ``buffer`` (ranges ascending by ``device_offset``, not overlapping; the bytes
+    between ranges less than ``GAP_BYTES`` apart are overwritten); returns each range's digest (None
+    without ``digest``). ``progress(done, total)`` in bytes. A short file raises :class:`EOFError`; what was
+    written stays in the buffer, which the caller frees."""
+    chunks = list(plan_chunks(ranges))
     total = sum(r.nbytes for r in ranges)
-    results: list[str | None] = []
+    threads = min(reader_threads(), max(1, len(chunks)))
+    try:
+        host = client.host_alloc((threads + 1) * SLOT_SPAN, buffer.device)
+    except (CuctxError, OSError):  # no data plane (tcp://), or over the session's host memory
+        return _load_through_writes(client, buffer, ranges, digest, progress)
+    reader = _Reader(host, ranges, digest)
+    try:
+        direct = [reader.plan_direct(chunk) for chunk in chunks]
+        with ThreadPoolExecutor(threads, thread_name_prefix="cuctxd-load") as pool:
+            client.run(_pipeline(buffer, host, chunks, direct, reader, pool, threads + 1, total, progress))
+    finally:
+        reader.close()
+        host.free()
+    if not digest:
+        return [None] * len(ranges)
+    return [digests.from_leaves(leaves) for leaves in reader.leaves]
+
+
+def _pipeline(buffer: Any, host: Any, chunks: list[Chunk], direct: list[bool], reader: _Reader,
+              pool: ThreadPoolExecutor, slots: int, total: int,
+              progress: Callable[[int, int], None] | None) -> Plan[None]:
+    """Slots filled by the readers, each DMA'd in chunk order once filled and reused once answered."""
+    free = deque(index * SLOT_SPAN for index in range(slots))
+    filling: deque[tuple[int, Chunk, Future[int]]] = deque()
+    sent: deque[tuple[int, int, Any]] = deque()
+    waiting = iter(zip(chunks, direct, strict=True))
     done = 0
-    index = 0
-    while index < len(ranges):
-        batch: list[FileRange] = []
-        size = 0
-        while index < len(ranges) and (not batch or size + ranges[index].nbytes <= BATCH_BYTES):
-            batch.append(ranges[index])
-            size += ranges[index].nbytes
-            index += 1
-        staging = memoryview(bytearray(size))
-        pieces, at = [], 0
-        for piece in batch:
-            view = staging[at:at + piece.nbytes]
-            _read_exactly(piece.fd, view, piece.offset)
-            results.append(digests.tensor_digest(view) if digest else None)
-            pieces.append((piece.device_offset, view))
-            at += piece.nbytes
+    try:
+        while True:
+            while free:
+                following = next(waiting, None)
+                if following is None:
+                    break
+                slot = free.popleft()
+                filling.append((slot, following[0], pool.submit(reader.fill, slot, *following)))
+            if not filling:
+                break
+            if not free and sent and not filling[0][2].done():
+                slot, size, call = sent.popleft()
+                yield Wait(call)
+                free.append(slot)
+                done += size
+                if progress is not None:
+                    yield Local(partial(progress, done, total))
+                continue
+            slot, chunk, future = filling.popleft()
+            image = yield Local(future.result)
+            call = yield Send(build.memcpy_htod(buffer, host, chunk.device_offset, slot + image, chunk.size, None))
+            sent.append((slot, sum(p.nbytes for p in chunk.pieces), call))
+        while sent:
+            slot, size, call = sent.popleft()
+            yield Wait(call)
+            done += size
+        if progress is not None:
+            yield Local(partial(progress, done, total))
+    except BaseException:
+        for _, _, future in filling:
+            future.cancel()
+        for _, _, future in filling:  # none may write into the slots once they are freed
+            with contextlib.suppress(BaseException):
+                future.result()
+        while sent:
+            with contextlib.suppress(CuctxError):
+                yield Wait(sent.popleft()[2])
+        raise
+
+
+def _load_through_writes(client: Any, buffer: Any, ranges: Sequence[FileRange], digest: bool,
+                         progress: Callable[[int, int], None] | None) -> list[str | None]:
+    """The ranges as ordinary writes, a bounded batch at a time: for clients without a data plane."""
+    total = sum(r.nbytes for r in ranges)
+    leaves: list[list[bytes]] = [[b""] * -(-r.nbytes // digests.LEAF_BYTES) for r in ranges]
+    done = 0
+    for chunk in plan_chunks(ranges):
+        staging = memoryview(bytearray(chunk.size))
+        pieces = []
+        for piece in chunk.pieces:
+            view = staging[piece.place:piece.place + piece.nbytes]
+            _read_exactly(piece.fd, view, piece.file_offset)
+            if digest:
+                _hash_piece(leaves[piece.index], piece, view)
+            pieces.append((chunk.device_offset + piece.place, view))
         done += client.run(transfers.write_pieces(client, buffer, [p for p in pieces if p[1].nbytes]))
         if progress is not None:
             progress(done, total)
-    return results
+    if not digest:
+        return [None] * len(ranges)
+    return [digests.from_leaves(each) for each in leaves]
 
 
-__all__ = ["FileRange", "load_file_ranges"]
+__all__ = ["FileRange", "load_file_ranges", "plan_chunks"]

@@ -1,0 +1,111 @@
+"""File ranges loaded into a daemon buffer by reader threads, hashed on the way (client/data_plane/file_reads.py),
+against a real sim daemon: from the page cache, with O_DIRECT once the file is evicted, and as plain writes
+where the session may not have host buffers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cuctxd import Client
+from cuctxd.client.data_plane import file_reads
+from cuctxd.client.data_plane.file_reads import FileRange, load_file_ranges
+from cuctxd.protos.digests import tensor_digest
+from tests.helpers import DaemonProcess, running_daemon
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def daemon_args() -> tuple[str, ...]:
+    return ("--sim-devices", "1", "--sim-memory", "256MiB")
+
+
+#: Tensor sizes: small ones together, one longer than a slot, one not a multiple of a block.
+SIZES = [4096, 100, 0, 3 * MIB + 7, 20 * MIB + 12345, 256, 5 * MIB]
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Iterator[tuple[int, list[FileRange], bytes]]:
+    """A file of random tensors after a 24-byte header, and the ranges a layout would load (256-byte padding)."""
+    data = os.urandom(sum(SIZES))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"h" * 24 + data)
+    fd = os.open(path, os.O_RDONLY)
+    ranges, file_at, device_at = [], 24, 0
+    for size in SIZES:
+        ranges.append(FileRange(fd, file_at, size, device_at))
+        file_at += size
+        device_at += -(-max(size, 1) // 256) * 256
+    try:
+        yield fd, ranges, b"h" * 24 + data
+    finally:
+        os.close(fd)
+
+
+def _check(client: Client, buffer: object, ranges: list[FileRange], content: bytes, found: list[str | None]) -> None:
+    held = client.read(buffer)  # type: ignore[arg-type]
+    for item, digest in zip(ranges, found, strict=True):
+        expected = content[item.offset:item.offset + item.nbytes]
+        assert held[item.device_offset:item.device_offset + item.nbytes] == expected
+        assert digest == tensor_digest(expected)
+
+
+def test_ranges_from_the_page_cache_land_at_their_offsets_with_their_digests(
+        daemon: DaemonProcess, checkpoint: tuple[int, list[FileRange], bytes]) -> None:
+    _, ranges, content = checkpoint
+    reported: list[tuple[int, int]] = []
+    with Client(daemon.endpoint) as c:
+        buffer = c.alloc(ranges[-1].device_offset + ranges[-1].nbytes)
+        found = load_file_ranges(c, buffer, ranges, progress=lambda done, total: reported.append((done, total)))
+        _check(c, buffer, ranges, content, found)
+        assert reported[-1] == (sum(SIZES), sum(SIZES))
+        assert [done for done, _ in reported] == sorted(done for done, _ in reported)
+
+
+def test_an_evicted_file_is_read_with_o_direct(daemon: DaemonProcess,
+                                                checkpoint: tuple[int, list[FileRange], bytes],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    fd, ranges, content = checkpoint
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    planned: list[bool] = []
+    plan = file_reads._Reader.plan_direct
+
+    def recording(self: file_reads._Reader, chunk: file_reads.Chunk) -> bool:
+        planned.append(plan(self, chunk))
+        return planned[-1]
+
+    monkeypatch.setattr(file_reads._Reader, "plan_direct", recording)
+    with Client(daemon.endpoint) as c:
+        buffer = c.alloc(ranges[-1].device_offset + ranges[-1].nbytes)
+        _check(c, buffer, ranges, content, load_file_ranges(c, buffer, ranges))
+    assert any(planned), "no chunk was read with O_DIRECT"
+
+
+def test_without_room_for_host_buffers_the_ranges_go_as_writes(
+        checkpoint: tuple[int, list[FileRange], bytes]) -> None:
+    _, ranges, content = checkpoint
+    with running_daemon("--sim-devices", "1", "--sim-memory", "64MiB", "--host-memory-per-session", "1MiB") as daemon, \
+            Client(daemon.endpoint) as c:
+        buffer = c.alloc(ranges[-1].device_offset + ranges[-1].nbytes)
+        found = load_file_ranges(c, buffer, ranges)
+        _check(c, buffer, ranges, content, found)
+        assert load_file_ranges(c, buffer, ranges, digest=False) == [None] * len(ranges)
+
+
+def test_a_short_file_raises_and_leaves_no_host_buffer(daemon: DaemonProcess, tmp_path: Path) -> None:
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 1000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with Client(daemon.endpoint) as c:
+            buffer = c.alloc(4 * MIB)
+            with pytest.raises(EOFError, match="ended"):
+                load_file_ranges(c, buffer, [FileRange(fd, 0, 2 * MIB, 0)])
+            assert c.host_alloc(MIB) is not None  # the load's host buffer went back
+    finally:
+        os.close(fd)
