@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 
 from cuctxd import Client
+from cuctxd.client.api.objects import Buffer
 from cuctxd.client.data_plane import file_reads
-from cuctxd.client.data_plane.file_reads import FileRange, load_file_ranges
+from cuctxd.client.data_plane.file_reads import FileRange, load_file_ranges, load_into_new_buffer
+from cuctxd.client.wire import build
 from cuctxd.protos.digests import tensor_digest
+from cuctxd.protos.errors import CudaError
 from tests.helpers import DaemonProcess, running_daemon
 
 MIB = 1 << 20
@@ -54,8 +57,12 @@ def _check(client: Client, buffer: object, ranges: list[FileRange], content: byt
         assert digest == tensor_digest(expected)
 
 
+@pytest.mark.parametrize("readers", [1, 2, 8])
 def test_ranges_from_the_page_cache_land_at_their_offsets_with_their_digests(
-        daemon: DaemonProcess, checkpoint: tuple[int, list[FileRange], bytes]) -> None:
+        daemon: DaemonProcess, checkpoint: tuple[int, list[FileRange], bytes], readers: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """More chunks than slots: every slot waits for its DMA's answer before the next chunk takes it."""
+    monkeypatch.setattr(file_reads, "MAX_READERS", readers)
     _, ranges, content = checkpoint
     reported: list[tuple[int, int]] = []
     with Client(daemon.endpoint) as c:
@@ -107,5 +114,33 @@ def test_a_short_file_raises_and_leaves_no_host_buffer(daemon: DaemonProcess, tm
             with pytest.raises(EOFError, match="ended"):
                 load_file_ranges(c, buffer, [FileRange(fd, 0, 2 * MIB, 0)])
             assert c.host_alloc(MIB) is not None  # the load's host buffer went back
+    finally:
+        os.close(fd)
+
+
+def test_a_new_buffer_is_made_while_the_first_chunks_are_read(
+        daemon: DaemonProcess, checkpoint: tuple[int, list[FileRange], bytes]) -> None:
+    _, ranges, content = checkpoint
+    size = ranges[-1].device_offset + ranges[-1].nbytes
+    with Client(daemon.endpoint) as c:
+        buffer, found = load_into_new_buffer(c, build.alloc(c, Buffer, size, 0, True), 0, ranges)
+        assert buffer.size == size
+        _check(c, buffer, ranges, content, found)
+        buffer.free()
+
+
+def test_a_failed_load_into_a_new_buffer_leaves_nothing_allocated(daemon: DaemonProcess, tmp_path: Path) -> None:
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 1000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with Client(daemon.endpoint) as c:
+            free_before = c.mem_get_info(0)[0]
+            with pytest.raises(EOFError):
+                load_into_new_buffer(c, build.alloc(c, Buffer, 4 * MIB, 0, True), 0, [FileRange(fd, 0, 2 * MIB, 0)])
+            with pytest.raises(CudaError) as no_room:
+                load_into_new_buffer(c, build.alloc(c, Buffer, 1 << 40, 0, True), 0, [FileRange(fd, 0, 1000, 0)])
+            assert no_room.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
+            assert c.mem_get_info(0)[0] == free_before
     finally:
         os.close(fd)
