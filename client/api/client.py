@@ -188,7 +188,7 @@ class Client(SessionState):
                 calls = [batch.send(request) for request in step.requests]
             return [call.result() for call in calls]
         if isinstance(step, Send):
-            return self._send_early(step.request) if step.early else self._send(step.request)
+            return self._send_early(step.request) if step.early else self._send(step.request, shm=not step.many)
         if isinstance(step, Wait):
             return step.sent.result()
         return step.run()

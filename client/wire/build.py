@@ -68,10 +68,13 @@ class Send:
 
     ``early``: before the bytes it copies from are in place (PROTOCOL.md, "Early requests"), so that its
     trip overlaps the copy; only an shm lane takes it so, else the result is None (send it again once
-    they are). Once they are, even if the copy failed, call ``sent.transport.source_ready(sent)``."""
+    they are). Once they are, even if the copy failed, call ``sent.transport.source_ready(sent)``.
+    ``many``: one of many requests out at once (a load's DMAs): the socket carries it, which has room for
+    them all, where an shm lane holds one request at a time."""
 
     request: Request[Any]
     early: bool = False
+    many: bool = False
 
 
 @dataclass(frozen=True)
