@@ -11,6 +11,7 @@ from types import ModuleType
 from bench.figures import (
     alloc,
     bandwidth,
+    checkpoint_load,
     data_plane,
     ipc_copy,
     isolation,
@@ -21,4 +22,4 @@ from bench.figures import (
 )
 
 GROUPS: tuple[ModuleType, ...] = (latency, throughput, alloc, bandwidth, ipc_copy, isolation, pipelining, data_plane,
-                                  tensors)
+                                  tensors, checkpoint_load)

@@ -1,4 +1,4 @@
-"""Figure 9: tensors by name — opening a published layout, its GPU memory with consumers, loading from disk.
+"""Figure 9: tensors by name — opening a published layout, its GPU memory with consumers.
 
 * Opening a layout of :data:`COUNT` tensors (16 MiB each on cuda: 16 GiB; 64 KiB on sim) in a fresh
   process, from the call to a usable array for every tensor (``torch_weights.load_state_dict`` on the
@@ -11,17 +11,15 @@
 * GPU memory (``cuMemGetInfo``) while :data:`CONSUMERS` processes hold that layout as torch tensors,
   against the layout's bytes plus :data:`CONSUMERS` times what one process's CUDA context takes
   (measured here by a process that starts torch and connects, without opening the layout).
-* ``load_safetensors`` (``cuctx load``) of a file of :data:`LOAD_TENSORS` in the page cache, against reading
-  the same file into pinned memory and ``cuMemcpyHtoD`` of it, in this process.
+
+Loading a checkpoint from disk is :mod:`bench.figures.checkpoint_load`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,8 +27,6 @@ from typing import Any
 from bench.cuda_local import LocalCuda, LocalDriverUnavailable, _check
 from bench.records import Figure, measured, skipped
 from bench.run import Bench
-from bench.stats import median
-from cuctxd.client.tensors.safetensors_load import load_safetensors
 from cuctxd.client.tensors.tensor_sets import plan_layout, publish_tensors
 from cuctxd.client.wire import build
 
@@ -38,9 +34,6 @@ FIGURE = 9
 TITLE = "tensors by name"
 COUNT = 1000
 CONSUMERS = 4
-#: The safetensors file loaded: 250 tensors of 4 MiB and 250 of 4 KiB (25 of 4 MiB with ``--quick``).
-LOAD_TENSORS = ((250, 4 << 20), (250, 4 << 10))
-QUICK_LOAD_TENSORS = ((25, 4 << 20), (250, 4 << 10))
 _LAYOUT = "bench-layout"
 
 _START = """
@@ -145,7 +138,6 @@ def run(bench: Bench) -> Iterator[Figure]:
             yield _consumer_memory(bench, local, reason, used_before, descriptor.size)
         finally:
             client.unpublish(_LAYOUT)
-        yield _load(bench, client, local, reason)
 
 
 def _legacy_layout(bench: Bench, client: Any, name: str, mechanism: str, ours: float,
@@ -219,59 +211,6 @@ def _consumer_memory(bench: Bench, local: LocalCuda | None, reason: str, used_be
     return measured(FIGURE, name, value, "MiB", anchor_name, anchor, target="<= 1.05",
                     note=f"cuMemGetInfo, from before the publish; one context {context >> 20} MiB; the layout "
                          f"{layout >> 20} MiB; private copies would add {CONSUMERS * layout >> 20} MiB")
-
-
-def _write_safetensors(path: str, shapes: tuple[tuple[int, int], ...]) -> None:
-    import numpy
-    from safetensors.numpy import save_file
-
-    rng = numpy.random.default_rng(0)
-    tensors = {f"block{kind}.{i}.weight": rng.integers(0, 255, size=size, dtype=numpy.uint8)
-               for kind, (count, size) in enumerate(shapes) for i in range(count)}
-    save_file(tensors, path)
-
-
-def _load(bench: Bench, client: object, local: LocalCuda | None, reason: str) -> Figure:
-    shapes = QUICK_LOAD_TENSORS if bench.settings.quick else LOAD_TENSORS
-    load_bytes = sum(count * size for count, size in shapes)
-    name = f"cuctx load of a {load_bytes >> 20} MiB safetensors file in the page cache"
-    anchor_name = "read into pinned memory + cuMemcpyHtoD, in process"
-    with tempfile.TemporaryDirectory(prefix="cuctxd-bench-") as directory:
-        path = os.path.join(directory, "model.safetensors")
-        try:
-            _write_safetensors(path, shapes)
-        except ImportError as missing:
-            return skipped(FIGURE, name, "GB/s", anchor_name, f"needs numpy and safetensors: {missing}")
-        with open(path, "rb") as file:  # into the page cache
-            while file.read(64 << 20):
-                pass
-
-        def load() -> float:
-            start = time.perf_counter()
-            load_safetensors(client, path, "bench-load")
-            took = time.perf_counter() - start
-            client.unpublish("bench-load")  # type: ignore[attr-defined]
-            return took
-
-        ours = load_bytes / median([load() for _ in range(3)]) / 1e9
-        if local is None:
-            return skipped(FIGURE, name, "GB/s", anchor_name, f"{reason} ({ours:.2f} GB/s measured on {bench.backend})")
-        size = os.path.getsize(path)
-        pinned = local.pinned(size)
-        device = local.alloc(size)
-        try:
-            def anchor_once() -> float:
-                start = time.perf_counter()
-                with open(path, "rb", buffering=0) as file:
-                    file.readinto(pinned)
-                local.htod(device, pinned, size)
-                return time.perf_counter() - start
-
-            anchor = size / median([anchor_once() for _ in range(3)]) / 1e9
-        finally:
-            local.free(device)
-    return measured(FIGURE, name, ours, "GB/s", anchor_name, anchor, target=">= 0.8",
-                    note="median of 3; ours publishes the layout too")
 
 
 def _legacy_anchor(local: LocalCuda, size: int) -> float:
