@@ -148,9 +148,9 @@ def _publish_here(path: str, name: str, device: int | None, read_only: bool, rep
                 for layout, file in sources:
                     if replace:
                         _unpublish_quietly(client, layout)
-                    descriptor = load_safetensors(client, str(file), layout, device=device, read_only=read_only)
+                    loaded = load_safetensors(client, str(file), layout, device=device, read_only=read_only)
                     done.append(layout)
-                    nbytes += descriptor.size
+                    nbytes += loaded.descriptor.size
             except BaseException:
                 for layout in done:
                     _unpublish_quietly(client, layout)
