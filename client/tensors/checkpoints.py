@@ -113,7 +113,9 @@ def _from_index(path: str, index: str) -> Checkpoint:
 
 def _from_shards(path: str, files: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
     """The shards' tensors, with ``weight_map`` (tensor -> shard path, from an index) checked against them."""
-    shards, tensors, metadata = [], [], {}
+    shards: list[Shard] = []
+    tensors: list[CheckpointTensor] = []
+    metadata: dict[str, Any] = {}
     where: dict[str, str] = {}
     for number, file in enumerate(files):
         size, found, shard_metadata = _read_header(file, number)

@@ -280,6 +280,6 @@ def test_loading_other_content_under_a_taken_name_says_so_and_closes_the_files(d
     path, _ = _safetensors_file(tmp_path)
     with Client(daemon.endpoint, timeout=10) as client:
         client.run(build.publish(client.alloc(64, shareable=True), "taken-by-load"))
-        with pytest.raises(NameExists, match="without a content digest.*--replace"):
+        with pytest.raises(NameExists, match=r"without a content digest.*--replace"):
             load_safetensors(client, str(path), "taken-by-load")
         client.unpublish("taken-by-load")
