@@ -30,6 +30,7 @@ from cuctxd.protos.errors import BadArgument, CudaError, DigestMismatch, WrongBa
 from cuctxd.protos.host import buffer_address
 from cuctxd.protos.layouts import ALIGNMENT, BY_TYPESTR, DTYPES, Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
+from cuctxd.protos.sizes import human_size
 
 
 class RawBytes:
@@ -172,7 +173,7 @@ def _alloc(client: Any, size: int, device: int | None, tensors: int) -> Any:
 
 
 def _size_text(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):.2f} GiB ({nbytes} bytes)" if nbytes >= 1 << 30 else f"{nbytes} bytes"
+    return f"{human_size(nbytes)} ({nbytes} bytes)"
 
 
 def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,

@@ -221,6 +221,6 @@ def test_a_device_without_room_is_one_line_and_leaves_nothing(start_daemons: Cal
     small = start_daemons("--sim-devices", "1", "--sim-memory", "4MiB")
     _, size = layout_offsets(array.nbytes for array in checkpoint(tmp_path / "model").values())  # 6 MiB
     line = one_line_error(load(small, str(tmp_path / "model"), "--name", "too-big"))
-    assert "CUDA_ERROR_OUT_OF_MEMORY" in line and f"needs {size} bytes" in line, line
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in line and f"needs 6.0 MiB ({size} bytes)" in line, line
     with Client(small.endpoint) as c:
         nothing_left(c)
