@@ -146,11 +146,10 @@ def _publish_here(path: str, name: str, device: int | None, read_only: bool, rep
         with Client(endpoint, timeout=timeout, name="cuctxd.ray publish") as client:
             try:
                 for layout, file in sources:
-                    if replace:
-                        _unpublish_quietly(client, layout)
-                    descriptor = load_safetensors(client, str(file), layout, device=device, read_only=read_only)
+                    loaded = load_safetensors(client, str(file), layout, device=device, read_only=read_only,
+                                              replace=replace)
                     done.append(layout)
-                    nbytes += descriptor.size
+                    nbytes += loaded.descriptor.size
             except BaseException:
                 for layout in done:
                     _unpublish_quietly(client, layout)
@@ -236,8 +235,9 @@ def publish_on_every_node(path: str | os.PathLike[str], name: str, *, device: in
 
     One task per node, pinned with ``NodeAffinitySchedulingStrategy(soft=False)``; ``path`` is read on
     each node. Returns one :class:`NodeResult` per node: a node either holds all the layouts or none.
-    A name that exists already fails that node with ``NameExists`` unless ``replace`` (which unpublishes
-    it first; sessions that hold the old layout keep it). Every node answers within ``timeout`` seconds
+    A name that holds the same content already is left as it is; other content fails that node with
+    ``NameExists`` unless ``replace`` (which swaps the name in one step; sessions that hold the old layout
+    keep it). Every node answers within ``timeout`` seconds
     or is reported as ``Timeout``. ``node_ids``: only these nodes (``ray.nodes()``'s ``NodeID``).
     """
     return _on_every_node(_publish_here, (os.fspath(path), name, device, read_only, replace, timeout), timeout,

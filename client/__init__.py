@@ -17,6 +17,7 @@ from cuctxd.protos.errors import (
     CudaError,
     DaemonError,
     DaemonTimeout,
+    DigestMismatch,
     LimitExceeded,
     NameExists,
     NoAccess,
@@ -38,11 +39,10 @@ from cuctxd.protos.errors import (
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 __all__ = [
-    "AsyncBuffer", "AsyncClient", "AsyncContext", "AsyncEvent", "AsyncHostBuffer", "AsyncOpenedShare",
-    "AsyncPipeline", "AsyncStream", "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost",
-    "Context", "CuctxError", "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "Event", "HostBuffer",
-    "LimitExceeded", "NameExists", "NoAccess", "NoDaemon", "NotFound", "NotOwner", "NotShareable", "OpenedShare",
-    "OutOfRange", "Pipeline", "Revoked", "SessionClosed", "SessionExpired", "SessionLost", "ShareDescriptor",
-    "Stream", "TensorSet", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend",
-    "open_tensors", "publish_tensors",
+    "AsyncBuffer", "AsyncClient", "AsyncContext", "AsyncEvent", "AsyncHostBuffer", "AsyncOpenedShare", "AsyncPipeline",
+    "AsyncStream", "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost", "Context", "CuctxError",
+    "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "DigestMismatch", "Event", "HostBuffer", "LimitExceeded",
+    "NameExists", "NoAccess", "NoDaemon", "NotFound", "NotOwner", "NotShareable", "OpenedShare", "OutOfRange",
+    "Pipeline", "Revoked", "SessionClosed", "SessionExpired", "SessionLost", "ShareDescriptor", "Stream", "TensorSet",
+    "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend", "open_tensors", "publish_tensors",
 ]

@@ -252,6 +252,14 @@ class WrongBackend(CuctxError, AttributeError):  # type: ignore[misc]  # ``name`
         super().__init__(0, "CUCTXD_WRONG_BACKEND", message, op)
 
 
+class DigestMismatch(CuctxError):
+    """Client side only: a layout opened with ``digest=`` holds other content (or says none): the message
+    gives both digests. Nothing stays mapped."""
+
+    def __init__(self, message: str, op: str | None = None) -> None:
+        super().__init__(0, "CUCTXD_ERROR_DIGEST_MISMATCH", message, op)
+
+
 _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     int(cls.code_enum): cls
     for cls in (

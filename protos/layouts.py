@@ -3,7 +3,9 @@
 ``publish`` may carry a manifest (msgpack, as ``manifest`` bytes): per tensor its
 ``name``, ``dtype`` (a name from :data:`DTYPES`), ``shape``, ``strides`` (in
 elements, C order when omitted) and byte ``offset`` in the buffer; plus free-form
-``metadata``. The daemon checks it against the buffer (:func:`check_manifest`)
+``metadata``. Optionally each tensor's ``digest`` and the layout's ``digest``
+(:mod:`cuctxd.protos.digests`: what the bytes are, so a consumer can require
+them). The daemon checks it against the buffer (:func:`check_manifest`)
 before anything is published and hands it to every ``lookup``, so a consumer
 maps all the tensors with one import. Shared by the daemon and the client.
 """
@@ -16,6 +18,7 @@ from typing import Any
 
 import msgpack
 
+from cuctxd.protos import digests
 from cuctxd.protos.errors import BadArgument
 
 #: Byte alignment of each tensor in a layout the Python client makes (at least what CUDA allocations give).
@@ -57,13 +60,14 @@ BY_TYPESTR.update({"=" + ts[1:]: name for ts, name in list(BY_TYPESTR.items())})
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a layout; ``strides`` in elements."""
+    """One tensor of a layout; ``strides`` in elements; ``digest`` of its bytes where its publisher said."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     offset: int
+    digest: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -77,8 +81,11 @@ class TensorSpec:
         return self.offset + (last + 1) * DTYPES[self.dtype].itemsize
 
     def to_wire(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "strides": list(self.strides),
+        wire = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "strides": list(self.strides),
                 "offset": self.offset}
+        if self.digest is not None:
+            wire["digest"] = self.digest
+        return wire
 
 
 def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -91,12 +98,26 @@ def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Manifest:
+    """The tensors and metadata; ``digest``: the layout's (:func:`cuctxd.protos.digests.layout_digest` of
+    its tensors), present only when every tensor has one."""
+
     tensors: tuple[TensorSpec, ...]
     metadata: dict[str, Any]
+    digest: str | None = None
+
+    @classmethod
+    def digested(cls, tensors: tuple[TensorSpec, ...], metadata: dict[str, Any]) -> Manifest:
+        """The manifest with its layout digest where every tensor has a digest (else none)."""
+        if not all(t.digest is not None for t in tensors):
+            return cls(tensors, metadata)
+        return cls(tensors, metadata, digests.layout_digest((t.name, t.dtype, t.shape, t.digest or "")
+                                                             for t in tensors))
 
     def pack(self) -> bytes:
-        packed: bytes = msgpack.packb({"tensors": [t.to_wire() for t in self.tensors], "metadata": self.metadata},
-                                      use_bin_type=True)
+        wire: dict[str, Any] = {"tensors": [t.to_wire() for t in self.tensors], "metadata": self.metadata}
+        if self.digest is not None:
+            wire["digest"] = self.digest
+        packed: bytes = msgpack.packb(wire, use_bin_type=True)
         return packed
 
 
@@ -125,6 +146,9 @@ def check_manifest(raw: bytes, size: int) -> Manifest:
     metadata = decoded.get("metadata", {})
     if not isinstance(metadata, dict):
         raise BadArgument("the manifest's 'metadata' must be a map")
+    stated = decoded.get("digest")
+    if stated is not None and not digests.is_digest(stated):
+        raise BadArgument(f"the manifest's 'digest' must be {digests.ALGORITHM}: and 32 lowercase hex digits")
     entries = decoded["tensors"]
     if len(entries) > MAX_TENSORS:
         raise BadArgument(f"a manifest lists at most {MAX_TENSORS} tensors, this one {len(entries)}")
@@ -150,9 +174,28 @@ def check_manifest(raw: bytes, size: int) -> Manifest:
             raise BadArgument(f"tensor {name!r}: 'offset' must be a non-negative integer")
         if offset % DTYPES[dtype].itemsize:
             raise BadArgument(f"tensor {name!r}: offset {offset} is not a multiple of its item size")
-        spec = TensorSpec(name, dtype, shape, strides, offset)
+        digest = entry.get("digest")
+        if digest is not None and not digests.is_digest(digest):
+            raise BadArgument(f"tensor {name!r}: 'digest' must be {digests.ALGORITHM}: and 32 lowercase hex digits")
+        spec = TensorSpec(name, dtype, shape, strides, offset, digest)
         end = spec.extent()
         if end > size:
             raise BadArgument(f"tensor {name!r} ends at byte {end}, past the {size}-byte buffer")
         specs.append(spec)
-    return Manifest(tuple(specs), metadata)
+    if stated is not None:
+        computed = Manifest.digested(tuple(specs), metadata).digest
+        if computed != stated:
+            raise BadArgument(f"the manifest's digest {stated} is not its tensors' "
+                              f"({computed or 'not every tensor has a digest'})")
+    return Manifest(tuple(specs), metadata, stated)
+
+
+def stated_digest(raw: bytes) -> str | None:
+    """The layout digest a manifest checked once (:func:`check_manifest`) carries, a parked name's; None
+    where it states none or does not decode."""
+    try:
+        decoded = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except ValueError:
+        return None
+    digest = decoded.get("digest") if isinstance(decoded, dict) else None
+    return digest if digests.is_digest(digest) else None

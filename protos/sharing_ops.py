@@ -37,7 +37,8 @@ class Publish:
     passes (PROTOCOL.md, "Lifetime of shared memory"); ``persistent``: no ``orphan_ttl`` (and parked
     where a service manager keeps fds); ``once``: consume-once, the name stops keeping it once a
     session opened it after its owner let go; ``read_only``: openers are told to map it without
-    write access (``read_only`` in the descriptor). Result: ``share``."""
+    write access (``read_only`` in the descriptor); ``replace``: a name already published moves to this
+    buffer at once, if this session may unpublish it (holders of the old one keep it). Result: ``share``."""
 
     buffer: int = handle_field()
     name: str = name_field()
@@ -46,6 +47,7 @@ class Publish:
     persistent: bool = False
     read_only: bool = False
     once: bool = False
+    replace: bool = False
 
 
 @op("unpublish", target="front")

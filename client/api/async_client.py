@@ -353,8 +353,9 @@ class AsyncClient(SessionState):
         return await self.run(build.export(buffer))
 
     async def publish(self, buffer: AsyncBuffer, name: str, *, persistent: bool = False, once: bool = False,
-                      read_only: bool = False) -> ShareDescriptor:
-        return await self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once))
+                      read_only: bool = False, replace: bool = False) -> ShareDescriptor:
+        return await self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
+                                            replace=replace))
 
     async def unpublish(self, name: str) -> None:
         await self.run(build.unpublish(name))

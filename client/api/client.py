@@ -448,15 +448,17 @@ class Client(SessionState):
         return self.run(build.export(buffer))
 
     def publish(self, buffer: Buffer, name: str, *, persistent: bool = False, once: bool = False,
-                read_only: bool = False) -> ShareDescriptor:
+                read_only: bool = False, replace: bool = False) -> ShareDescriptor:
         """Export ``buffer`` and publish it under ``name`` for every session to look up. The name keeps the
         buffer until it is unpublished or, once this session let the buffer go and nobody holds it, the
         daemon's ``orphan_ttl`` passes; ``persistent``: no ``orphan_ttl`` (and the name survives a daemon
         restart where a service manager keeps it); ``once``: consume-once, the name stops keeping the
         buffer once a session opened it after its owner let go (PROTOCOL.md, "Lifetime of shared memory");
         ``read_only``: openers map it without write access (advisory: section 9 of PROTOCOL.md says where
-        it holds)."""
-        return self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once))
+        it holds); ``replace``: a name in use moves to ``buffer`` at once, if this session may unpublish it
+        (sessions holding the old buffer keep it)."""
+        return self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
+                                      replace=replace))
 
     def unpublish(self, name: str) -> None:
         """Remove a name published by this user's sessions (any name, as the daemon's own user)."""

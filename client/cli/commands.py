@@ -29,6 +29,7 @@ from cuctxd.client.cli.tables import (
 )
 from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys
 from cuctxd.client.wire.transport import listening
+from cuctxd.protos import digests
 from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
 from cuctxd.protos.errors import CuctxError
 from cuctxd.protos.sizes import human_size
@@ -139,11 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between refreshes with --watch (default 2)")
     status.add_argument("--count", type=_count, metavar="N", help="with --watch: stop after N refreshes")
     command("shared", "published buffers and who holds them")
-    load = command("load", "publish the tensors of a .safetensors file as one layout")
-    load.add_argument("file", metavar="FILE.safetensors", help="the file to load")
+    load = command("load", "publish a safetensors checkpoint (a file, a directory of shards or an index) as one "
+                           "layout")
+    load.add_argument("path", metavar="PATH", help="a .safetensors file, a directory (its "
+                                                   "model.safetensors.index.json, else every *.safetensors in it) "
+                                                   "or an index .json")
     load.add_argument("--name", required=True, help="the name to publish the layout under")
     load.add_argument("--device", type=_ordinal, default=None, metavar="N", help="the device (default: 0)")
     load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
+    load.add_argument("--replace", action="store_true", help="if the name holds other content, swap it for this "
+                                                            "(sessions that opened the old one keep it)")
     unpublish = command("unpublish", "remove a published name (one published by your user; any, as the "
                                      "daemon's user)")
     unpublish.add_argument("name", metavar="NAME", help="the name, as 'cuctx shared' lists it")
@@ -264,26 +270,36 @@ def _wait_for_exit(args: argparse.Namespace, endpoint: str, pid: int) -> int:
 
 
 def load_file(client: Client, args: argparse.Namespace) -> int:
-    """``cuctx load``: the file's tensors published as ``--name``, with a progress line on a terminal."""
+    """``cuctx load``: the checkpoint's tensors published as ``--name``, with one progress line for all its
+    files on a terminal; the same content already there is said and left as it is."""
     from cuctxd.client.tensors.safetensors_load import load_safetensors
 
+    shown = False
+
     def progress(done: int, total: int) -> None:
+        nonlocal shown
         if sys.stderr.isatty():
-            print(f"\rloading {args.file}: {100 * done // max(total, 1):3d}% ({human_size(done)} of "
+            shown = True
+            print(f"\rloading {args.path}: {100 * done // max(total, 1):3d}% ({human_size(done)} of "
                   f"{human_size(total)})", end="", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    descriptor = load_safetensors(client, args.file, args.name, device=args.device, progress=progress,
-                                  read_only=args.read_only)
+    loaded = load_safetensors(client, args.path, args.name, device=args.device, progress=progress,
+                              read_only=args.read_only, replace=args.replace)
     took = time.perf_counter() - started
-    if sys.stderr.isatty():
+    if shown:
         print(file=sys.stderr)
+    descriptor = loaded.descriptor
     if args.json:
-        print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took,
-                          "share_id": descriptor.share_id}))
+        print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,
+                          "share_id": descriptor.share_id, "digest": loaded.digest}))
+    elif not loaded.loaded:
+        print(f"already loaded: same content, digest {loaded.digest} ({args.name!r}, "
+              f"{human_size(descriptor.size)} on device {descriptor.device}); nothing was read onto the device")
     else:
-        print(f"published {args.file} as {args.name!r}: {human_size(descriptor.size)} on device "
-              f"{descriptor.device} in {human_duration(took)}")
+        said = f", digest {digests.short(loaded.digest)}" if loaded.digest else ""
+        print(f"{'replaced' if args.replace else 'published'} {args.path} as {args.name!r}: "
+              f"{human_size(descriptor.size)} on device {descriptor.device} in {human_duration(took)}{said}")
     return 0
 
 

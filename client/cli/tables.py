@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cuctxd.protos import digests
 from cuctxd.protos.records import DeviceInfo
 from cuctxd.protos.sizes import human_size
 
@@ -172,10 +173,10 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
     if not shared:
         return "no published buffers"
     return table(
-        ["NAME", "DEVICE", "SIZE", "TENSORS", "MODE", "OWNER", "PUBLISHER", "HOLDERS", "SHARE"],
+        ["NAME", "DEVICE", "SIZE", "TENSORS", "MODE", "OWNER", "PUBLISHER", "HOLDERS", "DIGEST", "SHARE"],
         [[s["name"], s["device"], human_size(s["size"]), s.get("tensors") or "-", "ro" if s.get("read_only") else "rw",
           s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", _publisher(s.get("publisher")),
-          s["holders"], s["share_id"]]
+          s["holders"], digests.short(s["digest"]) if s.get("digest") else "-", s["share_id"]]
          for s in shared],
     )
 

@@ -1,88 +1,142 @@
-"""Loading a ``.safetensors`` file straight into a published layout (``cuctx load``).
+"""Loading a safetensors checkpoint (a file, a directory of shards, an index) as one layout (``cuctx load``).
 
-The ``safetensors`` package reads and checks the format (header, dtypes,
-offsets); the bytes go to the daemon through the data plane: each tensor is
-copied from the file's mapping (the page cache) into the client's pinned staging
-ring and DMA'd into one daemon buffer, which is then published with the file's
-layout and metadata. A truncated file, or one whose header lies, is refused
-before anything is published, and the buffer is freed.
+:func:`load_safetensors` reads and checks the checkpoint (:mod:`cuctxd.client.tensors.checkpoints`) before
+anything is allocated, lays its tensors out as every layout is
+(:func:`~cuctxd.client.tensors.tensor_sets.layout_offsets`), reads every shard into one shareable daemon
+buffer, hashed on the way (:func:`~cuctxd.client.data_plane.file_reads.load_file_ranges`), and publishes it
+with its manifest and digests. A name in use is compared by content: the files are hashed (mapped, on
+threads) and, the same as the published layout's digest, nothing is loaded; other content is refused
+unless ``replace``, which loads into a new buffer and swaps the name in the daemon at once. Nothing stays
+published or allocated after a failure. Which thread may call: the client's callers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
-import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from cuctxd.client.tensors.tensor_sets import RawBytes, publish_tensors
-from cuctxd.protos.errors import BadArgument, CuctxError
+from cuctxd.client.data_plane.file_reads import FileRange, load_file_ranges
+from cuctxd.client.tensors.checkpoints import Checkpoint, read_checkpoint
+from cuctxd.client.tensors.hashing import hash_views
+from cuctxd.client.tensors.tensor_sets import layout_offsets, publish_layout
+from cuctxd.protos import digests
+from cuctxd.protos.errors import BadArgument, NameExists, NotFound
+from cuctxd.protos.layouts import Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
 
-#: safetensors dtype names -> layout dtype names.
-_DTYPES = {"BOOL": "bool", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
-           "U16": "uint16", "U32": "uint32", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-           "F32": "float32", "F64": "float64", "C64": "complex64"}
 
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`load_safetensors` did: the layout's ``descriptor`` (with its manifest), its ``digest``
+    (None when loaded with ``digest=False``), and whether it ``loaded`` (False: the name already held this
+    content, and nothing was allocated)."""
 
-def _read_header(path: str) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """(tensors by name, metadata, where the data starts), once the safetensors package accepted the file."""
-    try:
-        from safetensors import safe_open
-    except ImportError as missing:
-        raise BadArgument(f"loading .safetensors files needs the safetensors package: {missing}") from None
-    try:
-        with safe_open(path, framework="numpy") as opened:
-            metadata = dict(opened.metadata() or {})
-            names = set(opened.keys())
-        with open(path, "rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(length))
-    except (OSError, ValueError) as exc:
-        raise BadArgument(f"{path}: {exc}") from None
-    except Exception as exc:
-        raise BadArgument(f"{path} is not a valid safetensors file: {exc}") from None
-    header.pop("__metadata__", None)
-    if set(header) != names:
-        raise BadArgument(f"{path}: its header and the safetensors reader disagree on the tensors")
-    return header, metadata, 8 + length
+    descriptor: ShareDescriptor
+    digest: str | None
+    loaded: bool
 
 
 def load_safetensors(client: Any, path: str, name: str, *, device: int | None = None,
-                     progress: Callable[[int, int], None] | None = None, read_only: bool = False) -> ShareDescriptor:
-    """Publish the tensors of ``path`` as ``name`` (on ``device``; ``read_only``: consumers may open it
-    only read-only); ``progress(done, total)`` in bytes."""
-    header, metadata, start = _read_header(path)
-    data_bytes = os.path.getsize(path) - start
-    with open(path, "rb") as file:
-        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        data = memoryview(mapped)
-        sources: dict[str, RawBytes] = {}
-        try:
-            for key, entry in header.items():
-                dtype = _DTYPES.get(entry["dtype"])
-                if dtype is None:
-                    raise BadArgument(f"{path}: tensor {key!r} has dtype {entry['dtype']}, which layouts do not know")
-                begin, end = entry["data_offsets"]
-                if not 0 <= begin <= end <= data_bytes:
-                    raise BadArgument(f"{path}: tensor {key!r} claims bytes {begin}..{end} of {data_bytes}: "
-                                      "the file is truncated or its header lies")
-                sources[key] = RawBytes(data[start + begin:start + end], dtype, tuple(entry["shape"]))
+                     progress: Callable[[int, int], None] | None = None, read_only: bool = False,
+                     replace: bool = False, digest: bool = True) -> Loaded:
+    """Publish the checkpoint at ``path`` (a ``.safetensors`` file, a directory, or an index JSON) as
+    ``name`` on ``device``; ``progress(done, total)`` in bytes, once for the whole checkpoint;
+    ``read_only``: consumers may open it only read-only. A name in use: the same content is a no-op
+    (``loaded`` False), other content :class:`NameExists` unless ``replace`` (allowed to whoever may
+    unpublish the name). ``digest=False`` leaves the digests out of the manifest (for measuring). Raises
+    :class:`BadArgument` for a checkpoint that cannot load (nothing allocated then), ``CudaError``
+    ``CUDA_ERROR_OUT_OF_MEMORY`` for a device without room."""
+    checkpoint = read_checkpoint(path)
+    offsets, size = layout_offsets(tensor.nbytes for tensor in checkpoint.tensors)
+    manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, t.shape, c_strides(t.shape), offset)
+                              for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
+    check_manifest(manifest.pack(), size)  # a checkpoint no layout can hold is refused before anything else
+    if not replace:
+        published = _published(client, name)
+        if published is not None:
+            return _same_content(checkpoint, name, published)
+    with _opened(checkpoint) as fds:
+        ranges = [FileRange(fds[t.shard], t.offset, t.nbytes, offset)
+                  for t, offset in zip(checkpoint.tensors, offsets, strict=True)]
+
+        def fill(buffer: Any) -> list[str | None]:
             try:
-                return publish_tensors(client, name, sources, metadata, device=device, progress=progress,
-                                       read_only=read_only)
-            except CuctxError as error:  # its traceback's frames hold views of the mapping, which must close
-                raise error.with_traceback(None) from None
-        finally:
-            sources.clear()
-            data.release()
-            # views of it may live on in a failure's traceback: the mapping then goes with them, and the
-            # failure is what the caller sees (not "cannot close exported pointers exist")
-            with contextlib.suppress(BufferError):
-                mapped.close()
+                return load_file_ranges(client, buffer, ranges, digest=digest, progress=progress)
+            except (EOFError, OSError) as exc:
+                raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
+
+        descriptor = publish_layout(client, name, manifest, size, fill, device=device, read_only=read_only,
+                                    replace=replace)
+    return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True)
 
 
-__all__ = ["load_safetensors"]
+def _published(client: Any, name: str) -> ShareDescriptor | None:
+    try:
+        descriptor: ShareDescriptor = client.lookup(name)
+    except NotFound:
+        return None
+    return descriptor
+
+
+def _same_content(checkpoint: Checkpoint, name: str, published: ShareDescriptor) -> Loaded:
+    """A no-op when ``published`` holds the checkpoint's content; else :class:`NameExists` naming ``--replace``."""
+    theirs = check_manifest(published.manifest, published.size).digest if published.manifest else None
+    if theirs is None:
+        raise NameExists(f"{name!r} is published already, without a content digest to compare this checkpoint "
+                         f"with: load with --replace (replace=True) to swap it, or choose another name")
+    ours = checkpoint_digest(checkpoint)
+    if ours != theirs:
+        raise NameExists(f"{name!r} holds other content (digest {digests.short(theirs)}, this checkpoint's "
+                         f"{digests.short(ours)}): load with --replace (replace=True) to swap it")
+    return Loaded(published, ours, False)
+
+
+def checkpoint_digest(checkpoint: Checkpoint) -> str:
+    """The layout digest the checkpoint's content would have, its files mapped and hashed on threads."""
+    mapped: list[mmap.mmap] = []
+    try:
+        with _opened(checkpoint) as fds:
+            mapped.extend(mmap.mmap(fd, 0, access=mmap.ACCESS_READ) for fd in fds)
+        found = _hash_mapped(checkpoint, mapped)
+    except (OSError, ValueError) as exc:
+        raise BadArgument(f"{checkpoint.path}: reading the checkpoint failed: {exc}") from None
+    finally:
+        for one in mapped:
+            with contextlib.suppress(BufferError):  # a view still alive in a traceback: it goes with it
+                one.close()
+    return digests.layout_digest((t.name, t.dtype, t.shape, found[index])
+                                 for index, t in enumerate(checkpoint.tensors))
+
+
+def _hash_mapped(checkpoint: Checkpoint, mapped: list[mmap.mmap]) -> list[str]:
+    views = [memoryview(mapped[t.shard])[t.offset:t.offset + t.nbytes] for t in checkpoint.tensors]
+    try:
+        return hash_views(views)
+    finally:
+        for view in views:
+            view.release()
+
+
+@contextlib.contextmanager
+def _opened(checkpoint: Checkpoint) -> Iterator[list[int]]:
+    """Each shard open (read-only), the same size as when its header was read; closed on exit."""
+    fds: list[int] = []
+    try:
+        for shard in checkpoint.shards:
+            try:
+                fds.append(os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                raise BadArgument(f"{shard.path}: {exc.strerror or exc}") from None
+            if os.fstat(fds[-1]).st_size != shard.size:
+                raise BadArgument(f"{shard.path}: changed while it was being loaded (it was {shard.size} bytes)")
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+__all__ = ["Loaded", "checkpoint_digest", "load_safetensors"]

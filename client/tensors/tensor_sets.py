@@ -1,30 +1,36 @@
 """Tensors by name: many tensors in one shared buffer, published with their layout and opened as views.
 
 :func:`publish_tensors` lays the tensors out in one daemon allocation (each at a
-multiple of ``ALIGNMENT`` bytes), copies them in (device to device when they are
-on the buffer's GPU in this process; through the data plane from host memory)
-and publishes the buffer with its manifest (:mod:`cuctxd.protos.layouts`). A
-failure frees the buffer: nothing is left half published. :func:`open_tensors`
-looks the name up, opens the share once (one pool import, one pointer import)
-and returns a :class:`TensorSet` of zero-copy :class:`SharedTensor` views: CUDA
-array interface v3 on the cuda backend (torch, CuPy, numba), numpy's array
-interface on the sim. Which thread may call: the client's callers.
+multiple of ``ALIGNMENT`` bytes, :func:`layout_offsets`), copies them in (device to
+device when they are on the buffer's GPU in this process; through the data plane
+from host memory, hashed meanwhile) and publishes the buffer with its manifest
+(:mod:`cuctxd.protos.layouts`) through :func:`publish_layout`, which
+``cuctx load`` shares. A failure frees the buffer: nothing is left half
+published. :func:`open_tensors` looks the name up (and, given a digest, checks
+it), opens the share once (one pool import, one pointer import) and returns a
+:class:`TensorSet` of zero-copy :class:`SharedTensor` views: CUDA array
+interface v3 on the cuda backend (torch, CuPy, numba), numpy's array interface
+on the sim. Which thread may call: the client's callers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cuctxd.client.api.sharing import OpenedShare, byte_interface
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.tensors import dlpack
+from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.wire import build
-from cuctxd.protos.errors import BadArgument, WrongBackend
+from cuctxd.protos.errors import BadArgument, CudaError, DigestMismatch, WrongBackend
 from cuctxd.protos.host import buffer_address
 from cuctxd.protos.layouts import ALIGNMENT, BY_TYPESTR, DTYPES, Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
+from cuctxd.protos.sizes import human_size
 
 
 class RawBytes:
@@ -110,42 +116,94 @@ def _dtype_of(name: str, typestr: str) -> str:
     return BY_TYPESTR[key]
 
 
+def layout_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Each tensor's offset, in order, each at a multiple of ALIGNMENT (an empty tensor takes ALIGNMENT
+    bytes too), and the buffer's size: the one rule of every layout this client makes."""
+    offsets, at = [], 0
+    for nbytes in sizes:
+        offsets.append(at)
+        at += -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
+    return offsets, max(at, ALIGNMENT)
+
+
 def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
                 ) -> tuple[Manifest, list[_Source], int]:
-    """Where each tensor goes (C order, each at a multiple of ALIGNMENT): the manifest, the sources, the size."""
+    """Where each tensor goes (C order, :func:`layout_offsets`): the manifest, the sources, the size."""
     sources = [_Source(str(name), value) for name, value in tensors.items()]
-    specs, at = [], 0
-    for source in sources:
-        specs.append(TensorSpec(source.name, source.dtype, source.shape, c_strides(source.shape), at))
-        at += -(-max(source.nbytes, 1) // ALIGNMENT) * ALIGNMENT
-    return Manifest(tuple(specs), dict(metadata or {})), sources, max(at, ALIGNMENT)
+    offsets, size = layout_offsets(source.nbytes for source in sources)
+    specs = tuple(TensorSpec(source.name, source.dtype, source.shape, c_strides(source.shape), offset)
+                  for source, offset in zip(sources, offsets, strict=True))
+    return Manifest(specs, dict(metadata or {})), sources, size
+
+
+def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
+                   fill: Callable[[Any], Sequence[str | None]], *, device: int | None = None,
+                   persistent: bool = True, read_only: bool = False, replace: bool = False) -> ShareDescriptor:
+    """Allocate one shareable buffer of ``size`` bytes on ``device``, ``fill(buffer)`` it (it returns each
+    tensor's digest in the manifest's order, None where unknown), and publish it as ``name`` with the
+    manifest and those digests (the layout's digest where every tensor has one); ``replace``: swap a name
+    in use (``publish``'s ``replace``). Returns the share's descriptor with that manifest. The manifest is
+    checked first, as the daemon will. Nothing stays published or allocated when this raises; a device
+    without room raises the allocation's ``CUDA_ERROR_OUT_OF_MEMORY`` with the sizes in its message."""
+    check_manifest(manifest.pack(), size)  # what the daemon will check, said before any memory is taken
+    buffer = _alloc(client, size, device, len(manifest.tensors))
+    try:
+        found = fill(buffer)
+        specs = tuple(dataclasses.replace(spec, digest=digest)
+                      for spec, digest in zip(manifest.tensors, found, strict=True))
+        packed = Manifest.digested(specs, manifest.metadata).pack()
+        published: ShareDescriptor = client.run(build.publish(buffer, name, packed, persistent, read_only,
+                                                              replace=replace))
+        return dataclasses.replace(published, manifest=packed)
+    except BaseException:
+        buffer.free()
+        raise
+
+
+def _alloc(client: Any, size: int, device: int | None, tensors: int) -> Any:
+    try:
+        return client.alloc(size, device, shareable=True)
+    except CudaError as error:
+        if error.name != "CUDA_ERROR_OUT_OF_MEMORY":
+            raise
+        free, total = client.mem_get_info(device)
+        raise CudaError(error.code, error.name, f"the layout of {tensors} tensors needs {_size_text(size)} in one "
+                        f"buffer; this session may allocate {_size_text(free)} of the device's "
+                        f"{_size_text(total)} ({error.message})") from None
+
+
+def _size_text(nbytes: int) -> str:
+    return f"{human_size(nbytes)} ({nbytes} bytes)"
 
 
 def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
                     *, device: int | None = None, progress: Callable[[int, int], None] | None = None,
-                    persistent: bool = True, read_only: bool = False) -> ShareDescriptor:
+                    persistent: bool = True, read_only: bool = False, replace: bool = False,
+                    digest: bool = True) -> ShareDescriptor:
     """Put ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`) in one buffer on ``device``
     and publish it as ``name`` with their manifest; returns the share's descriptor. ``progress(done,
     total)``: bytes copied so far. ``persistent`` (the default): the layout stays until unpublished, so
     workers can come and go (``False``: freed once its last consumer closes it, as a plain publish).
-    ``read_only``: consumers may open it only read-only. Nothing stays published or allocated when this
-    raises."""
+    ``read_only``: consumers may open it only read-only; ``replace``: swap a name in use. ``digest``: host
+    tensors are hashed while they are copied (the layout has a digest when no tensor came from a device).
+    Nothing stays published or allocated when this raises."""
     manifest, sources, size = plan_layout(tensors, metadata)
-    packed = manifest.pack()
-    check_manifest(packed, size)  # what the daemon will check, said before any memory is taken
-    buffer = client.alloc(size, device, shareable=True)
-    try:
-        device_sources = [(spec, source) for spec, source in zip(manifest.tensors, sources, strict=True)
-                          if source.device_ptr is not None]
-        host_sources = [(spec.offset, source.host) for spec, source in zip(manifest.tensors, sources, strict=True)
-                        if source.host is not None and source.nbytes]
-        _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
-        if device_sources:
-            _copy_from_device(client, buffer, device_sources)
-        return client.run(build.publish(buffer, name, packed, persistent, read_only))  # type: ignore[no-any-return]
-    except BaseException:
-        buffer.free()
-        raise
+
+    def fill(buffer: Any) -> list[str | None]:
+        hashed = {index: source.host for index, source in enumerate(sources) if source.host is not None}
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuctxd-digests") as pool:  # waits for it
+            running = pool.submit(hash_views, list(hashed.values())) if digest else None
+            device_sources = [(spec, source) for spec, source in zip(manifest.tensors, sources, strict=True)
+                              if source.device_ptr is not None]
+            host_sources = [(manifest.tensors[index].offset, view) for index, view in hashed.items() if view.nbytes]
+            _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
+            if device_sources:
+                _copy_from_device(client, buffer, device_sources)
+            found = dict(zip(hashed, running.result(), strict=True)) if running is not None else {}
+        return [found.get(index) for index in range(len(sources))]
+
+    return publish_layout(client, name, manifest, size, fill, device=device, persistent=persistent,
+                          read_only=read_only, replace=replace)
 
 
 #: Bytes written between two progress reports of :func:`publish_tensors`.
@@ -267,13 +325,15 @@ class CudaArray:
 
 
 class TensorSet(Mapping[str, SharedTensor]):
-    """The tensors published under one name, mapped in this process until :meth:`close` (or ``with``)."""
+    """The tensors published under one name, mapped in this process until :meth:`close` (or ``with``);
+    ``digest``: the layout's content digest (None where its publisher gave none)."""
 
     def __init__(self, share: OpenedShare, manifest: Manifest, writable: bool) -> None:
         self.share = share
         self.manifest = manifest
         self.writable = writable
         self.metadata = manifest.metadata
+        self.digest = manifest.digest
         self.host_address = 0
         if share.backend == "sim":
             with buffer_address(share.host_view()) as address:
@@ -316,16 +376,21 @@ class TensorSet(Mapping[str, SharedTensor]):
         self.close()
 
 
-def open_tensors(client: Any, name: str, *, writable: bool = False) -> TensorSet:
+def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str | None = None) -> TensorSet:
     """Map the tensors published as ``name`` (read-only views unless ``writable``, which a layout
     published ``read_only`` refuses; both are advisory: a mapping of device memory cannot be made
-    read-only)."""
+    read-only). ``digest``: the content required (a layout digest, :mod:`cuctxd.protos.digests`); a layout
+    with another one, or none, raises :class:`~cuctxd.protos.errors.DigestMismatch` before anything is
+    mapped."""
     descriptor = client.lookup(name)
     if not descriptor.manifest:
         raise BadArgument(f"{name!r} was published as a plain buffer, without a tensor layout")
     if writable and descriptor.read_only:
         raise BadArgument(f"{name!r} was published read-only: open it with writable=False")
     manifest = check_manifest(descriptor.manifest, descriptor.size)
+    if digest is not None and manifest.digest != digest:
+        raise DigestMismatch(f"{name!r} holds {manifest.digest or 'a layout without a digest'}, not the "
+                             f"required {digest}")
     return TensorSet(client.open_shared(descriptor), manifest, writable)
 
 
@@ -335,5 +400,5 @@ def raw_interface(tensor: SharedTensor, *, readonly: bool | None = None) -> dict
     return byte_interface(tensor._set.share.ptr + tensor.spec.offset, tensor.nbytes, tensor.readonly_flag(readonly))
 
 
-__all__ = ["CudaArray", "RawBytes", "SharedTensor", "TensorSet", "open_tensors", "plan_layout", "publish_tensors",
-           "raw_interface"]
+__all__ = ["CudaArray", "RawBytes", "SharedTensor", "TensorSet", "layout_offsets", "open_tensors", "plan_layout",
+           "publish_layout", "publish_tensors", "raw_interface"]

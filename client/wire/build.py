@@ -459,10 +459,10 @@ def export(buffer: OnDevice) -> Request[ShareDescriptor]:
 
 
 def publish(buffer: OnDevice, name: str, manifest: bytes | None = None, persistent: bool = False,
-            read_only: bool = False, once: bool = False) -> Request[ShareDescriptor]:
+            read_only: bool = False, once: bool = False, replace: bool = False) -> Request[ShareDescriptor]:
     return _request("publish", _share, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest,
                                              persistent=persistent or None, read_only=read_only or None,
-                                             once=once or None))
+                                             once=once or None, replace=replace or None))
 
 
 def unpublish(name: str) -> Request[None]:

@@ -35,6 +35,7 @@ from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import Naming, ShareRegistry
 from cuctxd.protos.errors import CuctxError, CudaError
 from cuctxd.protos.host import host_identity
+from cuctxd.protos.layouts import stated_digest
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,8 @@ class DeviceParking:
         adopted = ParkedShare(record.share_id, self.device, record.device_uuid, record.size, record.backend,
                               record.mechanism, record.export_data, record.names, record.publisher)
         lot.adopted(adopted, fd)
-        restored = self.sharing.adopt(share, [(n.name, Naming(n.manifest, n.tensors, n.read_only))
+        restored = self.sharing.adopt(share, [(n.name, Naming(n.manifest, n.tensors, n.read_only,
+                                                              stated_digest(n.manifest) if n.manifest else None))
                                               for n in record.names])
         log.info("device %d: adopted parked share %s… (%d bytes, %s) as %s", self.device, record.share_id[:8],
                  record.size, record.mechanism, restored)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers.registry import device_handler, front_handler
-from cuctxd.daemon.handlers.replies import DeviceTask, Pending, Reply, after_markers
+from cuctxd.daemon.handlers.replies import DeviceTask, Forward, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.sessions import Session
@@ -35,8 +35,11 @@ def export(state: DeviceState, job: Job) -> Reply | Pending:
 
 
 @device_handler(ops.Publish)
-def publish(state: DeviceState, job: Job) -> Reply | Pending:
-    if not job.args.name:
+def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
+    """Name the buffer; with ``replace``, the name's old share forgets it on its own device's worker (here,
+    or forwarded there and back) before the reply, as after ``unpublish``."""
+    name = job.args.name
+    if not name:
         raise BadArgument("publish needs a non-empty name")
     if job.args.once and job.args.persistent:
         raise BadArgument("a name published once (consume-once) cannot be persistent")
@@ -45,15 +48,27 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending:
     naming = Naming(read_only=job.args.read_only)
     if job.args.manifest is not None:  # checked before anything is exported or named
         manifest = check_manifest(job.args.manifest, buffer.size)
-        naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only)
+        naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only, manifest.digest)
     state.sharing.check_orphan_room(session, buffer)
     share = state.sharing.export(session, buffer)
-    state.registry.publish(job.args.name, share, naming)
+    replaced = state.registry.publish(name, share, naming, replace=job.args.replace)
     share.persistent = share.persistent or job.args.persistent
     share.once = share.once or job.args.once
+    if replaced is not None and replaced[1] == state.device:
+        state.sharing.forget_name(name, replaced[0])  # unparked (or updated) before the new share is parked
     state.parking.sync(share)
-    return _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": job.args.name,
-                                                             "read_only": job.args.read_only}))
+    written = _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": name,
+                                                                "read_only": job.args.read_only}))
+    if replaced is None or replaced[1] == state.device:
+        return written
+    old_share, old_device = replaced
+    here = state.device
+
+    def on_old_device(other: DeviceState) -> Forward:
+        other.sharing.forget_name(name, old_share)
+        return Forward(here, lambda _: written)
+
+    return Forward(old_device, on_old_device)
 
 
 @device_handler(ops.OpenShared)

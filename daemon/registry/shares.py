@@ -84,16 +84,17 @@ class _Listing:
 
 @dataclass(frozen=True)
 class Naming:
-    """What a published name carries besides its share: the tensor layout's manifest (packed) and
-    tensor count, and whether openers are to map it read-only."""
+    """What a published name carries besides its share: the tensor layout's manifest (packed), tensor
+    count and digest (from the checked manifest), and whether openers are to map it read-only."""
 
     manifest: bytes = b""
     tensors: int = 0
     read_only: bool = False
+    digest: str | None = None
 
     def listed(self) -> dict[str, Any]:
         """What ``list_shared`` says of the name's layout and mode."""
-        return {"tensors": self.tensors, "read_only": self.read_only}
+        return {"tensors": self.tensors, "read_only": self.read_only, "digest": self.digest}
 
     def charged(self, name: str) -> int:
         """What the name costs its publisher (``max_manifest_bytes_per_*``): its manifest and its own bytes."""
@@ -173,34 +174,51 @@ class ShareRegistry:
         with self._lock:
             self._shares[share.share_id] = _Listing(share.descriptor, share.owner)
 
-    def publish(self, name: str, share: ShareRecord, naming: Naming = PLAIN) -> None:
+    def publish(self, name: str, share: ShareRecord, naming: Naming = PLAIN, *, replace: bool = False
+                ) -> tuple[str, int] | None:
         """Name ``share`` (:func:`check_scope` first), with its layout (checked by the caller) and
-        flags; a name is never replaced: unpublish it first. :class:`LimitExceeded` naming
+        flags. A name in use is :class:`NameExists`, unless ``replace``: then it moves to ``share`` in
+        one step if the share's owner may unpublish it (:class:`NotOwner` otherwise), and the share id
+        and device it left are returned (its device's worker then forgets the name there,
+        :meth:`cuctxd.daemon.device.sharing.Sharing.forget_name`). :class:`LimitExceeded` naming
         ``max_manifest_bytes_per_session`` or ``max_manifest_bytes_per_uid`` if the name's bytes would
-        pass either (nothing is published then)."""
+        pass either (nothing is published or replaced then)."""
         check_scope(name, share.owner.uid)
         owner = share.owner
         size = naming.charged(name)
         with self._lock:
             share_id = self._names.get(name)
+            credit = (0, 0)  # what the replaced name gives back to this session and this uid
             if share_id is not None:
                 who = self._shares[share_id].owner
-                raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, client "
-                                 f"{who.client!r}, {_uid_text(who.uid)}); {_who_may_unpublish(who)} may unpublish "
-                                 f"it first (cuctx unpublish {name})")
-            by_session = self._name_bytes_by_session.get(owner.token, 0)
-            by_uid = self._name_bytes_by_uid.get(owner.uid, 0)
+                if not replace:
+                    raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
+                                     f"client {who.client!r}, {_uid_text(who.uid)}); {_who_may_unpublish(who)} may "
+                                     f"unpublish it first (cuctx unpublish {name}), or publish with replace")
+                if not may_unpublish(who, owner):
+                    raise NotOwner(f"{name!r} was published by session {who.public_id} ({who.client!r}, "
+                                   f"{_uid_text(who.uid)}); only {_who_may_unpublish(who)} may replace it")
+                old = self._namings.get(name, PLAIN).charged(name)
+                credit = (old if who.token == owner.token else 0, old if who.uid == owner.uid else 0)
+            by_session = self._name_bytes_by_session.get(owner.token, 0) - credit[0]
+            by_uid = self._name_bytes_by_uid.get(owner.uid, 0) - credit[1]
             _check_name_room("max_manifest_bytes_per_session", self.max_manifest_bytes_per_session, by_session,
                              size, "this session has published")
             user = "peers whose uid is unknown (tcp://)" if owner.uid is None else f"uid {owner.uid}"
             _check_name_room("max_manifest_bytes_per_uid", self.max_manifest_bytes_per_uid, by_uid, size,
                              f"the sessions of {user} have published (ended ones included)")
-            self._name_bytes_by_session[owner.token] = by_session + size
-            self._name_bytes_by_uid[owner.uid] = by_uid + size
+            replaced = None
+            if share_id is not None:
+                self._forget_name(name)
+                if share_id != share.share_id:
+                    replaced = share_id, self._shares[share_id].descriptor.device
+            self._name_bytes_by_session[owner.token] = self._name_bytes_by_session.get(owner.token, 0) + size
+            self._name_bytes_by_uid[owner.uid] = self._name_bytes_by_uid.get(owner.uid, 0) + size
             self._names[name] = share.share_id
             if naming != PLAIN:
                 self._namings[name] = naming
         share.names.add(name)
+        return replaced
 
     def unpublish(self, name: str, caller: SessionRef) -> str:
         """Remove ``name`` if ``caller`` may (module docstring: a session of the publisher's uid, or of the
@@ -232,7 +250,7 @@ class ShareRegistry:
     def drop_names(self, share: ShareRecord) -> None:
         with self._lock:
             for name in share.names:
-                self._forget_name(name)
+                self._forget_name(name, share.share_id)
         share.names.clear()
 
     def update(self, share: ShareRecord) -> None:
@@ -245,12 +263,16 @@ class ShareRegistry:
     def remove(self, share: ShareRecord) -> None:
         with self._lock:
             for name in share.names:
-                self._forget_name(name)
+                self._forget_name(name, share.share_id)
             self._shares.pop(share.share_id, None)
             self._orphaned.discard(share.share_id)
 
-    def _forget_name(self, name: str) -> None:
-        """The name and what it was published with go, and its bytes are given back (under the lock)."""
+    def _forget_name(self, name: str, of_share: str | None = None) -> None:
+        """The name and what it was published with go, and its bytes are given back (under the lock); with
+        ``of_share``, only while the name is that share's (a replaced name its old share still lists until
+        its worker forgets it is another share's now)."""
+        if of_share is not None and self._names.get(name) != of_share:
+            return
         share_id = self._names.pop(name, None)
         naming = self._namings.pop(name, PLAIN)
         listing = None if share_id is None else self._shares.get(share_id)

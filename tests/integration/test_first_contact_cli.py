@@ -60,11 +60,15 @@ def model_file(tmp_path: Path) -> Path:
 
 
 def test_cuctx_load_says_the_real_error_in_one_line(daemon: DaemonProcess, model_file: Path) -> None:
+    from safetensors.numpy import save_file
+
     load = ("--endpoint", daemon.endpoint, "load", str(model_file))
     assert cuctx(*load, "--name", "first-contact").returncode == 0
     try:
-        line = one_line_error(cuctx(*load, "--name", "first-contact"), 1)
-        assert "CUCTXD_ERROR_NAME_EXISTS" in line and "cuctx unpublish first-contact" in line
+        other = model_file.with_name("other.safetensors")
+        save_file({"w": np.arange(64, dtype=np.float32) + 1}, str(other))
+        line = one_line_error(cuctx("--endpoint", daemon.endpoint, "load", str(other), "--name", "first-contact"), 1)
+        assert "CUCTXD_ERROR_NAME_EXISTS" in line and "--replace" in line
         assert "CUDA_ERROR_INVALID_DEVICE" in one_line_error(cuctx(*load, "--name", "elsewhere", "--device", "5"), 1)
         assert "--name" in one_line_error(cuctx(*load, "--name", ""), 2)
     finally:

@@ -160,6 +160,36 @@ def test_a_vmm_share_survives_a_sigkill(manager: ServiceManager) -> None:
     old.close()
 
 
+def test_a_replaced_layout_is_parked_once_and_its_replacement_survives_a_sigkill(manager: ServiceManager) -> None:
+    """``replace`` moves the name in one step: the old share (still held by a consumer) leaves the fd store,
+    the new one is parked, and the next daemon adopts the new layout, its digest included."""
+    daemon = manager.start(*SIM)
+    renewed = {name: array + 1 for name, array in WEIGHTS.items()}
+    with Client(daemon.endpoint, name="producer") as c:
+        first = publish_tensors(c, "model", WEIGHTS)
+    consumer = Client(daemon.endpoint, name="old consumer")
+    held = open_tensors(consumer, "model")
+    with Client(daemon.endpoint, name="producer, run again") as c:
+        second = publish_tensors(c, "model", renewed, replace=True)
+    assert share_fdnames(manager) == [f"cuctxd-share-{second.share_id}"]
+    assert ("remove", f"cuctxd-share-{first.share_id}") in manager.events
+    assert np.array_equal(np.asarray(held["embed.weight"]), WEIGHTS["embed.weight"])  # the holder keeps its bytes
+    with Client(daemon.endpoint) as c, open_tensors(c, "model") as fresh:
+        digest = fresh.digest
+        assert digest is not None and np.array_equal(np.asarray(fresh["embed.weight"]), renewed["embed.weight"])
+
+    daemon = manager.restart(*SIM)
+    with Client(daemon.endpoint) as c:
+        (listed,) = c.list_shared()
+        assert listed["share_id"] == second.share_id and listed["digest"] == digest
+        with open_tensors(c, "model", digest=digest) as adopted:
+            assert np.array_equal(np.asarray(adopted["norm.bias"]), renewed["norm.bias"])
+        c.unpublish("model")
+    assert share_fdnames(manager) == []
+    held.share._mapping.close()  # its session died with the old daemon; the mapping is this process's own
+    consumer.close()
+
+
 def wait_until_free(client: Client, total: int, timeout: float = 5.0) -> bool:
     """Whether the device's free memory reaches ``total`` (unpublish frees on the device after its reply)."""
     deadline = time.monotonic() + timeout

@@ -146,11 +146,14 @@ def test_a_node_holds_all_layouts_or_none(nodes: RayNodes, tmp_path: Path) -> No
             client.lookup("ray-half/a.safetensors")  # published, then unpublished when b failed
 
 
-def test_an_existing_name_fails_its_node_unless_replaced(nodes: RayNodes, tmp_path: Path) -> None:
+def test_other_content_under_an_existing_name_fails_its_node_unless_replaced(nodes: RayNodes, tmp_path: Path) -> None:
     path = tmp_path / "w.safetensors"
     save_file(weights(3), str(path))
     only = nodes.with_daemon()
     assert all(r.ok for r in cuctxd_ray.publish_on_every_node(path, "ray-again", node_ids=only, timeout=45))
+    same = cuctxd_ray.publish_on_every_node(path, "ray-again", node_ids=only, timeout=45)
+    assert all(r.ok for r in same), same  # the same content: left as it is
+    save_file(weights(5), str(path))
     again = cuctxd_ray.publish_on_every_node(path, "ray-again", node_ids=only, timeout=45)
     assert [r.error_type for r in again] == ["NameExists"] * len(only), again
     replaced = cuctxd_ray.publish_on_every_node(path, "ray-again", node_ids=only, replace=True, timeout=45)

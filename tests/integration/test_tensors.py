@@ -272,13 +272,14 @@ def test_the_array_adapter_gives_read_only_numpy_views_on_the_sim(daemon: Daemon
         c.unpublish("arrays")
 
 
-def test_loading_a_taken_name_says_so_and_closes_the_file(daemon: DaemonProcess, tmp_path: Path) -> None:
-    """The daemon's refusal comes back as itself, not as a BufferError from closing the file's mapping
-    while the error's traceback still held views of it."""
+def test_loading_other_content_under_a_taken_name_says_so_and_closes_the_files(daemon: DaemonProcess,
+                                                                               tmp_path: Path) -> None:
+    """The refusal comes back as itself, not as a BufferError from closing the files' mappings (hashed to
+    compare) while the error's traceback still held views of them."""
     pytest.importorskip("safetensors", reason="the safetensors package reads the format")
     path, _ = _safetensors_file(tmp_path)
     with Client(daemon.endpoint, timeout=10) as client:
-        load_safetensors(client, str(path), "taken-by-load")
-        with pytest.raises(NameExists):
+        client.run(build.publish(client.alloc(64, shareable=True), "taken-by-load"))
+        with pytest.raises(NameExists, match=r"without a content digest.*--replace"):
             load_safetensors(client, str(path), "taken-by-load")
         client.unpublish("taken-by-load")

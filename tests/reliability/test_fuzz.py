@@ -327,8 +327,9 @@ class FuzzSession:
                 continue
             args[arg.name] = None if kind == "nil" else rest[0] if kind == "raw" else \
                 self._value(arg.role, rest[0], devices)
-        if op == "unpublish" and args.get("name") == SHARE_NAME:  # a session of the publisher's uid may unpublish
-            args["name"] = f"fz-{SHARE_NAME}"  # it (PROTOCOL.md section 9), and the fuzz runs as that uid
+        takes_name = op == "unpublish" or (op == "publish" and args.get("replace") is True)
+        if takes_name and args.get("name") == SHARE_NAME:  # a session of the publisher's uid may unpublish (or
+            args["name"] = f"fz-{SHARE_NAME}"  # replace) it (PROTOCOL.md section 9), and the fuzz runs as that uid
         for key, value in extras:
             args[key] = value
         return True, args

@@ -12,7 +12,7 @@ import pytest
 from cuctxd.daemon.intake.peers import uid_of
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import Naming, ShareRegistry, check_scope
-from cuctxd.protos.errors import LimitExceeded, NotOwner
+from cuctxd.protos.errors import LimitExceeded, NameExists, NotOwner
 from cuctxd.protos.records import ShareDescriptor
 
 
@@ -80,3 +80,26 @@ def test_names_are_charged_to_their_session_and_uid_until_they_go() -> None:
     registry.publish("d", shares[1], Naming(b"m" * 100))
     registry.remove(shares[1])  # the share's end takes its names and gives their bytes back
     assert registry.names_status() == {"count": 0, "bytes": 0, "top_uids": []}
+
+
+def test_replace_moves_a_name_in_one_step_for_whoever_may_unpublish_it() -> None:
+    registry = ShareRegistry(max_manifest_bytes_per_session=1000, max_manifest_bytes_per_uid=1000)
+    first, again, stranger = (SessionRef("t1", 1, "a", 1, uid=7), SessionRef("t2", 2, "a", 2, uid=7),
+                              SessionRef("t3", 3, "b", 3, uid=_someone_else()))
+    old, new, theirs = _Share("s1", first), _Share("s2", again), _Share("s3", stranger)
+    for share in (old, new, theirs):
+        registry.add(share)
+    registry.publish("model", old, Naming(b"m" * 895, 1, digest="xxh3-128:" + "0" * 32))
+    with pytest.raises(NameExists, match="or publish with replace"):
+        registry.publish("model", new, Naming(b"m" * 895))
+    with pytest.raises(NotOwner, match="may replace it"):
+        registry.publish("model", theirs, Naming(), replace=True)
+    # the uid's bytes: the old name's 900 are given back as the new one's 900 are charged
+    assert registry.publish("model", new, Naming(b"m" * 895, 1, digest="xxh3-128:" + "1" * 32), replace=True) \
+        == ("s1", 0)
+    assert registry.lookup("model").share_id == "s2" and registry.names_status()["bytes"] == 900
+    assert [(s["name"], s["share_id"], s["digest"]) for s in registry.published()] == [
+        ("model", "s2", "xxh3-128:" + "1" * 32)]
+    registry.drop_names(old)  # the old share still lists the name until its worker forgets it: not the new one's
+    assert registry.lookup("model").share_id == "s2"
+    assert registry.publish("model", new, Naming(), replace=True) is None  # its own name: nothing left behind
