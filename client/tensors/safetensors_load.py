@@ -3,7 +3,7 @@
 :func:`load_safetensors` reads and checks the checkpoint (:mod:`cuctxd.client.tensors.checkpoints`) before
 anything is allocated, lays its tensors out as every layout is
 (:func:`~cuctxd.client.tensors.tensor_sets.layout_offsets`), reads every shard into one shareable daemon
-buffer, hashed on the way (:func:`~cuctxd.client.data_plane.file_reads.load_file_ranges`), and publishes it
+buffer, hashed on the way (:func:`~cuctxd.client.data_plane.file_reads.load_into_new_buffer`), and publishes it
 with its manifest and digests. A name in use is compared by content: the files are hashed (mapped, on
 threads) and, the same as the published layout's digest, nothing is loaded; other content is refused
 unless ``replace``, which loads into a new buffer and swaps the name in the daemon at once. Nothing stays
@@ -19,12 +19,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cuctxd.client.data_plane.file_reads import FileRange, load_file_ranges
+from cuctxd.client.api.objects import Buffer
+from cuctxd.client.data_plane.file_reads import FileRange, load_into_new_buffer
 from cuctxd.client.tensors.checkpoints import Checkpoint, read_checkpoint
 from cuctxd.client.tensors.hashing import hash_views
-from cuctxd.client.tensors.tensor_sets import layout_offsets, publish_layout
+from cuctxd.client.tensors.tensor_sets import layout_offsets, no_room, publish_filled
+from cuctxd.client.wire import build
 from cuctxd.protos import digests
-from cuctxd.protos.errors import BadArgument, NameExists, NotFound
+from cuctxd.protos.errors import BadArgument, CudaError, NameExists, NotFound
 from cuctxd.protos.layouts import Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
 
@@ -63,14 +65,15 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
         ranges = [FileRange(fds[t.shard], t.offset, t.nbytes, offset)
                   for t, offset in zip(checkpoint.tensors, offsets, strict=True)]
 
-        def fill(buffer: Any) -> list[str | None]:
-            try:
-                return load_file_ranges(client, buffer, ranges, digest=digest, progress=progress)
-            except (EOFError, OSError) as exc:
-                raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
-
-        descriptor = publish_layout(client, name, manifest, size, fill, device=device, read_only=read_only,
-                                    replace=replace)
+        device = client.get_device() if device is None else device
+        try:  # the buffer is made while the first chunks are read
+            buffer, found = load_into_new_buffer(client, build.alloc(client, Buffer, size, device, True), device,
+                                                 ranges, digest=digest, progress=progress)
+        except (EOFError, OSError) as exc:
+            raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
+        except CudaError as error:
+            raise no_room(client, error, size, device, len(manifest.tensors)) from None
+        descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only, replace=replace)
     return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True)
 
 

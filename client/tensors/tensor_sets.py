@@ -140,15 +140,30 @@ def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
                    fill: Callable[[Any], Sequence[str | None]], *, device: int | None = None,
                    persistent: bool = True, read_only: bool = False, replace: bool = False) -> ShareDescriptor:
     """Allocate one shareable buffer of ``size`` bytes on ``device``, ``fill(buffer)`` it (it returns each
-    tensor's digest in the manifest's order, None where unknown), and publish it as ``name`` with the
-    manifest and those digests (the layout's digest where every tensor has one); ``replace``: swap a name
-    in use (``publish``'s ``replace``). Returns the share's descriptor with that manifest. The manifest is
-    checked first, as the daemon will. Nothing stays published or allocated when this raises; a device
-    without room raises the allocation's ``CUDA_ERROR_OUT_OF_MEMORY`` with the sizes in its message."""
+    tensor's digest in the manifest's order, None where unknown), and publish it (:func:`publish_filled`).
+    The manifest is checked first, as the daemon will. Nothing stays published or allocated when this
+    raises; a device without room raises the allocation's ``CUDA_ERROR_OUT_OF_MEMORY`` with the sizes in
+    its message (:func:`no_room`)."""
     check_manifest(manifest.pack(), size)  # what the daemon will check, said before any memory is taken
-    buffer = _alloc(client, size, device, len(manifest.tensors))
+    try:
+        buffer = client.alloc(size, device, shareable=True)
+    except CudaError as error:
+        raise no_room(client, error, size, device, len(manifest.tensors)) from None
     try:
         found = fill(buffer)
+    except BaseException:
+        buffer.free()
+        raise
+    return publish_filled(client, name, manifest, buffer, found, persistent=persistent, read_only=read_only,
+                          replace=replace)
+
+
+def publish_filled(client: Any, name: str, manifest: Manifest, buffer: Any, found: Sequence[str | None], *,
+                   persistent: bool = True, read_only: bool = False, replace: bool = False) -> ShareDescriptor:
+    """Publish ``buffer`` as ``name`` with the manifest and each tensor's digest ``found`` (the layout's
+    digest where every tensor has one); ``replace``: swap a name in use (``publish``'s ``replace``).
+    Returns the share's descriptor with that manifest; frees the buffer when this raises."""
+    try:
         specs = tuple(dataclasses.replace(spec, digest=digest)
                       for spec, digest in zip(manifest.tensors, found, strict=True))
         packed = Manifest.digested(specs, manifest.metadata).pack()
@@ -160,16 +175,14 @@ def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
         raise
 
 
-def _alloc(client: Any, size: int, device: int | None, tensors: int) -> Any:
-    try:
-        return client.alloc(size, device, shareable=True)
-    except CudaError as error:
-        if error.name != "CUDA_ERROR_OUT_OF_MEMORY":
-            raise
-        free, total = client.mem_get_info(device)
-        raise CudaError(error.code, error.name, f"the layout of {tensors} tensors needs {_size_text(size)} in one "
-                        f"buffer; this session may allocate {_size_text(free)} of the device's "
-                        f"{_size_text(total)} ({error.message})") from None
+def no_room(client: Any, error: CudaError, size: int, device: int | None, tensors: int) -> CudaError:
+    """``error`` as it is, or, for ``CUDA_ERROR_OUT_OF_MEMORY``, with what the layout needs and the device has."""
+    if error.name != "CUDA_ERROR_OUT_OF_MEMORY":
+        return error
+    free, total = client.mem_get_info(device)
+    return CudaError(error.code, error.name, f"the layout of {tensors} tensors needs {_size_text(size)} in one "
+                     f"buffer; this session may allocate {_size_text(free)} of the device's "
+                     f"{_size_text(total)} ({error.message})")
 
 
 def _size_text(nbytes: int) -> str:
