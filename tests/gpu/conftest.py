@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers import DaemonProcess, cuda_unavailable_reason, remove_tempdir, start_daemon
+from tests.helpers import DaemonProcess, cuda_unavailable_reason, remove_tempdir, short_tempdir, start_daemon
+from tests.service_manager import ServiceManager
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -25,3 +26,13 @@ def cuda_daemon() -> Iterator[DaemonProcess]:
     code = process.stop(timeout=60)
     remove_tempdir(process.socket_dir)
     assert code == 0, f"cuctxd exited with {code}:\n{process.log()}"
+
+
+@pytest.fixture
+def manager() -> Iterator[ServiceManager]:
+    """The test service manager (:mod:`tests.service_manager`) of one test, in a short temporary directory."""
+    directory = short_tempdir()
+    service = ServiceManager(directory)
+    yield service
+    service.close(timeout=60)
+    remove_tempdir(directory)

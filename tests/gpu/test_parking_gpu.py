@@ -6,12 +6,9 @@ that mapped it before keeps computing, and unpublishing after the restart gives 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-
-import pytest
 
 from cuctxd import Client
-from tests.helpers import remove_tempdir, run_client, short_tempdir, spawn_client, wait_for_line
+from tests.helpers import run_client, spawn_client, wait_for_line
 from tests.service_manager import ServiceManager
 
 PRODUCER = """
@@ -48,15 +45,6 @@ print("after", w.double().sum().item(), flush=True)
 """
 
 EXPECTED = str(float(sum(range(1 << 20))))
-
-
-@pytest.fixture
-def manager() -> Iterator[ServiceManager]:
-    directory = short_tempdir()
-    service = ServiceManager(directory)
-    yield service
-    service.close(timeout=60)
-    remove_tempdir(directory)
 
 
 def test_a_parked_layout_survives_a_sigkill_on_the_gpu(manager: ServiceManager) -> None:

@@ -14,12 +14,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-
-import pytest
 
 from cuctxd import Client
-from tests.helpers import client_env, remove_tempdir, run_client, short_tempdir, spawn_client, wait_for_line
+from tests.helpers import client_env, run_client, spawn_client, wait_for_line
 from tests.service_manager import ServiceManager
 
 #: Square bf16 matrices of the model: 18 of 8192 x 8192 (128 MiB each, 2.25 GiB in all).
@@ -72,15 +69,6 @@ def _write_model(path: str) -> int:
             values = rng.standard_normal(int(numpy.prod(shape)), dtype=numpy.float32) * 0.01
             file.write((values.view(numpy.uint32) >> 16).astype(numpy.uint16).tobytes())
     return os.path.getsize(path)
-
-
-@pytest.fixture
-def manager() -> Iterator[ServiceManager]:
-    directory = short_tempdir()
-    service = ServiceManager(directory)
-    yield service
-    service.close(timeout=60)
-    remove_tempdir(directory)
 
 
 def _free(endpoint: str) -> int:

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,9 +18,7 @@ from tests.helpers import (
     REPO,
     client_env,
     primary_current,
-    remove_tempdir,
     run_client,
-    short_tempdir,
     spawn_client,
     wait_for_line,
 )
@@ -124,15 +121,6 @@ else:
     share.close()
     c.close()
 """
-
-
-@pytest.fixture
-def manager() -> Iterator[ServiceManager]:
-    directory = short_tempdir()
-    service = ServiceManager(directory)
-    yield service
-    service.close(timeout=60)
-    remove_tempdir(directory)
 
 
 def consumer(go: object, wait: bool) -> str:
