@@ -4,9 +4,10 @@
 anything is allocated, lays its tensors out as every layout is
 (:func:`~cuctxd.client.tensors.tensor_sets.layout_offsets`), reads every shard into one shareable daemon
 buffer, hashed on the way (:func:`~cuctxd.client.data_plane.file_reads.load_into_new_buffer`), and publishes it
-with its manifest and digests. A name in use is compared by content: the files are hashed (mapped, on
-threads) and, the same as the published layout's digest, nothing is loaded; other content is refused
-unless ``replace``, which loads into a new buffer and swaps the name in the daemon at once. Nothing stays
+with its manifest and digests. A name in use is compared by content: where the published layout has the
+same tensors, the files are hashed (mapped, on threads) and, the same as its digest, nothing is loaded
+(with or without ``replace``); other content is refused unless ``replace``, which loads into a new buffer
+and swaps the name in the daemon at once. Nothing stays
 published or allocated after a failure. Which thread may call: the client's callers.
 """
 
@@ -48,19 +49,20 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
     """Publish the checkpoint at ``path`` (a ``.safetensors`` file, a directory, or an index JSON) as
     ``name`` on ``device``; ``progress(done, total)`` in bytes, once for the whole checkpoint;
     ``read_only``: consumers may open it only read-only. A name in use: the same content is a no-op
-    (``loaded`` False), other content :class:`NameExists` unless ``replace`` (allowed to whoever may
-    unpublish the name). ``digest=False`` leaves the digests out of the manifest (for measuring). Raises
-    :class:`BadArgument` for a checkpoint that cannot load (nothing allocated then), ``CudaError``
-    ``CUDA_ERROR_OUT_OF_MEMORY`` for a device without room."""
+    (``loaded`` False, with or without ``replace``), other content :class:`NameExists` unless ``replace``
+    (allowed to whoever may unpublish the name). ``digest=False`` leaves the digests out of the manifest
+    (for measuring). Raises :class:`BadArgument` for a checkpoint that cannot load (nothing allocated then),
+    ``CudaError`` ``CUDA_ERROR_OUT_OF_MEMORY`` for a device without room."""
     checkpoint = read_checkpoint(path)
     offsets, size = layout_offsets(tensor.nbytes for tensor in checkpoint.tensors)
     manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, t.shape, c_strides(t.shape), offset)
                               for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
     check_manifest(manifest.pack(), size)  # a checkpoint no layout can hold is refused before anything else
-    if not replace:
-        published = _published(client, name)
-        if published is not None:
-            return _same_content(checkpoint, name, published)
+    published = _published(client, name)
+    if published is not None:
+        same = _same_content(checkpoint, manifest, name, published, refuse=not replace)
+        if same is not None:
+            return same
     with _opened(checkpoint) as fds:
         ranges = [FileRange(fds[t.shard], t.offset, t.nbytes, offset)
                   for t, offset in zip(checkpoint.tensors, offsets, strict=True)]
@@ -85,17 +87,28 @@ def _published(client: Any, name: str) -> ShareDescriptor | None:
     return descriptor
 
 
-def _same_content(checkpoint: Checkpoint, name: str, published: ShareDescriptor) -> Loaded:
-    """A no-op when ``published`` holds the checkpoint's content; else :class:`NameExists` naming ``--replace``."""
-    theirs = check_manifest(published.manifest, published.size).digest if published.manifest else None
-    if theirs is None:
+def _same_content(checkpoint: Checkpoint, manifest: Manifest, name: str, published: ShareDescriptor, *,
+                  refuse: bool) -> Loaded | None:
+    """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content; else None to replace
+    it, or with ``refuse`` :class:`NameExists` naming ``--replace``. The files are hashed only when the
+    published layout has the same tensors, dtypes and shapes (else the content differs, known at once)."""
+    theirs = check_manifest(published.manifest, published.size) if published.manifest else None
+    if theirs is None or theirs.digest is None:
+        if not refuse:
+            return None
         raise NameExists(f"{name!r} is published already, without a content digest to compare this checkpoint "
                          f"with: load with --replace (replace=True) to swap it, or choose another name")
-    ours = checkpoint_digest(checkpoint)
-    if ours != theirs:
-        raise NameExists(f"{name!r} holds other content (digest {digests.short(theirs)}, this checkpoint's "
-                         f"{digests.short(ours)}): load with --replace (replace=True) to swap it")
-    return Loaded(published, ours, False)
+    if [(t.name, t.dtype, t.shape) for t in theirs.tensors] != [(t.name, t.dtype, t.shape) for t in manifest.tensors]:
+        ours = None
+    else:
+        ours = checkpoint_digest(checkpoint)
+        if ours == theirs.digest:
+            return Loaded(published, ours, False)
+    if not refuse:
+        return None
+    differs = f"this checkpoint's {digests.short(ours)}" if ours else "this checkpoint has other tensors"
+    raise NameExists(f"{name!r} holds other content (digest {digests.short(theirs.digest)}, {differs}): load "
+                     f"with --replace (replace=True) to swap it")
 
 
 def checkpoint_digest(checkpoint: Checkpoint) -> str:

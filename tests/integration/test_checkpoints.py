@@ -1,6 +1,7 @@
 """Checkpoints through a real daemon and the real CLI (issue 28): a sharded directory or an index loads as
 one layout with its bytes and digests; a consumer can require a digest; the same content under a taken name
-is a no-op, other content is refused unless replaced, and a replace leaves old holders their bytes; every
+is a no-op (with --replace too), other content is refused unless replaced, only whoever may unpublish the
+name may replace it, and a replace leaves old holders their bytes; every
 bad input is one line and leaves nothing published or allocated, a device without room included."""
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cuctxd import Client, DigestMismatch, NameExists
+from cuctxd import Client, DigestMismatch, NameExists, NotOwner
 from cuctxd.client.tensors.safetensors_load import load_safetensors
 from cuctxd.client.tensors.tensor_sets import layout_offsets, open_tensors, publish_tensors
 from cuctxd.protos import digests
 from tests.checkpoint_files import write_index, write_shard
-from tests.helpers import DaemonProcess, cuctx
+from tests.helpers import DaemonProcess, cuctx, tcp_endpoint
 
 FIRST, SECOND = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 
@@ -169,6 +170,10 @@ def test_replace_swaps_the_name_and_old_holders_keep_their_bytes(daemon: DaemonP
         assert done.returncode == 0 and "replaced" in done.stdout, done.stderr
         with Client(daemon.endpoint) as newcomer, open_tensors(newcomer, "swapped") as fresh:
             assert fresh.digest == expected_digest(new) and np.array_equal(np.asarray(fresh["embed"]), new["embed"])
+        shares = holder.status()["devices"]
+        again = load(daemon, str(tmp_path / "v2"), "--name", "swapped", "--replace", "--device", device)
+        assert again.returncode == 0 and "already loaded: same content" in again.stdout, again.stderr
+        assert holder.status()["devices"] == shares, "a replace with the same content allocated or swapped"
         assert held.digest == expected_digest(old) and np.array_equal(np.asarray(held["embed"]), old["embed"])
         shares = [s for d in holder.status()["devices"] for s in d["shares"]]
         assert sorted(len(s["names"]) for s in shares) == [0, 1], "the old share keeps no name, the new one has it"
@@ -224,3 +229,19 @@ def test_a_device_without_room_is_one_line_and_leaves_nothing(start_daemons: Cal
     assert "CUDA_ERROR_OUT_OF_MEMORY" in line and f"needs 6.0 MiB ({size} bytes)" in line, line
     with Client(small.endpoint) as c:
         nothing_left(c)
+
+
+def test_only_who_may_unpublish_a_name_may_replace_it(start_daemons: Callable[..., DaemonProcess],
+                                                     tmp_path: Path) -> None:
+    started = start_daemons("--sim-devices", "1", "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
+    tensors = checkpoint(tmp_path / "v1", seed=9)
+    checkpoint(tmp_path / "v2", seed=10)
+    with Client(started.endpoint) as owner, Client(tcp_endpoint(started)) as stranger:
+        load_safetensors(owner, str(tmp_path / "v1"), "owned")
+        with pytest.raises(NotOwner):  # tcp://: its uid is unknown, so not the publisher's user
+            load_safetensors(stranger, str(tmp_path / "v2"), "owned", replace=True)
+        with open_tensors(owner, "owned") as still:
+            assert still.digest == expected_digest(tensors)
+        assert [s["names"] for d in owner.status()["devices"] for s in d["shares"]] == [["owned"]], \
+            "the refused replace left a buffer behind"
+        owner.unpublish("owned")
