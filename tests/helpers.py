@@ -96,7 +96,11 @@ def launch_daemon(launcher: Sequence[str], *extra: str, backend: str = "sim", re
                   endpoint: str | None = None, open_files: int | None = None, ipc: bool = True,
                   env: dict[str, str] | None = None, pass_fds: Sequence[int] = ()) -> DaemonProcess:
     """:func:`start_daemon` run as ``launcher + ["-m", "cuctxd.daemon", ...]`` (an exec wrapper: the daemon
-    keeps its pid), in ``env`` (default :func:`client_env`), with ``pass_fds`` inherited."""
+    keeps its pid), in ``env`` (default :func:`client_env`), with ``pass_fds`` inherited. A primary context
+    is released as soon as its last user lets go (``--primary-keep 0``, as CUDA does without a daemon)
+    unless ``extra`` sets ``--primary-keep``: tests of contexts check the driver's state after a session."""
+    if not any(arg.startswith("--primary-keep") for arg in extra):
+        extra = ("--primary-keep", "0", *extra)
     if endpoint is None:
         socket_dir = short_tempdir()
         endpoint = f"ipc://{socket_dir}/d.sock"

@@ -88,7 +88,8 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
             "",
             f"device {dev['device']} {dev['name']}: worker {worker['name']} (tid {worker['native_id']}, "
             f"{'alive' if worker['alive'] else 'DEAD'}); primary context "
-            f"{'active' if primary['active'] else 'inactive'}, {primary['references']} reference(s)",
+            f"{'active' if primary['active'] else 'inactive'}, {primary['references']} reference(s)"
+            + (f", kept {primary['kept_for']:.0f} s more" if primary.get("kept_for") is not None else ""),
         ]
         if dev.get("memory"):
             lines.append(memory_line(dev["memory"]))

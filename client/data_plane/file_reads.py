@@ -270,22 +270,27 @@ def load_file_ranges(client: Any, buffer: Any, ranges: Sequence[FileRange], *, d
     between ranges less than ``GAP_BYTES`` apart are overwritten); returns each range's digest (None
     without ``digest``). ``progress(done, total)`` in bytes. A short file raises :class:`EOFError`; what was
     written stays in the buffer, which the caller frees."""
-    return _load(client, buffer.device, ranges, buffer, None, digest, progress)[1]
+    with _loading(client, buffer.device, ranges, buffer, None, digest, progress) as (_, found):
+        return found
 
 
+@contextlib.contextmanager
 def load_into_new_buffer(client: Any, allocate: Request[T], device: int, ranges: Sequence[FileRange], *,
                          digest: bool = True, progress: Callable[[int, int], None] | None = None
-                         ) -> tuple[T, list[str | None]]:
+                         ) -> Iterator[tuple[T, list[str | None]]]:
     """:func:`load_file_ranges` into the buffer ``allocate`` makes on ``device``, sent before the first read
-    so that its making (100 ms for 2.5 GB of VMM memory on the H200) overlaps the reads; returns the buffer
-    and the digests. Nothing stays allocated when this raises."""
-    return _load(client, device, ranges, None, allocate, digest, progress)
+    so that its making overlaps the reads; gives the buffer and the digests to the ``with`` block, and the
+    load ring back after it (so that what the block sends, a publish, does not wait behind the ring's
+    unregistering: 15 ms for 72 MiB on the H200). Nothing stays allocated when the load raises; once the
+    block has the buffer, it is the block's."""
+    with _loading(client, device, ranges, None, allocate, digest, progress) as loaded:
+        yield loaded
 
 
-def _load(client: Any, device: int, ranges: Sequence[FileRange], buffer: Any, allocate: Request[Any] | None,
-          digest: bool, progress: Callable[[int, int], None] | None) -> tuple[Any, list[str | None]]:
+@contextlib.contextmanager
+def _loading(client: Any, device: int, ranges: Sequence[FileRange], buffer: Any, allocate: Request[Any] | None,
+             digest: bool, progress: Callable[[int, int], None] | None) -> Iterator[tuple[Any, list[str | None]]]:
     chunks = list(plan_chunks(ranges))
-    total = sum(r.nbytes for r in ranges)
     threads = min(reader_threads(), max(1, len(chunks)))
     try:
         host = client.host_alloc((threads + 1) * SLOT_SPAN, device)
@@ -294,13 +299,28 @@ def _load(client: Any, device: int, ranges: Sequence[FileRange], buffer: Any, al
     if host is None:
         buffer = buffer if allocate is None else client.run(allocate)
         try:
-            return buffer, _load_through_writes(client, buffer, ranges, digest, progress)
+            found = _load_through_writes(client, buffer, ranges, digest, progress)
         except BaseException:
             if allocate is not None:
                 buffer.free()
             raise
+        yield buffer, found
+        return
+    try:
+        made = _load_through_ring(client, host, chunks, ranges, buffer, allocate, threads, digest, progress)
+        yield made
+    finally:
+        host.free()
+
+
+def _load_through_ring(client: Any, host: Any, chunks: list[Chunk], ranges: Sequence[FileRange], buffer: Any,
+                       allocate: Request[Any] | None, threads: int, digest: bool,
+                       progress: Callable[[int, int], None] | None) -> tuple[Any, list[str | None]]:
+    """The load through the host buffer ``host`` (the load ring); the buffer made by ``allocate`` is freed
+    when this raises."""
     reader = _Reader(host, ranges, digest)
     made: list[Any] = [buffer]
+    total = sum(r.nbytes for r in ranges)
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="cuctxd-load") as pool:
             client.run(_pipeline(made, allocate, host, chunks, reader, pool, threads + 1, total, progress))
@@ -310,7 +330,6 @@ def _load(client: Any, device: int, ranges: Sequence[FileRange], buffer: Any, al
         raise
     finally:
         reader.close()
-        host.free()
     if not digest:
         return made[0], [None] * len(ranges)
     return made[0], [digests.from_leaves(leaves) for leaves in reader.leaves]

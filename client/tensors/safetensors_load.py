@@ -69,13 +69,14 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
 
         device = client.get_device() if device is None else device
         try:  # the buffer is made while the first chunks are read
-            buffer, found = load_into_new_buffer(client, build.alloc(client, Buffer, size, device, True), device,
-                                                 ranges, digest=digest, progress=progress)
+            with load_into_new_buffer(client, build.alloc(client, Buffer, size, device, True), device, ranges,
+                                      digest=digest, progress=progress) as (buffer, found):
+                descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
+                                            replace=replace)
         except (EOFError, OSError) as exc:
             raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
         except CudaError as error:
             raise no_room(client, error, size, device, len(manifest.tensors)) from None
-        descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only, replace=replace)
     return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True)
 
 

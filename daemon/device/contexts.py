@@ -4,11 +4,16 @@ Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`. Each session gets its own
 context stack (empty at first, as for a new CUDA host thread); the primary
 context is retained once per session that binds it and once per share made in
-it, and released as each goes. A created context whose session is gone but
-whose shares live on is an *orphan*, destroyed with its last share.
+it, and released as each goes; the daemon keeps the last reference for
+``primary_keep`` seconds (its memory meanwhile held), so that the next session
+finds the context made (making one took 120-180 ms on the H200). A created
+context whose session is gone but whose shares live on is an *orphan*,
+destroyed with its last share.
 """
 
 from __future__ import annotations
+
+import time
 
 from cuctxd.daemon.backends.base import Ctx, Driver
 from cuctxd.daemon.device.current import CurrentContext
@@ -28,8 +33,12 @@ class Contexts:
         self.streams = streams
         self.object_limit = limits.max_objects_per_session
         self.context_limit = limits.max_contexts_per_session
+        self.primary_keep = limits.primary_keep
         #: References this daemon holds on the primary context (sessions bound + shares made in it).
         self.primary_refs = 0
+        #: The primary context while the daemon keeps it, and ``time.monotonic()`` when its last user let go.
+        self.kept: SessionContext | None = None
+        self.kept_since = 0.0
         #: Created contexts whose session is gone but whose shares are still alive, by context id.
         self.orphans: dict[int, SessionContext] = {}
 
@@ -126,8 +135,14 @@ class Contexts:
         self.driver.ctx_destroy(context.ctx)
 
     def retain_primary(self) -> Ctx:
-        """One more reference on the primary context (a session binding it, or a share made in it)."""
-        ctx = self.driver.primary_ctx_retain(self.device)
+        """One more reference on the primary context (a session binding it, or a share made in it); the first
+        takes over the daemon's kept reference, if any."""
+        if self.kept is not None:
+            ctx = self.kept.ctx
+            self.streams.revive(self.kept.context_id)
+            self.kept = None
+        else:
+            ctx = self.driver.primary_ctx_retain(self.device)
         self.primary_refs += 1
         return ctx
 
@@ -135,10 +150,27 @@ class Contexts:
         """One more reference on the primary, described for a share of no session (an adopted one), current."""
         return self._describe(self.retain_primary(), is_primary=True)
 
-    def release_primary(self, primary: SessionContext) -> None:
-        """Drop one reference; with the last, the primary's markers, pool and staging go first."""
+    def release_primary(self, primary: SessionContext, now: float | None = None) -> None:
+        """Drop one reference; with the last, the primary's markers, pool and staging go first, and the
+        daemon keeps the context for ``primary_keep`` seconds from ``now`` (``time.monotonic()``) instead
+        of releasing it."""
         if self.primary_refs == 1:
             self.streams.forget_context(primary)
             self.current.forget(primary.ctx)
+            if self.primary_keep > 0:
+                self.kept, self.kept_since = primary, time.monotonic() if now is None else now
+                self.primary_refs = 0
+                return
         self.driver.primary_ctx_release(self.device)
         self.primary_refs -= 1
+
+    def release_kept(self, now: float | None = None) -> None:
+        """Release the kept primary context once ``primary_keep`` seconds have passed since its last user
+        let go (at once without ``now``: the worker is stopping)."""
+        if self.kept is not None and (now is None or now - self.kept_since >= self.primary_keep):
+            self.kept = None
+            self.driver.primary_ctx_release(self.device)
+
+    def kept_for(self, now: float) -> float | None:
+        """Seconds until the kept primary context is released; None when none is kept."""
+        return None if self.kept is None else max(0.0, self.kept_since + self.primary_keep - now)

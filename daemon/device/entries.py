@@ -52,6 +52,8 @@ class DeviceLimits:
     #: Most bytes of published shares whose owner is gone and nobody holds, of one owner uid here
     #: (0: half the device's memory; never none).
     max_orphaned_bytes_per_uid: int = 0
+    #: Seconds the primary context is kept after its last reference went (0: released at once).
+    primary_keep: float = 0.0
 
 
 class HandleTable(dict[int, T], Generic[T]):

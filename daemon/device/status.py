@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
@@ -121,7 +122,8 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "uuid": state.info.uuid,
         "failed": None if state.failure is None else f"{state.failure.name}: {state.failure.message}",
         "worker": {"name": thread.name, "native_id": thread.native_id, "alive": thread.is_alive()},
-        "primary_context": {"active": bool(active), "flags": flags, "references": state.contexts.primary_refs},
+        "primary_context": {"active": bool(active), "flags": flags, "references": state.contexts.primary_refs,
+                            "kept_for": state.contexts.kept_for(time.monotonic())},
         "contexts": contexts,
         "context_count": len(live),
         "sessions": sessions,

@@ -142,6 +142,11 @@ class Streams:
             if context.context_id not in self.ended_contexts:  # an ended context took its events along
                 self.spare_markers.setdefault(context.context_id, []).append(event)
 
+    def revive(self, context_id: int) -> None:
+        """A context forgotten while it stayed alive (the primary the daemon kept, ``primary_keep``) is used
+        again: its markers count again."""
+        self.ended_contexts.discard(context_id)
+
     def forget_context(self, context: SessionContext) -> None:
         """Before a context goes away: drop its spare markers, pool and staging buffer."""
         self.ended_contexts.add(context.context_id)

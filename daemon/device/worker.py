@@ -391,6 +391,10 @@ class DeviceWorker:
             self.state.sharing.drop_all()
         except CuctxError as exc:
             log.warning("device %d: freeing shared buffers at shutdown: %s", self.device, exc)
+        try:
+            self.state.contexts.release_kept()
+        except CuctxError as exc:
+            log.warning("device %d: releasing the kept primary context at shutdown: %s", self.device, exc)
         self.state.shm_lanes.close_all()
         self._socket.close()
         if self._lane is not None:

@@ -79,7 +79,7 @@ class Front:
                     self.observer.report_held_back()
                 orphan_ttl = self.state.config.orphan_ttl
                 for worker in self.workers:
-                    worker.run(partial(_expire_orphans, now=now, ttl=orphan_ttl))
+                    worker.run(partial(_expire, now=now, ttl=orphan_ttl))
                 next_reap = now + reap_every
 
     def _reap(self, now: float, ttl: float) -> None:
@@ -176,8 +176,10 @@ class Front:
             worker.fan_out(identity, request_id, gather, fan_out)
 
 
-def _expire_orphans(state: DeviceState, now: float, ttl: float) -> None:
+def _expire(state: DeviceState, now: float, ttl: float) -> None:
+    """Free the orphans past ``ttl``, release the primary context kept past ``primary_keep``."""
     state.sharing.expire_orphans(now, ttl)
+    state.contexts.release_kept(now)
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:

@@ -53,6 +53,9 @@ from cuctxd.protos.shm_lane import polls_busily
 
 #: Seconds a published buffer whose owner left waits for a consumer before it is freed.
 DEFAULT_ORPHAN_TTL = 600.0
+#: Seconds a device's primary context is kept after its last user let go: making one again took 120-180 ms on
+#: the H200 (every new client process's first op paid it when the daemon was otherwise idle).
+DEFAULT_PRIMARY_KEEP = 60.0
 #: Object limits that protect a shared machine (PROTOCOL.md, "Limits"); 0 in the configuration means none.
 DEFAULT_MAX_OBJECTS_PER_SESSION = 16384
 DEFAULT_MAX_CONTEXTS_PER_SESSION = 64
@@ -156,6 +159,9 @@ class DaemonConfig:
         "have on each device", zero="no limit", security=True, limit=True)
     orphan_ttl: float = seconds(DEFAULT_ORPHAN_TTL, "free a published buffer whose owner left after this long "
                                 "without a consumer", limit=True)
+    primary_keep: float = seconds(DEFAULT_PRIMARY_KEEP, "keep a device's primary context this long after its last "
+                                  "session or share let go, so that the next session need not wait for a new one "
+                                  "(its memory stays held meanwhile)", zero="release it at once", limit=True)
     sim_fault: str | None = setting(None, fault_injection, "testing aid (sim backend only): device DEV turns sticky "
                                     "with ERROR after CALLS more calls", "DEV:CALLS:ERROR")
     #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.device.lane`), told in hello.

@@ -167,7 +167,8 @@ class Daemon:
                               self.config.max_shares_per_session, self.config.max_orphaned_shares,
                               self.config.host_memory_per_session, self.config.max_host_memory,
                               self.config.max_shm_lanes,
-                              max_orphaned_bytes_per_uid=self.config.max_orphaned_bytes_per_uid)
+                              max_orphaned_bytes_per_uid=self.config.max_orphaned_bytes_per_uid,
+                              primary_keep=self.config.primary_keep)
         shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid)
         parking, passed = open_parking(shares)
         self._parking = parking

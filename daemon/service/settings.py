@@ -119,6 +119,12 @@ def positive_seconds(value: Any) -> float:
     return float(value)
 
 
+def seconds_or_zero(value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    return positive_seconds(value)
+
+
 def bytes_at_least(minimum: int = 0) -> Callable[[Any], int]:
     def check(value: Any) -> int:
         size = parse_size(value)
@@ -296,9 +302,10 @@ def count(default: int, help: str, *, low: int = 0, high: int | None = None, met
     return setting(default, integer(low, high), help, metavar, from_text=int, **more)
 
 
-def seconds(default: float, help: str, **more: Any) -> Any:
-    """A positive number of seconds."""
-    return setting(default, positive_seconds, help, "SECONDS", from_text=float, **more)
+def seconds(default: float, help: str, *, zero: str | None = None, **more: Any) -> Any:
+    """A positive number of seconds; 0 too where ``zero`` says what it means."""
+    check = positive_seconds if zero is None else seconds_or_zero
+    return setting(default, check, help, "SECONDS", from_text=float, zero=zero, **more)
 
 
 def switch(default: bool, help: str, **more: Any) -> Any:

@@ -123,7 +123,9 @@ def test_a_new_buffer_is_made_while_the_first_chunks_are_read(
     _, ranges, content = checkpoint
     size = ranges[-1].device_offset + ranges[-1].nbytes
     with Client(daemon.endpoint) as c:
-        buffer, found = load_into_new_buffer(c, build.alloc(c, Buffer, size, 0, True), 0, ranges)
+        with load_into_new_buffer(c, build.alloc(c, Buffer, size, 0, True), 0, ranges) as (buffer, found):
+            assert c.status()["devices"][0]["host_bytes"] > 0, "the load ring is held while the block runs"
+        assert c.status()["devices"][0]["host_bytes"] == 0, "and given back after it"
         assert buffer.size == size
         _check(c, buffer, ranges, content, found)
         buffer.free()
@@ -136,10 +138,12 @@ def test_a_failed_load_into_a_new_buffer_leaves_nothing_allocated(daemon: Daemon
     try:
         with Client(daemon.endpoint) as c:
             free_before = c.mem_get_info(0)[0]
-            with pytest.raises(EOFError):
-                load_into_new_buffer(c, build.alloc(c, Buffer, 4 * MIB, 0, True), 0, [FileRange(fd, 0, 2 * MIB, 0)])
-            with pytest.raises(CudaError) as no_room:
-                load_into_new_buffer(c, build.alloc(c, Buffer, 1 << 40, 0, True), 0, [FileRange(fd, 0, 1000, 0)])
+            with pytest.raises(EOFError), load_into_new_buffer(c, build.alloc(c, Buffer, 4 * MIB, 0, True), 0,
+                                                               [FileRange(fd, 0, 2 * MIB, 0)]):
+                pytest.fail("the load of a short file went on")
+            with pytest.raises(CudaError) as no_room, load_into_new_buffer(c, build.alloc(c, Buffer, 1 << 40, 0, True),
+                                                                           0, [FileRange(fd, 0, 1000, 0)]):
+                pytest.fail("the load into a buffer without room went on")
             assert no_room.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
             assert c.mem_get_info(0)[0] == free_before
     finally:

@@ -7,6 +7,7 @@ is the only caller, as a worker would be.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -357,3 +358,37 @@ def test_small_reads_share_a_staging_buffer_per_context_freed_with_it(driver: Si
     assert created.context_id not in state.streams.read_staging
     with pytest.raises(CudaError):  # already freed with the context's objects
         driver.mem_free_host(staging)
+
+
+def test_the_primary_is_kept_for_primary_keep_and_taken_over_by_the_next_session(
+        driver: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    unregistered: list[int] = []
+    unregister = driver.host_unregister
+    monkeypatch.setattr(driver, "host_unregister", lambda view: unregistered.append(len(view)) or unregister(view))
+    state = DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=MAX_PAYLOAD, primary_keep=30.0),
+                        ShareRegistry(), TicketBook())
+    first = new_ref()
+    kept_id = state.contexts.set_device(state.session(first)).context_id
+    alloc(state, state.session(first), 100_000, shareable=False)
+    state.close_session(first)
+    assert driver.primary_ctx_state(0)[1] is True, "the daemon keeps it"
+    assert device_status(state)["primary_context"]["references"] == 0
+    assert 29 < device_status(state)["primary_context"]["kept_for"] <= 30
+    assert device_status(state)["memory"]["allocated"] == 0, "the closed session's memory is freed while kept"
+    second = new_ref()
+    primary = state.contexts.set_device(state.session(second))
+    assert primary.context_id == kept_id and state.contexts.kept is None
+    assert kept_id not in state.streams.ended_contexts, "its markers and host buffers count again"
+    host = run(state, second, "host_alloc", size=4096).result["host"]
+    buffer = run(state, second, "alloc", size=4096).result["buffer"]
+    stream = run(state, second, "create_stream").result["stream"]
+    run(state, second, "memcpy_htod", buffer=buffer["handle"], host=host, stream=stream)
+    run(state, second, "host_free", host=host)
+    assert unregistered == [4096], "the host buffer was unregistered in the kept context"
+    state.close_session(second)
+    state.contexts.release_kept(time.monotonic() + 10)
+    assert driver.primary_ctx_state(0)[1] is True, "kept until primary_keep has passed"
+    state.contexts.release_kept(time.monotonic() + 31)
+    assert driver.primary_ctx_state(0)[1] is False and device_status(state)["primary_context"]["kept_for"] is None
+    third = state.session(new_ref())
+    assert state.contexts.set_device(third).context_id != kept_id, "made anew once released"

@@ -1,0 +1,56 @@
+"""The daemon keeps a device's primary context for ``primary_keep`` seconds after its last user let go: the
+next session binds the same context (no new one made), the closed session's memory is freed meanwhile,
+``status`` and ``cuctx status`` say how long it is kept, and it is released once the time has passed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cuctxd import Client
+from tests.helpers import DaemonProcess, cuctx, wait_until
+
+
+def primary(client: Client, device: int = 0) -> dict[str, object]:
+    return dict(client.status()["devices"][device]["primary_context"])
+
+
+def test_a_kept_primary_context_serves_the_next_session(start_daemons: Callable[..., DaemonProcess]) -> None:
+    daemon = start_daemons("--sim-devices", "1", "--primary-keep", "30")
+    with Client(daemon.endpoint) as first:
+        first.alloc(1 << 20)
+        made = first.current_context()
+        assert made is not None and made.is_primary
+    with Client(daemon.endpoint) as observer:
+        state = primary(observer)
+        assert state["active"] is True and state["references"] == 0, state
+        assert 0 < float(state["kept_for"]) <= 30, state  # type: ignore[arg-type]
+        assert observer.status()["devices"][0]["memory"]["allocated"] == 0, "the closed session's buffer stays"
+        text = cuctx("--endpoint", daemon.endpoint, "status")
+        assert "primary context active, 0 reference(s), kept" in text.stdout, text.stdout
+        observer.alloc(64)  # binds the primary again: the kept one
+        again = observer.current_context()
+        assert again is not None and again.context_id == made.context_id
+        assert primary(observer)["kept_for"] is None and primary(observer)["references"] == 1
+
+
+def test_a_kept_primary_context_is_released_after_primary_keep(start_daemons: Callable[..., DaemonProcess]) -> None:
+    daemon = start_daemons("--sim-devices", "1", "--primary-keep", "0.3", "--lease-ttl", "1")
+    with Client(daemon.endpoint) as first:
+        first.alloc(64)
+        made = first.current_context()
+        assert made is not None
+    with Client(daemon.endpoint) as observer:
+        assert wait_until(lambda: primary(observer)["active"] is False, timeout=5), primary(observer)
+        assert primary(observer)["kept_for"] is None
+        observer.alloc(64)
+        again = observer.current_context()
+        assert again is not None and again.context_id != made.context_id, "a released primary is made anew"
+
+
+def test_primary_keep_zero_releases_at_once(start_daemons: Callable[..., DaemonProcess]) -> None:
+    daemon = start_daemons("--sim-devices", "1", "--primary-keep", "0")
+    with Client(daemon.endpoint) as first:
+        first.alloc(64)
+    with Client(daemon.endpoint) as observer:
+        assert primary(observer) == {"active": False, "flags": primary(observer)["flags"], "references": 0,
+                                     "kept_for": None}
