@@ -150,15 +150,14 @@ class Contexts:
         """One more reference on the primary, described for a share of no session (an adopted one), current."""
         return self._describe(self.retain_primary(), is_primary=True)
 
-    def release_primary(self, primary: SessionContext, now: float | None = None) -> None:
+    def release_primary(self, primary: SessionContext) -> None:
         """Drop one reference; with the last, the primary's markers, pool and staging go first, and the
-        daemon keeps the context for ``primary_keep`` seconds from ``now`` (``time.monotonic()``) instead
-        of releasing it."""
+        daemon keeps the context for ``primary_keep`` seconds instead of releasing it."""
         if self.primary_refs == 1:
             self.streams.forget_context(primary)
             self.current.forget(primary.ctx)
             if self.primary_keep > 0:
-                self.kept, self.kept_since = primary, time.monotonic() if now is None else now
+                self.kept, self.kept_since = primary, time.monotonic()
                 self.primary_refs = 0
                 return
         self.driver.primary_ctx_release(self.device)
