@@ -120,9 +120,11 @@ def positive_seconds(value: Any) -> float:
 
 
 def seconds_or_zero(value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-        return 0.0
-    return positive_seconds(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be a number of seconds, got {_show(value)}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"must be 0 or a positive number of seconds, got {value}")
+    return float(value)
 
 
 def bytes_at_least(minimum: int = 0) -> Callable[[Any], int]:

@@ -83,6 +83,12 @@ def test_a_flag_can_turn_a_file_boolean_off(tmp_path: Path) -> None:
     assert exit_info.value.code == 2
 
 
+def test_primary_keep_takes_zero() -> None:
+    config, _ = parse_config(["--primary-keep", "0"])
+    assert config.primary_keep == 0.0
+    assert DaemonConfig(endpoints=("ipc:///tmp/x/d.sock",)).primary_keep == 60.0
+
+
 def test_defaults_without_a_file() -> None:
     config, print_config = parse_config(["--endpoint", "ipc:///tmp/x/d.sock"])
     assert not print_config
@@ -102,6 +108,8 @@ def test_defaults_without_a_file() -> None:
     ("lease_ttl = 0", "lease_ttl", "positive"),
     ("lease_ttl = 'soon'", "lease_ttl", "number of seconds"),
     ("drain_timeout = -1", "drain_timeout", "positive"),
+    ("primary_keep = -1", "primary_keep", "0 or a positive number of seconds"),
+    ("primary_keep = 'long'", "primary_keep", "number of seconds"),
     ("log_format = 'xml'", "log_format", "text, json"),
     ("log_level = 'LOUD'", "log_level", "DEBUG"),
     ("backend = 'opencl'", "backend", "auto, cuda, sim"),
