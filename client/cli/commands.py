@@ -292,13 +292,14 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
     descriptor = loaded.descriptor
     if args.json:
         print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,
+                          "replaced": loaded.replaced,
                           "share_id": descriptor.share_id, "digest": loaded.digest}))
     elif not loaded.loaded:
         print(f"already loaded: same content, digest {loaded.digest} ({args.name!r}, "
               f"{human_size(descriptor.size)} on device {descriptor.device}); nothing was read onto the device")
     else:
         said = f", digest {digests.short(loaded.digest)}" if loaded.digest else ""
-        print(f"{'replaced' if args.replace else 'published'} {args.path} as {args.name!r}: "
+        print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {args.name!r}: "
               f"{human_size(descriptor.size)} on device {descriptor.device} in {human_duration(took)}{said}")
     return 0
 

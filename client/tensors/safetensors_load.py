@@ -35,12 +35,13 @@ from cuctxd.protos.records import ShareDescriptor
 @dataclass(frozen=True)
 class Loaded:
     """What :func:`load_safetensors` did: the layout's ``descriptor`` (with its manifest), its ``digest``
-    (None when loaded with ``digest=False``), and whether it ``loaded`` (False: the name already held this
-    content, and nothing was allocated)."""
+    (None when loaded with ``digest=False``), whether it ``loaded`` (False: the name already held this
+    content, and nothing was allocated) and whether it ``replaced`` other content under the name."""
 
     descriptor: ShareDescriptor
     digest: str | None
     loaded: bool
+    replaced: bool = False
 
 
 def load_safetensors(client: Any, path: str, name: str, *, device: int | None = None,
@@ -77,7 +78,8 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
             raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
         except CudaError as error:
             raise no_room(client, error, size, device, len(manifest.tensors)) from None
-    return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True)
+    return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True,
+                  replaced=published is not None)
 
 
 def _published(client: Any, name: str) -> ShareDescriptor | None:

@@ -174,6 +174,9 @@ def test_replace_swaps_the_name_and_old_holders_keep_their_bytes(daemon: DaemonP
         again = load(daemon, str(tmp_path / "v2"), "--name", "swapped", "--replace", "--device", device)
         assert again.returncode == 0 and "already loaded: same content" in again.stdout, again.stderr
         assert holder.status()["devices"] == shares, "a replace with the same content allocated or swapped"
+        fresh_name = load(daemon, str(tmp_path / "v1"), "--name", "not-taken", "--replace", "--json")
+        assert json.loads(fresh_name.stdout)["replaced"] is False, fresh_name.stderr
+        holder.unpublish("not-taken")
         assert held.digest == expected_digest(old) and np.array_equal(np.asarray(held["embed"]), old["embed"])
         shares = [s for d in holder.status()["devices"] for s in d["shares"]]
         assert sorted(len(s["names"]) for s in shares) == [0, 1], "the old share keeps no name, the new one has it"
