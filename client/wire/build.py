@@ -103,6 +103,12 @@ def _single(request: Request[T]) -> Plan[T]:
     return result
 
 
+def unanswered(request: Request[Any]) -> Plan[None]:
+    """Send ``request`` on the socket without waiting for its answer, which a later wait on that socket reads
+    and drops (a failure goes unreported); the session's later requests to the device run after it."""
+    yield Send(request, many=True)
+
+
 class Run(Generic[T]):
     """Steps one op: run :attr:`step` (None once done), hand its result to :meth:`resume` (or its
     error to :meth:`throw`: the plan may catch it, else it ends the op), repeat; then :attr:`value`

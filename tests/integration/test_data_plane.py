@@ -155,6 +155,17 @@ def test_host_buffers_count_against_the_session_limit(daemon: DaemonProcess) -> 
         assert session_on(c, 0, c.session_id)["host_bytes"] == 0
 
 
+def test_a_host_buffer_freed_without_waiting_is_gone_before_the_next_request_runs(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as c:
+        first = c.host_alloc(48 << 20)
+        first.free(wait=False)
+        first.free(wait=False)  # nothing the second time
+        second = c.host_alloc(32 << 20)  # within host_memory_per_session only once the first is freed
+        assert session_on(c, 0, c.session_id)["host_bytes"] == 32 << 20
+        second.free()
+        assert c.ping() > 0  # the unanswered free's reply was read and dropped on the way
+
+
 def test_a_host_buffer_with_live_views_is_not_freed_under_them(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
         host = c.host_alloc(4096)
