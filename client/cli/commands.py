@@ -295,8 +295,10 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
                           "replaced": loaded.replaced,
                           "share_id": descriptor.share_id, "digest": loaded.digest}))
     elif not loaded.loaded:
+        done = ("the copy just read was freed and the name left as it was" if args.replace
+                else "nothing was read onto the device")
         print(f"already loaded: same content, digest {loaded.digest} ({args.name!r}, "
-              f"{human_size(descriptor.size)} on device {descriptor.device}); nothing was read onto the device")
+              f"{human_size(descriptor.size)} on device {descriptor.device}); {done}")
     else:
         said = f", digest {digests.short(loaded.digest)}" if loaded.digest else ""
         print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {args.name!r}: "

@@ -5,9 +5,10 @@ anything is allocated, lays its tensors out as every layout is
 (:func:`~cuctxd.client.tensors.tensor_sets.layout_offsets`), reads every shard into one shareable daemon
 buffer, hashed on the way (:func:`~cuctxd.client.data_plane.file_reads.load_into_new_buffer`), and publishes it
 with its manifest and digests. A name in use is compared by content: where the published layout has the
-same tensors, the files are hashed (mapped, on threads) and, the same as its digest, nothing is loaded
-(with or without ``replace``); other content is refused unless ``replace``, which loads into a new buffer
-and swaps the name in the daemon at once. Nothing stays
+same tensors, the files are hashed (mapped, on threads) and, the same as its digest, nothing is loaded;
+other content is refused unless ``replace``, which loads into a new buffer (no hashing first: a replace
+mostly brings new content) and swaps the name in the daemon at once, or, the loaded digest the same as the
+published one, frees the new buffer and swaps nothing. Nothing stays
 published or allocated after a failure. Which thread may call: the client's callers.
 """
 
@@ -16,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from cuctxd.client.api.objects import Buffer
 from cuctxd.client.data_plane.file_reads import FileRange, load_into_new_buffer
@@ -60,10 +61,9 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
                               for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
     check_manifest(manifest.pack(), size)  # a checkpoint no layout can hold is refused before anything else
     published = _published(client, name)
-    if published is not None:
-        same = _same_content(checkpoint, manifest, name, published, refuse=not replace)
-        if same is not None:
-            return same
+    if published is not None and not replace:
+        return _same_content(checkpoint, manifest, name, published)
+    theirs = _digest_of(published)
     with _opened(checkpoint) as fds:
         ranges = [FileRange(fds[t.shard], t.offset, t.nbytes, offset)
                   for t, offset in zip(checkpoint.tensors, offsets, strict=True)]
@@ -72,6 +72,9 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
         try:  # the buffer is made while the first chunks are read
             with load_into_new_buffer(client, build.alloc(client, Buffer, size, device, True), device, ranges,
                                       digest=digest, progress=progress) as (buffer, found):
+                if published is not None and digest and _layout_digest(checkpoint, cast(list[str], found)) == theirs:
+                    buffer.free()  # a replace by the same content: nothing to swap
+                    return Loaded(published, theirs, False)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
                                             replace=replace)
         except (EOFError, OSError) as exc:
@@ -90,28 +93,31 @@ def _published(client: Any, name: str) -> ShareDescriptor | None:
     return descriptor
 
 
-def _same_content(checkpoint: Checkpoint, manifest: Manifest, name: str, published: ShareDescriptor, *,
-                  refuse: bool) -> Loaded | None:
-    """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content; else None to replace
-    it, or with ``refuse`` :class:`NameExists` naming ``--replace``. The files are hashed only when the
-    published layout has the same tensors, dtypes and shapes (else the content differs, known at once)."""
-    theirs = check_manifest(published.manifest, published.size) if published.manifest else None
-    if theirs is None or theirs.digest is None:
-        if not refuse:
-            return None
+def _digest_of(published: ShareDescriptor | None) -> str | None:
+    """The layout digest of a published name's manifest (None: no name, or no digest)."""
+    if published is None or not published.manifest:
+        return None
+    return check_manifest(published.manifest, published.size).digest
+
+
+def _same_content(checkpoint: Checkpoint, manifest: Manifest, name: str, published: ShareDescriptor) -> Loaded:
+    """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content; else
+    :class:`NameExists` naming ``--replace``. The files are hashed only when the published layout has the
+    same tensors, dtypes and shapes (else the content differs, known at once)."""
+    theirs = _digest_of(published)
+    if theirs is None:
         raise NameExists(f"{name!r} is published already, without a content digest to compare this checkpoint "
                          f"with: load with --replace (replace=True) to swap it, or choose another name")
-    if [(t.name, t.dtype, t.shape) for t in theirs.tensors] != [(t.name, t.dtype, t.shape) for t in manifest.tensors]:
-        ours = None
+    known = check_manifest(published.manifest, published.size)
+    if [(t.name, t.dtype, t.shape) for t in known.tensors] != [(t.name, t.dtype, t.shape) for t in manifest.tensors]:
+        differs = "this checkpoint has other tensors"
     else:
         ours = checkpoint_digest(checkpoint)
-        if ours == theirs.digest:
+        if ours == theirs:
             return Loaded(published, ours, False)
-    if not refuse:
-        return None
-    differs = f"this checkpoint's {digests.short(ours)}" if ours else "this checkpoint has other tensors"
-    raise NameExists(f"{name!r} holds other content (digest {digests.short(theirs.digest)}, {differs}): load "
-                     f"with --replace (replace=True) to swap it")
+        differs = f"this checkpoint's {digests.short(ours)}"
+    raise NameExists(f"{name!r} holds other content (digest {digests.short(theirs)}, {differs}): load with "
+                     f"--replace (replace=True) to swap it")
 
 
 def checkpoint_digest(checkpoint: Checkpoint) -> str:
@@ -127,6 +133,11 @@ def checkpoint_digest(checkpoint: Checkpoint) -> str:
         for one in mapped:
             with contextlib.suppress(BufferError):  # a view still alive in a traceback: it goes with it
                 one.close()
+    return _layout_digest(checkpoint, found)
+
+
+def _layout_digest(checkpoint: Checkpoint, found: Sequence[str]) -> str:
+    """The layout digest of the checkpoint's tensors with the digests ``found`` of their bytes."""
     return digests.layout_digest((t.name, t.dtype, t.shape, found[index])
                                  for index, t in enumerate(checkpoint.tensors))
 
