@@ -72,7 +72,8 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
         try:  # the buffer is made while the first chunks are read
             with load_into_new_buffer(client, build.alloc(client, Buffer, size, device, True), device, ranges,
                                       digest=digest, progress=progress) as (buffer, found):
-                if published is not None and digest and _layout_digest(checkpoint, cast(list[str], found)) == theirs:
+                if (published is not None and theirs is not None and digest
+                        and _layout_digest(checkpoint, cast(list[str], found)) == theirs):
                     buffer.free()  # a replace by the same content: nothing to swap
                     return Loaded(published, theirs, False)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
@@ -104,11 +105,11 @@ def _same_content(checkpoint: Checkpoint, manifest: Manifest, name: str, publish
     """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content; else
     :class:`NameExists` naming ``--replace``. The files are hashed only when the published layout has the
     same tensors, dtypes and shapes (else the content differs, known at once)."""
-    theirs = _digest_of(published)
-    if theirs is None:
+    known = check_manifest(published.manifest, published.size) if published.manifest else None
+    theirs = None if known is None else known.digest
+    if known is None or theirs is None:
         raise NameExists(f"{name!r} is published already, without a content digest to compare this checkpoint "
                          f"with: load with --replace (replace=True) to swap it, or choose another name")
-    known = check_manifest(published.manifest, published.size)
     if [(t.name, t.dtype, t.shape) for t in known.tensors] != [(t.name, t.dtype, t.shape) for t in manifest.tensors]:
         differs = "this checkpoint has other tensors"
     else:

@@ -112,18 +112,18 @@ def integer(low: int, high: int | None = None) -> Callable[[Any], int]:
 
 
 def positive_seconds(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"must be a number of seconds, got {_show(value)}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"must be a positive number of seconds, got {value}")
-    return float(value)
+    return _seconds(value, zero=False)
 
 
 def seconds_or_zero(value: Any) -> float:
+    return _seconds(value, zero=True)
+
+
+def _seconds(value: Any, *, zero: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"must be a number of seconds, got {_show(value)}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"must be 0 or a positive number of seconds, got {value}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"must be {'0 or ' if zero else ''}a positive number of seconds, got {value}")
     return float(value)
 
 
