@@ -5,10 +5,10 @@ layout (unpublished after each load) and prints one JSON line per load: its seco
 stage how many times it ran, its total seconds (summed over threads) and when it first began and last ended,
 in seconds from the load's start. The stages are the load's own functions, wrapped for the run:
 ``read_checkpoint``, ``lookup`` (is the name in use), ``host_alloc`` (the load ring), ``fill`` (a reader
-filling a slot, hashing included) and ``hash``, each request the load sends (``send:OP``) and waits for
-(``wait:OP``), ``local`` (the calling thread waiting for a reader), ``publish``. It is how the H200 profile
-of issue 28 was taken (with py-spy on the daemon beside it); run it in a fresh process per load to see a
-fresh client's costs.
+filling a slot, hashing included) and ``hash`` (one digest leaf), each request the load sends (``send:OP``)
+and waits for (``wait:OP``), ``local`` (the calling thread waiting for a reader), ``publish``. It is how
+issue 28's GPU profiles were taken (with py-spy on the daemon beside it); run it in a fresh process per load
+to see a fresh client's costs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from cuctxd import Client
 from cuctxd.client.data_plane import file_reads
 from cuctxd.client.tensors import safetensors_load
 from cuctxd.client.wire.build import Send, Wait
+from cuctxd.protos import digests
 
 NAME = "bench-load-stages"
 
@@ -109,7 +110,7 @@ def instrumented(stages: Stages, client: Client) -> Iterator[None]:
     wrap(safetensors_load, "_published", stages.timed("lookup", safetensors_load._published))
     wrap(safetensors_load, "publish_filled", stages.timed("publish", safetensors_load.publish_filled))
     wrap(file_reads._Reader, "fill", stages.timed("fill", file_reads._Reader.fill))
-    wrap(file_reads, "_hash_piece", stages.timed("hash", file_reads._hash_piece))
+    wrap(digests, "leaf", stages.timed("hash", digests.leaf))
     wrap(file_reads, "_pipeline", _timed_plan(stages, file_reads._pipeline))
     wrap(client, "host_alloc", stages.timed("host_alloc", client.host_alloc))
     try:

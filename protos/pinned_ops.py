@@ -21,10 +21,12 @@ from cuctxd.protos.schema import count_field, handle_field, op, required_count
 class HostAlloc:
     """Shared page-locked host memory of ``size`` bytes for use with ``device``'s buffers (binds the
     primary lazily). Result: ``host`` (handle), ``size``, ``device``, ``ticket`` (redeem it on the fd channel for
-    the memfd to map, within ``fd_ticket_ttl``)."""
+    the memfd to map, within ``fd_ticket_ttl``). ``reuse``: a buffer of the same size and uid the daemon kept
+    registered may serve, with the bytes its last user left."""
 
     size: int = required_count(minimum=1)
     device: int | None = count_field()
+    reuse: bool = False
 
 
 @op("shm_lane", target="device")

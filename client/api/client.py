@@ -405,11 +405,13 @@ class Client(SessionState):
             if self._outbox.full():
                 self._flush_outbox()
 
-    def host_alloc(self, size: int, device: int | None = None) -> HostBuffer:
+    def host_alloc(self, size: int, device: int | None = None, *, reuse: bool = False) -> HostBuffer:
         """Host memory shared with the daemon and page-locked there, for copies with ``device``'s buffers
         (default: the current device) that carry no bytes on the socket; needs the fd channel (ipc://).
-        Counts against the session's ``host_memory_per_session``; :meth:`HostBuffer.free` gives it back."""
-        return self.run(host_alloc(self, HostBuffer, size, device))
+        Counts against the session's ``host_memory_per_session``; :meth:`HostBuffer.free` gives it back.
+        ``reuse``: a buffer of the same size the daemon kept page-locked after a session of this user freed it
+        may serve (no new page-locking: 0.5 ms a MiB), its bytes as that session left them."""
+        return self.run(host_alloc(self, HostBuffer, size, device, reuse))
 
     def fill(self, buffer: Buffer, value: int = 0, offset: int = 0, size: int | None = None, *,
              stream: Stream | None = None) -> None:

@@ -97,6 +97,9 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
             lines.append(f"  FAILED: {dev['failed']} (this device refuses all work until the daemon restarts)")
         if dev.get("shm_lanes"):
             lines.append(f"  shm lanes: {dev['shm_lanes']} open")
+        kept = dev.get("host_kept") or {}
+        if kept.get("buffers"):
+            lines.append(f"  host buffers kept page-locked for reuse: {kept['buffers']}, {human_size(kept['bytes'])}")
         if dev["contexts"]:
             lines.append(table(
                 ["CONTEXT", "KIND", "FLAGS", "SESSIONS"],

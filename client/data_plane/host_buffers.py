@@ -119,10 +119,11 @@ class _Handle:
         self.device = int(result["device"])
 
 
-def host_alloc(owner: Any, kind: type[HostT], size: int, device: int | None) -> Plan[HostT]:
-    """Make the buffer, fetch its fd over the fd channel and map it; a failed mapping frees it again."""
+def host_alloc(owner: Any, kind: type[HostT], size: int, device: int | None, reuse: bool = False) -> Plan[HostT]:
+    """Make the buffer (``reuse``: or take one the daemon kept), fetch its fd over the fd channel and map it; a
+    failed mapping frees it again."""
     plane = owner.data_plane()
-    result = yield build.host_alloc(device, size)
+    result = yield build.host_alloc(device, size, reuse)
     try:
         mapped: HostT = yield Local(lambda: kind.mapped(owner, result, plane.receive_fd(result["ticket"])))
     except BaseException:

@@ -514,9 +514,9 @@ def revoke_buffer(buffer: OnDevice) -> Plan[None]:
 # --- the data plane: shared host buffers (their mapping: cuctxd.client.data_plane.host_buffers) --------------
 
 
-def host_alloc(device: int | None, size: int) -> Request[dict[str, Any]]:
+def host_alloc(device: int | None, size: int, reuse: bool = False) -> Request[dict[str, Any]]:
     """Result: ``host`` (handle), ``size``, ``device`` and ``ticket``."""
-    return _request("host_alloc", _result, device=device, size=size)
+    return _request("host_alloc", _result, device=device, size=size, reuse=reuse or None)
 
 
 def shm_lane(device: int) -> Request[dict[str, Any]]:

@@ -52,8 +52,10 @@ class DeviceLimits:
     #: Most bytes of published shares whose owner is gone and nobody holds, of one owner uid here
     #: (0: half the device's memory; never none).
     max_orphaned_bytes_per_uid: int = 0
-    #: Seconds the primary context is kept after its last reference went (0: released at once).
+    #: Seconds the primary context is kept after its last reference went (0: released at once); freed host
+    #: buffers are kept as long, within ``kept_host_memory`` bytes (0: none).
     primary_keep: float = 0.0
+    kept_host_memory: int = 0
 
 
 class HandleTable(dict[int, T], Generic[T]):
@@ -190,8 +192,10 @@ class HostBuffer:
     context: SessionContext
     #: Markers of stream-ordered copies that use it, recorded since the last check.
     busy: list[Marker] = field(default_factory=list)
-    #: The fd its mapping holds, counted in the daemon's fd budget until it is unmapped.
+    #: The fds its mapping (and ``memfd``) hold, counted in the daemon's fd budget until it is unmapped.
     charge: FdCharge | None = None
+    #: The daemon's own fd of the memfd, where the buffer may be kept registered once freed (to hand out again).
+    memfd: int | None = None
 
 
 @dataclass

@@ -9,12 +9,21 @@ the driver touches: copies between it and device memory are
 DMA with nothing but a small request on the socket. A copy queued on a stream
 leaves a marker on the buffer, and freeing it waits (without blocking the worker)
 until those markers pass, so the driver never reads memory that is gone.
+
+Page-locking is the cost of a host buffer (about 0.5 ms a MiB on the H100 host: 40 ms for ``cuctx load``'s
+72 MiB ring, more than a fifth of a warm 2.8 GB load), so a freed buffer of at least :data:`KEEP_FROM` bytes is
+kept registered (:class:`KeptHostBuffers`) for ``primary_keep`` seconds, within ``kept_host_memory``
+bytes, and handed again to a ``host_alloc`` of the same size by a session of the same uid that asked for
+reused memory (``reuse``: its bytes are what the last user left, as with a caching pinned allocator).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import time
+from collections import deque
+from dataclasses import dataclass
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.current import CurrentContext
@@ -27,9 +36,98 @@ from cuctxd.daemon.device.entries import (
     new_handle,
 )
 from cuctxd.daemon.device.streams import Streams
-from cuctxd.daemon.registry.fd_budget import FdBudget
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
 from cuctxd.protos.errors import LimitExceeded
 from cuctxd.protos.memfd import sealed_memfd
+
+#: Smallest host buffer kept registered once freed (smaller ones cost little to page-lock again).
+KEEP_FROM = 1 << 20
+#: Most host buffers kept per device (each holds two fds: the daemon's mapping and the memfd to hand out).
+KEEP_MOST = 4
+#: Whose share of the fd budget kept buffers count in (no session holds them).
+KEPT_PEER = "daemon:kept-host-buffers"
+
+
+@dataclass
+class KeptHost:
+    """A freed host buffer still registered in the device's primary context: its mapping, its memfd, and
+    the uid of the sessions that may have it again."""
+
+    uid: int
+    size: int
+    memory: mmap.mmap
+    view: memoryview
+    memfd: int
+    context: SessionContext
+    since: float
+    charge: FdCharge
+
+
+class KeptHostBuffers:
+    """The freed host buffers kept registered, oldest first; worker thread only."""
+
+    def __init__(self, driver: Driver, limits: DeviceLimits, current: CurrentContext, budget: FdBudget) -> None:
+        self.driver = driver
+        self.limits = limits
+        self.current = current
+        self.budget = budget
+        self.buffers: deque[KeptHost] = deque()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(kept.size for kept in self.buffers)
+
+    def keep(self, entry: HostBuffer, uid: int | None) -> bool:
+        """Take ``entry`` (freed by its session, no copy using it) instead of unregistering it; False when it
+        may not be kept: too small, of an unknown uid, with keeping off, or no fd left for it."""
+        room = self.limits.kept_host_memory
+        if (uid is None or entry.memfd is None or self.limits.primary_keep <= 0 or not room
+                or not KEEP_FROM <= entry.size <= room):
+            return False
+        try:
+            charge = self.budget.charge(2, "a kept host buffer", KEPT_PEER)
+        except LimitExceeded:
+            return False
+        while self.buffers and (len(self.buffers) >= KEEP_MOST or self.total_bytes + entry.size > room):
+            self._release(self.buffers.popleft())
+        self.buffers.append(KeptHost(uid, entry.size, entry.memory, entry.view, entry.memfd, entry.context,
+                                     time.monotonic(), charge))
+        return True
+
+    def take(self, uid: int | None, size: int, context: SessionContext) -> KeptHost | None:
+        """The kept buffer of ``size`` bytes of ``uid`` registered in ``context`` (the primary), out of the
+        keep; None when there is none."""
+        for kept in self.buffers:
+            if kept.uid == uid and kept.size == size and kept.context.context_id == context.context_id:
+                self.buffers.remove(kept)
+                kept.charge.release()
+                return kept
+        return None
+
+    def drop(self, kept: KeptHost) -> None:
+        """Unregister a buffer :meth:`take` gave out and nobody uses."""
+        self._release(kept, charged=False)
+
+    def release(self, now: float | None = None, *, room: int = 0) -> None:
+        """Unregister the buffers kept ``primary_keep`` seconds (all without ``now``: the worker is stopping,
+        or the primary context is going), oldest first; and as many more as it takes to free ``room``
+        bytes."""
+        while self.buffers and (now is None or now - self.buffers[0].since >= self.limits.primary_keep
+                                or room > 0):
+            kept = self.buffers.popleft()
+            room -= kept.size
+            self._release(kept)
+
+    def _release(self, kept: KeptHost, *, charged: bool = True) -> None:
+        if charged:
+            kept.charge.release()
+        try:
+            self.current.activate(kept.context)
+            self.driver.host_unregister(kept.view)
+        finally:
+            os.close(kept.memfd)
+            kept.view.release()
+            kept.memory.close()
 
 
 class HostBuffers:
@@ -44,21 +142,56 @@ class HostBuffers:
         self.limits = limits
         self.current = current
         self.streams = streams
-        #: Bytes of every session's host buffers here (what ``max_host_memory`` bounds).
+        #: Bytes of every session's host buffers here (with the kept ones, what ``max_host_memory`` bounds).
         self.total_bytes = 0
+        self.kept = KeptHostBuffers(driver, limits, current, self.budget)
 
-    def alloc(self, state: SessionOnDevice, context: SessionContext, size: int) -> tuple[HostBuffer, int]:
-        """A new host buffer and a new fd of it for the client (the caller owns the fd)."""
+    def alloc(self, state: SessionOnDevice, context: SessionContext, size: int,
+              reuse: bool = False) -> tuple[HostBuffer, int]:
+        """A host buffer and a new fd of it for the client (the caller owns the fd); ``reuse``: a kept one
+        of the same size and uid where there is one (its bytes as the last user left them)."""
         per_session = self.limits.host_memory_per_session
         if per_session and state.host_bytes + size > per_session:
             raise LimitExceeded(f"host_memory_per_session: the session has {state.host_bytes} bytes of host "
                                 f"buffers of {per_session} on device {self.device}, asked for {size} more")
-        device_limit = self.limits.max_host_memory
-        if device_limit and self.total_bytes + size > device_limit:
-            raise LimitExceeded(f"max_host_memory: host buffers on device {self.device} already hold "
-                                f"{self.total_bytes} of {device_limit} bytes, asked for {size} more")
         state.check_room(self.limits.max_objects_per_session, "host buffer")
-        charge = self.budget.charge(1, "a host buffer", state.ref.fd_peer or state.ref.token, state.ref.token)
+        kept = self.kept.take(state.ref.uid, size, context) if reuse else None
+        if kept is None:
+            device_limit = self.limits.max_host_memory
+            if device_limit and self.total_bytes + self.kept.total_bytes + size > device_limit:
+                self.kept.release(room=self.total_bytes + self.kept.total_bytes + size - device_limit)
+            if device_limit and self.total_bytes + size > device_limit:
+                raise LimitExceeded(f"max_host_memory: host buffers on device {self.device} already hold "
+                                    f"{self.total_bytes} of {device_limit} bytes, asked for {size} more")
+        keepable = kept is not None or self._keepable(state, size)
+        try:
+            charge = self.budget.charge(2 if keepable else 1, "a host buffer", state.ref.fd_peer or state.ref.token,
+                                        state.ref.token)
+        except BaseException:
+            if kept is not None:
+                self.kept.drop(kept)
+            raise
+        memfd: int | None
+        if kept is not None:
+            memory, view, memfd, fd = kept.memory, kept.view, kept.memfd, os.dup(kept.memfd)
+        else:
+            memory, view, memfd, fd = self._register(context, size, keepable, charge)
+        entry = HostBuffer(new_handle(), size, memory, view, context, charge=charge, memfd=memfd)
+        state.host_buffers[entry.handle] = entry
+        state.host_bytes += size
+        self.total_bytes += size
+        return entry, fd
+
+    def _keepable(self, state: SessionOnDevice, size: int) -> bool:
+        """Whether a buffer of ``size`` of this session could be kept once freed (it then holds its memfd)."""
+        limits = self.limits
+        return (state.ref.uid is not None and limits.primary_keep > 0
+                and KEEP_FROM <= size <= limits.kept_host_memory)
+
+    def _register(self, context: SessionContext, size: int, keepable: bool,
+                  charge: FdCharge) -> tuple[mmap.mmap, memoryview, int | None, int]:
+        """A new memfd of ``size`` bytes mapped and registered in ``context``: the mapping, the daemon's own
+        memfd (where ``keepable``) and the client's; ``charge`` is released when this raises."""
         try:
             fd = sealed_memfd(f"cuctxd-host-{self.device}", size)
         except BaseException:
@@ -78,11 +211,7 @@ class HostBuffers:
             os.close(fd)
             charge.release()
             raise
-        entry = HostBuffer(new_handle(), size, memory, view, context, charge=charge)
-        state.host_buffers[entry.handle] = entry
-        state.host_bytes += size
-        self.total_bytes += size
-        return entry, fd
+        return memory, view, os.dup(fd) if keepable else None, fd
 
     def mark_busy(self, entry: HostBuffer, marker: Marker) -> None:
         """A stream-ordered copy now uses ``entry`` until ``marker`` passes."""
@@ -108,13 +237,19 @@ class HostBuffers:
                     self.driver.event_synchronize(event)
         self.streams.recycle_markers(entry.busy)
         entry.busy = []
-        if entry.context.context_id not in self.streams.ended_contexts:
-            self.current.activate(entry.context)
-            self.driver.host_unregister(entry.view)
-        entry.view.release()
-        entry.memory.close()
         if entry.charge is not None:
             entry.charge.release()
+        ended = entry.context.context_id in self.streams.ended_contexts
+        if ended or not self.kept.keep(entry, state.ref.uid):
+            try:
+                if not ended:
+                    self.current.activate(entry.context)
+                    self.driver.host_unregister(entry.view)
+            finally:
+                if entry.memfd is not None:
+                    os.close(entry.memfd)
+                entry.view.release()
+                entry.memory.close()
         del state.host_buffers[entry.handle]
         state.host_bytes -= entry.size
         self.total_bytes -= entry.size

@@ -132,6 +132,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "share_count": len(state.sharing.shares),
         "memory": memory_status(state, live),
         "host_bytes": state.host.total_bytes,
+        "host_kept": {"bytes": state.host.kept.total_bytes, "buffers": len(state.host.kept.buffers)},
         "pools": {"count": len(state.pools), "ipc": state.pools.ipc},
         "vmm": {"supported": state.memory.vmm_memory.supported, "buffers": len(state.memory.vmm_memory.sizes)},
         "shm_lanes": len(state.shm_lanes),

@@ -392,6 +392,7 @@ class DeviceWorker:
         except CuctxError as exc:
             log.warning("device %d: freeing shared buffers at shutdown: %s", self.device, exc)
         try:
+            self.state.host.kept.release()
             self.state.contexts.release_kept()
         except CuctxError as exc:
             log.warning("device %d: releasing the kept primary context at shutdown: %s", self.device, exc)

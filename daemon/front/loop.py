@@ -177,8 +177,10 @@ class Front:
 
 
 def _expire(state: DeviceState, now: float, ttl: float) -> None:
-    """Free the orphans past ``ttl``, release the primary context kept past ``primary_keep``."""
+    """Free the orphans past ``ttl``, unregister the host buffers and release the primary context kept past
+    ``primary_keep`` (the buffers first: they are registered in it)."""
     state.sharing.expire_orphans(now, ttl)
+    state.host.kept.release(now)
     state.contexts.release_kept(now)
 
 

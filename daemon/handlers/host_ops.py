@@ -18,7 +18,7 @@ def host_alloc(state: DeviceState, job: Job) -> Reply:
     session = state.session(job.session)
     # In the session's primary context, whatever is current: registered portable, a host buffer serves every
     # context of the device, so it must not go with a context the session creates and destroys.
-    entry, fd = state.host.alloc(session, state.contexts.bind_primary(session), job.args.size)
+    entry, fd = state.host.alloc(session, state.contexts.bind_primary(session), job.args.size, job.args.reuse)
     try:
         ticket = state.tickets.issue(job.session.token, job.session.uid, [fd], {"host": entry.handle},
                                      job.session.fd_peer)

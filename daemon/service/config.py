@@ -56,6 +56,7 @@ DEFAULT_ORPHAN_TTL = 600.0
 #: Seconds a device's primary context is kept after its last user let go: making one again took 120-180 ms on
 #: the H200 (every new client process's first op paid it when the daemon was otherwise idle).
 DEFAULT_PRIMARY_KEEP = 60.0
+DEFAULT_KEPT_HOST_MEMORY = 256 << 20
 #: Object limits that protect a shared machine (PROTOCOL.md, "Limits"); 0 in the configuration means none.
 DEFAULT_MAX_OBJECTS_PER_SESSION = 16384
 DEFAULT_MAX_CONTEXTS_PER_SESSION = 64
@@ -162,6 +163,10 @@ class DaemonConfig:
     primary_keep: float = seconds(DEFAULT_PRIMARY_KEEP, "keep a device's primary context this long after its last "
                                   "session or share let go, so that the next session need not wait for a new one "
                                   "(its memory stays held meanwhile)", zero="release it at once", limit=True)
+    kept_host_memory: int = size(DEFAULT_KEPT_HOST_MEMORY, "bytes of freed host buffers (of 1 MiB or more, at most "
+                                 "4) kept page-locked on each device for primary_keep seconds, for the next "
+                                 "host_alloc of the same size and user that accepts reused memory (cuctx load's "
+                                 "ring)", zero="none kept", limit=True)
     sim_fault: str | None = setting(None, fault_injection, "testing aid (sim backend only): device DEV turns sticky "
                                     "with ERROR after CALLS more calls", "DEV:CALLS:ERROR")
     #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.device.lane`), told in hello.

@@ -168,7 +168,8 @@ class Daemon:
                               self.config.host_memory_per_session, self.config.max_host_memory,
                               self.config.max_shm_lanes,
                               max_orphaned_bytes_per_uid=self.config.max_orphaned_bytes_per_uid,
-                              primary_keep=self.config.primary_keep)
+                              primary_keep=self.config.primary_keep,
+                              kept_host_memory=self.config.kept_host_memory)
         shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid)
         parking, passed = open_parking(shares)
         self._parking = parking

@@ -16,6 +16,7 @@ from bench.load_stages import Stages, instrumented, load_stages
 from cuctxd import BadArgument, Client
 from cuctxd.client.data_plane import file_reads
 from cuctxd.client.tensors import safetensors_load
+from cuctxd.protos import digests
 from tests.helpers import REPO, DaemonProcess, client_env
 
 
@@ -37,13 +38,13 @@ def test_each_stage_of_a_load_is_timed_within_it(start_daemons: Callable[..., Da
 def test_the_loads_functions_are_put_back(start_daemons: Callable[..., DaemonProcess]) -> None:
     daemon = start_daemons("--sim-devices", "1")
     before = (safetensors_load._published, safetensors_load.publish_filled, file_reads._Reader.fill,
-              file_reads._pipeline, file_reads._hash_piece, safetensors_load.read_checkpoint)
+              file_reads._pipeline, digests.leaf, safetensors_load.read_checkpoint)
     with Client(daemon.endpoint) as client:
         with instrumented(Stages(), client):
             assert file_reads._pipeline is not before[3] and "host_alloc" in vars(client)
         assert "host_alloc" not in vars(client)
     assert (safetensors_load._published, safetensors_load.publish_filled, file_reads._Reader.fill,
-            file_reads._pipeline, file_reads._hash_piece, safetensors_load.read_checkpoint) == before
+            file_reads._pipeline, digests.leaf, safetensors_load.read_checkpoint) == before
 
 
 def test_the_command_prints_a_line_per_load(start_daemons: Callable[..., DaemonProcess], tmp_path: Path) -> None:

@@ -54,3 +54,23 @@ def test_primary_keep_zero_releases_at_once(start_daemons: Callable[..., DaemonP
     with Client(daemon.endpoint) as observer:
         assert primary(observer) == {"active": False, "flags": primary(observer)["flags"], "references": 0,
                                      "kept_for": None}
+
+
+def test_a_freed_host_buffer_serves_the_next_process_of_the_user_that_asks_for_reuse(
+        start_daemons: Callable[..., DaemonProcess]) -> None:
+    daemon = start_daemons("--sim-devices", "1", "--primary-keep", "30")
+    with Client(daemon.endpoint) as first:
+        host = first.host_alloc(2 << 20, 0, reuse=True)
+        memoryview(host)[:5] = b"ring!"
+        host.free()
+        assert first.status()["devices"][0]["host_kept"] == {"bytes": 2 << 20, "buffers": 1}
+        text = cuctx("--endpoint", daemon.endpoint, "status").stdout
+        assert "host buffers kept page-locked for reuse: 1, 2 MiB" in text, text
+    with Client(daemon.endpoint) as second:
+        fresh = second.host_alloc(2 << 20, 0)
+        assert bytes(memoryview(fresh)[:5]) == bytes(5), "without reuse: new, zeroed memory"
+        again = second.host_alloc(2 << 20, 0, reuse=True)
+        assert bytes(memoryview(again)[:5]) == b"ring!"
+        assert second.status()["devices"][0]["host_kept"] == {"bytes": 0, "buffers": 0}
+        fresh.free()
+        again.free()
