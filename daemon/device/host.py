@@ -12,7 +12,7 @@ until those markers pass, so the driver never reads memory that is gone.
 
 Page-locking is the cost of a host buffer (about 0.5 ms a MiB on the H100 host: 40 ms for ``cuctx load``'s
 72 MiB ring, more than a fifth of a warm 2.8 GB load), so a freed buffer of at least :data:`KEEP_FROM` bytes is
-kept registered (:class:`KeptHostBuffers`) for ``primary_keep`` seconds, within ``kept_host_memory``
+kept registered (:mod:`cuctxd.daemon.device.host_keep`) for ``primary_keep`` seconds, within ``kept_host_memory``
 bytes, and handed again to a ``host_alloc`` of the same size by a session of the same uid that asked for
 reused memory (``reuse``: its bytes are what the last user left, as with a caching pinned allocator).
 """
@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
-from collections import deque
-from dataclasses import dataclass
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.current import CurrentContext
@@ -35,99 +32,11 @@ from cuctxd.daemon.device.entries import (
     SessionOnDevice,
     new_handle,
 )
+from cuctxd.daemon.device.host_keep import KeptHostBuffers, keepable
 from cuctxd.daemon.device.streams import Streams
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
 from cuctxd.protos.errors import LimitExceeded
 from cuctxd.protos.memfd import sealed_memfd
-
-#: Smallest host buffer kept registered once freed (smaller ones cost little to page-lock again).
-KEEP_FROM = 1 << 20
-#: Most host buffers kept per device (each holds two fds: the daemon's mapping and the memfd to hand out).
-KEEP_MOST = 4
-#: Whose share of the fd budget kept buffers count in (no session holds them).
-KEPT_PEER = "daemon:kept-host-buffers"
-
-
-@dataclass
-class KeptHost:
-    """A freed host buffer still registered in the device's primary context: its mapping, its memfd, and
-    the uid of the sessions that may have it again."""
-
-    uid: int
-    size: int
-    memory: mmap.mmap
-    view: memoryview
-    memfd: int
-    context: SessionContext
-    since: float
-    charge: FdCharge
-
-
-class KeptHostBuffers:
-    """The freed host buffers kept registered, oldest first; worker thread only."""
-
-    def __init__(self, driver: Driver, limits: DeviceLimits, current: CurrentContext, budget: FdBudget) -> None:
-        self.driver = driver
-        self.limits = limits
-        self.current = current
-        self.budget = budget
-        self.buffers: deque[KeptHost] = deque()
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(kept.size for kept in self.buffers)
-
-    def keep(self, entry: HostBuffer, uid: int | None) -> bool:
-        """Take ``entry`` (freed by its session, no copy using it) instead of unregistering it; False when it
-        may not be kept: too small, of an unknown uid, with keeping off, or no fd left for it."""
-        room = self.limits.kept_host_memory
-        if (uid is None or entry.memfd is None or self.limits.primary_keep <= 0 or not room
-                or not KEEP_FROM <= entry.size <= room):
-            return False
-        try:
-            charge = self.budget.charge(2, "a kept host buffer", KEPT_PEER)
-        except LimitExceeded:
-            return False
-        while self.buffers and (len(self.buffers) >= KEEP_MOST or self.total_bytes + entry.size > room):
-            self._release(self.buffers.popleft())
-        self.buffers.append(KeptHost(uid, entry.size, entry.memory, entry.view, entry.memfd, entry.context,
-                                     time.monotonic(), charge))
-        return True
-
-    def take(self, uid: int | None, size: int, context: SessionContext) -> KeptHost | None:
-        """The kept buffer of ``size`` bytes of ``uid`` registered in ``context`` (the primary), out of the
-        keep; None when there is none."""
-        for kept in self.buffers:
-            if kept.uid == uid and kept.size == size and kept.context.context_id == context.context_id:
-                self.buffers.remove(kept)
-                kept.charge.release()
-                return kept
-        return None
-
-    def drop(self, kept: KeptHost) -> None:
-        """Unregister a buffer :meth:`take` gave out and nobody uses."""
-        self._release(kept, charged=False)
-
-    def release(self, now: float | None = None, *, room: int = 0) -> None:
-        """Unregister the buffers kept ``primary_keep`` seconds (all without ``now``: the worker is stopping,
-        or the primary context is going), oldest first; and as many more as it takes to free ``room``
-        bytes."""
-        while self.buffers and (now is None or now - self.buffers[0].since >= self.limits.primary_keep
-                                or room > 0):
-            kept = self.buffers.popleft()
-            room -= kept.size
-            self._release(kept)
-
-    def _release(self, kept: KeptHost, *, charged: bool = True) -> None:
-        if charged:
-            kept.charge.release()
-        try:
-            self.current.activate(kept.context)
-            self.driver.host_unregister(kept.view)
-        finally:
-            os.close(kept.memfd)
-            kept.view.release()
-            kept.memory.close()
 
 
 class HostBuffers:
@@ -159,13 +68,13 @@ class HostBuffers:
         if kept is None:
             device_limit = self.limits.max_host_memory
             if device_limit and self.total_bytes + self.kept.total_bytes + size > device_limit:
-                self.kept.release(room=self.total_bytes + self.kept.total_bytes + size - device_limit)
+                self.kept.make_room(self.total_bytes + self.kept.total_bytes + size - device_limit)
             if device_limit and self.total_bytes + size > device_limit:
                 raise LimitExceeded(f"max_host_memory: host buffers on device {self.device} already hold "
                                     f"{self.total_bytes} of {device_limit} bytes, asked for {size} more")
-        keepable = kept is not None or self._keepable(state, size)
+        keeps = kept is not None or keepable(self.limits, state.ref.uid, size)
         try:
-            charge = self.budget.charge(2 if keepable else 1, "a host buffer", state.ref.fd_peer or state.ref.token,
+            charge = self.budget.charge(2 if keeps else 1, "a host buffer", state.ref.fd_peer or state.ref.token,
                                         state.ref.token)
         except BaseException:
             if kept is not None:
@@ -175,18 +84,12 @@ class HostBuffers:
         if kept is not None:
             memory, view, memfd, fd = kept.memory, kept.view, kept.memfd, os.dup(kept.memfd)
         else:
-            memory, view, memfd, fd = self._register(context, size, keepable, charge)
+            memory, view, memfd, fd = self._register(context, size, keeps, charge)
         entry = HostBuffer(new_handle(), size, memory, view, context, charge=charge, memfd=memfd)
         state.host_buffers[entry.handle] = entry
         state.host_bytes += size
         self.total_bytes += size
         return entry, fd
-
-    def _keepable(self, state: SessionOnDevice, size: int) -> bool:
-        """Whether a buffer of ``size`` of this session could be kept once freed (it then holds its memfd)."""
-        limits = self.limits
-        return (state.ref.uid is not None and limits.primary_keep > 0
-                and KEEP_FROM <= size <= limits.kept_host_memory)
 
     def _register(self, context: SessionContext, size: int, keepable: bool,
                   charge: FdCharge) -> tuple[mmap.mmap, memoryview, int | None, int]:

@@ -1,4 +1,4 @@
-"""Freed host buffers kept registered (daemon/device/host.py, ``KeptHostBuffers``): handed again to a
+"""Freed host buffers kept registered (daemon/device/host_keep.py): handed again to a
 ``host_alloc`` with ``reuse`` of the same size and uid without page-locking anew, bounded by
 ``kept_host_memory``, ``KEEP_MOST`` and ``max_host_memory``, unregistered after ``primary_keep`` (before the
 primary context they live in goes)."""
@@ -12,7 +12,7 @@ import pytest
 
 from cuctxd.daemon.backends.sim import SimDriver
 from cuctxd.daemon.device.entries import DeviceLimits
-from cuctxd.daemon.device.host import KEEP_FROM, KEEP_MOST, KEPT_PEER
+from cuctxd.daemon.device.host_keep import KEEP_FROM, KEEP_MOST, KEPT_PEER
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.status import device_status
 from cuctxd.daemon.registry.sessions import SessionRef
@@ -141,12 +141,16 @@ def test_the_keep_is_bounded_oldest_out_first(driver: SimDriver, calls: dict[str
 
 
 def test_kept_buffers_make_room_under_max_host_memory(driver: SimDriver, calls: dict[str, list[int]]) -> None:
-    state = make_state(driver, max_host_memory=6 * MIB)
+    state = make_state(driver, max_host_memory=7 * MIB)
     ref = new_ref(uid=1000)
-    host, fd = host_alloc(state, ref, 4 * MIB)
+    handles = []
+    for size in (4 * MIB, 2 * MIB):
+        host, fd = host_alloc(state, ref, size)
+        os.close(fd)
+        handles.append(host)
+    for host in handles:
+        run(state, ref, "host_free", host=host)
+    assert kept(state)["bytes"] == 6 * MIB
+    _, fd = host_alloc(state, ref, 3 * MIB)  # 6 kept + 3 > 7: the oldest kept one is unregistered for it
     os.close(fd)
-    run(state, ref, "host_free", host=host)
-    assert kept(state)["bytes"] == 4 * MIB
-    _, fd = host_alloc(state, ref, 3 * MIB)  # 4 kept + 3 > 6: the kept one is unregistered for it
-    os.close(fd)
-    assert calls["unregister"] == [4 * MIB] and kept(state)["buffers"] == 0
+    assert calls["unregister"] == [4 * MIB] and kept(state) == {"bytes": 2 * MIB, "buffers": 1}
