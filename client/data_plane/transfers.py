@@ -110,7 +110,8 @@ def _ring(owner: Any, device: int) -> Plan[StagingRing | None]:
         return None
     if device not in plane.rings:
         try:
-            host = yield from host_alloc(owner, owner.host_buffer_kind, RING_SLOTS * RING_SLOT_BYTES, device, True)
+            host = yield from host_alloc(owner, owner.host_buffer_kind, RING_SLOTS * RING_SLOT_BYTES, device,
+                                         reuse=True)
         except (CuctxError, OSError):  # over the session's host memory limit, say: the socket it is
             plane.rings[device] = None
             return None

@@ -63,7 +63,8 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
     published = _published(client, name)
     if published is not None and not replace:
         return _same_content(checkpoint, manifest, name, published)
-    theirs = _digest_of(published)
+    known = _manifest_of(published)
+    theirs = None if known is None else known.digest
     with _opened(checkpoint) as fds:
         ranges = [FileRange(fds[t.shard], t.offset, t.nbytes, offset)
                   for t, offset in zip(checkpoint.tensors, offsets, strict=True)]
@@ -94,18 +95,18 @@ def _published(client: Any, name: str) -> ShareDescriptor | None:
     return descriptor
 
 
-def _digest_of(published: ShareDescriptor | None) -> str | None:
-    """The layout digest of a published name's manifest (None: no name, or no digest)."""
+def _manifest_of(published: ShareDescriptor | None) -> Manifest | None:
+    """A published name's manifest, checked (None: no name, or no manifest)."""
     if published is None or not published.manifest:
         return None
-    return check_manifest(published.manifest, published.size).digest
+    return check_manifest(published.manifest, published.size)
 
 
 def _same_content(checkpoint: Checkpoint, manifest: Manifest, name: str, published: ShareDescriptor) -> Loaded:
     """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content; else
     :class:`NameExists` naming ``--replace``. The files are hashed only when the published layout has the
     same tensors, dtypes and shapes (else the content differs, known at once)."""
-    known = check_manifest(published.manifest, published.size) if published.manifest else None
+    known = _manifest_of(published)
     theirs = None if known is None else known.digest
     if known is None or theirs is None:
         raise NameExists(f"{name!r} is published already, without a content digest to compare this checkpoint "

@@ -32,7 +32,7 @@ from cuctxd.daemon.device.entries import (
     SessionOnDevice,
     new_handle,
 )
-from cuctxd.daemon.device.host_keep import KeptHostBuffers, keepable
+from cuctxd.daemon.device.host_keep import KeptHostBuffers, keepable, unregister_and_unmap
 from cuctxd.daemon.device.streams import Streams
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
 from cuctxd.protos.errors import LimitExceeded
@@ -67,12 +67,12 @@ class HostBuffers:
         kept = self.kept.take(state.ref.uid, size, context) if reuse else None
         if kept is None:
             device_limit = self.limits.max_host_memory
-            if device_limit and self.total_bytes + self.kept.total_bytes + size > device_limit:
+            if device_limit:
                 self.kept.make_room(self.total_bytes + self.kept.total_bytes + size - device_limit)
             if device_limit and self.total_bytes + size > device_limit:
                 raise LimitExceeded(f"max_host_memory: host buffers on device {self.device} already hold "
                                     f"{self.total_bytes} of {device_limit} bytes, asked for {size} more")
-        keeps = kept is not None or keepable(self.limits, state.ref.uid, size)
+        keeps = keepable(self.limits, state.ref.uid, size)  # so was a kept one: same uid and size
         try:
             charge = self.budget.charge(2 if keeps else 1, "a host buffer", state.ref.fd_peer or state.ref.token,
                                         state.ref.token)
@@ -91,10 +91,10 @@ class HostBuffers:
         self.total_bytes += size
         return entry, fd
 
-    def _register(self, context: SessionContext, size: int, keepable: bool,
+    def _register(self, context: SessionContext, size: int, keeps: bool,
                   charge: FdCharge) -> tuple[mmap.mmap, memoryview, int | None, int]:
         """A new memfd of ``size`` bytes mapped and registered in ``context``: the mapping, the daemon's own
-        memfd (where ``keepable``) and the client's; ``charge`` is released when this raises."""
+        memfd (where it ``keeps`` one) and the client's; ``charge`` is released when this raises."""
         try:
             fd = sealed_memfd(f"cuctxd-host-{self.device}", size)
         except BaseException:
@@ -114,7 +114,7 @@ class HostBuffers:
             os.close(fd)
             charge.release()
             raise
-        return memory, view, os.dup(fd) if keepable else None, fd
+        return memory, view, os.dup(fd) if keeps else None, fd
 
     def mark_busy(self, entry: HostBuffer, marker: Marker) -> None:
         """A stream-ordered copy now uses ``entry`` until ``marker`` passes."""
@@ -142,17 +142,10 @@ class HostBuffers:
         entry.busy = []
         if entry.charge is not None:
             entry.charge.release()
-        ended = entry.context.context_id in self.streams.ended_contexts
-        if ended or not self.kept.keep(entry, state.ref.uid):
-            try:
-                if not ended:
-                    self.current.activate(entry.context)
-                    self.driver.host_unregister(entry.view)
-            finally:
-                if entry.memfd is not None:
-                    os.close(entry.memfd)
-                entry.view.release()
-                entry.memory.close()
+        if entry.context.context_id in self.streams.ended_contexts:
+            unregister_and_unmap(self.driver, self.current, None, entry.view, entry.memory, entry.memfd)
+        elif not self.kept.keep(entry, state.ref.uid):
+            unregister_and_unmap(self.driver, self.current, entry.context, entry.view, entry.memory, entry.memfd)
         del state.host_buffers[entry.handle]
         state.host_bytes -= entry.size
         self.total_bytes -= entry.size

@@ -35,6 +35,21 @@ def keepable(limits: DeviceLimits, uid: int | None, size: int) -> bool:
     return uid is not None and limits.primary_keep > 0 and KEEP_FROM <= size <= limits.kept_host_memory
 
 
+def unregister_and_unmap(driver: Driver, current: CurrentContext, context: SessionContext | None,
+                         view: memoryview, memory: mmap.mmap, memfd: int | None) -> None:
+    """Unregister a host buffer's mapping in ``context`` (None: the context has ended, and its registrations
+    with it), then unmap it and close the daemon's memfd, whatever the driver said."""
+    try:
+        if context is not None:
+            current.activate(context)
+            driver.host_unregister(view)
+    finally:
+        if memfd is not None:
+            os.close(memfd)
+        view.release()
+        memory.close()
+
+
 @dataclass
 class KeptHost:
     """A freed host buffer still registered in the device's primary context: its mapping, its memfd, and
@@ -67,14 +82,14 @@ class KeptHostBuffers:
     def keep(self, entry: HostBuffer, uid: int | None) -> bool:
         """Take ``entry`` (freed by its session, no copy using it) instead of unregistering it; False when it
         may not be kept (:func:`keepable`, and made so: it holds its memfd) or no fd is left for it."""
-        room = self.limits.kept_host_memory
         if uid is None or entry.memfd is None or not keepable(self.limits, uid, entry.size):
             return False
         try:
             charge = self.budget.charge(2, "a kept host buffer", KEPT_PEER)
         except LimitExceeded:
             return False
-        while self.buffers and (len(self.buffers) >= KEEP_MOST or self.total_bytes + entry.size > room):
+        while self.buffers and (len(self.buffers) >= KEEP_MOST
+                                or self.total_bytes + entry.size > self.limits.kept_host_memory):
             self._release(self.buffers.popleft())
         self.buffers.append(KeptHost(uid, entry.size, entry.memory, entry.view, entry.memfd, entry.context,
                                      time.monotonic(), charge))
@@ -101,7 +116,8 @@ class KeptHostBuffers:
             self._release(self.buffers.popleft())
 
     def make_room(self, room: int) -> None:
-        """Unregister the oldest buffers until ``room`` bytes of them are gone (or none is left)."""
+        """Unregister the oldest buffers until ``room`` bytes of them are gone (or none is left; nothing for
+        ``room`` of 0 or less)."""
         while self.buffers and room > 0:
             kept = self.buffers.popleft()
             room -= kept.size
@@ -110,10 +126,4 @@ class KeptHostBuffers:
     def _release(self, kept: KeptHost, *, charged: bool = True) -> None:
         if charged:
             kept.charge.release()
-        try:
-            self.current.activate(kept.context)
-            self.driver.host_unregister(kept.view)
-        finally:
-            os.close(kept.memfd)
-            kept.view.release()
-            kept.memory.close()
+        unregister_and_unmap(self.driver, self.current, kept.context, kept.view, kept.memory, kept.memfd)
