@@ -244,7 +244,9 @@ class _Reader:
 
     def _fill_buffered(self, slot: int, chunk: Chunk) -> None:
         """Each piece a leaf at a time, hashed as soon as it is read (while its bytes are in this CPU's
-        cache: hashing the whole chunk after reading it fetched it from memory again)."""
+        cache: hashing the whole chunk after reading it fetched it from memory again). Smaller reads with a
+        streaming hash, more readers and hashing threads apart from the readers were all slower on the H100
+        host (``bench/RESULTS.md``, 2026-12-05)."""
         for piece in chunk.pieces:
             leaves = self.leaves[piece.index]
             for step in range(0, piece.nbytes, digests.LEAF_BYTES):
