@@ -19,6 +19,7 @@ reused memory (``reuse``: its bytes are what the last user left, as with a cachi
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -34,7 +35,7 @@ from cuctxd.daemon.device.entries import (
 )
 from cuctxd.daemon.device.host_keep import KeptHostBuffers, keepable, unregister_and_unmap
 from cuctxd.daemon.device.streams import Streams
-from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
+from cuctxd.daemon.registry.fd_budget import FdBudget
 from cuctxd.protos.errors import LimitExceeded
 from cuctxd.protos.memfd import sealed_memfd
 
@@ -65,56 +66,49 @@ class HostBuffers:
                                 f"buffers of {per_session} on device {self.device}, asked for {size} more")
         state.check_room(self.limits.max_objects_per_session, "host buffer")
         kept = self.kept.take(state.ref.uid, size, context) if reuse else None
-        if kept is None:
-            device_limit = self.limits.max_host_memory
-            if device_limit:
-                self.kept.make_room(self.total_bytes + self.kept.total_bytes + size - device_limit)
-            if device_limit and self.total_bytes + size > device_limit:
+        device_limit = self.limits.max_host_memory
+        if kept is None and device_limit:
+            self.kept.make_room(self.total_bytes + self.kept.total_bytes + size - device_limit)
+            if self.total_bytes + size > device_limit:
                 raise LimitExceeded(f"max_host_memory: host buffers on device {self.device} already hold "
                                     f"{self.total_bytes} of {device_limit} bytes, asked for {size} more")
         keeps = keepable(self.limits, state.ref.uid, size)  # so was a kept one: same uid and size
-        try:
+        memfd: int | None
+        with contextlib.ExitStack() as undo:  # what is made so far, undone when a later step raises
+            if kept is not None:
+                undo.callback(self.kept.drop, kept)
             charge = self.budget.charge(2 if keeps else 1, "a host buffer", state.ref.fd_peer or state.ref.token,
                                         state.ref.token)
-        except BaseException:
+            undo.callback(charge.release)
             if kept is not None:
-                self.kept.drop(kept)
-            raise
-        memfd: int | None
-        if kept is not None:
-            memory, view, memfd, fd = kept.memory, kept.view, kept.memfd, os.dup(kept.memfd)
-        else:
-            memory, view, memfd, fd = self._register(context, size, keeps, charge)
+                memory, view, memfd, fd = kept.memory, kept.view, kept.memfd, os.dup(kept.memfd)
+            else:
+                memory, view, memfd, fd = self._register(context, size, keeps)
+            undo.pop_all()
         entry = HostBuffer(new_handle(), size, memory, view, context, charge=charge, memfd=memfd)
         state.host_buffers[entry.handle] = entry
         state.host_bytes += size
         self.total_bytes += size
         return entry, fd
 
-    def _register(self, context: SessionContext, size: int, keeps: bool,
-                  charge: FdCharge) -> tuple[mmap.mmap, memoryview, int | None, int]:
+    def _register(self, context: SessionContext, size: int,
+                  keeps: bool) -> tuple[mmap.mmap, memoryview, int | None, int]:
         """A new memfd of ``size`` bytes mapped and registered in ``context``: the mapping, the daemon's own
-        memfd (where it ``keeps`` one) and the client's; ``charge`` is released when this raises."""
-        try:
+        memfd (where it ``keeps`` one) and the client's; nothing stays open or registered when this raises."""
+        with contextlib.ExitStack() as undo:
             fd = sealed_memfd(f"cuctxd-host-{self.device}", size)
-        except BaseException:
-            charge.release()
-            raise
-        try:
+            undo.callback(os.close, fd)
+            own = os.dup(fd) if keeps else None
+            if own is not None:
+                undo.callback(os.close, own)
             memory = mmap.mmap(fd, size)
+            undo.callback(memory.close)
             view = memoryview(memory)
-            try:
-                self.current.activate(context)
-                self.driver.host_register(view)
-            except BaseException:
-                view.release()
-                memory.close()
-                raise
-        except BaseException:
-            os.close(fd)
-            charge.release()
-            raise
-        return memory, view, os.dup(fd) if keeps else None, fd
+            undo.callback(view.release)
+            self.current.activate(context)
+            self.driver.host_register(view)
+            undo.pop_all()
+        return memory, view, own, fd
 
     def mark_busy(self, entry: HostBuffer, marker: Marker) -> None:
         """A stream-ordered copy now uses ``entry`` until ``marker`` passes."""

@@ -154,3 +154,32 @@ def test_kept_buffers_make_room_under_max_host_memory(driver: SimDriver, calls: 
     _, fd = host_alloc(state, ref, 3 * MIB)  # 6 kept + 3 > 7: the oldest kept one is unregistered for it
     os.close(fd)
     assert calls["unregister"] == [4 * MIB] and kept(state) == {"bytes": 2 * MIB, "buffers": 1}
+
+
+def test_a_failing_dup_leaves_nothing_registered_open_or_charged(
+        driver: SimDriver, calls: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    state = make_state(driver)
+    ref = new_ref(uid=1000)
+    host, fd = host_alloc(state, ref, 2 * MIB)
+    os.close(fd)
+    run(state, ref, "host_free", host=host)
+    assert kept(state)["buffers"] == 1
+    budget = state.tickets.budget
+    held = budget.held_by(ref.token)
+    open_before = len(os.listdir("/proc/self/fd"))
+
+    def no_fd_left(fd: int) -> int:
+        raise OSError(24, "Too many open files")
+    monkeypatch.setattr(os, "dup", no_fd_left)
+    for reuse in (True, False):  # the kept one handed out again; a new one made
+        with pytest.raises(OSError, match="Too many open files"):
+            host_alloc(state, ref, 2 * MIB, reuse)
+    monkeypatch.undo()
+
+    assert calls["register"] == [2 * MIB], "the new buffer failed before its page-locking"
+    assert calls["unregister"] == [2 * MIB], "the kept one taken for the reuse was unregistered"
+    assert kept(state) == {"bytes": 0, "buffers": 0}
+    assert budget.held_by(ref.token) == held and budget.held_by(KEPT_PEER) == 0
+    assert device_status(state)["host_bytes"] == 0
+    assert len(os.listdir("/proc/self/fd")) == open_before - 2, "the kept one's memfd and mapping closed, none new"
+    run(state, ref, "host_free", host=host_alloc(state, ref, 2 * MIB)[0])  # and the session goes on
