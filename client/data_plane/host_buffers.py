@@ -31,6 +31,8 @@ class HostBufferFields(mmap.mmap):
     client: Any
     handle: int
     device: int
+    #: Its bytes the daemon backed with 2 MiB pages (an ``O_DIRECT`` read into them goes in larger requests).
+    huge_page_bytes: int
     freed: bool
     _address: int
 
@@ -44,6 +46,7 @@ class HostBufferFields(mmap.mmap):
         self.client = client
         self.handle = int(result["host"])
         self.device = int(result["device"])
+        self.huge_page_bytes = int(result.get("huge_page_bytes", 0))
         self.freed = False
         with buffer_address(self) as address:  # valid while mapped; the export ends with the block
             self._address = address

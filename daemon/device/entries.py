@@ -196,6 +196,8 @@ class HostBuffer:
     charge: FdCharge | None = None
     #: The daemon's own fd of the memfd, where the buffer may be kept registered once freed (to hand out again).
     memfd: int | None = None
+    #: Its bytes in 2 MiB pages (:mod:`cuctxd.daemon.device.huge_pages`).
+    huge_page_bytes: int = 0
 
 
 @dataclass

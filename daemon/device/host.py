@@ -6,7 +6,8 @@ daemon maps and registers (``cuMemHostRegister``, portable), and whose fd the
 client maps too (through the fd channel), sealed against resizing
 (:mod:`cuctxd.protos.memfd`) so that the client cannot cut off pages the daemon or
 the driver touches: copies between it and device memory are
-DMA with nothing but a small request on the socket. A copy queued on a stream
+DMA with nothing but a small request on the socket. Its memfd is backed with 2 MiB pages where the kernel
+allows (:mod:`cuctxd.daemon.device.huge_pages`), for the client's ``O_DIRECT`` reads into it. A copy queued on a stream
 leaves a marker on the buffer, and freeing it waits (without blocking the worker)
 until those markers pass, so the driver never reads memory that is gone.
 
@@ -22,8 +23,11 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from cuctxd.daemon.backends.base import Driver
+from cuctxd.daemon.device import huge_pages
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import (
     DeviceLimits,
@@ -35,9 +39,23 @@ from cuctxd.daemon.device.entries import (
 )
 from cuctxd.daemon.device.host_keep import KeptHostBuffers, keepable, unregister_and_unmap
 from cuctxd.daemon.device.streams import Streams
-from cuctxd.daemon.registry.fd_budget import FdBudget
-from cuctxd.protos.errors import LimitExceeded
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
+from cuctxd.protos.errors import LimitExceeded, SessionClosed
 from cuctxd.protos.memfd import sealed_memfd
+
+
+@dataclass
+class MakingHost:
+    """A new host buffer of ``state``'s session whose memfd ``fd`` the helper thread is backing with 2 MiB
+    pages (``collapsing``: the bytes it got); its bytes and ``charge`` already count."""
+
+    state: SessionOnDevice
+    context: SessionContext
+    size: int
+    keeps: bool
+    charge: FdCharge
+    fd: int
+    collapsing: Future[int]
 
 
 class HostBuffers:
@@ -55,11 +73,16 @@ class HostBuffers:
         #: Bytes of every session's host buffers here (with the kept ones, what ``max_host_memory`` bounds).
         self.total_bytes = 0
         self.kept = KeptHostBuffers(driver, limits, current, self.budget)
+        #: The helper thread that backs new memfds with 2 MiB pages, made with the first.
+        self._collapser: ThreadPoolExecutor | None = None
 
     def alloc(self, state: SessionOnDevice, context: SessionContext, size: int,
-              reuse: bool = False) -> tuple[HostBuffer, int]:
-        """A host buffer and a new fd of it for the client (the caller owns the fd); ``reuse``: a kept one
-        of the same size and uid where there is one (its bytes as the last user left them)."""
+              reuse: bool = False) -> tuple[HostBuffer, int] | MakingHost:
+        """A kept host buffer (``reuse``: of the same size and uid, its bytes as the last user left them) and
+        a new fd of it for the client (the caller owns the fd); else a new one being made: its bytes count
+        from now, its memfd goes to 2 MiB pages on the helper thread, and :meth:`finish` registers it once
+        ``collapsing`` is done (a busy host spent up to 0.3 s a 128 MiB buffer on that, which this worker's
+        other sessions would have waited for)."""
         per_session = self.limits.host_memory_per_session
         if per_session and state.host_bytes + size > per_session:
             raise LimitExceeded(f"host_memory_per_session: the session has {state.host_bytes} bytes of host "
@@ -73,7 +96,6 @@ class HostBuffers:
                 raise LimitExceeded(f"max_host_memory: host buffers on device {self.device} already hold "
                                     f"{self.total_bytes} of {device_limit} bytes, asked for {size} more")
         keeps = keepable(self.limits, state.ref.uid, size)  # so was a kept one: same uid and size
-        memfd: int | None
         with contextlib.ExitStack() as undo:  # what is made so far, undone when a later step raises
             if kept is not None:
                 undo.callback(self.kept.drop, kept)
@@ -81,34 +103,59 @@ class HostBuffers:
                                         state.ref.token)
             undo.callback(charge.release)
             if kept is not None:
-                memory, view, memfd, fd = kept.memory, kept.view, kept.memfd, os.dup(kept.memfd)
-            else:
-                memory, view, memfd, fd = self._register(context, size, keeps)
-            undo.pop_all()
-        entry = HostBuffer(new_handle(), size, memory, view, context, charge=charge, memfd=memfd)
-        state.host_buffers[entry.handle] = entry
-        state.host_bytes += size
-        self.total_bytes += size
-        return entry, fd
-
-    def _register(self, context: SessionContext, size: int,
-                  keeps: bool) -> tuple[mmap.mmap, memoryview, int | None, int]:
-        """A new memfd of ``size`` bytes mapped and registered in ``context``: the mapping, the daemon's own
-        memfd (where it ``keeps`` one) and the client's; nothing stays open or registered when this raises."""
-        with contextlib.ExitStack() as undo:
+                fd = os.dup(kept.memfd)
+                undo.pop_all()
+                entry = HostBuffer(new_handle(), size, kept.memory, kept.view, context, charge=charge,
+                                   memfd=kept.memfd, huge_page_bytes=kept.huge_page_bytes)
+                self._count(state, size)
+                state.host_buffers[entry.handle] = entry
+                return entry, fd
             fd = sealed_memfd(f"cuctxd-host-{self.device}", size)
             undo.callback(os.close, fd)
-            own = os.dup(fd) if keeps else None
+            collapsing = self._helper().submit(huge_pages.collapse, fd, size)
+            undo.pop_all()
+        self._count(state, size)
+        return MakingHost(state, context, size, keeps, charge, fd, collapsing)
+
+    def finish(self, making: MakingHost, live: bool) -> tuple[HostBuffer, int]:
+        """Map and register a buffer :meth:`alloc` began, once its ``collapsing`` is done: the buffer and the
+        client's fd. ``live``: its session is still open here; when not, or when this raises, nothing of it
+        stays (SessionClosed then)."""
+        with contextlib.ExitStack() as undo:
+            undo.callback(self._count, making.state, -making.size)
+            undo.callback(making.charge.release)
+            undo.callback(os.close, making.fd)
+            huge = making.collapsing.result()
+            if not live:
+                raise SessionClosed(f"the session closed while its host buffer of {making.size} bytes was made")
+            own = os.dup(making.fd) if making.keeps else None
             if own is not None:
                 undo.callback(os.close, own)
-            memory = mmap.mmap(fd, size)
+            memory = mmap.mmap(making.fd, making.size)
             undo.callback(memory.close)
             view = memoryview(memory)
             undo.callback(view.release)
-            self.current.activate(context)
+            self.current.activate(making.context)
             self.driver.host_register(view)
             undo.pop_all()
-        return memory, view, own, fd
+        entry = HostBuffer(new_handle(), making.size, memory, view, making.context, charge=making.charge, memfd=own,
+                           huge_page_bytes=huge)
+        making.state.host_buffers[entry.handle] = entry
+        return entry, making.fd
+
+    def close(self) -> None:
+        """Once the worker stops: the helper thread ends (nothing is being made by then)."""
+        if self._collapser is not None:
+            self._collapser.shutdown()
+
+    def _helper(self) -> ThreadPoolExecutor:
+        if self._collapser is None:
+            self._collapser = ThreadPoolExecutor(1, thread_name_prefix=f"cuctxd-host-pages-{self.device}")
+        return self._collapser
+
+    def _count(self, state: SessionOnDevice, size: int) -> None:
+        state.host_bytes += size
+        self.total_bytes += size
 
     def mark_busy(self, entry: HostBuffer, marker: Marker) -> None:
         """A stream-ordered copy now uses ``entry`` until ``marker`` passes."""
@@ -141,5 +188,4 @@ class HostBuffers:
         elif not self.kept.keep(entry, state.ref.uid):
             unregister_and_unmap(self.driver, self.current, entry.context, entry.view, entry.memory, entry.memfd)
         del state.host_buffers[entry.handle]
-        state.host_bytes -= entry.size
-        self.total_bytes -= entry.size
+        self._count(state, -entry.size)

@@ -63,6 +63,7 @@ class KeptHost:
     context: SessionContext
     since: float
     charge: FdCharge
+    huge_page_bytes: int
 
 
 class KeptHostBuffers:
@@ -92,7 +93,7 @@ class KeptHostBuffers:
                                 or self.total_bytes + entry.size > self.limits.kept_host_memory):
             self._release(self.buffers.popleft())
         self.buffers.append(KeptHost(uid, entry.size, entry.memory, entry.view, entry.memfd, entry.context,
-                                     time.monotonic(), charge))
+                                     time.monotonic(), charge, entry.huge_page_bytes))
         return True
 
     def take(self, uid: int | None, size: int, context: SessionContext) -> KeptHost | None:

@@ -397,6 +397,7 @@ class DeviceWorker:
         except CuctxError as exc:
             log.warning("device %d: releasing the kept primary context at shutdown: %s", self.device, exc)
         self.state.shm_lanes.close_all()
+        self.state.host.close()
         self._socket.close()
         if self._lane is not None:
             self._lane.close(0 if self._silenced.is_set() else REPLY_LINGER_MS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cuctxd.daemon.backends.base import Stream
 from cuctxd.daemon.device.entries import Buffer, HostBuffer, SessionOnDevice, check_range
+from cuctxd.daemon.device.host import MakingHost
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers.registry import device_handler
 from cuctxd.daemon.handlers.replies import Pending, Reply
@@ -14,18 +15,32 @@ from cuctxd.protos.shm_lane import REGION_BYTES
 
 
 @device_handler(ops.HostAlloc)
-def host_alloc(state: DeviceState, job: Job) -> Reply:
+def host_alloc(state: DeviceState, job: Job) -> Reply | Pending:
     session = state.session(job.session)
     # In the session's primary context, whatever is current: registered portable, a host buffer serves every
     # context of the device, so it must not go with a context the session creates and destroys.
-    entry, fd = state.host.alloc(session, state.contexts.bind_primary(session), job.args.size, job.args.reuse)
+    made = state.host.alloc(session, state.contexts.bind_primary(session), job.args.size, job.args.reuse)
+    if not isinstance(made, MakingHost):
+        return _hand_over(state, job, session, *made)
+    making = made  # a new one: registered once the helper thread has its memfd in 2 MiB pages
+
+    def registered() -> Reply:
+        return _hand_over(state, job, session,
+                          *state.host.finish(making, state.sessions.get(job.session.token) is session))
+
+    return Pending(making.collapsing.done, registered)
+
+
+def _hand_over(state: DeviceState, job: Job, session: SessionOnDevice, entry: HostBuffer, fd: int) -> Reply:
+    """The reply to ``host_alloc``: a ticket for the buffer's fd (the buffer is freed if none can be had)."""
     try:
         ticket = state.tickets.issue(job.session.token, job.session.uid, [fd], {"host": entry.handle},
                                      job.session.fd_peer)
     except BaseException:
         state.host.free(session, entry)
         raise
-    return Reply({"host": entry.handle, "size": entry.size, "device": job.device, "ticket": ticket})
+    return Reply({"host": entry.handle, "size": entry.size, "device": job.device, "ticket": ticket,
+                  "huge_page_bytes": entry.huge_page_bytes})
 
 
 @device_handler(ops.ShmLane)
