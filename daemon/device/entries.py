@@ -222,8 +222,10 @@ class SessionOnDevice:
     exports: int = 0
     #: Shares revoked while this session held them: its next open or close of one answers REVOKED.
     revoked: set[str] = field(default_factory=set)
-    #: Bytes of this session's host buffers here (``host_memory_per_session``).
+    #: Bytes of this session's host buffers here (``host_memory_per_session``), those being made included.
     host_bytes: int = 0
+    #: Its host buffers still being made (memfd and 2 MiB pages ready, not registered yet): objects already.
+    host_making: int = 0
     #: Errors of failed stream-ordered entries by their handle (oldest first, at most
     #: MAX_DEFERRED_ERRORS), and the first one not yet reported by a synchronize.
     deferred: dict[int, CuctxError] = field(default_factory=dict)
@@ -253,9 +255,9 @@ class SessionOnDevice:
 
     def object_count(self) -> int:
         """What ``max_objects_per_session`` counts: created contexts (not the shared primary),
-        buffers, streams, events, host buffers and distinct shares held open."""
+        buffers, streams, events, host buffers (those being made too) and distinct shares held open."""
         return (self.created_contexts() + len(self.buffers) + len(self.streams) + len(self.events)
-                + len(self.host_buffers) + len(self.holds))
+                + len(self.host_buffers) + self.host_making + len(self.holds))
 
     def share_count(self) -> int:
         """What ``max_shares_per_session`` counts: live exports, distinct shares held open, and shares

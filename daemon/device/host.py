@@ -115,12 +115,14 @@ class HostBuffers:
             collapsing = self._helper().submit(huge_pages.collapse, fd, size)
             undo.pop_all()
         self._count(state, size)
+        state.host_making += 1
         return MakingHost(state, context, size, keeps, charge, fd, collapsing)
 
     def finish(self, making: MakingHost, live: bool) -> tuple[HostBuffer, int]:
         """Map and register a buffer :meth:`alloc` began, once its ``collapsing`` is done: the buffer and the
         client's fd. ``live``: its session is still open here; when not, or when this raises, nothing of it
         stays (SessionClosed then)."""
+        making.state.host_making -= 1  # a host buffer from here on, or nothing
         with contextlib.ExitStack() as undo:
             undo.callback(self._count, making.state, -making.size)
             undo.callback(making.charge.release)

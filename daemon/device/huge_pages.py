@@ -12,7 +12,8 @@ Shared memory gets huge pages at fault time only where ``shmem_enabled`` allows 
 a mapping whose addresses are 2 MiB aligned with the file. Where the kernel refuses (older, ``deny``, no 2
 MiB of free memory in one piece), the buffer keeps its small pages and works the same.
 
-Which thread may call: the device's worker, making a host buffer (nothing else maps the memfd yet).
+Which thread may call: the device's host-pages helper thread (:class:`~cuctxd.daemon.device.host.HostBuffers`),
+for a memfd nothing maps yet; the worker goes on meanwhile and registers it once this returns.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """2 MiB pages under a new host buffer's memfd (daemon/device/huge_pages.py): whole 2 MiB pages collapsed
 through an aligned mapping that is gone again, the memfd still zero and of its size; a refusal leaves a
 working buffer of small pages; ``host_alloc`` says how many of its bytes are in 2 MiB pages, a kept buffer
-too; the collapse runs off the worker (other sessions go on meanwhile), and a session that closes
-meanwhile leaves nothing behind."""
+too; the collapse runs off the worker (other sessions go on meanwhile), a buffer being made counts as an
+object already, and a session that closes meanwhile leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from cuctxd.daemon.device.status import device_status
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
 from cuctxd.daemon.handlers.replies import Pending, Reply
 from cuctxd.daemon.intake.jobs import Job
-from cuctxd.protos.errors import SessionClosed
+from cuctxd.protos.errors import LimitExceeded, SessionClosed
 from cuctxd.protos.memfd import resize_sealed, sealed_memfd
 from cuctxd.protos.schema import OPS, decode_args
 from tests.helpers import wait_until
@@ -173,3 +173,24 @@ def test_a_session_that_closes_while_its_buffer_is_made_leaves_nothing(
     assert device_status(state)["host_bytes"] == 0 and budget.held_by(ref.token) == 0
     assert len(os.listdir("/proc/self/fd")) == open_before, "its memfd closed"
     assert state.sessions.get(ref.token) is None, "not brought back"
+
+
+def test_buffers_still_being_made_count_against_max_objects_per_session(
+        driver: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = make_state(driver, max_objects_per_session=2)
+    go = _slow_collapse(monkeypatch)
+    ref, bystander = new_ref(uid=1000), new_ref(uid=1001)
+    job = Job(b"peer", 1, OPS["host_alloc"], decode_args(OPS["host_alloc"], {"size": 4096}), ref, 0, ())
+    makings = [DEVICE_HANDLERS["host_alloc"](state, job) for _ in range(2)]  # pipelined: none answered yet
+    assert all(isinstance(making, Pending) and not making.done() for making in makings)
+    with pytest.raises(LimitExceeded, match="max_objects_per_session"):
+        DEVICE_HANDLERS["host_alloc"](state, job)
+    buffer = run(state, bystander, "alloc", size=64).result["buffer"]["handle"]  # another session is served
+    run(state, bystander, "free", buffer=buffer)
+    go.set()
+    for making in makings:
+        assert isinstance(making, Pending) and wait_until(making.done, timeout=10)
+        reply = making.then()
+        assert isinstance(reply, Reply)
+        os.close(state.tickets.redeem(reply.result["ticket"], ref.uid)[0][0])
+    assert device_status(state)["sessions"][0]["objects"] == 2, "made: counted once each"
