@@ -15,7 +15,8 @@ CPU's cache: 0.30 thread-seconds of hashing for a 2.8 GB load on the H100 host, 
 the socket, where many wait at once (on an shm lane each waited for the one before: 1 ms a chunk on the
 H200 host), and hands a slot back once its DMA is answered. A chunk whose file bytes are mostly not in the page
 cache (``mincore``) is read with ``O_DIRECT`` into its slot and its pieces moved into place there (on
-the H200 host's disk 2.31 GB/s against 1.96 GB/s buffered). Without a data plane (tcp://) the ranges
+the H200 host's disk 2.31 GB/s against 1.96 GB/s buffered), in :data:`DIRECT_STEP` reads the readers take
+in file order. Without a data plane (tcp://) the ranges
 go as payload frames instead (:func:`~cuctxd.client.data_plane.transfers.write_pieces`).
 
 Which thread may call: the client's callers (one load at a time per client); the readers are threads of
@@ -58,6 +59,11 @@ MAX_READERS = 8
 SPARE_SLOTS = 8
 #: Below this share of a chunk's file pages in the page cache, it is read with ``O_DIRECT``.
 DIRECT_BELOW = 0.5
+#: ``O_DIRECT`` reads of this size, dealt to the readers in file order, so that the disk sees one stream with
+#: ``MAX_READERS`` steps (8 MiB) in flight rather than 8 streams of whole 8 MiB chunks (64 MiB). Evicted 2.7 GB
+#: on the 2-CPU VM (virtio), 8 rounds each: 3.26-3.84 GB/s against 3.39-3.50; on the H100 host 16 readers of
+#: 1 MiB in file order read 2.04 and 2.53 GB/s against 1.92 and 1.72 (``bench/RESULTS.md``).
+DIRECT_STEP = 1 << 20
 
 T = TypeVar("T")
 
@@ -91,6 +97,23 @@ class Chunk:
     device_offset: int
     size: int = 0
     pieces: list[Piece] = field(default_factory=list)
+
+
+@dataclass
+class _Fill:
+    """A slot being filled: ``image``, where the chunk's image starts in the slot, once it is there; the
+    reader tasks that write into the slot, all of which must be done or cancelled before it is reused."""
+
+    image: Future[int]
+    tasks: list[Future[Any]]
+
+    def stop(self) -> None:
+        """Cancel the tasks not yet begun and wait for the rest (the calling thread)."""
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(BaseException):
+                task.result()
 
 
 def reader_threads() -> int:
@@ -148,7 +171,7 @@ def _read_exactly(fd: int, into: memoryview, offset: int) -> None:
 
 class _Residency:
     """Which pages of the files are in the page cache (``mincore`` over a mapping of each, one chunk's
-    pages at a time, on the reader threads)."""
+    pages at a time, on the thread that hands out the chunks)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -228,25 +251,23 @@ class _Reader:
             return False
         return self.direct_twin(first.fd) is not None
 
-    def fill(self, slot: int, chunk: Chunk) -> int:
-        """Fill the slot at ``slot`` with ``chunk``'s bytes and hash them; returns where in the slot the
-        chunk's image starts (a reader thread)."""
+    def start(self, pool: ThreadPoolExecutor, slot: int, chunk: Chunk) -> _Fill:
+        """Fill the slot at ``slot`` with ``chunk``'s bytes and hash them on the readers (the calling
+        thread submits; the readers read). A chunk read with ``O_DIRECT`` goes as :data:`DIRECT_STEP`
+        reads queued behind those of the chunks before it, so the readers take them in file order."""
         if not self.plan_direct(chunk):
-            self._fill_buffered(slot, chunk)
-            return 0
-        image = self._fill_direct(slot, chunk)
-        if self.digest:
-            for piece in chunk.pieces:
-                at = slot + image + piece.place
-                with self.view[at:at + piece.nbytes] as data:
-                    _hash_piece(self.leaves[piece.index], piece, data)
-        return image
+            image = pool.submit(self._fill_buffered, slot, chunk)
+            return _Fill(image, [image])
+        first, last = chunk.pieces[0], chunk.pieces[-1]
+        begin = first.file_offset - first.file_offset % BLOCK
+        direct = _DirectRead(self, slot, chunk, begin, last.file_offset + last.nbytes - begin)
+        return _Fill(direct.image, [pool.submit(direct.step, at) for at in range(0, direct.needed, DIRECT_STEP)])
 
-    def _fill_buffered(self, slot: int, chunk: Chunk) -> None:
+    def _fill_buffered(self, slot: int, chunk: Chunk) -> int:
         """Each piece a leaf at a time, hashed as soon as it is read (while its bytes are in this CPU's
         cache: hashing the whole chunk after reading it fetched it from memory again). Smaller reads with a
         streaming hash, more readers and hashing threads apart from the readers were all slower on the H100
-        host (``bench/RESULTS.md``, 2026-12-05)."""
+        host (``bench/RESULTS.md``, 2026-12-05). Returns 0: the chunk's image starts the slot."""
         for piece in chunk.pieces:
             leaves = self.leaves[piece.index]
             for step in range(0, piece.nbytes, digests.LEAF_BYTES):
@@ -255,30 +276,69 @@ class _Reader:
                     _read_exactly(piece.fd, into, piece.file_offset + step)
                     if self.digest:
                         leaves[(piece.start + step) // digests.LEAF_BYTES] = digests.leaf(into)
+        return 0
 
-    def _fill_direct(self, slot: int, chunk: Chunk) -> int:
-        """Whole aligned blocks into the slot, then each piece moved to its place (places only grow
-        faster than file offsets: a layout pads, a file does not), last piece first."""
-        first, last = chunk.pieces[0], chunk.pieces[-1]
-        begin = first.file_offset - first.file_offset % BLOCK
-        end = last.file_offset + last.nbytes
-        length = -(-(end - begin) // BLOCK) * BLOCK
-        fd = self.direct[first.fd]
+
+class _DirectRead:
+    """One chunk read with ``O_DIRECT``: whole aligned blocks from ``begin`` into the slot, a step per reader
+    task; the task that reads the last step moves each piece to its place and hashes the chunk."""
+
+    def __init__(self, reader: _Reader, slot: int, chunk: Chunk, begin: int, needed: int) -> None:
+        self.reader, self.slot, self.chunk, self.begin, self.needed = reader, slot, chunk, begin, needed
+        self.image: Future[int] = Future()
+        self._left = -(-needed // DIRECT_STEP)
+        self._failed: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def step(self, at: int) -> None:
+        """Read the step at ``at`` bytes from ``begin`` (a reader thread)."""
+        try:
+            self._read(at)
+        except BaseException as error:  # handed to whoever waits for the chunk
+            with self._lock:
+                self._failed = self._failed or error
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        if self._failed is not None:
+            self.image.set_exception(self._failed)
+            return
+        try:
+            self.image.set_result(self._place())
+        except BaseException as error:  # the same
+            self.image.set_exception(error)
+
+    def _read(self, at: int) -> None:
+        fd = self.reader.direct[self.chunk.pieces[0].fd]
         assert fd is not None
+        end = min(at + DIRECT_STEP, self.needed)
+        length = -(-(end - at) // BLOCK) * BLOCK
+        start = self.slot + at
         got = 0
-        with self.view[slot:slot + length] as into:
-            while got < end - begin:
-                step = os.preadv(fd, [into[got:]], begin + got)
-                if step == 0:
-                    raise EOFError(f"the file ended {end - begin - got} bytes early (at byte {begin + got})")
-                got += step
-        image = first.file_offset - begin
-        with buffer_address(self.view) as base:
-            for piece in reversed(chunk.pieces):
+        with self.reader.view[start:start + length] as into:
+            while at + got < end:
+                size = os.preadv(fd, [into[got:]], self.begin + at + got)
+                if size == 0:
+                    raise EOFError(f"the file ended {end - at - got} bytes early (at byte {self.begin + at + got})")
+                got += size
+
+    def _place(self) -> int:
+        """Move each piece to its place (places only grow faster than file offsets: a layout pads, a file
+        does not), last piece first, and hash it; returns where the chunk's image starts in the slot."""
+        reader, slot, begin = self.reader, self.slot, self.begin
+        image = self.chunk.pieces[0].file_offset - begin
+        with buffer_address(reader.view) as base:
+            for piece in reversed(self.chunk.pieces):
                 source = slot + piece.file_offset - begin
                 target = slot + image + piece.place
                 if source != target:
                     ctypes.memmove(base + target, base + source, piece.nbytes)
+        if reader.digest:
+            for piece in self.chunk.pieces:
+                at = slot + image + piece.place
+                with reader.view[at:at + piece.nbytes] as data:
+                    _hash_piece(reader.leaves[piece.index], piece, data)
         return image
 
 
@@ -360,7 +420,7 @@ def _pipeline(made: list[Any], allocate: Request[Any] | None, host: Any, chunks:
     buffer (``made[0]``) made by ``allocate`` meanwhile when there is none yet."""
     making = (yield Send(allocate)) if allocate is not None else None
     free = deque(index * SLOT_SPAN for index in range(slots))
-    filling: deque[tuple[int, Chunk, Future[int]]] = deque()
+    filling: deque[tuple[int, Chunk, _Fill]] = deque()
     sent: deque[tuple[int, int, Any]] = deque()
     waiting = iter(chunks)
     following = next(waiting, None)
@@ -369,11 +429,11 @@ def _pipeline(made: list[Any], allocate: Request[Any] | None, host: Any, chunks:
         while True:
             while free and following is not None:
                 slot = free.popleft()
-                filling.append((slot, following, pool.submit(reader.fill, slot, following)))
+                filling.append((slot, following, reader.start(pool, slot, following)))
                 following = next(waiting, None)
             if not filling and following is None:
                 break
-            if sent and (not filling or (not free and not filling[0][2].done())):
+            if sent and (not filling or (not free and not filling[0][2].image.done())):
                 slot, size, call = sent.popleft()  # a slot back, for the next chunk
                 yield Wait(call)
                 free.append(slot)
@@ -381,8 +441,8 @@ def _pipeline(made: list[Any], allocate: Request[Any] | None, host: Any, chunks:
                 if progress is not None:
                     yield Local(partial(progress, done, total))
                 continue
-            slot, chunk, future = filling.popleft()
-            image = yield Local(future.result)
+            slot, chunk, fill = filling.popleft()
+            image = yield Local(fill.image.result)
             if making is not None:
                 made[0], making = (yield Wait(making)), None
             call = yield Send(build.memcpy_htod(made[0], host, chunk.device_offset, slot + image, chunk.size, None),
@@ -397,11 +457,8 @@ def _pipeline(made: list[Any], allocate: Request[Any] | None, host: Any, chunks:
         if progress is not None:
             yield Local(partial(progress, done, total))
     except BaseException:
-        for _, _, future in filling:
-            future.cancel()
-        for _, _, future in filling:  # none may write into the slots once they are freed
-            with contextlib.suppress(BaseException):
-                future.result()
+        for _, _, fill in filling:  # none may write into the slots once they are freed
+            fill.stop()
         while sent:
             with contextlib.suppress(CuctxError):
                 yield Wait(sent.popleft()[2])

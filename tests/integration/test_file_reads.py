@@ -4,6 +4,7 @@ where the session may not have host buffers."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,5 +147,60 @@ def test_a_failed_load_into_a_new_buffer_leaves_nothing_allocated(daemon: Daemon
                 pytest.fail("the load into a buffer without room went on")
             assert no_room.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
             assert c.mem_get_info(0)[0] == free_before
+    finally:
+        os.close(fd)
+
+
+def _evicted(fd: int) -> None:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def test_o_direct_reads_go_in_steps_in_file_order(daemon: DaemonProcess,
+                                                  checkpoint: tuple[int, list[FileRange], bytes],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stream for the disk: each ``O_DIRECT`` read at most a step, the steps taken in file order
+    across chunks (one reader, so the order taken is the order read)."""
+    fd, ranges, content = checkpoint
+    _evicted(fd)
+    monkeypatch.setattr(file_reads, "MAX_READERS", 1)
+    direct_reads: list[tuple[int, int]] = []
+    preadv = os.preadv
+
+    def recording(into_fd: int, buffers: list[memoryview], offset: int) -> int:
+        if fcntl.fcntl(into_fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct_reads.append((offset, sum(b.nbytes for b in buffers)))
+        return preadv(into_fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording)
+    with Client(daemon.endpoint) as c:
+        buffer = c.alloc(ranges[-1].device_offset + ranges[-1].nbytes)
+        _check(c, buffer, ranges, content, load_file_ranges(c, buffer, ranges))
+    assert len(direct_reads) > 1, "the evicted file was not read with O_DIRECT"
+    assert max(size for _, size in direct_reads) <= file_reads.DIRECT_STEP
+    offsets = [offset for offset, _ in direct_reads]
+    assert offsets == sorted(offsets)
+
+
+def test_a_file_cut_short_under_o_direct_steps_raises_and_leaves_nothing(
+        daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step that finds the end fails the chunk; the steps after it still finish before the ring goes
+    back. (``mincore`` sends a range past a file's end to buffered reads; a file cut while it loads reaches
+    the steps, which this forces.)"""
+    path = tmp_path / "short.bin"
+    path.write_bytes(os.urandom(5 * MIB))
+    fd = os.open(path, os.O_RDONLY)
+    monkeypatch.setattr(file_reads._Reader, "plan_direct",
+                        lambda self, chunk: self.direct_twin(chunk.pieces[0].fd) is not None)
+    try:
+        _evicted(fd)
+        with Client(daemon.endpoint) as c:
+            free_before = c.mem_get_info(0)[0]
+            with pytest.raises(EOFError, match="ended"), \
+                    load_into_new_buffer(c, build.alloc(c, Buffer, 24 * MIB, 0, True), 0,
+                                         [FileRange(fd, 0, 24 * MIB, 0)]):
+                pytest.fail("the load of a short file went on")
+            assert c.mem_get_info(0)[0] == free_before
+            assert c.status()["devices"][0]["host_bytes"] == 0
     finally:
         os.close(fd)
