@@ -5,10 +5,11 @@ layout (unpublished after each load) and prints one JSON line per load: its seco
 stage how many times it ran, its total seconds (summed over threads) and when it first began and last ended,
 in seconds from the load's start. The stages are the load's own functions, wrapped for the run:
 ``read_checkpoint``, ``lookup`` (is the name in use), ``host_alloc`` (the load ring), ``fill`` (a reader
-filling a slot, hashing included) and ``hash`` (one digest leaf), each request the load sends (``send:OP``)
-and waits for (``wait:OP``), ``local`` (the calling thread waiting for a reader), ``publish``. It is how
-issue 28's GPU profiles were taken (with py-spy on the daemon beside it); run it in a fresh process per load
-to see a fresh client's costs.
+filling a slot from the page cache, hashing included), ``direct_step`` (a reader's ``O_DIRECT`` step of a
+chunk not in the page cache; the chunk's last one places and hashes it) and ``hash`` (one digest leaf),
+each request the load sends (``send:OP``) and waits for (``wait:OP``), ``local`` (the calling thread
+waiting for a reader), ``publish``. It is how issue 28's GPU profiles were taken (with py-spy on the daemon
+beside it); run it in a fresh process per load to see a fresh client's costs.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def instrumented(stages: Stages, client: Client) -> Iterator[None]:
     wrap(safetensors_load, "read_checkpoint", stages.timed("read_checkpoint", safetensors_load.read_checkpoint))
     wrap(safetensors_load, "_published", stages.timed("lookup", safetensors_load._published))
     wrap(safetensors_load, "publish_filled", stages.timed("publish", safetensors_load.publish_filled))
-    wrap(file_reads._Reader, "fill", stages.timed("fill", file_reads._Reader.fill))
+    wrap(file_reads._Reader, "_fill_buffered", stages.timed("fill", file_reads._Reader._fill_buffered))
+    wrap(file_reads._DirectRead, "step", stages.timed("direct_step", file_reads._DirectRead.step))
     wrap(digests, "leaf", stages.timed("hash", digests.leaf))
     wrap(file_reads, "_pipeline", _timed_plan(stages, file_reads._pipeline))
     wrap(client, "host_alloc", stages.timed("host_alloc", client.host_alloc))

@@ -37,14 +37,14 @@ def test_each_stage_of_a_load_is_timed_within_it(start_daemons: Callable[..., Da
 
 def test_the_loads_functions_are_put_back(start_daemons: Callable[..., DaemonProcess]) -> None:
     daemon = start_daemons("--sim-devices", "1")
-    before = (safetensors_load._published, safetensors_load.publish_filled, file_reads._Reader.fill,
-              file_reads._pipeline, digests.leaf, safetensors_load.read_checkpoint)
+    before = (safetensors_load._published, safetensors_load.publish_filled, file_reads._Reader._fill_buffered,
+              file_reads._pipeline, digests.leaf, safetensors_load.read_checkpoint, file_reads._DirectRead.step)
     with Client(daemon.endpoint) as client:
         with instrumented(Stages(), client):
             assert file_reads._pipeline is not before[3] and "host_alloc" in vars(client)
         assert "host_alloc" not in vars(client)
-    assert (safetensors_load._published, safetensors_load.publish_filled, file_reads._Reader.fill,
-            file_reads._pipeline, digests.leaf, safetensors_load.read_checkpoint) == before
+    assert (safetensors_load._published, safetensors_load.publish_filled, file_reads._Reader._fill_buffered,
+            file_reads._pipeline, digests.leaf, safetensors_load.read_checkpoint, file_reads._DirectRead.step) == before
 
 
 def test_the_command_prints_a_line_per_load(start_daemons: Callable[..., DaemonProcess], tmp_path: Path) -> None:
