@@ -369,7 +369,10 @@ class DeviceWorker:
         self._pending = still
 
     def _shutdown(self) -> None:
+        """Whatever ended the loop (a stop, a drain past its deadline, an error): first stop scrubbing and freeing
+        shared memory (:meth:`Sharing.stop`), then answer or drop what is queued and close every session."""
         assert self.state is not None and self._socket is not None
+        self.state.sharing.stop()
         while self._queues:
             job = self._queues.pop()
             taken(job)
@@ -387,10 +390,9 @@ class DeviceWorker:
                             self.device, session.ref.public_id, exc)
         while self.state.closing:
             self._run_quietly(DeviceState.close_more)
-        try:
-            self.state.sharing.drop_all()
-        except CuctxError as exc:
-            log.warning("device %d: freeing shared buffers at shutdown: %s", self.device, exc)
+        left = self.state.sharing.left_at_stop()
+        if left is not None:
+            log.info("%s", left)
         try:
             self.state.host.kept.release()
             self.state.contexts.release_kept()
