@@ -280,9 +280,10 @@ class Script:
         except AssertionError as failure:
             raise AssertionError(f"{self.name}: {failure}\n{self.errors_path.read_text()[-3000:]}") from None
 
-    def tell(self) -> None:
+    def tell(self, line: str = "go") -> None:
+        """A line on its stdin (what it waits for)."""
         assert self.process.stdin is not None
-        self.process.stdin.write("go\n")
+        self.process.stdin.write(f"{line}\n")
         self.process.stdin.flush()
 
     def close(self) -> None:

@@ -10,9 +10,23 @@ the next tenant stays (the share freed once no session keeps it reads as zeros t
 
 from __future__ import annotations
 
+import hashlib
+import pickle
+import signal
+
 import pytest
 
-from tests.reliability.mapped_through_stop import STOPS, EXIT_STATUS, Model, run_case
+from cuctxd import Client
+from tests.helpers import pattern, remove_tempdir, short_tempdir, start_daemon
+from tests.reliability.mapped_through_stop import (
+    DRAIN_ARGS,
+    EXIT_STATUS,
+    STOPS,
+    Model,
+    Script,
+    held_replies,
+    run_case,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,3 +54,45 @@ def test_workers_compute_the_same_bits_after_sigterm_with_vmm_memory() -> None:
     print(result.line())
     assert result.identical, f"{result.line()}\n{result.log[-4000:]}"
     assert result.exit_status == 0, result.log[-4000:]
+
+
+#: Holds a share by the descriptor it reads on its stdin (never published: kept by its holders alone once its
+#: owner is gone) and prints the SHA-256 of its bytes before and after the stop.
+HOLDER = """
+import hashlib, os, pickle, sys
+from cuctxd import Client
+c = Client(ENDPOINT, name="holder")
+opened = c.open_shared(pickle.loads(bytes.fromhex(sys.stdin.readline())))
+view = opened.host_view()
+print("before", hashlib.sha256(view).hexdigest(), flush=True)
+sys.stdin.readline()
+print("after", hashlib.sha256(view).hexdigest(), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_share_kept_by_its_holder_alone_outlives_a_drain_longer_than_the_lease() -> None:
+    workdir = short_tempdir()
+    daemon = start_daemon(*DRAIN_ARGS, "--sim-devices", "1")
+    holder = Script(workdir, "holder", HOLDER, daemon.endpoint)
+    try:
+        with Client(daemon.endpoint, name="owner") as owner:
+            buffer = owner.alloc(64 << 10, shareable=True)
+            buffer.write(pattern(64 << 10, seed=40))
+            holder.tell(pickle.dumps(owner.export(buffer)).hex())
+            before = holder.line("before", 30).split()[1]
+        assert before == hashlib.sha256(pattern(64 << 10, seed=40)).hexdigest()
+        with Client(daemon.endpoint) as observer:  # the owner is gone: its holder alone keeps it
+            assert [len(share["holders"]) for device in observer.status()["devices"] for share in device["shares"]] \
+                == [1], observer.status()["devices"]
+        with held_replies(daemon.endpoint):
+            daemon.process.send_signal(signal.SIGTERM)
+            assert daemon.process.wait(30) == 1, daemon.log()[-4000:]
+        holder.tell()
+        assert holder.line("after", 30).split()[1] == before, daemon.log()[-4000:]
+        assert "reaped" not in daemon.log() and "(1 held open by a session" in daemon.log(), daemon.log()[-4000:]
+    finally:
+        holder.close()
+        daemon.stop()
+        remove_tempdir(daemon.socket_dir)
+        remove_tempdir(workdir)
