@@ -17,6 +17,7 @@ import signal
 import pytest
 
 from cuctxd import Client
+from cuctxd.client import CudaError
 from tests.helpers import pattern, remove_tempdir, short_tempdir, start_daemon
 from tests.reliability.mapped_through_stop import (
     DRAIN_ARGS,
@@ -33,6 +34,8 @@ pytestmark = pytest.mark.timeout(120)
 #: Three matrices of 64 x 64 (24 KiB: a pool of its own); 40 MiB (above POOL_BUFFER_MAX: VMM memory).
 SMALL, LARGE = Model(3, 64, 4), Model(5, 2048, 4)
 WORKERS = 2
+#: Driver calls in a live context of the device before it turns sticky: past the setup of the sticky test.
+STICKY_AFTER = 100
 
 
 @pytest.mark.parametrize("managed", [False, True], ids=["plain", "service-manager"])
@@ -91,6 +94,37 @@ def test_a_share_kept_by_its_holder_alone_outlives_a_drain_longer_than_the_lease
         holder.tell()
         assert holder.line("after", 30).split()[1] == before, daemon.log()[-4000:]
         assert "reaped" not in daemon.log() and "(1 held open by a session" in daemon.log(), daemon.log()[-4000:]
+    finally:
+        holder.close()
+        daemon.stop()
+        remove_tempdir(daemon.socket_dir)
+        remove_tempdir(workdir)
+
+
+def test_a_stop_on_a_device_that_turned_unusable_leaves_the_share_to_its_holder() -> None:
+    """An error at exit, from a real condition: the device turns sticky (the sim's fault injection, as a corrupted
+    CUDA context does) once the share is held, so every driver call of the stop fails there."""
+    workdir = short_tempdir()
+    daemon = start_daemon("--sim-devices", "1", "--sim-fault", f"0:{STICKY_AFTER}:CUDA_ERROR_ILLEGAL_ADDRESS")
+    holder = Script(workdir, "holder", HOLDER, daemon.endpoint)
+    try:
+        with Client(daemon.endpoint, name="owner") as owner:
+            buffer = owner.alloc(64 << 10, shareable=True)
+            buffer.write(pattern(64 << 10, seed=41))
+            holder.tell(pickle.dumps(owner.export(buffer)).hex())
+            before = holder.line("before", 30).split()[1]
+            assert before == hashlib.sha256(pattern(64 << 10, seed=41)).hexdigest()
+            private = owner.alloc(4096)
+            with pytest.raises(CudaError) as struck:
+                for _ in range(10 * STICKY_AFTER):
+                    private.fill(1)
+            assert struck.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+            daemon.process.send_signal(signal.SIGTERM)
+            assert daemon.process.wait(30) == 0, daemon.log()[-4000:]
+        holder.tell()
+        assert holder.line("after", 30).split()[1] == before, daemon.log()[-4000:]
+        log = daemon.log()
+        assert "at shutdown: CUDA_ERROR_ILLEGAL_ADDRESS" in log and "(1 held open by a session" in log, log[-4000:]
     finally:
         holder.close()
         daemon.stop()
