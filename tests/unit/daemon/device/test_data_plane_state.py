@@ -78,6 +78,24 @@ def test_private_pools_are_per_uid_and_shared_memory_is_scrubbed_before_its_free
         assert not state.pools.own and pool[:IPC_GRANULARITY].count(0) == IPC_GRANULARITY
 
 
+def test_once_stopping_a_share_nobody_keeps_is_neither_scrubbed_nor_freed(state: DeviceState) -> None:
+    alice, bob = new_ref(uid=1001), new_ref(uid=1002)
+    buffer = run(state, alice, "alloc", size=100, shareable=True).result["buffer"]
+    run(state, alice, "write", (b"weights",), buffer=buffer["handle"])
+    share = run(state, alice, "export", buffer=buffer["handle"]).result["share"]
+    opened = run(state, bob, "open_shared", share_id=share["share_id"], pool_fd=True).result
+    fds, _ = state.tickets.redeem(opened["ticket"], None)
+    with mmap.mmap(fds[0], 0) as pool:
+        os.close(fds[0])
+        state.sharing.stop()
+        state.close_session(alice)
+        state.close_session(bob)
+        assert pool[:7] == b"weights", "the stop wrote over memory a process maps"
+        assert share["share_id"] in state.sharing.shares and state.pools.own
+        left = state.sharing.left_at_stop()
+        assert left is not None and "1 shared buffer(s), 100 bytes" in left and "(1 held open" in left
+
+
 def test_without_ipc_pools_shareable_buffers_fall_back_to_legacy_ipc() -> None:
     state = make_state(ipc_pools=False)
     ref = new_ref()
