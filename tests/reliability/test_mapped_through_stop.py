@@ -10,15 +10,17 @@ the next tenant stays (the share freed once no session keeps it reads as zeros t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
 import signal
+from collections.abc import Iterator
 
 import pytest
 
 from cuctxd import Client
 from cuctxd.client import CudaError
-from tests.helpers import pattern, remove_tempdir, short_tempdir, start_daemon
+from tests.helpers import DaemonProcess, pattern, remove_tempdir, short_tempdir, start_daemon
 from tests.reliability.mapped_through_stop import (
     DRAIN_ARGS,
     EXIT_STATUS,
@@ -74,17 +76,35 @@ os._exit(0)
 """
 
 
-def test_a_share_kept_by_its_holder_alone_outlives_a_drain_longer_than_the_lease() -> None:
+@contextlib.contextmanager
+def holding(*daemon_args: str) -> Iterator[tuple[DaemonProcess, Script]]:
+    """A daemon (``daemon_args``) and a :data:`HOLDER` process for the block; both stopped after it."""
     workdir = short_tempdir()
-    daemon = start_daemon(*DRAIN_ARGS, "--sim-devices", "1")
+    daemon = start_daemon("--sim-devices", "1", *daemon_args)
     holder = Script(workdir, "holder", HOLDER, daemon.endpoint)
     try:
+        yield daemon, holder
+    finally:
+        holder.close()
+        daemon.stop()
+        remove_tempdir(daemon.socket_dir)
+        remove_tempdir(workdir)
+
+
+def hand_over(owner: Client, holder: Script, seed: int) -> str:
+    """A shareable buffer of ``owner``'s, filled, exported and opened by ``holder``: the digest it read."""
+    buffer = owner.alloc(64 << 10, shareable=True)
+    buffer.write(pattern(64 << 10, seed=seed))
+    holder.tell(pickle.dumps(owner.export(buffer)).hex())
+    before = holder.line("before", 30).split()[1]
+    assert before == hashlib.sha256(pattern(64 << 10, seed=seed)).hexdigest()
+    return before
+
+
+def test_a_share_kept_by_its_holder_alone_outlives_a_drain_longer_than_the_lease() -> None:
+    with holding(*DRAIN_ARGS) as (daemon, holder):
         with Client(daemon.endpoint, name="owner") as owner:
-            buffer = owner.alloc(64 << 10, shareable=True)
-            buffer.write(pattern(64 << 10, seed=40))
-            holder.tell(pickle.dumps(owner.export(buffer)).hex())
-            before = holder.line("before", 30).split()[1]
-        assert before == hashlib.sha256(pattern(64 << 10, seed=40)).hexdigest()
+            before = hand_over(owner, holder, seed=40)
         with Client(daemon.endpoint) as observer:  # the owner is gone: its holder alone keeps it
             assert [len(share["holders"]) for device in observer.status()["devices"] for share in device["shares"]] \
                 == [1], observer.status()["devices"]
@@ -94,26 +114,14 @@ def test_a_share_kept_by_its_holder_alone_outlives_a_drain_longer_than_the_lease
         holder.tell()
         assert holder.line("after", 30).split()[1] == before, daemon.log()[-4000:]
         assert "reaped" not in daemon.log() and "(1 held open by a session" in daemon.log(), daemon.log()[-4000:]
-    finally:
-        holder.close()
-        daemon.stop()
-        remove_tempdir(daemon.socket_dir)
-        remove_tempdir(workdir)
 
 
 def test_a_stop_on_a_device_that_turned_unusable_leaves_the_share_to_its_holder() -> None:
     """An error at exit, from a real condition: the device turns sticky (the sim's fault injection, as a corrupted
     CUDA context does) once the share is held, so every driver call of the stop fails there."""
-    workdir = short_tempdir()
-    daemon = start_daemon("--sim-devices", "1", "--sim-fault", f"0:{STICKY_AFTER}:CUDA_ERROR_ILLEGAL_ADDRESS")
-    holder = Script(workdir, "holder", HOLDER, daemon.endpoint)
-    try:
+    with holding("--sim-fault", f"0:{STICKY_AFTER}:CUDA_ERROR_ILLEGAL_ADDRESS") as (daemon, holder):
         with Client(daemon.endpoint, name="owner") as owner:
-            buffer = owner.alloc(64 << 10, shareable=True)
-            buffer.write(pattern(64 << 10, seed=41))
-            holder.tell(pickle.dumps(owner.export(buffer)).hex())
-            before = holder.line("before", 30).split()[1]
-            assert before == hashlib.sha256(pattern(64 << 10, seed=41)).hexdigest()
+            before = hand_over(owner, holder, seed=41)
             private = owner.alloc(4096)
             with pytest.raises(CudaError) as struck:
                 for _ in range(10 * STICKY_AFTER):
@@ -125,8 +133,3 @@ def test_a_stop_on_a_device_that_turned_unusable_leaves_the_share_to_its_holder(
         assert holder.line("after", 30).split()[1] == before, daemon.log()[-4000:]
         log = daemon.log()
         assert "at shutdown: CUDA_ERROR_ILLEGAL_ADDRESS" in log and "(1 held open by a session" in log, log[-4000:]
-    finally:
-        holder.close()
-        daemon.stop()
-        remove_tempdir(daemon.socket_dir)
-        remove_tempdir(workdir)
