@@ -52,7 +52,7 @@ class ParkingHooks(Protocol):
         """``share`` changed (names, holders, freed): park, update or unpark it."""
 
     def keeps(self, share: Share) -> bool:
-        """Whether ``share`` is parked, so that a shutdown must leave its memory to the service manager."""
+        """Whether ``share`` is parked: its fd in the service manager's store keeps its memory past the daemon."""
 
 
 class Sharing:
