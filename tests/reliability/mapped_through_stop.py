@@ -49,7 +49,7 @@ MiB = 1 << 20
 EXIT_STATUS = {"sigterm": 0, "sigint": 0, "shutdown": 0, "drain_timeout": 1, "sigkill": -signal.SIGKILL}
 STOPS = tuple(EXIT_STATUS)
 #: The drain case's daemon: sessions' leases shorter than the drain, which the reader holds past its deadline.
-DRAIN_ARGS = ("--lease-ttl", "1.5", "--drain-timeout", "3.5")
+DRAIN_ARGS = ("--lease-ttl", "2", "--drain-timeout", "4")
 #: The reader that holds the drain: reads of this size, never taken.
 HELD_READS, HELD_READ_BYTES = 6, 8 * MiB
 NAME = "stop-model"
