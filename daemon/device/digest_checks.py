@@ -36,13 +36,14 @@ from cuctxd.daemon.registry.shares import Naming, ShareRegistry
 from cuctxd.protos import digests
 from cuctxd.protos.errors import CuctxError, DigestMismatch, InternalError, NotFound
 from cuctxd.protos.layouts import Manifest, c_strides, check_manifest
+from cuctxd.protos.limits import DIGEST_CHECK_CHUNK_BYTES, DIGEST_CHECK_SLOTS
 
 log = logging.getLogger(__name__)
 
 #: Bytes of the buffer one staging slot holds: whole leaves, so a chunk is hashed by one helper.
-CHUNK_BYTES = 4 * digests.LEAF_BYTES
+CHUNK_BYTES = DIGEST_CHECK_CHUNK_BYTES
 #: Staging slots of the ring: its page-locked bytes are ``SLOTS * CHUNK_BYTES``, held only while a check runs.
-SLOTS = 8
+SLOTS = DIGEST_CHECK_SLOTS
 #: Most helper threads hashing a chunk each.
 MAX_HASH_THREADS = 8
 
