@@ -228,7 +228,7 @@ class DigestChecks:
             assert slot.chunk is not None
             for (tensor, offset, _), digest in zip(slot.chunk.leaves, slot.hashing.result(), strict=True):
                 run.by_tensor.setdefault(tensor, []).append((offset, digest))
-            self.bytes_hashed += slot.chunk.size
+            self.bytes_hashed += sum(size for _, _, size in slot.chunk.leaves)
             slot.chunk = slot.hashing = None
         if slot.chunk is not None:
             if self.driver.event_query(slot.event):
