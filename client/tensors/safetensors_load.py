@@ -113,8 +113,9 @@ def _same_content(client: Any, checkpoint: Checkpoint, manifest: Manifest, name:
     known = _manifest_of(published)
     theirs = None if known is None else known.digest
     if known is None or theirs is None:
-        raise NameExists(f"{name!r} is published already by {_holder(published)}, without a content digest to compare this checkpoint "
-                         f"with: load with --replace (replace=True) to swap it, or choose another name")
+        raise NameExists(f"{name!r} is published already by {_holder(published)}, without a content digest to "
+                         "compare this checkpoint with: load with --replace (replace=True) to swap it, or choose "
+                         "another name")
     if [(t.name, t.dtype, t.shape) for t in known.tensors] != [(t.name, t.dtype, t.shape) for t in manifest.tensors]:
         differs = "this checkpoint has other tensors"
     else:

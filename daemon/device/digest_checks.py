@@ -62,7 +62,7 @@ def plan_chunks(manifest: Manifest, chunk_bytes: int = CHUNK_BYTES) -> list[Chun
     """The layout's leaves (as :func:`cuctxd.protos.digests.tensor_digest` cuts each tensor) by offset, in chunks
     of at most ``chunk_bytes`` of the buffer. :class:`DigestMismatch` for a tensor that is not C-contiguous: its
     digest (of its bytes as a client holds them) is not a function of one span of the buffer."""
-    leaves = []
+    leaves: list[tuple[int, int, int]] = []
     for index, tensor in enumerate(manifest.tensors):
         if tensor.nbytes and tensor.strides != c_strides(tensor.shape):
             raise DigestMismatch(f"tensor {tensor.name!r} has strides {tensor.strides}: only a layout of contiguous "

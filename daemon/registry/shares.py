@@ -104,7 +104,7 @@ class Naming:
 #: A name published with nothing but its share.
 PLAIN = Naming()
 #: ``list_shared``'s ``verified``: the daemon hashed the bytes and they bore the digest out, or did not.
-_VERIFIED = {True: "daemon", False: "mismatch"}
+_VERIFIED: dict[bool | None, str] = {True: "daemon", False: "mismatch"}
 
 
 def check_scope(name: str, uid: int | None) -> None:

@@ -52,9 +52,9 @@ def readable_by_all(path: Path) -> Path:
 def forge(endpoint: str, path: str, name: str) -> None:
     """Publish ``size`` bytes of 0x5A as ``name`` with the layout and digests ``cuctx load path`` would publish."""
     from cuctxd import Client
-    from cuctxd.client.tensors.safetensors_load import checkpoint_digest
     from cuctxd.client.tensors.checkpoints import read_checkpoint
     from cuctxd.client.tensors.hashing import hash_views
+    from cuctxd.client.tensors.safetensors_load import checkpoint_digest
     from cuctxd.client.tensors.tensor_sets import layout_offsets, publish_filled
     from cuctxd.protos.layouts import Manifest, TensorSpec, c_strides
 

@@ -57,8 +57,10 @@ def daemon_digest(data: bytes, manifest: Manifest, chunk_bytes: int) -> str:
         staged = memoryview(data)[chunk.start:chunk.start + chunk.size]
         for (tensor, offset, _), leaf in zip(chunk.leaves, _hash_chunk(staged, chunk), strict=True):
             leaves.setdefault(tensor, []).append((offset, leaf))
-    return digests.layout_digest((t.name, t.dtype, t.shape, digests.from_leaves(d for _, d in sorted(leaves.get(i, []))))
-                                 for i, t in enumerate(manifest.tensors))
+    found = [digests.from_leaves(leaf for _, leaf in sorted(leaves.get(index, [])))
+             for index in range(len(manifest.tensors))]
+    return digests.layout_digest((t.name, t.dtype, t.shape, digest)
+                                 for t, digest in zip(manifest.tensors, found, strict=True))
 
 
 SIZES = [5 * LEAF + 3, 7, 0, LEAF, 2 * LEAF - 1, 4096, 3 * LEAF]
@@ -132,7 +134,7 @@ def test_a_check_vouches_once_and_a_forgery_is_remembered(state: DeviceState) ->
     assert finish(start(state, other, "verify_shared", name="real", digest=digest))["hashed"] is False
     publish(state, publisher, "forged", b"\x5a" * len(data), manifest)
     for _ in range(2):  # hashed once, then the verdict
-        with pytest.raises(DigestMismatch, match="session .* uid 1000"):
+        with pytest.raises(DigestMismatch, match=r"session .* uid 1000"):
             finish(start(state, other, "verify_shared", name="forged", digest=digest))
     assert state.digest_checks.status() == {"checked": 2, "mismatches": 1, "bytes_hashed": 2 * sum(SIZES),
                                             "running": None, "queued": 0, "staging_bytes": 0}
