@@ -43,6 +43,6 @@ POOL_BUFFER_MAX = 32 << 20
 
 #: Bytes of a layout one step of a digest check copies to the host and one helper thread hashes (whole
 #: 2 MiB leaves, ``verify_shared``; PROTOCOL.md, section 9, "Digests").
-DIGEST_CHECK_CHUNK_BYTES = 8 << 20
+DIGEST_CHECK_CHUNK_BYTES = 16 << 20
 #: Page-locked staging slots of that size a device's digest check holds at most, only while it runs.
 DIGEST_CHECK_SLOTS = 8

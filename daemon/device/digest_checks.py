@@ -131,16 +131,33 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Run:
-    """The check in progress: its chunks, the ring it copies them through, and the leaves' digests so far."""
+    """The check in progress: its plan (made on a helper), the chunks left, the ring it copies them through,
+    the leaves' digests so far, and the layout's digest (summed up on a helper)."""
 
     check: DigestCheck
-    manifest: Manifest
-    chunks: deque[Chunk]
-    stream: Stream
-    slots: list[_Slot]
     hashers: ThreadPoolExecutor
+    planning: Future[tuple[Manifest, list[Chunk]]]
+    manifest: Manifest | None = None
+    chunks: deque[Chunk] = field(default_factory=deque)
+    stream: Stream | None = None
+    slots: list[_Slot] = field(default_factory=list)
     #: The leaves' digests so far, by tensor index: ``(offset in the buffer, digest)`` each.
     by_tensor: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
+    summing: Future[str] | None = None
+
+
+def _plan(manifest: bytes, size: int) -> tuple[Manifest, list[Chunk]]:
+    """The manifest decoded and its chunks planned (a helper thread: a layout may list 100,000 tensors)."""
+    decoded = check_manifest(manifest, size)
+    return decoded, plan_chunks(decoded)
+
+
+def _layout_of(manifest: Manifest, by_tensor: dict[int, list[tuple[int, bytes]]]) -> str:
+    """The layout digest of the leaves' digests (a helper thread)."""
+    found = [digests.from_leaves(leaf for _, leaf in sorted(by_tensor.get(index, [])))
+             for index in range(len(manifest.tensors))]
+    return digests.layout_digest((t.name, t.dtype, t.shape, digest)
+                                 for t, digest in zip(manifest.tensors, found, strict=True))
 
 
 class DigestChecks:
@@ -164,6 +181,9 @@ class DigestChecks:
         self.checked = 0
         self.mismatches = 0
         self.bytes_hashed = 0
+        #: Wakes the worker when a helper finished a chunk (set by the worker; any thread may call it), so the
+        #: next chunk is copied at once instead of at the worker's next poll of its pending work.
+        self.wake: Callable[[], None] | None = None
 
     def rely(self, caller: SessionRef, name: str, digest: str) -> str | DigestCheck:
         """``caller`` relies on ``name``'s layout digest ``digest``: who vouches for it (``"publisher"``: the
@@ -200,13 +220,15 @@ class DigestChecks:
 
     def advance(self) -> None:
         """One step of the running check, or start the next one: never waits on the device or the helpers."""
-        while self.running is None and self.queued:
-            self._start(self.queued[0])
+        if self.running is None and self.queued:
+            self._start(self.queued.popleft())
         run = self.running
         if run is None:
             return
         check = run.check
         try:
+            if run.manifest is None and not self._planned(run):
+                return
             self.current.activate(check.share.context)
             for slot in run.slots:
                 self._step(run, slot)
@@ -221,7 +243,37 @@ class DigestChecks:
             log.exception("device %d: checking the digest of %r failed", self.device, check.name)
             self._end(run, error=InternalError(f"checking the digest failed: {type(exc).__name__}"))
 
+    def _helper(self, hashers: ThreadPoolExecutor, work: Callable[..., Any], *args: Any) -> Future[Any]:
+        """``work(*args)`` on the running check's helpers; the worker is woken when it is done."""
+        future = hashers.submit(work, *args)
+        wake = self.wake
+        if wake is not None:
+            future.add_done_callback(lambda _: wake())
+        return future
+
+    def _start(self, check: DigestCheck) -> None:
+        """The next check runs: its helpers start by planning it."""
+        threads = min(MAX_HASH_THREADS, len(os.sched_getaffinity(0)), SLOTS)
+        hashers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"cuctxd-verify-{self.device}")
+        planning = self._helper(hashers, _plan, check.naming.manifest, check.share.descriptor.size)
+        self.running = _Run(check, hashers, planning)
+
+    def _planned(self, run: _Run) -> bool:
+        """Once the plan is made: the stream and the ring's first slot, made in the share's context."""
+        if not run.planning.done():
+            return False
+        run.manifest, chunks = run.planning.result()  # a layout that cannot be checked raises its error here
+        run.chunks = deque(chunks)
+        self.current.activate(run.check.share.context)
+        run.stream = self.driver.stream_create(non_blocking=True)
+        run.slots.append(_Slot(self.driver.mem_alloc_host(CHUNK_BYTES), self.driver.event_create(False)))
+        log.info("device %d: checking the digest of %r (%d bytes in %d chunks) for a session of another uid",
+                 self.device, run.check.name, sum(chunk.size for chunk in chunks), len(chunks))
+        return True
+
     def _step(self, run: _Run, slot: _Slot) -> None:
+        """Move one slot on: its hashed chunk's leaves collected, its copied chunk handed to a helper, or the
+        next chunk copied into it."""
         if slot.hashing is not None:
             if not slot.hashing.done():
                 return
@@ -232,7 +284,7 @@ class DigestChecks:
             slot.chunk = slot.hashing = None
         if slot.chunk is not None:
             if self.driver.event_query(slot.event):
-                slot.hashing = run.hashers.submit(_hash_chunk, slot.view, slot.chunk)
+                slot.hashing = self._helper(run.hashers, _hash_chunk, slot.view, slot.chunk)
             return
         if run.chunks:
             slot.chunk = run.chunks.popleft()
@@ -240,36 +292,14 @@ class DigestChecks:
                                           run.stream)
             self.driver.event_record(slot.event, run.stream)
 
-    def _start(self, check: DigestCheck) -> None:
-        """The next queued check takes the ring (made in its share's context); one that cannot start ends."""
-        self.queued.popleft()
-        share = check.share
-        try:
-            manifest = check_manifest(check.naming.manifest, share.descriptor.size)
-            chunks = deque(plan_chunks(manifest))
-        except CuctxError as exc:
-            self._finish(check, error=exc)
-            return
-        self.current.activate(share.context)
-        stream = self.driver.stream_create(non_blocking=True)
-        try:
-            slots = [_Slot(self.driver.mem_alloc_host(CHUNK_BYTES), self.driver.event_create(False))]
-        except CuctxError as exc:
-            self.driver.stream_destroy(stream)
-            self._finish(check, error=exc)
-            return
-        threads = min(MAX_HASH_THREADS, len(os.sched_getaffinity(0)), SLOTS)
-        hashers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"cuctxd-verify-{self.device}")
-        self.running = _Run(check, manifest, chunks, stream, slots, hashers)
-        log.info("device %d: checking the digest of %r (%d bytes in %d chunks) for a session of another uid",
-                 self.device, check.name, sum(chunk.size for chunk in chunks), len(chunks))
-
     def _verdict(self, run: _Run) -> None:
-        found = []
-        for index, tensor in enumerate(run.manifest.tensors):
-            leaves = sorted(run.by_tensor.get(index, []))
-            found.append((tensor.name, tensor.dtype, tensor.shape, digests.from_leaves(leaf for _, leaf in leaves)))
-        matched = digests.layout_digest(found) == run.check.naming.digest
+        """Every leaf hashed: the layout's digest summed up on a helper, then compared."""
+        if run.summing is None:
+            assert run.manifest is not None
+            run.summing = self._helper(run.hashers, _layout_of, run.manifest, run.by_tensor)
+        if not run.summing.done():
+            return
+        matched = run.summing.result() == run.check.naming.digest
         if not matched:
             owner = run.check.owner
             log.warning("device %d: the digest of %r does not match its bytes: its publisher, session %d (%r, uid "
@@ -281,12 +311,13 @@ class DigestChecks:
         """The running check is over: its copies waited for (a failed one's), the ring freed, its waiters told."""
         self.running = None
         run.hashers.shutdown(wait=True, cancel_futures=True)
-        try:
-            self.current.activate(run.check.share.context)
-            self.driver.stream_synchronize(run.stream)
-        except CuctxError as exc:
-            error = error or exc
-        self._release(run.stream, run.slots)
+        if run.stream is not None:
+            try:
+                self.current.activate(run.check.share.context)
+                self.driver.stream_synchronize(run.stream)
+            except CuctxError as exc:
+                error = error or exc
+            self._release(run.stream, run.slots)
         self._finish(run.check, matched=matched, error=error)
 
     def _release(self, stream: Stream, slots: list[_Slot]) -> None:
