@@ -15,7 +15,9 @@ worker only issues copies and queries events, from the waiting requests' ``Pendi
 requests. One check runs at a time per device (the ring exists only while one runs); a reliance on a layout
 being checked, or queued, waits for that same result.
 
-Worker thread: every method, and every driver call; the helper threads only hash bytes of the ring.
+Worker thread: every method, and every driver call. The helper threads (a pool per running check) plan the
+chunks from the manifest, hash the ring's bytes and sum the layout's digest up; they never call the driver,
+and wake the worker through its doorbell when they are done.
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ def plan_chunks(manifest: Manifest, chunk_bytes: int = CHUNK_BYTES) -> list[Chun
     return chunks
 
 
-def _hash_chunk(view: memoryview, chunk: Chunk) -> list[bytes]:
-    """The digests of the chunk's leaves, from its bytes in ``view`` (a helper thread)."""
+def hash_chunk(view: memoryview, chunk: Chunk) -> list[bytes]:
+    """The digests of the chunk's leaves, from its bytes in ``view`` (from ``chunk.start``); any thread."""
     return [digests.leaf(view[offset - chunk.start:offset - chunk.start + size]) for _, offset, size in chunk.leaves]
 
 
@@ -284,7 +286,7 @@ class DigestChecks:
             slot.chunk = slot.hashing = None
         if slot.chunk is not None:
             if self.driver.event_query(slot.event):
-                slot.hashing = self._helper(run.hashers, _hash_chunk, slot.view, slot.chunk)
+                slot.hashing = self._helper(run.hashers, hash_chunk, slot.view, slot.chunk)
             return
         if run.chunks:
             slot.chunk = run.chunks.popleft()

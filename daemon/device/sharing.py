@@ -304,7 +304,7 @@ class Sharing:
         """Free a share's memory once nothing keeps it alive (deferred free)."""
         if share.keeps_alive():
             self.registry.update(share)
-            if not share.owner_present and not share.holders:  # kept by its names alone (again): counted
+            if not share.owner_present and not share.holders and not share.checks:  # by its names alone: counted
                 self._orphan(share)
             if self.parking is not None and share.share_id in self.shares:
                 self.parking.sync(share)

@@ -14,7 +14,7 @@ import pytest
 from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.tensor_sets import layout_offsets
 from cuctxd.daemon.backends.sim import SimDriver
-from cuctxd.daemon.device.digest_checks import Chunk, _hash_chunk, plan_chunks
+from cuctxd.daemon.device.digest_checks import Chunk, hash_chunk, plan_chunks
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
@@ -55,7 +55,7 @@ def daemon_digest(data: bytes, manifest: Manifest, chunk_bytes: int) -> str:
     for chunk in chunks:
         assert chunk.size <= chunk_bytes
         staged = memoryview(data)[chunk.start:chunk.start + chunk.size]
-        for (tensor, offset, _), leaf in zip(chunk.leaves, _hash_chunk(staged, chunk), strict=True):
+        for (tensor, offset, _), leaf in zip(chunk.leaves, hash_chunk(staged, chunk), strict=True):
             leaves.setdefault(tensor, []).append((offset, leaf))
     found = [digests.from_leaves(leaf for _, leaf in sorted(leaves.get(index, [])))
              for index in range(len(manifest.tensors))]
