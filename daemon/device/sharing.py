@@ -322,7 +322,7 @@ class Sharing:
         stopping (:meth:`stop`)."""
         if share.keeps_alive():
             self.registry.update(share)
-            if not share.owner_present and not share.holders and not self.stopping:
+            if not share.owner_present and not share.holders and not share.checks and not self.stopping:
                 self._orphan(share)  # kept by its names alone (again): counted (not the stop's own doing)
             if self.parking is not None and share.share_id in self.shares:
                 self.parking.sync(share)
