@@ -8,6 +8,7 @@ from cuctxd.client.api.sharing import AsyncOpenedShare, OpenedShare
 from cuctxd.client.api.streams import AsyncEvent, AsyncStream, Event, Stream
 from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer, HostBuffer
 from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors, publish_tensors
+from cuctxd.client.tensors.versions import publish_version, wait_version
 from cuctxd.protos.errors import (
     BadArgument,
     BadOp,
@@ -30,6 +31,7 @@ from cuctxd.protos.errors import (
     SessionClosed,
     SessionExpired,
     SessionLost,
+    TimedOut,
     TooLarge,
     UnknownHandle,
     UnknownSession,
@@ -44,5 +46,6 @@ __all__ = [
     "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "DigestMismatch", "Event", "HostBuffer", "LimitExceeded",
     "NameExists", "NoAccess", "NoDaemon", "NotFound", "NotOwner", "NotShareable", "OpenedShare", "OutOfRange",
     "Pipeline", "Revoked", "SessionClosed", "SessionExpired", "SessionLost", "ShareDescriptor", "Stream", "TensorSet",
-    "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend", "open_tensors", "publish_tensors",
+    "TimedOut", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend", "open_tensors", "publish_tensors",
+    "publish_version", "wait_version",
 ]

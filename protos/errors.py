@@ -36,6 +36,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_REVOKED = 10016
     CUCTXD_ERROR_SESSION_CLOSED = 10017
     CUCTXD_ERROR_DIGEST_MISMATCH = 10018
+    CUCTXD_ERROR_TIMED_OUT = 10019
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -195,6 +196,12 @@ class DigestMismatch(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_DIGEST_MISMATCH
 
 
+class TimedOut(DaemonError, TimeoutError):
+    """A wait the daemon bounds passed its timeout: ``wait_version`` saw no newer version in time."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_TIMED_OUT
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -267,7 +274,7 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, TimedOut, InternalError,
     )
 }
 

@@ -46,3 +46,9 @@ POOL_BUFFER_MAX = 32 << 20
 DIGEST_CHECK_CHUNK_BYTES = 16 << 20
 #: Page-locked staging slots of that size a device's digest check holds at most, only while it runs.
 DIGEST_CHECK_SLOTS = 8
+
+#: Most ``wait_version`` requests one session may have waiting on one device at a time (section 9, "Versions").
+MAX_VERSION_WAITERS = 16
+#: Longest wait one ``wait_version`` may ask for, in milliseconds (one hour); the Python client asks again after
+#: one that passed without a new version when it was told to wait without a timeout.
+MAX_VERSION_WAIT_MS = 3_600_000

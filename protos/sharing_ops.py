@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cuctxd.protos.limits import MAX_VERSION_WAIT_MS
 from cuctxd.protos.schema import count_field, handle_field, name_field, op
 
 
@@ -38,7 +39,9 @@ class Publish:
     where a service manager keeps fds); ``once``: consume-once, the name stops keeping it once a
     session opened it after its owner let go; ``read_only``: openers are told to map it without
     write access (``read_only`` in the descriptor); ``replace``: a name already published moves to this
-    buffer at once, if this session may unpublish it (holders of the old one keep it). Result: ``share``."""
+    buffer at once, if this session may unpublish it (holders of the old one keep it); ``version``: publish the
+    name's next version (PROTOCOL.md, section 9, "Versions"): persistent, replacing the current one, and the
+    buffer is handed to the name (this session's handle goes). Result: ``share`` (with ``version``)."""
 
     buffer: int = handle_field()
     name: str = name_field()
@@ -48,6 +51,7 @@ class Publish:
     read_only: bool = False
     once: bool = False
     replace: bool = False
+    version: bool = False
 
 
 @op("unpublish", target="front")
@@ -61,9 +65,22 @@ class Unpublish:
 @op("lookup", target="front")
 class Lookup:
     """The share descriptor published under ``name``, with its ``publisher`` (session, client,
-    pid, uid). Result: ``share``."""
+    pid, uid); ``version``: that live version of a versioned name instead of its current one. Result: ``share``."""
 
     name: str = name_field()
+    version: int | None = count_field(minimum=1)
+
+
+@op("wait_version", target="device")
+class WaitVersion:
+    """Answer once ``name`` has a current version newer than ``after`` (at once if it has), or fail with
+    ``CUCTXD_ERROR_TIMED_OUT`` after ``timeout_ms`` (at most ``MAX_VERSION_WAIT_MS``; nil: that much). At most
+    ``MAX_VERSION_WAITERS`` of a session wait on a device at a time. Result: ``version``."""
+
+    name: str = name_field()
+    after: int = count_field(0)
+    timeout_ms: int | None = count_field(maximum=MAX_VERSION_WAIT_MS)
+    device: int | None = count_field()
 
 
 @op("verify_shared", target="device")

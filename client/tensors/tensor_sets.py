@@ -138,7 +138,8 @@ def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None =
 
 def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
                    fill: Callable[[Any], Sequence[str | None]], *, device: int | None = None,
-                   persistent: bool = True, read_only: bool = False, replace: bool = False) -> ShareDescriptor:
+                   persistent: bool = True, read_only: bool = False, replace: bool = False,
+                   version: bool = False) -> ShareDescriptor:
     """Allocate one shareable buffer of ``size`` bytes on ``device``, ``fill(buffer)`` it (it returns each
     tensor's digest in the manifest's order, None where unknown), and publish it (:func:`publish_filled`).
     The manifest is checked first, as the daemon will. Nothing stays published or allocated when this
@@ -155,20 +156,22 @@ def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
         buffer.free()
         raise
     return publish_filled(client, name, manifest, buffer, found, persistent=persistent, read_only=read_only,
-                          replace=replace)
+                          replace=replace, version=version)
 
 
 def publish_filled(client: Any, name: str, manifest: Manifest, buffer: Any, found: Sequence[str | None], *,
-                   persistent: bool = True, read_only: bool = False, replace: bool = False) -> ShareDescriptor:
+                   persistent: bool = True, read_only: bool = False, replace: bool = False,
+                   version: bool = False) -> ShareDescriptor:
     """Publish ``buffer`` as ``name`` with the manifest and each tensor's digest ``found`` (the layout's
-    digest where every tensor has one); ``replace``: swap a name in use (``publish``'s ``replace``).
+    digest where every tensor has one); ``replace``: swap a name in use (``publish``'s ``replace``); ``version``:
+    as the name's next version, the buffer handed to the daemon.
     Returns the share's descriptor with that manifest; frees the buffer when this raises."""
     try:
         specs = tuple(dataclasses.replace(spec, digest=digest)
                       for spec, digest in zip(manifest.tensors, found, strict=True))
         packed = Manifest.digested(specs, manifest.metadata).pack()
         published: ShareDescriptor = client.run(build.publish(buffer, name, packed, persistent, read_only,
-                                                              replace=replace))
+                                                              replace=replace, version=version))
         return dataclasses.replace(published, manifest=packed)
     except BaseException:
         buffer.free()
@@ -192,12 +195,13 @@ def _size_text(nbytes: int) -> str:
 def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
                     *, device: int | None = None, progress: Callable[[int, int], None] | None = None,
                     persistent: bool = True, read_only: bool = False, replace: bool = False,
-                    digest: bool = True) -> ShareDescriptor:
+                    digest: bool = True, version: bool = False) -> ShareDescriptor:
     """Put ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`) in one buffer on ``device``
     and publish it as ``name`` with their manifest; returns the share's descriptor. ``progress(done,
     total)``: bytes copied so far. ``persistent`` (the default): the layout stays until unpublished, so
     workers can come and go (``False``: freed once its last consumer closes it, as a plain publish).
-    ``read_only``: consumers may open it only read-only; ``replace``: swap a name in use. ``digest``: host
+    ``read_only``: consumers may open it only read-only; ``replace``: swap a name in use; ``version``: publish
+    it as the name's next version (:func:`cuctxd.client.tensors.versions.publish_version`). ``digest``: host
     tensors are hashed while they are copied (the layout has a digest when no tensor came from a device).
     Nothing stays published or allocated when this raises."""
     manifest, sources, size = plan_layout(tensors, metadata)
@@ -216,7 +220,7 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
         return [found.get(index) for index in range(len(sources))]
 
     return publish_layout(client, name, manifest, size, fill, device=device, persistent=persistent,
-                          read_only=read_only, replace=replace)
+                          read_only=read_only, replace=replace, version=version)
 
 
 #: Bytes written between two progress reports of :func:`publish_tensors`.
@@ -339,7 +343,8 @@ class CudaArray:
 
 class TensorSet(Mapping[str, SharedTensor]):
     """The tensors published under one name, mapped in this process until :meth:`close` (or ``with``);
-    ``digest``: the layout's content digest (None where its publisher gave none)."""
+    ``digest``: the layout's content digest (None where its publisher gave none); ``version``: the number of
+    the name's version it is (0: not versioned), which stays mapped and valid while this set is open."""
 
     def __init__(self, share: OpenedShare, manifest: Manifest, writable: bool) -> None:
         self.share = share
@@ -347,6 +352,7 @@ class TensorSet(Mapping[str, SharedTensor]):
         self.writable = writable
         self.metadata = manifest.metadata
         self.digest = manifest.digest
+        self.version = share.descriptor.version
         self.host_address = 0
         if share.backend == "sim":
             with buffer_address(share.host_view()) as address:
@@ -378,6 +384,23 @@ class TensorSet(Mapping[str, SharedTensor]):
 
         return ordinal_of(self.share.descriptor.device_uuid)
 
+    def refresh(self, *, digest: str | None = None) -> TensorSet | None:
+        """The set of the name's newest version, opened as this one was, or None if there is none newer
+        (:func:`open_tensors`); this set stays open: close it once nothing uses it any more."""
+        client, name = self.share.client, self.share.descriptor.name
+        if name is None or client.lookup(name).version <= self.version:
+            return None
+        return open_tensors(client, name, writable=self.writable, digest=digest)
+
+    def copy_into(self, destinations: Mapping[str, Any]) -> int:
+        """Copy each tensor into the array of its name in ``destinations`` (same dtype size and byte count;
+        numpy arrays on the sim, CUDA arrays on the layout's GPU: ``cuMemcpyDtoD`` here, nothing through the
+        daemon); returns the bytes copied. For engines that keep parameters of their own."""
+        missing = [key for key in self._tensors if key not in destinations]
+        if missing:
+            raise BadArgument(f"no destination for {len(missing)} tensors of the layout (first: {missing[0]!r})")
+        return sum(_copy_tensor(tensor, destinations[key]) for key, tensor in self._tensors.items())
+
     def close(self) -> None:
         """Unmap the layout and drop the hold; views made from it must not be used afterwards."""
         self.share.close()
@@ -407,6 +430,29 @@ def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str 
                                  f"required {digest}")
         client.verify_shared(name, digest, descriptor.device)  # another uid's word is checked by the daemon
     return TensorSet(client.open_shared(descriptor), manifest, writable)
+
+
+def _copy_tensor(tensor: SharedTensor, destination: Any) -> int:
+    """One tensor's bytes into ``destination`` (module docstring of :meth:`TensorSet.copy_into`)."""
+    source = _Source(tensor.name, destination)
+    if source.nbytes != tensor.nbytes or DTYPES[source.dtype].itemsize != DTYPES[tensor.dtype].itemsize:
+        raise BadArgument(f"tensor {tensor.name!r}: {tensor.dtype}{list(tensor.shape)} cannot be copied into "
+                          f"{source.dtype}{list(source.shape)}")
+    share = tensor._set.share
+    if source.device_ptr is not None:
+        if share.backend != "cuda":
+            raise WrongBackend(f"a {share.backend} layout is host memory: copy it into host arrays")
+        from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
+
+        copy_device_to_device(share.descriptor.device_uuid, source.device_ptr, share.ptr + tensor.spec.offset,
+                              tensor.nbytes)
+    elif source.host is not None and share.backend == "sim":
+        if source.host.readonly:
+            raise BadArgument(f"tensor {tensor.name!r}: the destination is read-only")
+        source.host.cast("B")[:] = share.host_view()[tensor.spec.offset:tensor.spec.extent()]
+    else:
+        raise WrongBackend(f"a {share.backend} layout is copied into CUDA arrays on its GPU")
+    return tensor.nbytes
 
 
 def raw_interface(tensor: SharedTensor, *, readonly: bool | None = None) -> dict[str, Any]:

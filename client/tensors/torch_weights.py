@@ -29,6 +29,12 @@ def _torch() -> Any:
 def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metadata: Mapping[str, Any] | None = None,
                        *, device: int | None = None) -> ShareDescriptor:
     """Publish a module's (or a state dict's) tensors as ``name``; ``metadata`` goes with them."""
+    return publish_tensors(client, name, publishable(module_or_state_dict), metadata, device=device)
+
+
+def publishable(module_or_state_dict: Any) -> dict[str, Any]:
+    """A module's (or a state dict's) tensors as :func:`publish_tensors` takes them: CUDA tensors as they are
+    (copied device to device), host ones as numpy arrays, bfloat16 as its bytes named bfloat16."""
     torch = _torch()
     state = module_or_state_dict.state_dict() if hasattr(module_or_state_dict, "state_dict") else module_or_state_dict
     tensors: dict[str, Any] = {}
@@ -40,18 +46,19 @@ def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metada
             tensors[key] = tensor
         else:
             tensors[key] = tensor.numpy()
-    return publish_tensors(client, name, tensors, metadata, device=device)
+    return tensors
 
 
 class LoadedState:
     """The tensors published as one name, as torch tensors aliasing the daemon's memory: views of one
     uint8 tensor over the whole buffer (one ``torch.as_tensor``, then a slice and a view per tensor,
-    which costs a fraction of an array-interface import each)."""
+    which costs a fraction of an array-interface import each). ``version``: the name's version it is."""
 
     def __init__(self, tensors: TensorSet) -> None:
         torch = _torch()
         self.tensors = tensors
         self.metadata = tensors.metadata
+        self.version = tensors.version
         share = tensors.share
         if share.backend == "cuda":
             # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
@@ -65,6 +72,29 @@ class LoadedState:
             spec = shared.spec
             typed = base[spec.offset:spec.extent()].view(getattr(torch, spec.dtype))
             self.state_dict[key] = typed.as_strided(spec.shape, spec.strides)
+
+    def refresh(self) -> LoadedState | None:
+        """The state of the name's newest version, or None if there is none newer; close this one once no module
+        uses its tensors any more (after :func:`swap_parameters`, say)."""
+        newer = self.tensors.refresh()
+        return None if newer is None else LoadedState(newer)
+
+    def copy_into(self, module: Any) -> int:
+        """Copy every tensor into ``module``'s own parameters and buffers of the same names, device to device
+        (torch ``copy_``; for engines that keep their own parameters); returns the bytes copied."""
+        torch = _torch()
+        targets = _named_tensors(module)
+        missing = [key for key in self.state_dict if key not in targets]
+        if missing:
+            raise KeyError(f"the module has no parameter or buffer {missing[0]!r} ({len(missing)} missing)")
+        copied = 0
+        with torch.no_grad():
+            for key, tensor in self.state_dict.items():
+                targets[key].copy_(tensor, non_blocking=True)
+                copied += tensor.numel() * tensor.element_size()
+        if self.tensors.backend == "cuda":
+            torch.cuda.synchronize()
+        return copied
 
     def close(self) -> None:
         """Unmap: the tensors in ``state_dict`` must not be used afterwards."""
@@ -82,3 +112,25 @@ def load_state_dict(client: Any, name: str, *, writable: bool = False) -> Loaded
     """Map the state dict published as ``name``; ``module.load_state_dict(loaded.state_dict, assign=True)``
     makes a module use the shared memory itself."""
     return LoadedState(open_tensors(client, name, writable=writable))
+
+
+def _named_tensors(module: Any) -> dict[str, Any]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def swap_parameters(module: Any, loaded: LoadedState) -> None:
+    """Make ``module``'s parameters and buffers the tensors of ``loaded`` (zero-copy, in place of
+    ``load_state_dict(assign=True)``): each keeps its identity (``param.data`` is swapped), so optimizers,
+    hooks and references to it stay valid. Every tensor of ``loaded`` needs one of its name, shape and dtype
+    (:class:`KeyError`, :class:`ValueError` otherwise, before anything is swapped). The module then uses
+    ``loaded``'s memory: keep ``loaded`` open until the next swap."""
+    targets = _named_tensors(module)
+    for key, tensor in loaded.state_dict.items():
+        target = targets.get(key)
+        if target is None:
+            raise KeyError(f"the module has no parameter or buffer {key!r}")
+        if target.shape != tensor.shape or target.dtype != tensor.dtype:
+            raise ValueError(f"{key!r}: the module has {target.dtype}{list(target.shape)}, the layout "
+                             f"{tensor.dtype}{list(tensor.shape)}")
+    for key, tensor in loaded.state_dict.items():
+        targets[key].data = tensor

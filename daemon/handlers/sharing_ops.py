@@ -3,6 +3,8 @@ leases are answered by the front from the daemon-wide :class:`~cuctxd.daemon.reg
 
 from __future__ import annotations
 
+import time
+
 from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers.registry import device_handler, front_handler
@@ -12,9 +14,9 @@ from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
-from cuctxd.protos.errors import BadArgument
+from cuctxd.protos.errors import BadArgument, LimitExceeded, TimedOut
 from cuctxd.protos.layouts import check_manifest
-from cuctxd.protos.limits import MAX_LISTED
+from cuctxd.protos.limits import MAX_LISTED, MAX_VERSION_WAIT_MS, MAX_VERSION_WAITERS
 
 
 def _share_reply(descriptor_wire: dict[str, object]) -> Reply:
@@ -36,13 +38,14 @@ def export(state: DeviceState, job: Job) -> Reply | Pending:
 
 @device_handler(ops.Publish)
 def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
-    """Name the buffer; with ``replace``, the name's old share forgets it on its own device's worker (here,
-    or forwarded there and back) before the reply, as after ``unpublish``."""
+    """Name the buffer; with ``replace`` (or ``version``), the name's old share forgets it on its own device's
+    worker (here, or forwarded there and back) before the reply, as after ``unpublish``. A version is handed
+    to its name: persistent, and the session lets go of the buffer as a ``free`` that keeps its names."""
     name = job.args.name
     if not name:
         raise BadArgument("publish needs a non-empty name")
-    if job.args.once and job.args.persistent:
-        raise BadArgument("a name published once (consume-once) cannot be persistent")
+    if job.args.once and (job.args.persistent or job.args.version):
+        raise BadArgument("a name published once (consume-once) cannot be persistent or versioned")
     session = state.session(job.session)
     buffer = session.buffers[job.args.buffer]
     naming = Naming(read_only=job.args.read_only)
@@ -51,14 +54,18 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
         naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only, manifest.digest)
     state.sharing.check_orphan_room(session, buffer)
     share = state.sharing.export(session, buffer)
-    replaced = state.registry.publish(name, share, naming, replace=job.args.replace)
-    share.persistent = share.persistent or job.args.persistent
+    replaced = state.registry.publish(name, share, naming, replace=job.args.replace, version=job.args.version)
+    share.persistent = share.persistent or job.args.persistent or job.args.version
     share.once = share.once or job.args.once
     if replaced is not None and replaced[1] == state.device:
         state.sharing.forget_name(name, replaced[0])  # unparked (or updated) before the new share is parked
-    state.parking.sync(share)
+    version = state.registry.version_of(name, share.share_id) if job.args.version else 0
     written = _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": name,
-                                                                "read_only": job.args.read_only}))
+                                                                "read_only": job.args.read_only, "version": version}))
+    if job.args.version:
+        state.memory.free(session, buffer, unpublish=False)  # the name keeps it now (parked by settle)
+    else:
+        state.parking.sync(share)
     if replaced is None or replaced[1] == state.device:
         return written
     old_share, old_device = replaced
@@ -89,6 +96,38 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
             state.sharing.close(session, share.share_id)
             raise
     return Reply(result)
+
+
+@device_handler(ops.WaitVersion)
+def wait_version(state: DeviceState, job: Job) -> Reply | Pending:
+    """The name's current version once it is newer than ``after``: at once, or polled between requests (a
+    registry read) until it is, the timeout passes or the session is gone."""
+    session = state.session(job.session)
+    name, after, registry = job.args.name, job.args.after, state.registry
+    found = registry.current_version(name)
+    if found > after:
+        return Reply({"version": found})
+    if session.version_waiters >= MAX_VERSION_WAITERS:
+        raise LimitExceeded(f"MAX_VERSION_WAITERS: this session already has {session.version_waiters} "
+                            f"wait_version requests waiting on device {state.device}")
+    timeout_ms = MAX_VERSION_WAIT_MS if job.args.timeout_ms is None else job.args.timeout_ms
+    deadline = time.monotonic() + timeout_ms / 1000
+    session.version_waiters += 1
+    token = job.session.token
+
+    def done() -> bool:
+        return (registry.current_version(name) > after or time.monotonic() >= deadline
+                or token not in state.sessions)
+
+    def then() -> Reply:
+        session.version_waiters -= 1
+        found = registry.current_version(name)
+        if found > after:
+            return Reply({"version": found})
+        raise TimedOut(f"{name!r} has no version newer than {after} after {timeout_ms} ms "
+                       f"(current: {found or 'none'})")
+
+    return Pending(done, then)
 
 
 @device_handler(ops.VerifyShared)
@@ -133,7 +172,7 @@ def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, 
 
 @front_handler(ops.Lookup)
 def lookup(front: DaemonState, session: Session | None, args: ops.Lookup, peer: str | None) -> Reply:
-    return _share_reply(front.shares.lookup(args.name).to_wire())
+    return _share_reply(front.shares.lookup(args.name, args.version).to_wire())
 
 
 @front_handler(ops.ListShared)

@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.protos.errors import LimitExceeded, NameExists, NotFound, NotOwner
+from cuctxd.daemon.registry.versions import VersionBook
+from cuctxd.protos.errors import BadArgument, LimitExceeded, NameExists, NotFound, NotOwner
 from cuctxd.protos.records import ShareDescriptor
 
 #: Default of ``max_manifest_bytes_per_session``: bytes of the names (manifests included) one session publishes.
@@ -166,6 +167,8 @@ class ShareRegistry:
         #: Names whose layout digest the daemon checked against their bytes: True where they bore it out, False
         #: where they did not (:mod:`cuctxd.daemon.device.digest_checks`); gone with the name or its naming.
         self._vouched: dict[str, bool] = {}
+        #: The live versions of versioned names (PROTOCOL.md, section 9, "Versions").
+        self.versions: VersionBook[Naming] = VersionBook()
         #: Ids of published shares kept alive by their names alone, on every device.
         self._orphaned: set[str] = set()
         #: Bytes of the published names (:meth:`Naming.charged`) by publishing session token, and by uid.
@@ -179,15 +182,17 @@ class ShareRegistry:
         with self._lock:
             self._shares[share.share_id] = _Listing(share.descriptor, share.owner)
 
-    def publish(self, name: str, share: ShareRecord, naming: Naming = PLAIN, *, replace: bool = False
-                ) -> tuple[str, int] | None:
+    def publish(self, name: str, share: ShareRecord, naming: Naming = PLAIN, *, replace: bool = False,
+                version: bool = False) -> tuple[str, int] | None:
         """Name ``share`` (:func:`check_scope` first), with its layout (checked by the caller) and
         flags. A name in use is :class:`NameExists`, unless ``replace``: then it moves to ``share`` in
         one step if the share's owner may unpublish it (:class:`NotOwner` otherwise), and the share id
         and device it left are returned (its device's worker then forgets the name there,
         :meth:`cuctxd.daemon.device.sharing.Sharing.forget_name`). :class:`LimitExceeded` naming
         ``max_manifest_bytes_per_session`` or ``max_manifest_bytes_per_uid`` if the name's bytes would
-        pass either (nothing is published or replaced then)."""
+        pass either (nothing is published or replaced then). ``version``: ``share`` becomes the name's next
+        version (:meth:`version_of`), replacing its current one as ``replace`` does; a versioned name is replaced
+        only so (:class:`BadArgument` otherwise)."""
         check_scope(name, share.owner.uid)
         owner = share.owner
         size = naming.charged(name)
@@ -196,7 +201,10 @@ class ShareRegistry:
             credit = (0, 0)  # what the replaced name gives back to this session and this uid
             if share_id is not None:
                 who = self._shares[share_id].owner
-                if not replace:
+                if self.versions.current(name) and not version:
+                    raise BadArgument(f"{name!r} is a versioned name: publish its next version (publish with "
+                                      "version) instead of replacing it")
+                if not (replace or version):
                     raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
                                      f"client {who.client!r}, {_uid_text(who.uid)}); {_who_may_unpublish(who)} may "
                                      f"unpublish it first (cuctx unpublish {name}), or publish with replace")
@@ -222,6 +230,8 @@ class ShareRegistry:
             self._names[name] = share.share_id
             if naming != PLAIN:
                 self._namings[name] = naming
+            if version:
+                self.versions.add(name, share.share_id, naming)
         share.names.add(name)
         return replaced
 
@@ -270,6 +280,7 @@ class ShareRegistry:
             for name in share.names:
                 self._forget_name(name, share.share_id)
             self._shares.pop(share.share_id, None)
+            self.versions.gone(share.share_id)
             self._orphaned.discard(share.share_id)
 
     def _forget_name(self, name: str, of_share: str | None = None) -> None:
@@ -280,6 +291,7 @@ class ShareRegistry:
             return
         share_id = self._names.pop(name, None)
         naming = self._namings.pop(name, PLAIN)
+        self.versions.uncurrent(name)
         self._vouched.pop(name, None)
         listing = None if share_id is None else self._shares.get(share_id)
         if listing is None:
@@ -301,16 +313,48 @@ class ShareRegistry:
             return {name: self._namings.get(name, PLAIN) for name in share.names
                     if self._names.get(name) == share.share_id}
 
-    def lookup(self, name: str) -> ShareDescriptor:
-        """The descriptor published as ``name``, with its ``publisher``."""
+    def lookup(self, name: str, version: int | None = None) -> ShareDescriptor:
+        """The descriptor published as ``name`` (with ``version``: that live version of it), with its
+        ``publisher`` and its version's number (0: not versioned)."""
         with self._lock:
-            share_id = self._names.get(name)
-            if share_id is None:
-                raise NotFound(f"no buffer is published as {name!r}")
+            if version is not None:
+                found = self.versions.find(name, version)
+                if found is None:
+                    raise NotFound(f"{name!r} has no live version {version} (its current one is "
+                                   f"{self.versions.current(name) or 'none'})")
+                share_id, naming = found
+            else:
+                share_id = self._names.get(name)
+                if share_id is None:
+                    raise NotFound(f"no buffer is published as {name!r}")
+                naming = self._namings.get(name, PLAIN)
             listing = self._shares[share_id]
-            naming = self._namings.get(name, PLAIN)
+            number = version or self.versions.current(name)
         return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher(),
-                                  "manifest": naming.manifest, "read_only": naming.read_only})
+                                  "manifest": naming.manifest, "read_only": naming.read_only, "version": number})
+
+    def current_version(self, name: str) -> int:
+        """The number of ``name``'s current version (0: none), what ``wait_version`` waits on."""
+        with self._lock:
+            return self.versions.current(name)
+
+    def version_of(self, name: str, share_id: str) -> int:
+        """The number of the version of ``name`` that ``share_id`` holds (0: none)."""
+        with self._lock:
+            return next((number for named, number, _, _ in self.versions.of_share(share_id) if named == name), 0)
+
+    def versions_of(self, share: ShareRecord) -> list[tuple[str, int, Naming, bool]]:
+        """Each (name, number, naming, current) version ``share`` holds (what parking keeps of it)."""
+        with self._lock:
+            return self.versions.of_share(share.share_id)
+
+    def restore_version(self, name: str, share: ShareRecord, naming: Naming, number: int, current: bool) -> None:
+        """A version re-adopted at start with its number: recorded, and named again if it was current (as
+        :meth:`publish` names it; :class:`NameExists` where the name is taken)."""
+        if current:
+            self.publish(name, share, naming)
+        with self._lock:
+            self.versions.add(name, share.share_id, naming, number, current=current)
 
     def relied_on(self, name: str) -> tuple[str, Naming, SessionRef, bool | None]:
         """For a reliance on ``name``'s digest: its share id, what it was published with, its publisher, and
@@ -349,6 +393,7 @@ class ShareRegistry:
                     "owner_present": self._shares[share_id].owner_present,
                     "holders": self._shares[share_id].holders,
                     "publisher": self._shares[share_id].publisher(),
+                    "version": self.versions.current(name),
                 }
                 for name, share_id in sorted(self._names.items())
             ]
