@@ -46,6 +46,6 @@ __all__ = [
     "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "DigestMismatch", "Event", "HostBuffer", "LimitExceeded",
     "NameExists", "NoAccess", "NoDaemon", "NotFound", "NotOwner", "NotShareable", "OpenedShare", "OutOfRange",
     "Pipeline", "Revoked", "SessionClosed", "SessionExpired", "SessionLost", "ShareDescriptor", "Stream", "TensorSet",
-    "TimedOut", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend", "open_tensors", "publish_tensors",
-    "publish_version", "wait_version",
+    "TimedOut", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend", "open_tensors",
+    "publish_tensors", "publish_version", "wait_version",
 ]

@@ -101,7 +101,8 @@ class DeviceParking:
     def _record(self, share: Share, versions: list[tuple[str, int, Naming, bool]]) -> ParkedShare:
         descriptor = share.descriptor
         numbered = {name: (number, current) for name, number, _, current in versions}
-        names = tuple(ParkedName(name, naming.manifest, naming.tensors, naming.read_only, *numbered.pop(name, (0, True)))
+        names = tuple(ParkedName(name, naming.manifest, naming.tensors, naming.read_only,
+                                 *numbered.pop(name, (0, True)))
                       for name, naming in sorted(self.registry.namings(share).items()))
         names += tuple(ParkedName(name, naming.manifest, naming.tensors, naming.read_only, number, False)
                        for name, number, naming, current in versions if not current)
