@@ -80,10 +80,11 @@ class LoadedState:
         return None if newer is None else LoadedState(newer)
 
     def copy_into(self, module: Any) -> int:
-        """Copy every tensor into ``module``'s own parameters and buffers of the same names, device to device
-        (torch ``copy_``; for engines that keep their own parameters); returns the bytes copied."""
+        """Copy every tensor into ``module``'s own parameters and buffers of the same names (or into a mapping of
+        name to torch tensor), device to device (torch ``copy_``; for engines that keep their own parameters);
+        returns the bytes copied."""
         torch = _torch()
-        targets = _named_tensors(module)
+        targets = module if isinstance(module, Mapping) else _named_tensors(module)
         missing = [key for key in self.state_dict if key not in targets]
         if missing:
             raise KeyError(f"the module has no parameter or buffer {missing[0]!r} ({len(missing)} missing)")
