@@ -3,8 +3,9 @@
 Each role answers the parent's commands on its pipe: ``("setup",)`` makes its weights (the trainer's state dict;
 an engine's own parameters where its way copies), ``("await", after)`` readies an engine for the next version
 (it answers at once, then waits and answers again with the ``time.perf_counter()`` at which it computed with
-the new version), ``("publish", marker)`` has the trainer write ``marker`` (a small integer, exact in bf16) into every tensor (its training
-step, not timed) and then hand the new weights over (timed from its call on; it answers that start time),
+the new version), ``("publish", marker)`` has the trainer write ``marker`` (a small integer, exact in bf16) into
+every tensor (its training step, not timed) and then hand the new weights over (timed from its call on; it
+answers that start time),
 ``("release",)`` lets an engine drop what it no longer needs, ``("stop",)`` ends it. ``perf_counter`` is
 CLOCK_MONOTONIC on Linux, one clock for every process.
 

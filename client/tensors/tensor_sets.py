@@ -250,10 +250,9 @@ def _copy_from_device(client: Any, buffer: Any, sources: list[tuple[TensorSpec, 
     from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
 
     with client.open_shared(client.export(buffer)) as mapped:
-        for spec, source in sources:
-            assert source.device_ptr is not None
-            copy_device_to_device(mapped.descriptor.device_uuid, mapped.ptr + spec.offset, source.device_ptr,
-                                  source.nbytes)
+        copy_device_to_device(mapped.descriptor.device_uuid,
+                              [(mapped.ptr + spec.offset, source.device_ptr, source.nbytes)
+                               for spec, source in sources if source.device_ptr is not None])
 
 
 class SharedTensor:
@@ -387,10 +386,14 @@ class TensorSet(Mapping[str, SharedTensor]):
     def refresh(self, *, digest: str | None = None) -> TensorSet | None:
         """The set of the name's newest version, opened as this one was, or None if there is none newer
         (:func:`open_tensors`); this set stays open: close it once nothing uses it any more."""
-        client, name = self.share.client, self.share.descriptor.name
-        if name is None or client.lookup(name).version <= self.version:
+        client: Any = self.share.client
+        name = self.share.descriptor.name
+        if name is None:
             return None
-        return open_tensors(client, name, writable=self.writable, digest=digest)
+        descriptor = client.lookup(name)
+        if descriptor.version <= self.version:
+            return None
+        return _open_layout(client, name, descriptor, self.writable, digest)
 
     def copy_into(self, destinations: Mapping[str, Any]) -> int:
         """Copy each tensor into the array of its name in ``destinations`` (same dtype size and byte count;
@@ -399,7 +402,13 @@ class TensorSet(Mapping[str, SharedTensor]):
         missing = [key for key in self._tensors if key not in destinations]
         if missing:
             raise BadArgument(f"no destination for {len(missing)} tensors of the layout (first: {missing[0]!r})")
-        return sum(_copy_tensor(tensor, destinations[key]) for key, tensor in self._tensors.items())
+        pieces = [_copy_tensor(tensor, destinations[key]) for key, tensor in self._tensors.items()]
+        device_pieces = [piece for piece in pieces if piece is not None]
+        if device_pieces:
+            from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
+
+            copy_device_to_device(self.share.descriptor.device_uuid, device_pieces)
+        return sum(tensor.nbytes for tensor in self._tensors.values())
 
     def close(self) -> None:
         """Unmap the layout and drop the hold; views made from it must not be used afterwards."""
@@ -418,7 +427,12 @@ def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str 
     read-only). ``digest``: the content required (a layout digest, :mod:`cuctxd.protos.digests`); a layout
     with another one, or none, or whose bytes the daemon finds do not bear it out (``verify_shared``: a layout
     of another user's), raises :class:`~cuctxd.protos.errors.DigestMismatch` before anything is mapped."""
-    descriptor = client.lookup(name)
+    return _open_layout(client, name, client.lookup(name), writable, digest)
+
+
+def _open_layout(client: Any, name: str, descriptor: ShareDescriptor, writable: bool, digest: str | None
+                 ) -> TensorSet:
+    """:func:`open_tensors` of the descriptor ``name``'s lookup gave."""
     if not descriptor.manifest:
         raise BadArgument(f"{name!r} was published as a plain buffer, without a tensor layout")
     if writable and descriptor.read_only:
@@ -432,8 +446,9 @@ def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str 
     return TensorSet(client.open_shared(descriptor), manifest, writable)
 
 
-def _copy_tensor(tensor: SharedTensor, destination: Any) -> int:
-    """One tensor's bytes into ``destination`` (module docstring of :meth:`TensorSet.copy_into`)."""
+def _copy_tensor(tensor: SharedTensor, destination: Any) -> tuple[int, int, int] | None:
+    """One tensor's bytes into a host ``destination`` now, or the ``(dst, src, size)`` of its device copy
+    (:meth:`TensorSet.copy_into` makes them all at once)."""
     source = _Source(tensor.name, destination)
     if source.nbytes != tensor.nbytes or DTYPES[source.dtype].itemsize != DTYPES[tensor.dtype].itemsize:
         raise BadArgument(f"tensor {tensor.name!r}: {tensor.dtype}{list(tensor.shape)} cannot be copied into "
@@ -442,17 +457,13 @@ def _copy_tensor(tensor: SharedTensor, destination: Any) -> int:
     if source.device_ptr is not None:
         if share.backend != "cuda":
             raise WrongBackend(f"a {share.backend} layout is host memory: copy it into host arrays")
-        from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
-
-        copy_device_to_device(share.descriptor.device_uuid, source.device_ptr, share.ptr + tensor.spec.offset,
-                              tensor.nbytes)
-    elif source.host is not None and share.backend == "sim":
-        if source.host.readonly:
-            raise BadArgument(f"tensor {tensor.name!r}: the destination is read-only")
-        source.host.cast("B")[:] = share.host_view()[tensor.spec.offset:tensor.spec.extent()]
-    else:
+        return source.device_ptr, share.ptr + tensor.spec.offset, tensor.nbytes
+    if source.host is None or share.backend != "sim":
         raise WrongBackend(f"a {share.backend} layout is copied into CUDA arrays on its GPU")
-    return tensor.nbytes
+    if source.host.readonly:
+        raise BadArgument(f"tensor {tensor.name!r}: the destination is read-only")
+    source.host.cast("B")[:] = share.host_view()[tensor.spec.offset:tensor.spec.extent()]
+    return None
 
 
 def raw_interface(tensor: SharedTensor, *, readonly: bool | None = None) -> dict[str, Any]:

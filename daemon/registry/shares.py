@@ -324,10 +324,10 @@ class ShareRegistry:
                                    f"{self.versions.current(name) or 'none'})")
                 share_id, naming = found
             else:
-                share_id = self._names.get(name)
-                if share_id is None:
+                current = self._names.get(name)
+                if current is None:
                     raise NotFound(f"no buffer is published as {name!r}")
-                naming = self._namings.get(name, PLAIN)
+                share_id, naming = current, self._namings.get(name, PLAIN)
             listing = self._shares[share_id]
             number = version or self.versions.current(name)
         return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher(),
