@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
     load.add_argument("--replace", action="store_true", help="if the name holds other content, swap it for this "
                                                             "(sessions that opened the old one keep it)")
+    load.add_argument("--version", action="store_true", help="publish it as the name's next version (sessions "
+                                                            "holding the previous one keep it)")
+    wait = command("wait-version", "wait until a name has a version newer than --after, and print its number")
+    wait.add_argument("name", metavar="NAME", help="the versioned name")
+    wait.add_argument("--after", type=_ordinal, default=0, metavar="N", help="the version you have (default 0)")
+    wait.add_argument("--wait", type=_seconds, default=None, metavar="S",
+                      help="give up after S seconds (exit 1; default: wait until it comes)")
     unpublish = command("unpublish", "remove a published name (one published by your user; any, as the "
                                      "daemon's user)")
     unpublish.add_argument("name", metavar="NAME", help="the name, as 'cuctx shared' lists it")
@@ -218,6 +225,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(shared) if args.json else shared_table(shared))
             elif args.command == "load":
                 return load_file(client, args)
+            elif args.command == "wait-version":
+                version = client.wait_version(args.name, args.after, args.wait)
+                _say(args, {"name": args.name, "version": version}, f"{args.name!r} version {version}")
             elif args.command == "unpublish":
                 client.unpublish(args.name)
                 _say(args, {"unpublished": args.name}, f"unpublished {args.name!r}")
@@ -285,14 +295,14 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     loaded = load_safetensors(client, args.path, args.name, device=args.device, progress=progress,
-                              read_only=args.read_only, replace=args.replace)
+                              read_only=args.read_only, replace=args.replace, version=args.version)
     took = time.perf_counter() - started
     if shown:
         print(file=sys.stderr)
     descriptor = loaded.descriptor
     if args.json:
         print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,
-                          "replaced": loaded.replaced,
+                          "replaced": loaded.replaced, "version": descriptor.version,
                           "share_id": descriptor.share_id, "digest": loaded.digest}))
     elif not loaded.loaded:
         done = ("the copy just read was freed and the name left as it was" if args.replace
@@ -301,7 +311,8 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
               f"{human_size(descriptor.size)} on device {descriptor.device}); {done}")
     else:
         said = f", digest {digests.short(loaded.digest)}" if loaded.digest else ""
-        print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {args.name!r}: "
+        as_version = f" version {descriptor.version}" if descriptor.version else ""
+        print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {args.name!r}{as_version}: "
               f"{human_size(descriptor.size)} on device {descriptor.device} in {human_duration(took)}{said}")
     return 0
 

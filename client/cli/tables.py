@@ -178,7 +178,7 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
         return "no published buffers"
     return table(
         ["NAME", "DEVICE", "SIZE", "TENSORS", "MODE", "OWNER", "PUBLISHER", "HOLDERS", "DIGEST", "SHARE"],
-        [[s["name"], s["device"], human_size(s["size"]), s.get("tensors") or "-", "ro" if s.get("read_only") else "rw",
+        [[f"{s['name']} v{s['version']}" if s.get("version") else s["name"], s["device"], human_size(s["size"]), s.get("tensors") or "-", "ro" if s.get("read_only") else "rw",
           s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", _publisher(s.get("publisher")),
           s["holders"], _digest(s), s["share_id"]]
          for s in shared],

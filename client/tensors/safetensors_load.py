@@ -48,13 +48,14 @@ class Loaded:
 
 def load_safetensors(client: Any, path: str, name: str, *, device: int | None = None,
                      progress: Callable[[int, int], None] | None = None, read_only: bool = False,
-                     replace: bool = False, digest: bool = True) -> Loaded:
+                     replace: bool = False, digest: bool = True, version: bool = False) -> Loaded:
     """Publish the checkpoint at ``path`` (a ``.safetensors`` file, a directory, or an index JSON) as
     ``name`` on ``device``; ``progress(done, total)`` in bytes, once for the whole checkpoint;
     ``read_only``: consumers may open it only read-only. A name in use: the same content is a no-op
     (``loaded`` False, with or without ``replace``), other content :class:`NameExists` unless ``replace``
     (allowed to whoever may unpublish the name). ``digest=False`` leaves the digests out of the manifest
-    (for measuring). Raises :class:`BadArgument` for a checkpoint that cannot load (nothing allocated then),
+    (for measuring). ``version``: publish it as the name's next version, whatever the name holds (the same
+    content too). Raises :class:`BadArgument` for a checkpoint that cannot load (nothing allocated then),
     ``CudaError`` ``CUDA_ERROR_OUT_OF_MEMORY`` for a device without room."""
     checkpoint = read_checkpoint(path)
     offsets, size = layout_offsets(tensor.nbytes for tensor in checkpoint.tensors)
@@ -62,7 +63,7 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
                               for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
     check_manifest(manifest.pack(), size)  # a checkpoint no layout can hold is refused before anything else
     published = _published(client, name)
-    if published is not None and not replace:
+    if published is not None and not (replace or version):
         return _same_content(client, checkpoint, manifest, name, published)
     known = _manifest_of(published)
     theirs = None if known is None else known.digest
@@ -74,13 +75,13 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
         try:  # the buffer is made while the first chunks are read
             with load_into_new_buffer(client, build.alloc(client, Buffer, size, device, True), device, ranges,
                                       digest=digest, progress=progress) as (buffer, found):
-                if (published is not None and theirs is not None and digest
+                if (published is not None and theirs is not None and digest and not version
                         and _layout_digest(checkpoint, cast(list[str], found)) == theirs
                         and _vouched(client, name, published, theirs)):
                     buffer.free()  # a replace by the same content: nothing to swap
                     return Loaded(published, theirs, False)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
-                                            replace=replace)
+                                            replace=replace and not version, version=version)
         except (EOFError, OSError) as exc:
             raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
         except CudaError as error:

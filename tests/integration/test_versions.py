@@ -4,8 +4,10 @@ wait for newer ones in the daemon and refresh; a trainer killed mid-publish leav
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +15,16 @@ import pytest
 from cuctxd import AsyncClient, BadArgument, Client, CudaError, LimitExceeded, NotFound, TimedOut
 from cuctxd.client.tensors import open_tensors, publish_tensors, publish_version, wait_version
 from cuctxd.protos.limits import MAX_VERSION_WAITERS
-from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, spawn_client, wait_for_line, wait_until
+from tests.checkpoint_files import write_shard
+from tests.helpers import (
+    DaemonProcess,
+    cuctx,
+    remove_tempdir,
+    short_tempdir,
+    spawn_client,
+    wait_for_line,
+    wait_until,
+)
 from tests.service_manager import ServiceManager
 
 #: Each version of the toy model: 1 MiB of float32, its values telling the version apart.
@@ -270,3 +281,22 @@ def test_two_live_versions_survive_a_restart_with_their_numbers_and_the_current_
         c.unpublish("parked")
     assert "adopted 2 parked share(s)" in daemon.log()
     engine.close()  # its session went with the old daemon
+
+
+def test_cuctx_loads_checkpoints_as_versions_and_waits_for_one(daemon: DaemonProcess, tmp_path: Path) -> None:
+    endpoint = ("--endpoint", daemon.endpoint)
+    first = write_shard(tmp_path / "a.safetensors", {"w": np.full(64, 1.0, dtype=np.float32)})
+    second = write_shard(tmp_path / "b.safetensors", {"w": np.full(64, 2.0, dtype=np.float32)})
+    loaded = [cuctx("load", str(path), "--name", "cli-policy", "--version", "--json", *endpoint) for path in
+              (first, first, second)]  # the same content again is a version too
+    assert [done.returncode for done in loaded] == [0, 0, 0], [done.stderr for done in loaded]
+    assert [json.loads(done.stdout)["version"] for done in loaded] == [1, 2, 3]
+    waited = cuctx("wait-version", "cli-policy", "--after", "2", *endpoint)
+    assert waited.returncode == 0 and waited.stdout.strip() == "'cli-policy' version 3"
+    late = cuctx("wait-version", "cli-policy", "--after", "3", "--wait", "0.2", *endpoint)
+    assert late.returncode == 1 and "CUCTXD_ERROR_TIMED_OUT" in late.stderr
+    listed = cuctx("shared", *endpoint)
+    assert "cli-policy v3" in listed.stdout
+    with Client(daemon.endpoint) as c, open_tensors(c, "cli-policy") as tensors:
+        assert tensors.version == 3 and float(np.asarray(tensors["w"])[0]) == 2.0
+        c.unpublish("cli-policy")
