@@ -178,11 +178,16 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
         return "no published buffers"
     return table(
         ["NAME", "DEVICE", "SIZE", "TENSORS", "MODE", "OWNER", "PUBLISHER", "HOLDERS", "DIGEST", "SHARE"],
-        [[f"{s['name']} v{s['version']}" if s.get("version") else s["name"], s["device"], human_size(s["size"]), s.get("tensors") or "-", "ro" if s.get("read_only") else "rw",
+        [[_named(s), s["device"], human_size(s["size"]), s.get("tensors") or "-", "ro" if s.get("read_only") else "rw",
           s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", _publisher(s.get("publisher")),
           s["holders"], _digest(s), s["share_id"]]
          for s in shared],
     )
+
+
+def _named(shared: dict[str, Any]) -> str:
+    """A name, with its current version's number where it has versions."""
+    return f"{shared['name']} v{shared['version']}" if shared.get("version") else str(shared["name"])
 
 
 #: What the DIGEST column adds where the daemon hashed the bytes (``list_shared``'s ``verified``).
