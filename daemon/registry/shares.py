@@ -201,13 +201,13 @@ class ShareRegistry:
             credit = (0, 0)  # what the replaced name gives back to this session and this uid
             if share_id is not None:
                 who = self._shares[share_id].owner
-                if self.versions.current(name) and not version:
-                    raise BadArgument(f"{name!r} is a versioned name: publish its next version (publish with "
-                                      "version) instead of replacing it")
                 if not (replace or version):
                     raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
                                      f"client {who.client!r}, {_uid_text(who.uid)}); {_who_may_unpublish(who)} may "
                                      f"unpublish it first (cuctx unpublish {name}), or publish with replace")
+                if self.versions.current(name) and not version:
+                    raise BadArgument(f"{name!r} is a versioned name: publish its next version (publish with "
+                                      "version) instead of replacing it")
                 if not may_unpublish(who, owner):
                     raise NotOwner(f"{name!r} was published by session {who.public_id} ({who.client!r}, "
                                    f"{_uid_text(who.uid)}); only {_who_may_unpublish(who)} may replace it")

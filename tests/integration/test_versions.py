@@ -155,10 +155,13 @@ def test_waiters_per_session_are_bounded_and_all_answered_by_one_publish(daemon:
             await asyncio.sleep(0)
             with pytest.raises(LimitExceeded, match="MAX_VERSION_WAITERS"):
                 await engine.wait_version("crowded", 0, 30)
+            with Client(daemon.endpoint) as observer:
+                assert observer.status()["devices"][0]["version_waiters"] == MAX_VERSION_WAITERS
             with Client(daemon.endpoint) as trainer:
                 publish_version(trainer, "crowded", weights(1))
                 assert await asyncio.gather(*waits) == [1] * MAX_VERSION_WAITERS
                 assert await engine.wait_version("crowded", 0, 30) == 1
+                assert trainer.status()["devices"][0]["version_waiters"] == 0
                 trainer.unpublish("crowded")
 
     asyncio.run(main())
