@@ -231,7 +231,7 @@ def test_torch_parameters_are_swapped_to_a_refreshed_version_in_place(daemon: Da
                 swap_parameters(module, loaded)
                 assert loaded.version == 1 and float(module.weight[0, 0]) == 1.0
         newer = loaded.refresh()
-        assert newer is not None and newer.version == 2 and loaded.refresh() is not None
+        assert newer is not None and newer.version == 2 and newer.refresh() is None
         swap_parameters(module, newer)
         loaded.close()
         assert module.weight is parameter and float(module.weight[0, 0]) == 2.0  # the same Parameter, new memory
