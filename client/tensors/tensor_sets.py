@@ -167,15 +167,26 @@ def publish_filled(client: Any, name: str, manifest: Manifest, buffer: Any, foun
     as the name's next version, the buffer handed to the daemon.
     Returns the share's descriptor with that manifest; frees the buffer when this raises."""
     try:
-        specs = tuple(dataclasses.replace(spec, digest=digest)
-                      for spec, digest in zip(manifest.tensors, found, strict=True))
-        packed = Manifest.digested(specs, manifest.metadata).pack()
+        packed = digested(manifest, found)
         published: ShareDescriptor = client.run(build.publish(buffer, name, packed, persistent, read_only,
                                                               replace=replace, version=version))
         return dataclasses.replace(published, manifest=packed)
     except BaseException:
         buffer.free()
         raise
+
+
+def digested(manifest: Manifest, found: Sequence[str | None]) -> bytes:
+    """The manifest packed with each tensor's digest ``found`` (and the layout's, where every tensor has one)."""
+    specs = tuple(dataclasses.replace(spec, digest=digest)
+                  for spec, digest in zip(manifest.tensors, found, strict=True))
+    return Manifest.digested(specs, manifest.metadata).pack()
+
+
+def device_copies(manifest: Manifest, sources: Sequence[_Source], base: int) -> list[tuple[int, int, int]]:
+    """The ``(dst, src, size)`` copy of each tensor that is on the device into a buffer mapped at ``base``."""
+    return [(base + spec.offset, source.device_ptr, source.nbytes)
+            for spec, source in zip(manifest.tensors, sources, strict=True) if source.device_ptr is not None]
 
 
 def no_room(client: Any, error: CudaError, size: int, device: int | None, tensors: int) -> CudaError:
@@ -210,12 +221,10 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
         hashed = {index: source.host for index, source in enumerate(sources) if source.host is not None}
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuctxd-digests") as pool:  # waits for it
             running = pool.submit(hash_views, list(hashed.values())) if digest else None
-            device_sources = [(spec, source) for spec, source in zip(manifest.tensors, sources, strict=True)
-                              if source.device_ptr is not None]
             host_sources = [(manifest.tensors[index].offset, view) for index, view in hashed.items() if view.nbytes]
             _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
-            if device_sources:
-                _copy_from_device(client, buffer, device_sources)
+            if any(source.device_ptr is not None for source in sources):
+                _copy_from_device(client, buffer, manifest, sources)
             found = dict(zip(hashed, running.result(), strict=True)) if running is not None else {}
         return [found.get(index) for index in range(len(sources))]
 
@@ -243,16 +252,14 @@ def _write_host_sources(client: Any, buffer: Any, pieces: list[tuple[int, memory
                 progress(done, total)
 
 
-def _copy_from_device(client: Any, buffer: Any, sources: list[tuple[TensorSpec, _Source]]) -> None:
+def _copy_from_device(client: Any, buffer: Any, manifest: Manifest, sources: list[_Source]) -> None:
     """Device-to-device copies into the daemon's buffer, mapped here through its pool."""
     if client.backend != "cuda":
         raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
     from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
 
     with client.open_shared(client.export(buffer)) as mapped:
-        copy_device_to_device(mapped.descriptor.device_uuid,
-                              [(mapped.ptr + spec.offset, source.device_ptr, source.nbytes)
-                               for spec, source in sources if source.device_ptr is not None])
+        copy_device_to_device(mapped.descriptor.device_uuid, device_copies(manifest, sources, mapped.ptr))
 
 
 class SharedTensor:

@@ -10,10 +10,16 @@ last holder closes it. Which thread may call: the client's callers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from cuctxd.client.tensors.tensor_sets import publish_tensors
+from cuctxd.client.data_plane import transfers
+from cuctxd.client.tensors.hashing import hash_views
+from cuctxd.client.tensors.tensor_sets import device_copies, digested, plan_layout, publish_tensors
+from cuctxd.client.wire import build
+from cuctxd.protos.errors import BadArgument
+from cuctxd.protos.layouts import Manifest, check_manifest
 
 
 def publish_version(client: Any, name: str, tensors: Any, metadata: Mapping[str, Any] | None = None, *,
@@ -28,15 +34,61 @@ def publish_version(client: Any, name: str, tensors: Any, metadata: Mapping[str,
     written; until then, and if this process dies on the way, the previous version stays current and the new
     buffer is freed with the session. The daemon then keeps the version by its name (this session lets go of
     the buffer), persistent, with a digest of its own where every tensor came from host memory."""
-    if isinstance(tensors, Mapping) and not (tensors and _is_torch(tensors)):
-        source: Mapping[str, Any] = tensors
-    else:
-        from cuctxd.client.tensors.torch_weights import publishable
-
-        source = publishable(tensors)
-    published = publish_tensors(client, name, source, metadata, device=device, progress=progress,
+    published = publish_tensors(client, name, _publishable(tensors), metadata, device=device, progress=progress,
                                 read_only=read_only, digest=digest, version=True)
     return published.version
+
+
+async def publish_version_async(client: Any, name: str, tensors: Any, metadata: Mapping[str, Any] | None = None, *,
+                                device: int | None = None, read_only: bool = False, digest: bool = True) -> int:
+    """:func:`publish_version` for an :class:`~cuctxd.client.api.async_client.AsyncClient`: the same requests,
+    awaited (host tensors hashed on a thread while they are written, device copies made on a thread)."""
+    manifest, sources, size = plan_layout(_publishable(tensors), metadata)
+    check_manifest(manifest.pack(), size)
+    buffer = await client.alloc(size, device, shareable=True)
+    try:
+        hashed = [index for index, source in enumerate(sources) if source.host is not None]
+        hashing = asyncio.ensure_future(asyncio.to_thread(hash_views, [sources[i].host for i in hashed])) \
+            if digest else None
+        try:
+            pieces = [(manifest.tensors[i].offset, sources[i].host) for i in hashed if sources[i].nbytes]
+            if pieces:
+                await client.run(transfers.write_pieces(client, buffer, pieces))
+            if any(source.device_ptr is not None for source in sources):
+                await _copy_from_device(client, buffer, manifest, sources)
+        finally:
+            found = dict(zip(hashed, await hashing, strict=True)) if hashing is not None else {}
+        packed = digested(manifest, [found.get(index) for index in range(len(sources))])
+        published = await client.run(build.publish(buffer, name, packed, True, read_only, version=True))
+    except BaseException:
+        if not buffer.freed:
+            await client.free(buffer)
+        raise
+    version: int = published.version
+    return version
+
+
+async def _copy_from_device(client: Any, buffer: Any, manifest: Manifest, sources: Sequence[Any]) -> None:
+    """The device tensors into the buffer, mapped in this process (a thread makes the copies)."""
+    if client.backend != "cuda":
+        raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
+    from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
+
+    mapped = await client.open_shared(await client.export(buffer))
+    try:
+        await asyncio.to_thread(copy_device_to_device, mapped.descriptor.device_uuid,
+                                device_copies(manifest, sources, mapped.ptr))
+    finally:
+        await mapped.close()
+
+
+def _publishable(tensors: Any) -> Mapping[str, Any]:
+    """``tensors`` as :func:`publish_tensors` takes them: a mapping as it is, torch's through its adapter."""
+    if isinstance(tensors, Mapping) and not (tensors and _is_torch(tensors)):
+        return tensors
+    from cuctxd.client.tensors.torch_weights import publishable
+
+    return publishable(tensors)
 
 
 def _is_torch(tensors: Mapping[str, Any]) -> bool:
@@ -57,4 +109,4 @@ async def wait_version_async(client: Any, name: str, after: int, timeout: float 
     return number
 
 
-__all__ = ["publish_version", "wait_version", "wait_version_async"]
+__all__ = ["publish_version", "publish_version_async", "wait_version", "wait_version_async"]

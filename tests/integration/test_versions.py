@@ -14,6 +14,7 @@ import pytest
 
 from cuctxd import AsyncClient, BadArgument, Client, CudaError, LimitExceeded, NotFound, TimedOut
 from cuctxd.client.tensors import open_tensors, publish_tensors, publish_version, wait_version
+from cuctxd.client.tensors.versions import publish_version_async
 from cuctxd.protos.limits import MAX_VERSION_WAITERS
 from tests.checkpoint_files import write_shard
 from tests.helpers import (
@@ -158,8 +159,11 @@ def test_waiters_per_session_are_bounded_and_all_answered_by_one_publish(daemon:
             with Client(daemon.endpoint) as observer:
                 assert observer.status()["devices"][0]["version_waiters"] == MAX_VERSION_WAITERS
             with Client(daemon.endpoint) as trainer:
-                publish_version(trainer, "crowded", weights(1))
+                async with AsyncClient(daemon.endpoint) as publisher:  # the async form: the same version
+                    assert await publish_version_async(publisher, "crowded", weights(1)) == 1
                 assert await asyncio.gather(*waits) == [1] * MAX_VERSION_WAITERS
+                with open_tensors(trainer, "crowded") as tensors:
+                    assert tensors.digest is not None and float(np.asarray(tensors["w"])[-1]) == 1.0
                 assert await engine.wait_version("crowded", 0, 30) == 1
                 assert trainer.status()["devices"][0]["version_waiters"] == 0
                 trainer.unpublish("crowded")
