@@ -47,17 +47,16 @@ async def publish_version_async(client: Any, name: str, tensors: Any, metadata: 
     check_manifest(manifest.pack(), size)
     buffer = await client.alloc(size, device, shareable=True)
     try:
-        hashed = [index for index, source in enumerate(sources) if source.host is not None]
-        hashing = asyncio.ensure_future(asyncio.to_thread(hash_views, [sources[i].host for i in hashed])) \
-            if digest else None
+        host = {index: source.host for index, source in enumerate(sources) if source.host is not None}
+        hashing = asyncio.ensure_future(asyncio.to_thread(hash_views, list(host.values()))) if digest else None
         try:
-            pieces = [(manifest.tensors[i].offset, sources[i].host) for i in hashed if sources[i].nbytes]
+            pieces = [(manifest.tensors[index].offset, view) for index, view in host.items() if view.nbytes]
             if pieces:
                 await client.run(transfers.write_pieces(client, buffer, pieces))
             if any(source.device_ptr is not None for source in sources):
                 await _copy_from_device(client, buffer, manifest, sources)
         finally:
-            found = dict(zip(hashed, await hashing, strict=True)) if hashing is not None else {}
+            found = dict(zip(host, await hashing, strict=True)) if hashing is not None else {}
         packed = digested(manifest, [found.get(index) for index in range(len(sources))])
         published = await client.run(build.publish(buffer, name, packed, True, read_only, version=True))
     except BaseException:
