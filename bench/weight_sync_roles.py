@@ -20,6 +20,7 @@ anchors' ways, as those systems do.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -43,11 +44,7 @@ def run_trainer(endpoint: str, backend: str, way: str, total: int, count: int, p
     params: dict[str, Any] = {}
     buckets: list[Any] = []
     with Client(endpoint, timeout=600) as client:
-        parent.send(("up",))
-        while True:
-            command = parent.recv()
-            if command[0] == "stop":
-                break
+        for command in _commands(parent):
             if command[0] == "setup":
                 params = {f"layers.{i}.weight": _tensor(torch, n) for i, n in enumerate(shapes(total, count))}
                 if way == "buckets":
@@ -118,11 +115,7 @@ def run_engine(endpoint: str, backend: str, way: str, total: int, count: int, pa
     previous: Any = None  # zero-copy: the one before, until the parent says it may go
     last = f"layers.{count - 1}.weight"
     with Client(endpoint, timeout=600) as client:
-        parent.send(("up",))
-        while True:
-            command = parent.recv()
-            if command[0] == "stop":
-                break
+        for command in _commands(parent):
             if command[0] == "setup":
                 if way != "zero-copy":
                     own = {f"layers.{i}.weight": _tensor(torch, n) for i, n in enumerate(shapes(total, count))}
@@ -154,6 +147,13 @@ def run_engine(endpoint: str, backend: str, way: str, total: int, count: int, pa
                     _copy_handles(torch, trainer.recv(), own, way)
                     seen = _first(torch, own[last])
                 parent.send(("computed", time.perf_counter(), seen))
+
+
+def _commands(parent: Connection) -> Iterator[tuple[Any, ...]]:
+    """The parent's commands until ``("stop",)``, once this process said it is up."""
+    parent.send(("up",))
+    while (command := parent.recv())[0] != "stop":
+        yield command
 
 
 def _copy_handles(torch: Any, sent: Any, own: dict[str, Any], way: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +19,11 @@ from tests.checkpoint_files import write_shard
 from tests.helpers import (
     DaemonProcess,
     cuctx,
-    remove_tempdir,
-    short_tempdir,
     spawn_client,
     wait_for_line,
     wait_until,
 )
+from tests.integration import test_parking
 from tests.service_manager import ServiceManager
 
 #: Each version of the toy model: 1 MiB of float32, its values telling the version apart.
@@ -246,14 +244,8 @@ def test_torch_parameters_are_swapped_to_a_refreshed_version_in_place(daemon: Da
         trainer.unpublish("swapped")
 
 
-@pytest.fixture
-def manager() -> Iterator[ServiceManager]:
-    directory = short_tempdir()
-    service = ServiceManager(directory)
-    yield service
-    code = service.close()
-    remove_tempdir(directory)
-    assert code in (0, None), service.daemon.log() if service.daemon else ""
+#: The test service manager of one test (standing in for systemd), as the parking tests have it.
+manager = test_parking.manager
 
 
 def test_two_live_versions_survive_a_restart_with_their_numbers_and_the_current_one_stays_current(
