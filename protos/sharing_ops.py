@@ -74,7 +74,8 @@ class Lookup:
 @op("wait_version", target="device")
 class WaitVersion:
     """Answer once ``name`` has a current version newer than ``after`` (at once if it has), or fail with
-    ``CUCTXD_ERROR_TIMED_OUT`` after ``timeout_ms`` (at most ``MAX_VERSION_WAIT_MS``; nil: that much). At most
+    ``CUCTXD_ERROR_TIMED_OUT`` after ``timeout_ms`` (at most ``MAX_VERSION_WAIT_MS``; nil: that much), or
+    ``CUCTXD_ERROR_SHUTTING_DOWN`` once the daemon drains. At most
     ``MAX_VERSION_WAITERS`` of a session wait on a device at a time. Result: ``version``."""
 
     name: str = name_field()
@@ -102,7 +103,7 @@ class VerifyShared:
 @op("list_shared", target="front")
 class ListShared:
     """Every published name. Result: ``shared`` (list of maps: name, share_id, device,
-    size, owner, owner_present, holders, publisher, tensors, read_only, digest, verified)."""
+    size, owner, owner_present, holders, publisher, tensors, read_only, digest, verified, version)."""
 
 
 @op("open_shared", target="device")

@@ -14,7 +14,7 @@ from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
-from cuctxd.protos.errors import BadArgument, LimitExceeded, TimedOut
+from cuctxd.protos.errors import BadArgument, LimitExceeded, ShuttingDown, TimedOut
 from cuctxd.protos.layouts import check_manifest
 from cuctxd.protos.limits import MAX_LISTED, MAX_VERSION_WAIT_MS, MAX_VERSION_WAITERS
 
@@ -117,13 +117,16 @@ def wait_version(state: DeviceState, job: Job) -> Reply | Pending:
 
     def done() -> bool:
         return (registry.current_version(name) > after or time.monotonic() >= deadline
-                or token not in state.sessions)
+                or token not in state.sessions or state.draining or state.sharing.stopping)
 
     def then() -> Reply:
         session.version_waiters -= 1
         found = registry.current_version(name)
         if found > after:
             return Reply({"version": found})
+        if state.draining or state.sharing.stopping:
+            raise ShuttingDown(f"cuctxd is shutting down: the wait for a version of {name!r} newer than {after} "
+                               "ends unanswered")
         raise TimedOut(f"{name!r} has no version newer than {after} after {timeout_ms} ms "
                        f"(current: {found or 'none'})")
 

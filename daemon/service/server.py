@@ -418,6 +418,8 @@ class Daemon:
         front = self._front
         assert front is not None
         front.state.draining = True
+        for worker in self._workers:
+            worker.submit_task(_end_waits)
         self.notifier.stopping(self._status_line())
         timeout = self.config.drain_timeout
         in_flight = front.observer.in_flight if front.observer is not None else 0
@@ -555,3 +557,9 @@ def _report(held: list[int], index: int, mark: threading.Event, count: int) -> N
     has run."""
     held[index] = count
     mark.set()
+
+
+def _end_waits(worker: DeviceWorker) -> None:
+    """A device worker's task at the drain's start: its waits for new versions end (``DeviceState.draining``)."""
+    if worker.state is not None:
+        worker.state.draining = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from cuctxd import AsyncClient, BadArgument, Client, CudaError, LimitExceeded, NotFound, TimedOut
 from cuctxd.client.tensors import open_tensors, publish_tensors, publish_version, wait_version
 from cuctxd.client.tensors.versions import publish_version_async
+from cuctxd.protos.errors import ShuttingDown
 from cuctxd.protos.limits import MAX_VERSION_WAITERS
 from tests.checkpoint_files import write_shard
 from tests.helpers import (
@@ -167,6 +169,25 @@ def test_waiters_per_session_are_bounded_and_all_answered_by_one_publish(daemon:
                 trainer.unpublish("crowded")
 
     asyncio.run(main())
+
+
+def test_a_drain_answers_the_waiters_at_once_and_the_daemon_exits_cleanly(start_daemons) -> None:  # type: ignore[no-untyped-def]
+    daemon = start_daemons("--sim-devices", "1", "--sim-memory", "64MiB")
+
+    async def main() -> None:
+        async with AsyncClient(daemon.endpoint) as engine:
+            waiting = asyncio.ensure_future(engine.wait_version("never", 0))  # no timeout: an hour in the daemon
+            with Client(daemon.endpoint) as observer:  # the wait is in the daemon once status counts it
+                while observer.status()["devices"][0]["version_waiters"] != 1:
+                    await asyncio.sleep(0.02)
+            started = time.monotonic()
+            daemon.process.send_signal(signal.SIGTERM)  # a graceful stop: the drain
+            with pytest.raises(ShuttingDown, match="wait for a version of 'never'"):
+                await waiting
+            assert time.monotonic() - started < 5
+
+    asyncio.run(main())
+    assert daemon.process.wait(30) == 0
 
 
 DYING_TRAINER = """
