@@ -320,3 +320,25 @@ def test_cuctx_loads_checkpoints_as_versions_and_waits_for_one(daemon: DaemonPro
     with Client(daemon.endpoint) as c, open_tensors(c, "cli-policy") as tensors:
         assert tensors.version == 3 and float(np.asarray(tensors["w"])[0]) == 2.0
         c.unpublish("cli-policy")
+
+
+def test_an_older_version_nobody_holds_again_after_a_restart_goes_with_the_orphan_ttl(manager: ServiceManager) -> None:
+    sim = ("--sim-devices", "1", "--sim-memory", "64MiB", "--orphan-ttl", "1")
+    daemon = manager.start(*sim)
+    with Client(daemon.endpoint) as trainer:
+        empty = free_memory(trainer)
+        publish_version(trainer, "expiring", weights(1))
+        one = empty - free_memory(trainer)
+        engine = Client(daemon.endpoint, name="engine")
+        open_tensors(engine, "expiring")  # held until the daemon goes
+        publish_version(trainer, "expiring", weights(2))
+        assert free_memory(trainer) == empty - 2 * one
+    daemon = manager.restart(*sim)
+    with Client(daemon.endpoint) as c:
+        assert wait_until(lambda: free_memory(c) == empty - one, 10)  # version 1's ttl passed: freed
+        with pytest.raises(NotFound):
+            c.lookup("expiring", version=1)
+        assert c.lookup("expiring").version == 2  # the current one is persistent
+        assert [n for n in manager.names() if n.startswith("cuctxd-share-")] != []
+        c.unpublish("expiring")
+    engine.close()
