@@ -157,16 +157,20 @@ def _commands(parent: Connection) -> Iterator[tuple[Any, ...]]:
 
 
 def _copy_handles(torch: Any, sent: Any, own: dict[str, Any], way: str) -> None:
-    """Rebuild the trainer's tensors (or buckets) from their CUDA IPC handles and copy them into ``own``."""
+    """Rebuild the trainer's tensors (or buckets) from their CUDA IPC handles and copy them into ``own``; the
+    rebuilt ones are let go (their handles closed) only once every copy is done."""
+    rebuilt = []
     if way == "per-tensor":
         for key, (rebuild, args) in sent:
-            own[key].copy_(rebuild(*args), non_blocking=True)
+            rebuilt.append(rebuild(*args))
+            own[key].copy_(rebuilt[-1], non_blocking=True)
     else:
         for (rebuild, args), where in sent:
-            bucket = rebuild(*args)
+            rebuilt.append(bucket := rebuild(*args))
             for key, at, nbytes in where:
                 own[key].view(-1).view(torch.uint8).copy_(bucket[at:at + nbytes], non_blocking=True)
     torch.cuda.synchronize()
+    rebuilt.clear()
 
 
 def _start(backend: str) -> Any:

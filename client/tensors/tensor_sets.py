@@ -220,7 +220,7 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
     def fill(buffer: Any) -> list[str | None]:
         hashed = {index: source.host for index, source in enumerate(sources) if source.host is not None}
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuctxd-digests") as pool:  # waits for it
-            running = pool.submit(hash_views, list(hashed.values())) if digest else None
+            running = pool.submit(hash_views, list(hashed.values())) if digest and hashed else None
             host_sources = [(manifest.tensors[index].offset, view) for index, view in hashed.items() if view.nbytes]
             _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
             if any(source.device_ptr is not None for source in sources):
