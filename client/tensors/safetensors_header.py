@@ -30,6 +30,11 @@ _U64 = rb"(?:0|[1-9][0-9]{0,19})"
 _U64_LIST = re.compile(rb"\[[ \t\n\r]*(?:%s[ \t\n\r]*(?:,[ \t\n\r]*%s[ \t\n\r]*){0,%d})?\]"
                        % (_U64, _U64, MAX_DIMS - 1))
 _DIGITS = re.compile(rb"[0-9]+")
+#: A tensor as writers lay it out (dtype, shape, data_offsets; at most a space after ``:`` and ``,``): read
+#: in one match, at most :data:`_WRITTEN_BYTES` long; any other layout is read key by key.
+_WRITTEN = re.compile(rb'\{"dtype": ?"([A-Z0-9_]{1,16})", ?"shape": ?(\[(?:%s(?:, ?%s){0,%d})?\]), ?'
+                      rb'"data_offsets": ?\[(%s), ?(%s)\]\}' % (_U64, _U64, MAX_DIMS - 1, _U64, _U64))
+_WRITTEN_BYTES = 1024
 #: An index's metadata numbers: integers of at most 18 digits (so that msgpack carries them), or floats.
 _NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]{0,17})(?:\.[0-9]{1,400})?(?:[eE][+-]?[0-9]{1,4})?")
 _NULL = re.compile(b"null")
@@ -170,6 +175,16 @@ class _Reader:
         token = match.group()
         return float(token) if any(c in token for c in b".eE") else int(token)
 
+    def written(self) -> re.Match[bytes] | None:
+        """A tensor entry laid out as writers do (:data:`_WRITTEN`), taken; None for any other."""
+        self.next()
+        while len(self.data) < min(self.pos + _WRITTEN_BYTES, self._length):
+            self._more()
+        match = _WRITTEN.match(self.data, self.pos)
+        if match is not None:
+            self.pos = match.end()
+        return match
+
     def end(self) -> None:
         if self.next() >= 0:
             self.expected("the end")
@@ -200,6 +215,10 @@ def parse_header(path: str, read: Callable[[int], bytes], length: int,
 
 
 def _tensor(reader: _Reader, name: str) -> HeaderTensor:
+    written = reader.written()
+    if written is not None:
+        return HeaderTensor(name, written.group(1).decode(), tuple(int(n) for n in _DIGITS.findall(written.group(2))),
+                            int(written.group(3)), int(written.group(4)))
     if reader.next() != ord("{"):
         reader.refuse(f"entry {name!r} is not a tensor (an object of dtype, shape, data_offsets)")
     fields: dict[str, str | list[int]] = {}
