@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cuctxd.client.tensors.checkpoints import INDEX_NAME, read_checkpoint
+from cuctxd.client.tensors.checkpoints import INDEX_NAME, MAX_HEADER_BYTES, MAX_INDEX_BYTES, read_checkpoint
 from cuctxd.client.tensors.safetensors_header import FIRST_READ, parse_header
 from cuctxd.protos.errors import BadArgument
 from cuctxd.protos.layouts import MAX_DIMS, MAX_NAME_CHARS, MAX_TENSORS
@@ -203,3 +203,12 @@ def test_a_header_read_in_pieces_reads_the_same(tmp_path: Path) -> None:
 def test_a_hostile_index_is_one_line(tmp_path: Path, index: dict[str, Any], needle: str) -> None:
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
     _bad(tmp_path, INDEX_NAME, needle)
+
+
+def test_the_readme_states_the_checkpoint_limits_as_declared() -> None:
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    said = readme[readme.index("The client's\ncheckpoint limits"):].split("\n\n")[0].replace("\n", " ")
+    for stated in (f"header of at most {MAX_HEADER_BYTES} bytes", f"index of at most {MAX_INDEX_BYTES} bytes",
+                   f"at most {MAX_TENSORS} tensors", f"names of 1 to {MAX_NAME_CHARS} characters",
+                   f"at most {MAX_DIMS} dimensions"):
+        assert stated in said, f"README.md should say {stated!r}: {said}"
