@@ -212,3 +212,18 @@ def test_the_readme_states_the_checkpoint_limits_as_declared() -> None:
                    f"at most {MAX_TENSORS} tensors", f"names of 1 to {MAX_NAME_CHARS} characters",
                    f"at most {MAX_DIMS} dimensions"):
         assert stated in said, f"README.md should say {stated!r}: {said}"
+
+
+def test_a_file_the_safetensors_package_writes_reads_the_same(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    tensors = {"a": np.arange(5, dtype=np.float32), 'b\u00e9"\n': np.zeros((2, 0, 3), dtype=np.int64),
+               "c": np.ones((3, 3), dtype=np.float16)}
+    path = tmp_path / "written.safetensors"
+    save_file(tensors, str(path), metadata={"format": "np", "quoted": 'v"\\'})
+    checkpoint = read_checkpoint(str(path))
+    raw = path.read_bytes()
+    assert checkpoint.metadata == {"format": "np", "quoted": 'v"\\'}
+    assert {t.name for t in checkpoint.tensors} == set(tensors) == set(load_file(str(path)))
+    for t in checkpoint.tensors:
+        assert raw[t.offset:t.offset + t.nbytes] == tensors[t.name].tobytes(), t.name
