@@ -6,10 +6,13 @@ A shard's header is UTF-8 JSON: one object whose members are tensors (``{"dtype"
 bytes describe (a million empty tensors: a gigabyte of dicts; a list nested 100,000 deep: a RecursionError)
 and leave the checks for after. This parser reads that grammar and nothing else, so anything else is refused
 at its first byte, nothing nests deeper than the grammar, a tensor costs at most ``MAX_DIMS`` integers and a
-name of ``MAX_NAME_CHARS``, and the tensors stop at the caller's limit. Integers are JSON's without sign,
-fraction or exponent (safetensors reads them as u64: at most 20 digits); a key twice in one object is
-refused. Every refusal is :class:`~cuctxd.protos.errors.BadArgument` naming the file and the byte. Which
-thread may call: any (it only reads the bytes it is given).
+name of ``MAX_NAME_CHARS``, and the tensors stop at the caller's limit. The bytes are read only as far as
+the parse has got, so a header refused early costs what came before the refusal. Integers are JSON's
+without sign, fraction or exponent (safetensors reads them as u64: at most 20 digits); a key twice in one
+object is refused, and so is a tensor key other than those three (safetensors' own reader ignores them; no
+writer makes them); an index's metadata holds scalars only. Every refusal is
+:class:`~cuctxd.protos.errors.BadArgument` naming the file and the byte. Which thread may call: any (it only
+reads the bytes it is given).
 """
 
 from __future__ import annotations
