@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,10 @@ def test_a_fifo_or_a_directory_as_the_index_or_a_shard_is_refused(tmp_path: Path
     write_index(tmp_path / INDEX_NAME, {"a": "fifo.safetensors"})
     _bad(tmp_path, "fifo.safetensors: not a regular file (a FIFO)")
     _bad("/dev/null", "/dev/null: not a regular file (a character device)")
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(tmp_path / "sock.safetensors"))
+        write_index(tmp_path / INDEX_NAME, {"a": "sock.safetensors"})
+        _bad(tmp_path, "sock.safetensors: No such device or address")
 
 
 def test_a_symlink_loop_is_refused(tmp_path: Path) -> None:
