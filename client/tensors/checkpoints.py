@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from cuctxd.client.tensors.safetensors_header import HeaderTensor, parse_header, parse_index
+from cuctxd.client.tensors.safetensors_header import HeaderTensor, Scalar, parse_header, parse_index
 from cuctxd.protos.errors import BadArgument
 from cuctxd.protos.layouts import DTYPES, MAX_TENSORS
 from cuctxd.protos.limits import MAX_HANDLE
@@ -95,7 +95,7 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 def _from_index(path: str, index: str) -> Checkpoint:
-    weight_map, metadata = parse_index(index, _read_small(index, MAX_INDEX_BYTES))
+    weight_map, metadata = _read_index(index)
     directory = os.path.dirname(index)
     files = {shard: _shard_path(index, directory, shard) for shard in sorted(set(weight_map.values()))}
     for shard, file in files.items():
@@ -174,15 +174,16 @@ _NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_
               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _read_small(path: str, limit: int) -> bytes:
+def _read_index(path: str) -> tuple[dict[str, str], dict[str, Scalar]]:
+    """The index's ``weight_map`` and ``metadata``, read only as far as its parse gets."""
     with open(open_regular(path), "rb") as file:
         try:
-            raw = file.read(limit + 1)
+            size = os.fstat(file.fileno()).st_size
+            if size > MAX_INDEX_BYTES:
+                raise BadArgument(f"{path}: larger than {MAX_INDEX_BYTES} bytes, too large for an index")
+            return parse_index(path, file.read, size)
         except OSError as exc:
             raise BadArgument(f"{path}: {exc.strerror or exc}") from None
-    if len(raw) > limit:
-        raise BadArgument(f"{path}: larger than {limit} bytes, too large for an index")
-    return raw
 
 
 def _read_header(path: str, shard: int, limit: int) -> tuple[int, list[CheckpointTensor], dict[str, str]]:

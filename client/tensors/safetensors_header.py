@@ -17,7 +17,6 @@ reads the bytes it is given).
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -243,10 +242,10 @@ def _tensor(reader: _Reader, name: str) -> HeaderTensor:
     return HeaderTensor(name, dtype, tuple(shape), offsets[0], offsets[1])
 
 
-def parse_index(path: str, data: bytes) -> tuple[dict[str, str], dict[str, Scalar]]:
-    """The ``weight_map`` (tensor -> shard file, at most ``MAX_TENSORS``) and ``metadata`` of the index
-    ``data`` of ``path``."""
-    reader = _Reader(path, "index", io.BytesIO(data).read, len(data))
+def parse_index(path: str, read: Callable[[int], bytes], length: int) -> tuple[dict[str, str], dict[str, Scalar]]:
+    """The ``weight_map`` (tensor -> shard file, at most ``MAX_TENSORS``) and ``metadata`` of the
+    ``length``-byte index ``path`` that ``read(n)`` gives."""
+    reader = _Reader(path, "index", read, length)
     weight_map: dict[str, str] | None = None
     metadata: dict[str, Scalar] = {}
     shape = "'{' (an index is a JSON object whose 'weight_map' maps tensor names to shard files)"

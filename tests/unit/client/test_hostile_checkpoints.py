@@ -210,6 +210,12 @@ def test_a_hostile_index_is_one_line(tmp_path: Path, index: dict[str, Any], need
     _bad(tmp_path, INDEX_NAME, needle)
 
 
+def test_an_index_above_its_limit_is_refused_unread(tmp_path: Path) -> None:
+    with open(tmp_path / INDEX_NAME, "wb") as sparse:
+        sparse.truncate(MAX_INDEX_BYTES + 1)
+    _bad(tmp_path, INDEX_NAME, f"larger than {MAX_INDEX_BYTES} bytes")
+
+
 def test_the_readme_states_the_checkpoint_limits_as_declared() -> None:
     readme = (Path(__file__).parents[3] / "README.md").read_text()
     said = readme[readme.index("The client's\ncheckpoint limits"):].split("\n\n")[0].replace("\n", " ")
