@@ -194,7 +194,10 @@ def _read_header(path: str, shard: int, limit: int) -> tuple[int, list[Checkpoin
             size = os.fstat(file.fileno()).st_size
             if size < 8:
                 raise BadArgument(f"{path}: truncated: {size} bytes, not even a safetensors header's length")
-            (length,) = struct.unpack("<Q", file.read(8))
+            said = file.read(8)
+            if len(said) < 8:
+                raise BadArgument(f"{path}: truncated while it was read: {len(said)} bytes")
+            (length,) = struct.unpack("<Q", said)
             if length > MAX_HEADER_BYTES:
                 raise BadArgument(f"{path}: a header of {length} bytes is larger than {MAX_HEADER_BYTES}: "
                                   "not a safetensors file, or a damaged one")
