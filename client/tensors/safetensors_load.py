@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from cuctxd.client.api.objects import Buffer
 from cuctxd.client.data_plane.file_reads import FileRange, load_into_new_buffer
-from cuctxd.client.tensors.checkpoints import Checkpoint, read_checkpoint
+from cuctxd.client.tensors.checkpoints import Checkpoint, open_regular, read_checkpoint
 from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.tensor_sets import layout_offsets, no_room, publish_filled
 from cuctxd.client.wire import build
@@ -60,7 +60,7 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
     offsets, size = layout_offsets(tensor.nbytes for tensor in checkpoint.tensors)
     manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, t.shape, c_strides(t.shape), offset)
                               for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
-    check_manifest(manifest.pack(), size)  # a checkpoint no layout can hold is refused before anything else
+    _check_layout(path, manifest, size)
     published = _published(client, name)
     if published is not None and not replace:
         return _same_content(client, checkpoint, manifest, name, published)
@@ -87,6 +87,14 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
             raise no_room(client, error, size, device, len(manifest.tensors)) from None
     return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True,
                   replaced=published is not None)
+
+
+def _check_layout(path: str, manifest: Manifest, size: int) -> None:
+    """Refuse, naming ``path``, a checkpoint no layout can hold (its manifest too large), before anything else."""
+    try:
+        check_manifest(manifest.pack(), size)
+    except BadArgument as exc:
+        raise BadArgument(f"{path}: {exc.message}") from None
 
 
 def _published(client: Any, name: str) -> ShareDescriptor | None:
@@ -184,14 +192,12 @@ def _hash_mapped(checkpoint: Checkpoint, mapped: list[mmap.mmap]) -> list[str]:
 
 @contextlib.contextmanager
 def _opened(checkpoint: Checkpoint) -> Iterator[list[int]]:
-    """Each shard open (read-only), the same size as when its header was read; closed on exit."""
+    """Each shard open (read-only, still a regular file), the same size as when its header was read; closed on
+    exit."""
     fds: list[int] = []
     try:
         for shard in checkpoint.shards:
-            try:
-                fds.append(os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC))
-            except OSError as exc:
-                raise BadArgument(f"{shard.path}: {exc.strerror or exc}") from None
+            fds.append(open_regular(shard.path))
             if os.fstat(fds[-1]).st_size != shard.size:
                 raise BadArgument(f"{shard.path}: changed while it was being loaded (it was {shard.size} bytes)")
         yield fds
