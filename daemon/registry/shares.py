@@ -342,7 +342,7 @@ class ShareRegistry:
         """Up to ``limit`` of the names ``which`` selects, in code point order, as ``list_shared`` lists them;
         whether more follow; and how many names are published daemon-wide. O(log n + limit) under the lock."""
         with self._lock:
-            records = []
+            records: list[dict[str, Any]] = []
             for name in self._index.matching(which):
                 if len(records) == limit:
                     return records, True, len(self._names)
