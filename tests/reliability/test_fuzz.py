@@ -532,14 +532,20 @@ def run_burst(harness: Harness, plans: list[RequestPlan], kind: str) -> None:
             harness.call("goodbye", {}, token)
 
 
-def test_a_pipelined_burst_of_mutated_requests_gets_one_reply_each(harness: Harness) -> None:
-    @fuzz_settings(200)
-    @given(plans=st.lists(request_plans, min_size=10, max_size=BURST))
-    def one_burst(plans: list[RequestPlan]) -> None:
-        run_burst(harness, plans, "fuzz: pipelined requests")
+def run_bursts(harness: Harness, plans: st.SearchStrategy[RequestPlan], examples: int, kind: str) -> None:
+    """``examples`` bursts of 10 to BURST requests drawn from ``plans`` (:func:`run_burst`); then the bystander's
+    check."""
+    @fuzz_settings(examples)
+    @given(burst=st.lists(plans, min_size=10, max_size=BURST))
+    def one_burst(burst: list[RequestPlan]) -> None:
+        run_burst(harness, burst, kind)
 
     one_burst()
     harness.bystander.check()
+
+
+def test_a_pipelined_burst_of_mutated_requests_gets_one_reply_each(harness: Harness) -> None:
+    run_bursts(harness, request_plans, 200, "fuzz: pipelined requests")
 
 
 # --- a crowded registry: requests whose cost could grow with it ----------------------------------------
@@ -583,13 +589,7 @@ def test_a_pipelined_burst_of_registry_requests_over_a_crowd_of_names_gets_promp
         harness: Harness, crowd: Crowd) -> None:
     """``list_shared`` (any page, any filter), ``lookup``, ``unpublish``, ``status`` and ``publish`` while
     thousands of names are published: each request one reply within REPLY_DEADLINE, as the oracle predicts."""
-    @fuzz_settings(60)
-    @given(plans=st.lists(registry_plans, min_size=10, max_size=BURST))
-    def one_burst(plans: list[RequestPlan]) -> None:
-        run_burst(harness, plans, "fuzz: pipelined registry requests over a crowd")
-
-    one_burst()
-    harness.bystander.check()
+    run_bursts(harness, registry_plans, 60, "fuzz: pipelined registry requests over a crowd")
 
 
 def test_pages_of_a_crowd_of_names_list_each_selected_name_once_in_order(harness: Harness, crowd: Crowd) -> None:

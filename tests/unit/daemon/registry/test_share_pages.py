@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
@@ -15,24 +14,7 @@ from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import Naming, ShareRegistry
 from cuctxd.protos.errors import LimitExceeded
-from cuctxd.protos.records import ShareDescriptor
-
-
-@dataclass
-class _Share:
-    """What the registry reads of a device's share record."""
-
-    share_id: str
-    owner: SessionRef
-    descriptor: ShareDescriptor = field(init=False)
-    owner_present: bool = True
-    holders: dict[str, int] = field(default_factory=dict)
-    names: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.descriptor = ShareDescriptor(share_id=self.share_id, device=0, device_uuid="u", size=4096,
-                                          backend="sim", ipc_handle=b"", host="h")
-
+from tests.unit.daemon.registry.plain_shares import PlainShare
 
 #: Publishers: sessions 1 and 2 of uid 7, session 3 of uid 8, session 4 of no known uid (tcp://).
 OWNERS = [SessionRef(f"t{n}", n, "c", n, uid=uid) for n, uid in ((1, 7), (2, 7), (3, 8), (4, None))]
@@ -42,7 +24,7 @@ PREFIXES = ["", "a", "a-", "b", "b-9", "z"]
 def _crowd() -> tuple[ShareRegistry, dict[str, SessionRef]]:
     """A registry with 600 names over four publishers, and each name's owner."""
     registry = ShareRegistry(0, 0, 0)
-    shares = [_Share(f"s{owner.public_id}", owner) for owner in OWNERS]
+    shares = [PlainShare(f"s{owner.public_id}", owner) for owner in OWNERS]
     owner_of = {}
     for share in shares:
         registry.add(share)
@@ -83,8 +65,7 @@ def test_paging_with_filters_lists_each_selected_name_once_in_order(prefix: str,
 
 def test_a_uid_may_publish_max_names_per_uid_names_and_other_uids_are_unaffected() -> None:
     registry = ShareRegistry(0, 0, max_names_per_uid=3)
-    mine, again, theirs, unknown = (_Share("s1", OWNERS[0]), _Share("s2", OWNERS[1]), _Share("s3", OWNERS[2]),
-                                    _Share("s4", OWNERS[3]))
+    mine, again, theirs, unknown = (PlainShare(f"s{n}", owner) for n, owner in enumerate(OWNERS, 1))
     for share in (mine, again, theirs, unknown):
         registry.add(share)
     registry.publish("a", mine)
@@ -112,7 +93,7 @@ def test_a_name_is_charged_at_least_what_the_registry_keeps_of_it(manifest: bool
     included: measured with tracemalloc over many names, as the issue measured RSS (150,000 names charged
     0.9 MB that grew the daemon by 16.9 MB)."""
     registry = ShareRegistry(0, 0, 0)
-    shares = [_Share(f"s{owner.public_id}", owner) for owner in OWNERS]
+    shares = [PlainShare(f"s{owner.public_id}", owner) for owner in OWNERS]
     for share in shares:
         registry.add(share)
     count = 4000
