@@ -56,6 +56,8 @@ DEFAULT_MAX_MANIFEST_BYTES_PER_UID = 64 << 20
 DEFAULT_MAX_NAMES_PER_UID = 16384
 #: How many uids ``status`` lists by the bytes of their names.
 _TOP_UIDS = 8
+#: Most names one hold of the lock forgets when all of a share's names go (its free, revoke or end).
+NAMES_PER_HOLD = 256
 
 
 class ShareRecord(Protocol):
@@ -270,9 +272,7 @@ class ShareRegistry:
             return len(self._orphaned)
 
     def drop_names(self, share: ShareRecord) -> None:
-        with self._lock:
-            for name in share.names:
-                self._forget_name(name, share.share_id)
+        self._forget_names(share)
         share.names.clear()
 
     def update(self, share: ShareRecord) -> None:
@@ -283,11 +283,20 @@ class ShareRegistry:
                 listing.owner_present = share.owner_present
 
     def remove(self, share: ShareRecord) -> None:
+        self._forget_names(share)
         with self._lock:
-            for name in share.names:
-                self._forget_name(name, share.share_id)
             self._shares.pop(share.share_id, None)
             self._orphaned.discard(share.share_id)
+
+    def _forget_names(self, share: ShareRecord) -> None:
+        """Every name of ``share`` goes, :data:`NAMES_PER_HOLD` per hold of the lock: a share may have thousands
+        (16,384 take about 0.1 s), and the front's lookups and pages wait for one turn, not for all. A name not
+        gone yet still answers a lookup, as it would have just before."""
+        names = list(share.names)
+        for start in range(0, len(names), NAMES_PER_HOLD):
+            with self._lock:
+                for name in names[start:start + NAMES_PER_HOLD]:
+                    self._forget_name(name, share.share_id)
 
     def _forget_name(self, name: str, of_share: str | None = None) -> None:
         """The name and what it was published with go, and its bytes are given back (under the lock); with
