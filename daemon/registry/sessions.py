@@ -15,7 +15,7 @@ import secrets
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,8 @@ class Session:
 #: rather than "unknown".
 _EXPIRED_MEMORY = 4096
 
+K = TypeVar("K")
+
 
 class SessionRegistry:
     """Token -> session, and recently reaped tokens; only the front thread calls it."""
@@ -133,10 +135,8 @@ class SessionRegistry:
     def _forget(self, session: Session) -> None:
         """Take a closed or reaped session out of the indexes."""
         del self._by_public_id[session.ref.public_id]
-        for tally, key in ((self._per_peer, session.peer), (self._per_uid, session.ref.uid)):
-            tally[key] -= 1
-            if not tally[key]:
-                del tally[key]
+        _count_down(self._per_peer, session.peer)
+        _count_down(self._per_uid, session.ref.uid)
 
     def get(self, token: str) -> Session | None:
         return self._sessions.get(token)
@@ -189,3 +189,8 @@ class SessionRegistry:
     def all(self) -> list[Session]:
         return list(self._sessions.values())
 
+
+def _count_down(tally: Counter[K], key: K) -> None:
+    tally[key] -= 1
+    if not tally[key]:
+        del tally[key]
