@@ -31,6 +31,8 @@ LISTINGS = 64
 #: listings of one page of names, plus SLACK_S (a shared CI machine's scheduling noise).
 RATIO = 4.0
 SLACK_S = 0.5
+#: Rounds of listings per measurement.
+ROUNDS = 2
 #: The default max_names_per_uid (PROTOCOL.md, "Daemon limits").
 DEFAULT_MAX_NAMES_PER_UID = 16384
 
@@ -67,7 +69,12 @@ def publish_names(peer: RawPeer, session: str, handle: int, first: int, last: in
 
 
 def worst_op_under_listings(peer: RawPeer, session: str, bystander: FrontBystander, names: int) -> float:
-    """Pipeline LISTINGS full pages of ``list_shared``; the bystander's slowest op until all are answered."""
+    """Pipeline LISTINGS full pages of ``list_shared``, ROUNDS times; the bystander's slowest op until all are
+    answered, in the round where it was fastest (a stall comes every round, a busy machine's hiccup in one)."""
+    return min(_worst_op_in_one_round(peer, session, bystander, names) for _ in range(ROUNDS))
+
+
+def _worst_op_in_one_round(peer: RawPeer, session: str, bystander: FrontBystander, names: int) -> float:
     ids = set(flood(peer, "list_shared", {"limit": MAX_LISTED}, session, LISTINGS))
     assert len(ids) == LISTINGS
     worst = 0.0
@@ -100,7 +107,8 @@ def test_pipelined_listings_of_many_names_cost_the_front_a_page_each(attack_daem
         peer.ok("free", {"buffer": handle, "device": 0}, session)
         bystander.check()
     FIGURES["test_names_at_scale"] = [
-        f"bystander's worst op under {LISTINGS} pipelined listings: {baseline * 1000:.1f} ms with "
+        f"bystander's worst op under {LISTINGS} pipelined listings (best of {ROUNDS} rounds): "
+        f"{baseline * 1000:.1f} ms with "
         f"{MAX_LISTED} names, {worst * 1000:.1f} ms with {MANY} names"]
     assert worst <= RATIO * baseline + SLACK_S, (
         f"the bystander's worst op took {worst:.3f} s under listings of {MANY} names, {baseline:.3f} s under "
