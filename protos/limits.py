@@ -41,6 +41,12 @@ MAX_DEFERRED_ERRORS = 1024
 #: cross near 32 MiB), and kills the importing process with SIGSEGV for one allocation of 6 GiB or more.
 POOL_BUFFER_MAX = 32 << 20
 
+#: Bytes of a layout one step of a digest check copies to the host and one helper thread hashes (whole
+#: 2 MiB leaves, ``verify_shared``; PROTOCOL.md, section 9, "Digests").
+DIGEST_CHECK_CHUNK_BYTES = 16 << 20
+#: Page-locked staging slots of that size a device's digest check holds at most, only while it runs.
+DIGEST_CHECK_SLOTS = 8
+
 #: What the daemon charges each published name beyond its own UTF-8 bytes and its manifest, against
 #: ``max_manifest_bytes_per_*``: what it keeps of any name (its entries in the name table, the sorted
 #: indexes ``list_shared`` pages through, the share's own set), measured with tracemalloc, rounded up.
