@@ -4,6 +4,10 @@
 publishing uid, those of each publishing session (by its public id, as ``publisher.session`` says). A page
 filtered by owner walks that owner's names only; a prefix is a range of any of them. Guarded by the
 :class:`~cuctxd.daemon.registry.shares.ShareRegistry`'s lock, like everything it indexes.
+
+A session's names are those of one uid, except where a parked share adopted after a restart keeps its old
+publisher's public id and a new session has the same: filtered by session and uid, the registry checks each
+name's uid (:meth:`NameIndex.matching` says which names to check).
 """
 
 from __future__ import annotations
@@ -36,20 +40,16 @@ class NameIndex:
         self._all = SortedNames()
         self._by_uid: dict[int | None, SortedNames] = {}
         self._by_session: dict[int, SortedNames] = {}
-        #: The uid of each session in ``_by_session`` (a session has one).
-        self._session_uid: dict[int, int | None] = {}
 
     def add(self, name: str, owner: SessionRef) -> None:
         self._all.add(name)
         self._by_uid.setdefault(owner.uid, SortedNames()).add(name)
         self._by_session.setdefault(owner.public_id, SortedNames()).add(name)
-        self._session_uid[owner.public_id] = owner.uid
 
     def discard(self, name: str, owner: SessionRef) -> None:
         self._all.discard(name)
         _discard(self._by_uid, owner.uid, name)
-        if not _discard(self._by_session, owner.public_id, name):
-            self._session_uid.pop(owner.public_id, None)
+        _discard(self._by_session, owner.public_id, name)
 
     def count_of_uid(self, uid: int | None) -> int:
         """Names published by sessions of ``uid`` (tcp:// peers: None), ended sessions' included."""
@@ -57,11 +57,10 @@ class NameIndex:
         return 0 if names is None else len(names)
 
     def matching(self, which: NameFilter) -> Iterator[str]:
-        """The names ``which`` selects, in order, from the narrowest index that holds them all."""
+        """The names ``which`` selects, in order, from the narrowest index that holds them all; with both a session
+        and a uid, the session's names, whose uid the caller checks."""
         if which.session is not None:
             names = self._by_session.get(which.session)
-            if which.uid is not None and self._session_uid.get(which.session) != which.uid:
-                return iter(())
         elif which.uid is not None:
             names = self._by_uid.get(which.uid)
         else:
@@ -83,13 +82,11 @@ def _in_range(names: SortedNames, after: str | None, prefix: str) -> Iterator[st
         yield name
 
 
-def _discard(index: dict[K, SortedNames], key: K, name: str) -> bool:
-    """Take ``name`` out of ``index[key]``, and the key out once it has no name left; whether it has any."""
+def _discard(index: dict[K, SortedNames], key: K, name: str) -> None:
+    """Take ``name`` out of ``index[key]``, and the key out once it has no name left."""
     names = index.get(key)
     if names is None:
-        return False
+        return
     names.discard(name)
     if not names:
         del index[key]
-        return False
-    return True

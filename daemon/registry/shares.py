@@ -374,7 +374,10 @@ class ShareRegistry:
         whether more follow; and how many names are published daemon-wide. O(log n + limit) under the lock."""
         with self._lock:
             records: list[dict[str, Any]] = []
+            check_uid = which.session is not None and which.uid is not None  # name_index says why
             for name in self._index.matching(which):
+                if check_uid and self._shares[self._names[name]].owner.uid != which.uid:
+                    continue
                 if len(records) == limit:
                     return records, True, len(self._names)
                 records.append(self._record(name))

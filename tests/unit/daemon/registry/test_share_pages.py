@@ -152,3 +152,21 @@ def test_a_share_with_thousands_of_names_gives_them_up_a_few_hundred_per_hold_of
     assert max(forgotten_per_hold) == NAMES_PER_HOLD and sum(forgotten_per_hold) == 3 * NAMES_PER_HOLD + 5
     assert registry.names_status() == {"count": 0, "bytes": 0, "top_uids": []}
     assert registry.page(NameFilter(), 10) == ([], False, 0) and len(registry) == 0
+
+
+def test_a_session_id_of_an_adopted_share_and_a_new_session_are_told_apart_by_uid() -> None:
+    """A parked share adopted after a restart keeps its old publisher's public id; a new session may have it too."""
+    registry = ShareRegistry(0, 0, 0)
+    adopted, new = PlainShare("s1", SessionRef("parked-x", 5, "old", 1, uid=7)), PlainShare(
+        "s2", SessionRef("t5", 5, "new", 2, uid=8))
+    for share in (adopted, new):
+        registry.add(share)
+    for n in range(3):
+        registry.publish(f"old-{n}", adopted)
+        registry.publish(f"new-{n}", new)
+    names = [r["name"] for r in registry.page(NameFilter(session=5), 10)[0]]
+    assert names == ["new-0", "new-1", "new-2", "old-0", "old-1", "old-2"]
+    records, more, _ = registry.page(NameFilter(session=5, uid=7), 2)
+    assert [r["name"] for r in records] == ["old-0", "old-1"] and more
+    assert [r["name"] for r in registry.page(NameFilter("old-1", session=5, uid=7), 2)[0]] == ["old-2"]
+    assert registry.page(NameFilter(session=5, uid=9), 10) == ([], False, 6)
