@@ -36,7 +36,7 @@ from cuctxd.client.data_plane.plane import DataPlane
 from cuctxd.client.presentation import docs_from
 from cuctxd.client.wire import build
 from cuctxd.client.wire.async_socket_transport import AsyncTransport
-from cuctxd.client.wire.build import Batch, Local, Plan, Request, Run, Send, Step, Wait
+from cuctxd.client.wire.build import Batch, Local, Plan, Request, Run, Send, SharedPage, Step, Wait
 from cuctxd.client.wire.lease import AsyncHeartbeat
 from cuctxd.client.wire.routes import MAIN, Route, Router
 from cuctxd.client.wire.session import SessionState
@@ -370,8 +370,13 @@ class AsyncClient(SessionState):
         """As :meth:`cuctxd.client.api.client.Client.verify_shared`."""
         return await self.run(build.verify_shared(name, digest, device))
 
-    async def list_shared(self) -> list[dict[str, Any]]:
-        return await self.run(build.list_shared())
+    async def list_shared(self, *, prefix: str | None = None, owner: int | None = None,
+                          uid: int | None = None) -> list[dict[str, Any]]:
+        return await self.run(build.list_shared(prefix, owner, uid))
+
+    async def shared_page(self, *, limit: int | None = None, after: str | None = None, prefix: str | None = None,
+                          owner: int | None = None, uid: int | None = None) -> SharedPage:
+        return await self.run(build.shared_page(limit, after, prefix, owner, uid))
 
     async def open_shared(self, share: str | ShareDescriptor) -> AsyncOpenedShare:
         """Hold a share (by name or descriptor) and map it in this process (mapping is local,

@@ -24,7 +24,7 @@ from cuctxd.client.data_plane import transfers
 from cuctxd.client.data_plane.host_buffers import HostBuffer, host_alloc
 from cuctxd.client.data_plane.plane import DataPlane, checked
 from cuctxd.client.wire import build
-from cuctxd.client.wire.build import CHUNK_BYTES, Batch, Plan, Request, Run, Send, Step, Wait
+from cuctxd.client.wire.build import CHUNK_BYTES, Batch, Plan, Request, Run, Send, SharedPage, Step, Wait
 from cuctxd.client.wire.lease import Heartbeat
 from cuctxd.client.wire.routes import Router
 from cuctxd.client.wire.session import SessionState
@@ -479,9 +479,17 @@ class Client(SessionState):
         :class:`~cuctxd.protos.errors.DigestMismatch` for another digest, or bytes that differ from it."""
         return self.run(build.verify_shared(name, digest, device))
 
-    def list_shared(self) -> list[dict[str, Any]]:
-        """Published names with their device, size, owner and number of holders."""
-        return self.run(build.list_shared())
+    def list_shared(self, *, prefix: str | None = None, owner: int | None = None,
+                    uid: int | None = None) -> list[dict[str, Any]]:
+        """Published names with their device, size, owner and number of holders, in name order, all of them
+        page after page: those starting with ``prefix``, published by session ``owner`` (public id), by ``uid``."""
+        return self.run(build.list_shared(prefix, owner, uid))
+
+    def shared_page(self, *, limit: int | None = None, after: str | None = None, prefix: str | None = None,
+                    owner: int | None = None, uid: int | None = None) -> SharedPage:
+        """One page of :meth:`list_shared`: at most ``limit`` names after the name ``after`` (the last page's
+        ``next``)."""
+        return self.run(build.shared_page(limit, after, prefix, owner, uid))
 
     def open_shared(self, share: str | ShareDescriptor) -> OpenedShare:
         """Hold a share (by name or descriptor) and map it in this process; close it when done."""

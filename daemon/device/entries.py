@@ -16,6 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from cuctxd.daemon.backends.base import Ctx, Event, Stream
 from cuctxd.daemon.registry.fd_budget import FdCharge
 from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.daemon.registry.sorted_names import SortedNames
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CuctxError, CudaError, LimitExceeded, OutOfRange, UnknownHandle
 from cuctxd.protos.limits import MAX_DEFERRED_ERRORS, MAX_HANDLE, MAX_ISSUED_HANDLE
@@ -121,7 +122,8 @@ class Share:
     kind: MemoryKind
     owner_present: bool = True
     holders: dict[str, int] = field(default_factory=dict)
-    names: set[str] = field(default_factory=set)
+    #: Its published names, sorted: ``status`` lists the first ones without sorting them all.
+    names: SortedNames = field(default_factory=SortedNames)
     opened_since_orphaned: bool = False
     #: ``time.monotonic()`` when it came to be kept by its names alone (its ``orphan_ttl`` counts from then).
     orphaned_at: float | None = None

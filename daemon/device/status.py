@@ -84,7 +84,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         {
             "share_id": share.share_id[:8],  # a prefix only: the full id is what opens it
             "size": share.descriptor.size,
-            "names": first(sorted(share.names)),
+            "names": first(share.names),
             "owner": share.owner.public_id,
             "owner_present": share.owner_present,
             "holders": first(sorted(public.get(token, -1) for token in share.holders)),

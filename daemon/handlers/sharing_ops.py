@@ -3,18 +3,26 @@ leases are answered by the front from the daemon-wide :class:`~cuctxd.daemon.reg
 
 from __future__ import annotations
 
+from typing import Any
+
 from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers.registry import device_handler, front_handler
 from cuctxd.daemon.handlers.replies import DeviceTask, Forward, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.daemon_state import DaemonState
+from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
 from cuctxd.protos.errors import BadArgument
 from cuctxd.protos.layouts import check_manifest
-from cuctxd.protos.limits import MAX_LISTED
+from cuctxd.protos.limits import MAX_HEADER_BYTES
+from cuctxd.protos.messages import pack
+
+#: Room in a ``list_shared`` reply header for all but its records: the envelope, ``next`` (a name of at most
+#: 256 characters), ``count``, ``truncated``.
+_PAGE_ENVELOPE_BYTES = 4096
 
 
 def _share_reply(descriptor_wire: dict[str, object]) -> Reply:
@@ -138,5 +146,20 @@ def lookup(front: DaemonState, session: Session | None, args: ops.Lookup, peer: 
 
 @front_handler(ops.ListShared)
 def list_shared(front: DaemonState, session: Session | None, args: ops.ListShared, peer: str | None) -> Reply:
-    shared = front.shares.published()
-    return Reply({"shared": shared[:MAX_LISTED], "count": len(shared), "truncated": len(shared) > MAX_LISTED})
+    """One page: O(log n + limit) on the front however many names there are (the registry keeps them sorted,
+    daemon-wide and by owner), cut shorter where its records would not fit in one reply header."""
+    which = NameFilter(args.after, args.prefix, args.owner, args.uid)
+    records, more, count = front.shares.page(which, args.limit)
+    shared = _fitting(records, MAX_HEADER_BYTES - _PAGE_ENVELOPE_BYTES)
+    last = shared[-1]["name"] if shared and (more or len(shared) < len(records)) else None
+    return Reply({"shared": shared, "next": last, "count": count, "truncated": last is not None})
+
+
+def _fitting(records: list[dict[str, Any]], room: int) -> list[dict[str, Any]]:
+    """The first of ``records`` whose packed sizes fit in ``room`` bytes (at least one)."""
+    used = 0
+    for index, record in enumerate(records):
+        used += len(pack(record))
+        if used > room and index:
+            return records[:index]
+    return records

@@ -23,7 +23,11 @@ from cuctxd.daemon.device.queues import (
     DEFAULT_MAX_REPLY_BYTES_PER_PEER,
 )
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
-from cuctxd.daemon.registry.shares import DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, DEFAULT_MAX_MANIFEST_BYTES_PER_UID
+from cuctxd.daemon.registry.shares import (
+    DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
+    DEFAULT_MAX_MANIFEST_BYTES_PER_UID,
+    DEFAULT_MAX_NAMES_PER_UID,
+)
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
 from cuctxd.daemon.service.settings import (
     LOG_LEVELS,
@@ -254,6 +258,9 @@ class DaemonConfig:
     max_reply_bytes_per_peer: int = size(DEFAULT_MAX_REPLY_BYTES_PER_PEER, "read results one peer's clients may "
                                          "leave untaken on each device, all its sessions together, before their "
                                          "reads are refused", zero="no limit", security=True, limit=True)
+    #: Published names of one uid's sessions, ended ones included, daemon-wide.
+    max_names_per_uid: int = count(DEFAULT_MAX_NAMES_PER_UID, "names one user's sessions may have published, "
+                                   "ended ones included", zero="no limit", security=True, limit=True)
     #: What ``status`` (``node``) and the metrics (``cuctxd_info{node}``) call the machine this daemon serves.
     node_name: str = setting(DEFAULT_NODE_NAME, string, "what status and the metrics call this machine (in a "
                              "Kubernetes pod, pass the node's name)", "NAME", shown="the host name")

@@ -172,7 +172,8 @@ class Daemon:
                               max_orphaned_bytes_per_uid=self.config.max_orphaned_bytes_per_uid,
                               primary_keep=self.config.primary_keep,
                               kept_host_memory=self.config.kept_host_memory)
-        shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid)
+        shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid,
+                               self.config.max_names_per_uid)
         parking, passed = open_parking(shares)
         self._parking = parking
         self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session, self.fd_budget)
