@@ -103,6 +103,9 @@ class MemoryKind(Protocol):
 
     def free(self, ptr: int, stream: Stream | None = None) -> None: ...
 
+    def footprint(self, size: int) -> int:
+        """What a ``size``-byte buffer of this kind takes of the device: what quotas charge for it."""
+
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]: ...
 
     def scrub(self, ptr: int, size: int) -> None:
@@ -138,6 +141,11 @@ class Share:
     def share_id(self) -> str:
         return self.descriptor.share_id
 
+    @property
+    def footprint(self) -> int:
+        """What its memory takes of the device (:meth:`MemoryKind.footprint`): what a hold or an orphan costs."""
+        return self.kind.footprint(self.descriptor.size)
+
     def keeps_alive(self) -> bool:
         if self.owner_present or self.holders:
             return True
@@ -154,6 +162,11 @@ class Buffer:
     context: SessionContext
     kind: MemoryKind
     share: Share | None = None
+
+    @property
+    def footprint(self) -> int:
+        """What it takes of the device, what the session quota charges (:meth:`MemoryKind.footprint`)."""
+        return self.kind.footprint(self.size)
 
 
 @dataclass(eq=False)

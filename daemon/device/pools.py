@@ -1,35 +1,37 @@
 """Stream-ordered memory pools of one device and the four kinds of device memory.
 
 Owned by the device's worker thread, as part of its
-:class:`~cuctxd.daemon.device.state.DeviceState`. No pool that holds one tenant's
-memory is ever handed to another (PROTOCOL.md, section 7, "Which memory can be shared"):
+:class:`~cuctxd.daemon.device.state.DeviceState`. No memory that holds one tenant's
+bytes is ever handed to another (PROTOCOL.md, section 7, "Which memory can be shared"):
 
 * **Private pools** (:class:`PrivatePoolMemory`): one per context *and uid*, never
   IPC-capable, never exported. The fast path for every buffer that is not
   ``shareable``; a freed block is reused only by sessions of the same uid.
-* **Pools of their own** (:class:`OwnPoolMemory`): where the device can export
-  pools as POSIX file descriptors
-  (``CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES``), a ``shareable=True``
-  buffer is the only allocation of an IPC-capable pool made for it and destroyed
-  with it. The pool's fd (what ``open_shared`` with ``pool_fd`` hands out) then
-  reaches that buffer and nothing else: with CUDA, an importer that holds a
-  pool's fd must be assumed able to forge ``CUmemPoolPtrExportData`` for any
-  allocation of the pool (tests/gpu/test_pool_import_probe.py probes it); on the
-  sim, the fd is the pool's whole memfd.
-* **VMM memory** (:class:`VmmMemory`): ``cuMemCreate`` with a POSIX-fd handle type, mapped
-  with ``cuMemAddressReserve``/``cuMemMap``/``cuMemSetAccess``, for ``shareable`` buffers above
-  :data:`~cuctxd.protos.limits.POOL_BUFFER_MAX` where the device has VMM with POSIX fds. Its fd
-  (``cuMemExportToShareableHandle``, what ``open_shared`` with ``pool_fd`` hands out) names
-  this one allocation, and keeps it alive without the daemon: such a share can be parked.
-  Sizes are rounded up to the device's VMM granularity.
+* **VMM memory** (:class:`VmmMemory`): every ``shareable`` buffer, where the device has VMM with
+  POSIX fds: ``cuMemCreate`` of its size rounded up to the device's VMM granularity (2 MiB), mapped
+  with ``cuMemAddressReserve``/``cuMemMap``/``cuMemSetAccess``. An fd of it
+  (``cuMemExportToShareableHandle``, made for each ``open_shared`` with ``pool_fd`` and for parking,
+  never held per buffer) names this one allocation, and keeps it alive without the daemon: such a
+  share can be parked.
+* **Pools of their own** (:class:`OwnPoolMemory`): where the device has no VMM but can export
+  pools as POSIX file descriptors (``CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES``), a
+  ``shareable`` buffer of at most :data:`~cuctxd.protos.limits.POOL_BUFFER_MAX` is the only
+  allocation of an IPC-capable pool made for it and destroyed with it. The pool's fd (what
+  ``open_shared`` with ``pool_fd`` hands out) then reaches that buffer and nothing else: with CUDA,
+  an importer that holds a pool's fd must be assumed able to forge ``CUmemPoolPtrExportData`` for
+  any allocation of the pool (tests/gpu/test_pool_import_probe.py probes it); on the sim, the fd is
+  the pool's whole memfd. Costly: a pool holds an fd in the daemon, and on an H100 32 MiB of device
+  memory, whatever the buffer's size.
 * **Legacy memory** (:class:`LegacyMemory`): ``cuMemAlloc``, exported with
   ``cuIpcGetMemHandle``, for buffers above :data:`~cuctxd.protos.limits.POOL_BUFFER_MAX`
-  (why: that constant's comment) that are not ``shareable`` or where the device has no VMM,
-  and for ``shareable`` ones where pools cannot export. Sizes are rounded up to
-  :data:`IPC_GRANULARITY`: the CUDA programming guide warns that ``cuMemAlloc`` may
-  sub-allocate smaller allocations from one block, and that the IPC API then shares the whole block with its neighbours.
+  (why: that constant's comment) that are not ``shareable``, and for ``shareable`` ones where the
+  device has neither VMM nor pools that export (above ``POOL_BUFFER_MAX``: no VMM). Sizes are
+  rounded up to :data:`IPC_GRANULARITY`: the CUDA programming guide warns that ``cuMemAlloc`` may
+  sub-allocate smaller allocations from one block, and that the IPC API then shares the whole block
+  with its neighbours.
 
-Memory that was shared is scrubbed (``cuMemsetD8`` to 0) before it is freed
+Each kind says what a buffer of it costs the device (:meth:`footprint`): what the session quota
+charges. Memory that was shared is scrubbed (``cuMemsetD8`` to 0) before it is freed
 (:meth:`cuctxd.daemon.device.sharing.Sharing.settle`), so the next user of those
 bytes never reads them. One object per kind of memory pairs allocate with free and
 export, instead of branches on a flag.
@@ -176,6 +178,10 @@ class PrivatePoolMemory:
     def free(self, ptr: int, stream: Stream | None = None) -> None:
         self.driver.mem_free_async(ptr, stream)
 
+    def footprint(self, size: int) -> int:
+        """The size asked: the pool's block is that, rounded to its alignment."""
+        return size
+
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
         raise NotShareable("a buffer from a private pool cannot be exported")
 
@@ -198,6 +204,10 @@ class OwnPoolMemory:
 
     def free(self, ptr: int, stream: Stream | None = None) -> None:
         self.pools.free_own(ptr, stream)
+
+    def footprint(self, size: int) -> int:
+        """The pool's bound, :data:`IPC_GRANULARITY` rounded (the driver may reserve more for a pool)."""
+        return round_to_granularity(size)
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
         """Share descriptor fields naming the buffer (its context current)."""
@@ -227,6 +237,9 @@ class LegacyMemory:
     def free(self, ptr: int, stream: Stream | None = None) -> None:
         self.driver.mem_free(ptr)
 
+    def footprint(self, size: int) -> int:
+        return round_to_granularity(size)
+
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
         return {"mechanism": "ipc", "ipc_handle": self.driver.ipc_get_mem_handle(ptr)}
 
@@ -236,9 +249,9 @@ class LegacyMemory:
 
 
 class VmmMemory:
-    """``shareable`` memory above ``POOL_BUFFER_MAX`` with an fd of its own (see the module docstring): one
-    ``cuMemCreate`` allocation per buffer, of the device's granularity. Keeps the mapped size of each of its
-    buffers (worker thread only)."""
+    """``shareable`` memory that an fd can name (see the module docstring): one ``cuMemCreate`` allocation per
+    buffer, of the device's granularity. Keeps the mapped size of each of its buffers, and no fd of any
+    (worker thread only)."""
 
     exportable = True
 
@@ -253,6 +266,10 @@ class VmmMemory:
     def rounded(self, size: int) -> int:
         granularity = self.driver.vmm_granularity(self.device)
         return -(-size // granularity) * granularity
+
+    def footprint(self, size: int) -> int:
+        """The whole allocation: ``size`` rounded up to the granularity (2 MiB for a 4 KiB buffer)."""
+        return self.rounded(size)
 
     def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
                  uid: int | None = None) -> int:
@@ -280,7 +297,8 @@ class VmmMemory:
         return {"mechanism": "vmm", "ipc_handle": b"", "allocation_size": self.sizes[ptr]}
 
     def export_fd(self, ptr: int) -> int:
-        """A new fd of the buffer's allocation (``cuMemExportToShareableHandle``), the caller's."""
+        """A new fd of the buffer's allocation (``cuMemExportToShareableHandle``), the caller's: made for each
+        importer and for parking, so the daemon holds none per buffer."""
         if ptr not in self.sizes:
             raise NotShareable(f"this buffer on device {self.device} is not VMM memory")
         return self.driver.vmm_export_fd(ptr)
