@@ -129,10 +129,11 @@ class Sharing:
         uid = state.ref.uid
         orphaned = self.orphaned_bytes.get(uid, 0)
         limit = self.orphan_bytes_limit
-        if orphaned + buffer.footprint > limit:
+        footprint = buffer.footprint
+        if orphaned + footprint > limit:
             raise LimitExceeded(
                 f"max_orphaned_bytes_per_uid: {_uid_text(uid)} already leaves {orphaned} bytes on device "
-                f"{self.device} in published buffers whose owner is gone; publishing {buffer.footprint} more would pass "
+                f"{self.device} in published buffers whose owner is gone; publishing {footprint} more would pass "
                 f"the limit of {limit} once its session ends too; unpublish some of them first")
 
     def open(self, state: SessionOnDevice, share_id: str) -> Share:
