@@ -86,6 +86,7 @@ def test_freed_shared_memory_is_zeroed_for_a_holder_that_kept_its_mapping_and_fo
             os.close(fds[0])
             assert kept.find(secret) >= 0  # it was shared with everyone: readable while held
             attacker.unpublish("victim-weights")  # the victim's uid, which may once the victim is gone
+            attacker.status()  # reaches the device after the unpublish's own task there, which drops the name
             attacker.run(build.close_shared(descriptor))  # the last hold: the memory is freed
             assert kept.find(secret) < 0, "the freed share's bytes are still readable through a kept mapping"
         fresh = [attacker.alloc(1000, device=0, shareable=True), attacker.alloc(1000, device=0),
