@@ -36,6 +36,9 @@ class Driver(ABC):
 
     #: ``"cuda"`` or ``"sim"``, reported in ``hello`` and ``status``.
     name: str
+    #: File descriptors this process holds for each pool made with ``ipc`` (:meth:`mem_pool_create`) while it
+    #: lives: what the daemon's fd budget counts for it.
+    ipc_pool_fds: int
 
     @abstractmethod
     def init(self) -> None:

@@ -132,6 +132,8 @@ class SimDriver(Driver):
     """
 
     name = "sim"
+    #: A pool's memfd and its mapping (Python's ``mmap`` keeps a descriptor of its own).
+    ipc_pool_fds = 2
 
     def __init__(self, device_count: int = 2, memory_per_device: int = 1 << 30, *, ipc_pools: bool = True,
                  vmm: bool = True) -> None:

@@ -97,9 +97,8 @@ class MemoryKind(Protocol):
 
     exportable: bool
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
-                 uid: int | None = None) -> int:
-        """``size`` bytes for a session of ``uid`` in ``context`` (current)."""
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None, session: SessionRef) -> int:
+        """``size`` bytes for ``session`` in ``context`` (current), in order on ``stream`` (None: the legacy one)."""
 
     def free(self, ptr: int, stream: Stream | None = None) -> None: ...
 

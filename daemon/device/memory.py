@@ -73,14 +73,14 @@ class Memory:
         footprint = kind.footprint(size)
         self._check_quota(state, footprint)
         try:
-            ptr = kind.allocate(context, size, stream, uid=state.ref.uid)
+            ptr = kind.allocate(context, size, stream, state.ref)
         except CudaError as exc:
             if exc.code != CUresult.CUDA_ERROR_OUT_OF_MEMORY or not self.pools.entries:
                 raise
             self.driver.ctx_synchronize()
             self.pools.trim()
             self.current.activate(context)
-            ptr = kind.allocate(context, size, stream, uid=state.ref.uid)
+            ptr = kind.allocate(context, size, stream, state.ref)
         buffer = Buffer(new_handle() if handle is None else handle, ptr, size, context, kind)
         state.buffers[buffer.handle] = buffer
         state.bytes_allocated += footprint

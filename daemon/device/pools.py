@@ -47,6 +47,8 @@ from typing import Any
 from cuctxd.daemon.backends.base import Driver, Pool, Stream
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import SessionContext
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
+from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.protos.errors import NotShareable
 
 #: What memory shared with other processes is rounded up to (legacy buffers, a pool of one's own's bound):
@@ -71,21 +73,27 @@ class PoolEntry:
     #: importers get copies of, and its one buffer's export data, as the pool's first owner exported them.
     fd: int = -1
     export_data: bytes = b""
+    #: The fds the pool holds in this process (:attr:`Driver.ipc_pool_fds`), in the fd budget until it goes.
+    charge: FdCharge | None = None
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.charge is not None:
+            self.charge.release()
 
 
 class Pools:
     """The device's private pools (by context and uid, made on first use) and its pools of their own
     (by the pointer of their one buffer)."""
 
-    def __init__(self, driver: Driver, device: int, current: CurrentContext) -> None:
+    def __init__(self, driver: Driver, device: int, current: CurrentContext, budget: FdBudget) -> None:
+        """``budget``: the daemon's fd budget, which each pool of its own's fds count in."""
         self.driver = driver
         self.device = device
         self.current = current
+        self.budget = budget
         #: Whether ``shareable`` buffers can have an exportable pool of their own (asked of the driver once).
         self.ipc = driver.pool_ipc_supported(device)
         #: Private pools by (context id, uid); uid None: sessions whose uid the daemon cannot tell (tcp://).
@@ -103,15 +111,23 @@ class Pools:
             entry = self.entries[key] = PoolEntry(pool, secrets.token_hex(12), False, context.context_id)
         return entry
 
-    def allocate_own(self, context: SessionContext, size: int, stream: Stream | None) -> int:
-        """``size`` bytes from a new IPC-capable pool made for them alone (``context`` current)."""
-        pool = self.driver.mem_pool_create(self.device, ipc=True, max_size=round_to_granularity(size))
+    def allocate_own(self, context: SessionContext, size: int, stream: Stream | None, session: SessionRef) -> int:
+        """``size`` bytes from a new IPC-capable pool made for them alone (``context`` current). The pool's fds count
+        against ``session``'s share of the fd budget until it is destroyed: :class:`LimitExceeded` (nothing made)
+        when they would pass it."""
+        charge = self.budget.charge(self.driver.ipc_pool_fds, "a shareable buffer's pool of its own",
+                                    session.fd_peer or session.token, session.token)
         try:
-            ptr = self.driver.mem_alloc_from_pool(size, pool, stream)
+            pool = self.driver.mem_pool_create(self.device, ipc=True, max_size=round_to_granularity(size))
+            try:
+                ptr = self.driver.mem_alloc_from_pool(size, pool, stream)
+            except BaseException:
+                self.driver.mem_pool_destroy(pool)
+                raise
         except BaseException:
-            self.driver.mem_pool_destroy(pool)
+            charge.release()
             raise
-        self.own[ptr] = PoolEntry(pool, secrets.token_hex(12), True, context.context_id)
+        self.own[ptr] = PoolEntry(pool, secrets.token_hex(12), True, context.context_id, charge=charge)
         return ptr
 
     def adopt(self, ptr: int, pool: Pool, context_id: int, fd: int, export_data: bytes) -> PoolEntry:
@@ -171,9 +187,8 @@ class PrivatePoolMemory:
         self.driver = driver
         self.pools = pools
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
-                 uid: int | None = None) -> int:
-        return self.driver.mem_alloc_from_pool(size, self.pools.of(context, uid).pool, stream)
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None, session: SessionRef) -> int:
+        return self.driver.mem_alloc_from_pool(size, self.pools.of(context, session.uid).pool, stream)
 
     def free(self, ptr: int, stream: Stream | None = None) -> None:
         self.driver.mem_free_async(ptr, stream)
@@ -198,9 +213,8 @@ class OwnPoolMemory:
         self.driver = driver
         self.pools = pools
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
-                 uid: int | None = None) -> int:
-        return self.pools.allocate_own(context, size, stream)
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None, session: SessionRef) -> int:
+        return self.pools.allocate_own(context, size, stream, session)
 
     def free(self, ptr: int, stream: Stream | None = None) -> None:
         self.pools.free_own(ptr, stream)
@@ -229,8 +243,7 @@ class LegacyMemory:
     def __init__(self, driver: Driver) -> None:
         self.driver = driver
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
-                 uid: int | None = None) -> int:
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None, session: SessionRef) -> int:
         """``cuMemAlloc``: synchronous, so any stream is already in order."""
         return self.driver.mem_alloc(round_to_granularity(size))
 
@@ -271,9 +284,8 @@ class VmmMemory:
         """The whole allocation: ``size`` rounded up to the granularity (2 MiB for a 4 KiB buffer)."""
         return self.rounded(size)
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
-                 uid: int | None = None) -> int:
-        """``cuMemCreate`` + map: synchronous, so any stream is already in order."""
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None, session: SessionRef) -> int:
+        """``cuMemCreate`` + map: synchronous, so any stream is already in order. No fd is held for it."""
         mapped = self.rounded(size)
         ptr = self.driver.vmm_alloc(self.device, mapped)
         self.sizes[ptr] = mapped

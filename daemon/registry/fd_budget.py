@@ -141,7 +141,7 @@ class FdBudget:
             if session is not None and in_session + count > self.per_session:
                 refusal = (f"max_client_fds_per_session: the session holds {in_session} fds in the daemon of "
                            f"{self.per_session}; {what} needs {count} more (redeem or let go of tickets, host "
-                           "buffers or shm lanes first)")
+                           "buffers, shm lanes or pools of their own first)")
             elif in_peer + count > self.per_peer:
                 refusal = (f"max_client_fds_per_peer: this client ({peer}) holds {in_peer} fds in the daemon "
                            f"of {self.per_peer}; {what} needs {count} more")
