@@ -132,8 +132,10 @@ class SimDriver(Driver):
     """
 
     name = "sim"
-    #: A pool's memfd and its mapping (Python's ``mmap`` keeps a descriptor of its own).
+    #: A pool's memfd and its mapping (Python's ``mmap`` keeps a descriptor of its own); an exported VMM
+    #: allocation's, likewise.
     ipc_pool_fds = 2
+    vmm_export_fds = 2
 
     def __init__(self, device_count: int = 2, memory_per_device: int = 1 << 30, *, ipc_pools: bool = True,
                  vmm: bool = True) -> None:

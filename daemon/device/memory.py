@@ -44,7 +44,7 @@ class Memory:
         self.private_memory = PrivatePoolMemory(driver, pools)
         self.own_pool_memory = OwnPoolMemory(driver, pools)
         self.legacy_memory = LegacyMemory(driver)
-        self.vmm_memory = VmmMemory(driver, device)
+        self.vmm_memory = VmmMemory(driver, device, pools.budget)
 
     def kind_for(self, size: int, shareable: bool) -> MemoryKind:
         """A ``shareable`` buffer: VMM memory where the device has it (one allocation an fd names and keeps

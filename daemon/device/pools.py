@@ -268,13 +268,19 @@ class VmmMemory:
 
     exportable = True
 
-    def __init__(self, driver: Driver, device: int) -> None:
+    def __init__(self, driver: Driver, device: int, budget: FdBudget) -> None:
+        """``budget``: the daemon's fd budget, which counts what the backend keeps once a buffer is exported."""
         self.driver = driver
         self.device = device
+        self.budget = budget
         #: Whether the device has VMM with POSIX fds (asked of the driver once).
         self.supported = driver.vmm_supported(device)
         #: Mapped bytes by the address of each buffer (its size rounded up to the granularity).
         self.sizes: dict[int, int] = {}
+        #: Buffers allocated here and never exported yet (adopted ones came with their fd).
+        self.unexported: set[int] = set()
+        #: By buffer, the fds the backend keeps from its first export on (:attr:`Driver.vmm_export_fds`).
+        self.charges: dict[int, FdCharge] = {}
 
     def rounded(self, size: int) -> int:
         granularity = self.driver.vmm_granularity(self.device)
@@ -289,6 +295,7 @@ class VmmMemory:
         mapped = self.rounded(size)
         ptr = self.driver.vmm_alloc(self.device, mapped)
         self.sizes[ptr] = mapped
+        self.unexported.add(ptr)
         return ptr
 
     def adopt(self, fd: int, size: int) -> int:
@@ -304,16 +311,34 @@ class VmmMemory:
         self.driver.ctx_synchronize()
         self.driver.vmm_free(ptr)
         del self.sizes[ptr]
+        self.unexported.discard(ptr)
+        charge = self.charges.pop(ptr, None)
+        if charge is not None:
+            charge.release()
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]:
         return {"mechanism": "vmm", "ipc_handle": b"", "allocation_size": self.sizes[ptr]}
 
-    def export_fd(self, ptr: int) -> int:
+    def export_fd(self, ptr: int, owner: SessionRef) -> int:
         """A new fd of the buffer's allocation (``cuMemExportToShareableHandle``), the caller's: made for each
-        importer and for parking, so the daemon holds none per buffer."""
+        importer and for parking, so the daemon holds none per buffer. Where the backend keeps fds of an exported
+        allocation (the sim's memfd), its first export counts them against ``owner``'s share of the fd budget
+        until the buffer is freed: :class:`LimitExceeded` when they would pass it."""
         if ptr not in self.sizes:
             raise NotShareable(f"this buffer on device {self.device} is not VMM memory")
-        return self.driver.vmm_export_fd(ptr)
+        held = self.driver.vmm_export_fds
+        if not held or ptr not in self.unexported:
+            return self.driver.vmm_export_fd(ptr)
+        charge = self.budget.charge(held, f"the {self.driver.name} backend's fds of an exported VMM allocation",
+                                    owner.fd_peer or owner.token, owner.token)
+        try:
+            fd = self.driver.vmm_export_fd(ptr)
+        except BaseException:
+            charge.release()
+            raise
+        self.unexported.discard(ptr)
+        self.charges[ptr] = charge
+        return fd
 
     def scrub(self, ptr: int, size: int) -> None:
         """The whole allocation, padding included: an importer maps all of it."""

@@ -15,6 +15,7 @@ from cuctxd.daemon.backends.sim import SimDriver
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.pools import IPC_GRANULARITY
 from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.protos.errors import BadArgument, CudaError, LimitExceeded, NotShareable, TooLarge, UnknownHandle
@@ -80,6 +81,32 @@ def test_a_session_quota_charges_a_4_kib_shareable_buffer_its_2_mib_allocation()
     assert f"asked to allocate {granularity} more" in str(refused.value)
     run(state, ref, "alloc", size=4096)  # a private pool buffer is charged its size: the 4 KiB left fit it
     assert state.sessions[ref.token].bytes_charged() == 3 * granularity + 4096
+
+
+def test_the_sims_memfd_of_an_exported_vmm_buffer_counts_in_its_owners_fd_budget() -> None:
+    budget = FdBudget(FdPlan.derive(1024))  # 48 fds a session
+    driver = SimDriver(device_count=1, memory_per_device=64 * (2 << 20))
+    driver.init()
+    state = DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=4096), ShareRegistry(),
+                        TicketBook(budget=budget))
+    owner, opener = new_ref(), new_ref()
+    buffers = [run(state, owner, "alloc", size=4096, shareable=True).result["buffer"] for _ in range(30)]
+    assert budget.held == 0  # allocated, never exported: no fd
+    opened = 0
+    with pytest.raises(LimitExceeded, match="max_client_fds_per_session: .* exported VMM allocation"):
+        for buffer in buffers:
+            share = run(state, owner, "export", buffer=buffer["handle"]).result["share"]
+            for _ in range(2):  # the second open of a buffer costs the owner nothing more
+                ticket = run(state, opener, "open_shared", share_id=share["share_id"], pool_fd=True).result["ticket"]
+                for fd in state.tickets.redeem(ticket, None)[0]:
+                    os.close(fd)
+            opened += 1
+    assert opened == budget.per_session // driver.vmm_export_fds and budget.held == budget.per_session
+    for buffer in buffers:
+        run(state, owner, "free", buffer=buffer["handle"])
+    state.close_session(opener)
+    assert budget.held == 0
+    state.tickets.close()
 
 
 def test_without_vmm_a_shareable_buffer_has_a_pool_of_its_own() -> None:
