@@ -93,7 +93,7 @@ def test_the_sims_memfd_of_an_exported_vmm_buffer_counts_in_its_owners_fd_budget
     buffers = [run(state, owner, "alloc", size=4096, shareable=True).result["buffer"] for _ in range(30)]
     assert budget.held == 0  # allocated, never exported: no fd
     opened = 0
-    with pytest.raises(LimitExceeded, match="max_client_fds_per_session: .* exported VMM allocation"):
+    with pytest.raises(LimitExceeded, match=r"max_client_fds_per_session: .* exported VMM allocation"):
         for buffer in buffers:
             share = run(state, owner, "export", buffer=buffer["handle"]).result["share"]
             for _ in range(2):  # the second open of a buffer costs the owner nothing more
