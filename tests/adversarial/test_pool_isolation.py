@@ -1,9 +1,10 @@
-"""Reading other sessions' memory through what sharing hands out (issue 25, item 4), on the sim.
+"""Reading other sessions' memory through what sharing hands out (issue 25, item 4; issue 40, item 5), on the sim.
 
-The attacker exports its own small buffer, opens it with ``pool_fd`` and maps the whole fd it receives,
-as :class:`cuctxd.client.data_plane.ipc_sim.SimPoolImport` does, then scans it: it must find nothing of another
-session's. Memory that was shared and is freed must not be readable afterwards, neither through a
-mapping the holder kept nor by the next allocation. The bystander (``conftest.py``) is served throughout.
+The attacker exports its own small buffer, opens it with ``pool_fd`` and maps the whole fd it receives (its VMM
+allocation's memfd, or on a device without VMM its pool's, as
+:class:`cuctxd.client.data_plane.ipc_sim.SimPoolImport` does), then scans it: it must find nothing of another
+session's. Memory that was shared and is freed must not be readable afterwards, neither through a mapping the
+holder kept nor by the next allocation. The bystander (``conftest.py``) is served throughout.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+
+import pytest
 
 from cuctxd import Client
 from cuctxd.client.wire import build
@@ -39,7 +42,8 @@ with Client(ENDPOINT, name="attacker") as c:
 """
 
 
-def test_an_exported_buffers_pool_fd_reaches_no_other_sessions_memory(
+@pytest.mark.parametrize("attack_daemon_args", [(), ("--no-sim-vmm",)], ids=["vmm", "pool of its own"])
+def test_an_exported_buffers_fd_reaches_no_other_sessions_memory(
         attack_daemon: DaemonProcess, bystander: Bystander) -> None:
     secret = secrets.token_bytes(32)
     with Client(attack_daemon.endpoint, name="victim") as victim:
@@ -49,7 +53,7 @@ def test_an_exported_buffers_pool_fd_reaches_no_other_sessions_memory(
         kept.write(secret * 128)
         before = victim.alloc(256, device=0, shareable=True)
         before.write(secret * 8)
-        victim.export(before)  # another session's export: a pool of its own too
+        victim.export(before)  # another session's export: its own allocation (or pool) too
         out = run_client(f"SECRET = {secret.hex()!r}\n{ATTACKER}", attack_daemon.endpoint).split()
         assert out[0] == "mapped" and out[2] == "clean", out
         assert int(out[1]) <= 2 << 20, "the fd reaches more than the attacker's own buffer"
