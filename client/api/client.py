@@ -374,8 +374,9 @@ class Client(SessionState):
     def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> Buffer:
         """Device memory in the current context of ``device`` (default: the current device).
 
-        By default it comes from the context's stream-ordered pool (fast); pass
-        ``shareable=True`` for ``cuMemAlloc`` memory, which other processes can open.
+        By default it comes from the context's stream-ordered pool (fast), never exported; pass
+        ``shareable=True`` for memory other processes can open: a VMM allocation of its own, of at least
+        the device's granularity (2 MiB), where the GPU has VMM (PROTOCOL.md, section 7, "Buffers").
         """
         return self.run(build.alloc(self, Buffer, size, device, shareable))
 

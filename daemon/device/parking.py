@@ -111,7 +111,7 @@ class DeviceParking:
         if share.ptr in self.pools.own:
             fd: int | None = self.pools.export_fd(share.ptr)
         elif share.kind is self.vmm_memory:
-            fd = self.vmm_memory.export_fd(share.ptr)
+            fd = self.vmm_memory.export_fd(share.ptr, share.owner)
         else:
             self.current.activate(share.context)
             fd = self.driver.mem_export_fd(share.ptr)

@@ -90,7 +90,7 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
             if mechanism == "pool":
                 fd, info = state.pools.export_fd(share.ptr), {"pool_id": share.descriptor.pool_id}
             else:
-                fd, info = state.memory.vmm_memory.export_fd(share.ptr), {"share_id": share.share_id}
+                fd, info = state.memory.vmm_memory.export_fd(share.ptr, share.owner), {"share_id": share.share_id}
             result["ticket"] = state.tickets.issue(job.session.token, job.session.uid, [fd], info,
                                                    job.session.fd_peer)
         except BaseException:

@@ -264,6 +264,8 @@ class DaemonConfig:
     #: What ``status`` (``node``) and the metrics (``cuctxd_info{node}``) call the machine this daemon serves.
     node_name: str = setting(DEFAULT_NODE_NAME, string, "what status and the metrics call this machine (in a "
                              "Kubernetes pod, pass the node's name)", "NAME", shown="the host name")
+    sim_vmm: bool = switch(True, "testing aid (sim backend only): the sim's devices have CUDA VMM; with --no-sim-vmm "
+                           "they are GPUs without it, whose shareable buffers get IPC pools of their own")
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -269,27 +269,30 @@ def not_the_memory(kind: str) -> int:
         read_end, write_end = os.pipe()
         os.close(write_end)
         return read_end
-    return sealed_memfd("too-small", 4096)  # a memfd, but no block of 1 MiB in it, nor 40 MiB of VMM
+    return sealed_memfd("too-small", 4096)  # a memfd, but no block of 1 MiB in it, nor a VMM allocation
 
 
-@pytest.mark.parametrize("kind,size", [("small memfd", 1 << 20), ("pipe", 1 << 20), ("small memfd", BIG),
-                                       ("pipe", BIG)])
+@pytest.mark.parametrize("kind,size,vmm", [("small memfd", 1 << 20, False), ("pipe", 1 << 20, False),
+                                           ("small memfd", 1 << 20, True), ("small memfd", BIG, True),
+                                           ("pipe", BIG, True)])
 def test_a_registry_entry_whose_memory_does_not_match_is_skipped(manager: ServiceManager, kind: str,
-                                                                 size: int) -> None:
-    """A pool share (1 MiB) or a VMM share (``BIG``) whose fd is not its memory is not adopted."""
-    daemon = manager.start(*SIM)
+                                                                 size: int, vmm: bool) -> None:
+    """A VMM share (1 MiB: one granule; ``BIG``), or a pool share (1 MiB, on a sim without VMM), whose fd is not
+    its memory is not adopted."""
+    options = SIM if vmm else (*SIM, "--no-sim-vmm")
+    daemon = manager.start(*options)
     with Client(daemon.endpoint) as c:
         for name in ("kept", "swapped"):
             buffer = c.alloc(size, shareable=True)
             c.write(buffer, pattern(size))
             c.run(requests.publish(buffer, name, None, True, False))
         swapped = c.lookup("swapped").share_id
-        assert c.lookup("swapped").mechanism == ("vmm" if size > (32 << 20) else "pool")
+        assert c.lookup("swapped").mechanism == ("vmm" if vmm else "pool")
     manager.kill()
     for fd in manager.take(f"cuctxd-share-{swapped}"):
         os.close(fd)
     manager.add(f"cuctxd-share-{swapped}", not_the_memory(kind))
-    daemon = manager.start(*SIM, endpoint=daemon.endpoint)
+    daemon = manager.start(*options, endpoint=daemon.endpoint)
     with Client(daemon.endpoint) as c:
         assert [s["name"] for s in c.list_shared()] == ["kept"]
     assert "not adopted" in daemon.log()
