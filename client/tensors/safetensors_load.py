@@ -28,7 +28,7 @@ from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.tensor_sets import layout_offsets, no_room, publish_filled
 from cuctxd.client.wire import build
 from cuctxd.protos import digests
-from cuctxd.protos.errors import BadArgument, CudaError, NameExists, NotFound
+from cuctxd.protos.errors import BadArgument, CuctxError, CudaError, NameExists, NoDaemon, NotFound, SessionLost
 from cuctxd.protos.layouts import Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
 
@@ -79,12 +79,25 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
                     return Loaded(published, theirs, False)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
                                             replace=replace)
-        except (EOFError, OSError) as exc:
-            raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
         except CudaError as error:
             raise no_room(client, error, size, device, len(manifest.tensors)) from None
+        except SessionLost as lost:
+            raise _went_away(path, lost) from lost.__cause__
+        except CuctxError:  # the daemon's or the client's own (a timeout, a lost connection: OSErrors too)
+            raise
+        except (EOFError, OSError) as exc:
+            raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
     return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True,
                   replaced=published is not None)
+
+
+def _went_away(path: str, lost: SessionLost) -> SessionLost:
+    """``lost`` said for the load of ``path`` when the daemon went away during it (killed, crashed,
+    restarted): no fault of the checkpoint's."""
+    if not isinstance(lost.__cause__, NoDaemon):
+        return lost
+    return SessionLost(f"{path}: the daemon went away during the load, which did not finish: "
+                       f"{lost.__cause__.message}", lost.op)
 
 
 def _published(client: Any, name: str) -> ShareDescriptor | None:
