@@ -28,7 +28,16 @@ from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.tensor_sets import layout_offsets, no_room, publish_filled
 from cuctxd.client.wire import build
 from cuctxd.protos import digests
-from cuctxd.protos.errors import BadArgument, CuctxError, CudaError, NameExists, NoDaemon, NotFound, SessionLost
+from cuctxd.protos.errors import (
+    BadArgument,
+    CuctxError,
+    CudaError,
+    NameExists,
+    NoDaemon,
+    NotFound,
+    SessionLost,
+    UnknownSession,
+)
 from cuctxd.protos.layouts import Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
 
@@ -82,7 +91,7 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
         except CudaError as error:
             raise no_room(client, error, size, device, len(manifest.tensors)) from None
         except SessionLost as lost:
-            raise _went_away(path, lost) from lost.__cause__
+            raise _went_away(client, path, lost) from lost.__cause__
         except CuctxError:  # the daemon's or the client's own (a timeout, a lost connection: OSErrors too)
             raise
         except (EOFError, OSError) as exc:
@@ -91,13 +100,17 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
                   replaced=published is not None)
 
 
-def _went_away(path: str, lost: SessionLost) -> SessionLost:
+def _went_away(client: Any, path: str, lost: SessionLost) -> SessionLost:
     """``lost`` said for the load of ``path`` when the daemon went away during it (killed, crashed,
     restarted): no fault of the checkpoint's."""
-    if not isinstance(lost.__cause__, NoDaemon):
+    cause = lost.__cause__
+    if isinstance(cause, NoDaemon):
+        why = cause.message
+    elif isinstance(cause, UnknownSession):
+        why = f"the daemon at {client.endpoint} no longer knows this session (it was restarted)"
+    else:
         return lost
-    return SessionLost(f"{path}: the daemon went away during the load, which did not finish: "
-                       f"{lost.__cause__.message}", lost.op)
+    return SessionLost(f"{path}: the daemon went away during the load, which did not finish: {why}", lost.op)
 
 
 def _published(client: Any, name: str) -> ShareDescriptor | None:

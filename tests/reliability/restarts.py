@@ -13,15 +13,23 @@ service manager (:class:`~tests.service_manager.ServiceManager`, with its fd sto
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cuctxd.client import AsyncClient, Client
-from tests.helpers import DaemonProcess, launch_daemon
+from tests.helpers import DaemonProcess, launch_daemon, remove_tempdir, start_daemon, tcp_endpoint
 from tests.service_manager import ServiceManager
+
+#: How the daemon comes back: on its endpoint at once, plainly or under the service manager, or not at all.
+RESTARTS = ("plain", "service-manager", "none")
+#: The client's timeout: what a call that nobody tells about the restart would wait.
+TIMEOUT = 10.0
+TCP = ("--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
 
 #: Run as ``python -c HOLD FIFO -m cuctxd.daemon ARGS``: import the daemon, wait until someone writes to
 #: FIFO, then run it with ARGS (the daemon's own pid: no exec in between).
@@ -81,3 +89,47 @@ def in_flight_on(client: Client | AsyncClient) -> set[str]:
     where = {"main": [router.main], "device": list(router.device_sockets.values()),
              "shm": [] if getattr(router, "shm", None) is None else [lane for _, lane in router.shm.opened()]}
     return {name for name, transports in where.items() if any(t.in_flight() for t in transports)}
+
+
+class Scene:
+    """The daemon of one test (``args``: its options), the endpoint its client uses (``transport`` ``"tcp"``:
+    a tcp:// one, else the ipc:// one), and how it dies and comes back (``restart``, one of :data:`RESTARTS`)."""
+
+    def __init__(self, workdir: Path, transport: str, restart: str, args: tuple[str, ...]) -> None:
+        self.manager = ServiceManager(workdir) if restart == "service-manager" else None
+        tcp = TCP if transport == "tcp" else ()
+        self.daemon = self.manager.start(*args, *tcp) if self.manager is not None else start_daemon(*args, *tcp)
+        self.endpoint = tcp_endpoint(self.daemon) if tcp else self.daemon.endpoint
+        again = (*args, "--endpoint", self.endpoint, "--insecure-tcp") if tcp else args
+        self.held = None if restart == "none" else QuickRestart(workdir, *again, endpoint=self.daemon.endpoint,
+                                                                how=restart, manager=self.manager)
+        self.replacement: DaemonProcess | None = None
+
+    def kill_and_restart(self) -> float:
+        """SIGKILL the daemon and start its replacement; returns when the kill was sent (monotonic)."""
+        killed = time.monotonic()
+        self._kill()
+        if self.held is not None:
+            self.replacement = self.held.release()
+        return killed
+
+    def _kill(self) -> None:
+        if self.manager is not None:
+            self.manager.kill()
+            return
+        if self.daemon.process.poll() is None:
+            os.kill(self.daemon.process.pid, signal.SIGKILL)
+        self.daemon.process.wait(20)
+        self.daemon.close_pipes()
+
+    def close(self) -> int | None:
+        """Stop whatever still runs; the replacement's exit status (None: there was none)."""
+        if self.held is not None and self.replacement is None:  # the test failed before the kill
+            self.kill_and_restart()
+        try:
+            if self.manager is not None:
+                return self.manager.close()
+            self._kill()
+            return None if self.replacement is None else self.replacement.stop()
+        finally:
+            remove_tempdir(self.daemon.socket_dir)

@@ -14,33 +14,25 @@ After a restart the client's ``reconnect()`` opens a session with the new instan
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cuctxd.client import AsyncClient, Client, NoDaemon, SessionLost
-from tests.helpers import DaemonProcess, freeze, remove_tempdir, short_tempdir, start_daemon, tcp_endpoint
-from tests.reliability.restarts import QuickRestart, in_flight_on
-from tests.service_manager import ServiceManager
+from tests.helpers import freeze
+from tests.reliability.restarts import RESTARTS, TIMEOUT, Scene, in_flight_on
 
 SIM = ("--sim-devices", "1", "--sim-memory", "64MiB")
-TCP = ("--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp")
-#: The client's timeout: what a call that nobody tells about the restart waits.
-TIMEOUT = 10.0
 #: What the failing call may take past the kill: one liveness probe (1 s; a ``ping`` over tcp:// waits
 #: up to 0.5 s more) and a loaded 2-core machine's slack, well below :data:`TIMEOUT`.
 AT_ONCE_S = 3.0
 #: (flavour, transport): where the call in flight waits. The async client has no shm lanes.
 CASES = [("sync", "ipc"), ("sync", "tcp"), ("sync", "device"), ("sync", "shm"),
          ("async", "ipc"), ("async", "tcp"), ("async", "device")]
-#: How the daemon comes back: on its endpoint at once, plainly or under the service manager, or not at all.
-RESTARTS = ("plain", "service-manager", "none")
 
 #: A read on a stream this large fits no shm lane's area and takes no staging ring: the device's socket.
 LARGE = 96 << 10
@@ -48,52 +40,6 @@ LARGE = 96 << 10
 pytestmark = pytest.mark.timeout(90)
 
 Outcome = tuple[BaseException | None, float]
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    directory = short_tempdir()
-    yield directory
-    remove_tempdir(directory)
-
-
-class Scene:
-    """The daemon of one test, the endpoint its client uses, and how it dies and comes back."""
-
-    def __init__(self, workdir: Path, transport: str, restart: str) -> None:
-        self.manager = ServiceManager(workdir) if restart == "service-manager" else None
-        tcp = TCP if transport == "tcp" else ()
-        self.daemon = (self.manager.start(*SIM, *tcp) if self.manager is not None else start_daemon(*SIM, *tcp))
-        self.endpoint = tcp_endpoint(self.daemon) if tcp else self.daemon.endpoint
-        again = (*SIM, "--endpoint", self.endpoint, "--insecure-tcp") if tcp else SIM
-        self.held = None if restart == "none" else QuickRestart(workdir, *again, endpoint=self.daemon.endpoint,
-                                                                how=restart, manager=self.manager)
-        self.replacement: DaemonProcess | None = None
-
-    def kill_and_restart(self) -> float:
-        """SIGKILL the daemon and start its replacement; returns when the kill was sent (monotonic)."""
-        killed = time.monotonic()
-        if self.manager is not None:
-            self.manager.kill()
-        else:
-            os.kill(self.daemon.process.pid, signal.SIGKILL)
-            self.daemon.process.wait(20)
-            self.daemon.close_pipes()
-        if self.held is not None:
-            self.replacement = self.held.release()
-        return killed
-
-    def close(self) -> None:
-        if self.manager is not None:
-            code = self.manager.close()
-        else:
-            if self.daemon.process.poll() is None:
-                self.daemon.process.kill()
-                self.daemon.process.wait(20)
-            self.daemon.close_pipes()
-            code = 0 if self.replacement is None else self.replacement.stop()
-        remove_tempdir(self.daemon.socket_dir)
-        assert code in (0, None), self.replacement.log() if self.replacement is not None else code
 
 
 def _failed_by_name(outcome: Outcome, killed: float, op: str) -> None:
@@ -189,11 +135,12 @@ async def _run_async(scene: Scene, transport: str, restart: str) -> None:
 @pytest.mark.parametrize(("flavour", "transport"), CASES)
 def test_a_call_in_flight_when_the_daemon_dies_fails_by_name_within_a_probe(workdir: Path, flavour: str,
                                                                              transport: str, restart: str) -> None:
-    scene = Scene(workdir, transport, restart)
+    scene = Scene(workdir, transport, restart, SIM)
     try:
         if flavour == "sync":
             _run_sync(scene, transport, restart)
         else:
             asyncio.run(_run_async(scene, transport, restart))
     finally:
-        scene.close()
+        code = scene.close()
+    assert code in (0, None), scene.replacement.log() if scene.replacement is not None else code
