@@ -31,9 +31,9 @@ from tests.checkpoint_files import write_shard
 from tests.helpers import REPO, client_env, wait_until
 from tests.reliability.restarts import RESTARTS, TIMEOUT, Scene
 
-#: A checkpoint of 24 slots' worth (8 MiB each): more than a load ring has (at most 16), so that the load
-#: reports progress before its end.
-TENSORS, TENSOR_BYTES = 24, 8 << 20
+#: A checkpoint of 24 slots' worth (8 MiB each, a tensor spanning several): more than a load ring has (at
+#: most 16), so that the load reports progress before its end.
+TENSORS, TENSOR_BYTES = 3, 64 << 20
 SIM = ("--sim-devices", "1", "--sim-memory", "512MiB")
 #: What the CLI may take past the kill to exit: a liveness probe (1 s), the replacement's start, and a
 #: loaded 2-core machine's slack; well below the CLI's ``--timeout`` (:data:`TIMEOUT`).
