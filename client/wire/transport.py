@@ -42,6 +42,7 @@ PROBE_EVERY = 1.0
 #: daemon as merely slow.
 PROBE_TIMEOUT = 0.5
 
+
 def _ipc_path(endpoint: str) -> str | None:
     """The socket address of an ipc:// endpoint (Linux's abstract namespace, ``@name``, as ``\\0name``)."""
     if not endpoint.startswith("ipc://"):
@@ -197,7 +198,9 @@ def _listener_pidfd(endpoint: str) -> int | None:
 
 def _exited(pidfd: int) -> bool:
     """Whether the process of ``pidfd`` has exited (the pidfd polls readable)."""
-    return bool(select.select([pidfd], [], [], 0)[0])
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class DaemonWatch:
