@@ -35,6 +35,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_NOT_OWNER = 10015
     CUCTXD_ERROR_REVOKED = 10016
     CUCTXD_ERROR_SESSION_CLOSED = 10017
+    CUCTXD_ERROR_DIGEST_MISMATCH = 10018
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -185,6 +186,15 @@ class SessionClosed(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_SESSION_CLOSED
 
 
+class DigestMismatch(DaemonError):
+    """A layout's bytes are not what its digest says: ``verify_shared`` hashed them on the device and they
+    differ (the message names the publisher), or the name holds another digest, or none. Also raised by the
+    client, before asking the daemon, for a layout whose manifest states another digest. Nothing stays
+    mapped or held."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_DIGEST_MISMATCH
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -252,20 +262,12 @@ class WrongBackend(CuctxError, AttributeError):  # type: ignore[misc]  # ``name`
         super().__init__(0, "CUCTXD_WRONG_BACKEND", message, op)
 
 
-class DigestMismatch(CuctxError):
-    """Client side only: a layout opened with ``digest=`` holds other content (or says none): the message
-    gives both digests. Nothing stays mapped."""
-
-    def __init__(self, message: str, op: str | None = None) -> None:
-        super().__init__(0, "CUCTXD_ERROR_DIGEST_MISMATCH", message, op)
-
-
 _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     int(cls.code_enum): cls
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, InternalError,
     )
 }
 

@@ -40,3 +40,9 @@ MAX_DEFERRED_ERRORS = 1024
 #: about 1.3 ms per GiB of the buffer, against 0.05-0.3 ms for a ``cuIpcOpenMemHandle`` at any size (they
 #: cross near 32 MiB), and kills the importing process with SIGSEGV for one allocation of 6 GiB or more.
 POOL_BUFFER_MAX = 32 << 20
+
+#: Bytes of a layout one step of a digest check copies to the host and one helper thread hashes (whole
+#: 2 MiB leaves, ``verify_shared``; PROTOCOL.md, section 9, "Digests").
+DIGEST_CHECK_CHUNK_BYTES = 16 << 20
+#: Page-locked staging slots of that size a device's digest check holds at most, only while it runs.
+DIGEST_CHECK_SLOTS = 8

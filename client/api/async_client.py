@@ -368,8 +368,13 @@ class AsyncClient(SessionState):
     async def unpublish(self, name: str) -> None:
         await self.run(build.unpublish(name))
 
-    async def lookup(self, name: str) -> ShareDescriptor:
-        return await self.run(build.lookup(name))
+    async def lookup(self, name: str, *, digest: str | None = None) -> ShareDescriptor:
+        """As :meth:`cuctxd.client.api.client.Client.lookup`."""
+        return await self.run(build.lookup(name) if digest is None else build.lookup_verified(name, digest))
+
+    async def verify_shared(self, name: str, digest: str, device: int) -> dict[str, Any]:
+        """As :meth:`cuctxd.client.api.client.Client.verify_shared`."""
+        return await self.run(build.verify_shared(name, digest, device))
 
     async def list_shared(self) -> list[dict[str, Any]]:
         return await self.run(build.list_shared())

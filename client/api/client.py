@@ -472,8 +472,18 @@ class Client(SessionState):
         """Remove a name published by this user's sessions (any name, as the daemon's own user)."""
         self.run(build.unpublish(name))
 
-    def lookup(self, name: str) -> ShareDescriptor:
-        return self.run(build.lookup(name))
+    def lookup(self, name: str, *, digest: str | None = None) -> ShareDescriptor:
+        """The descriptor published as ``name``; with ``digest``, only once the daemon vouches that the name's
+        layout has that digest (:meth:`verify_shared`): :class:`~cuctxd.protos.errors.DigestMismatch`
+        otherwise."""
+        return self.run(build.lookup(name) if digest is None else build.lookup_verified(name, digest))
+
+    def verify_shared(self, name: str, digest: str, device: int) -> dict[str, Any]:
+        """Have the daemon vouch for ``name``'s layout digest on ``device`` before relying on it: at once for a
+        name of this user's, else once it hashed the bytes (the first reliance only). Returns ``digest``,
+        ``verified`` (``"publisher"`` or ``"daemon"``) and ``hashed``; raises
+        :class:`~cuctxd.protos.errors.DigestMismatch` for another digest, or bytes that differ from it."""
+        return self.run(build.verify_shared(name, digest, device))
 
     def list_shared(self) -> list[dict[str, Any]]:
         """Published names with their device, size, owner and number of holders."""

@@ -180,9 +180,20 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
         ["NAME", "DEVICE", "SIZE", "TENSORS", "MODE", "OWNER", "PUBLISHER", "HOLDERS", "DIGEST", "SHARE"],
         [[s["name"], s["device"], human_size(s["size"]), s.get("tensors") or "-", "ro" if s.get("read_only") else "rw",
           s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", _publisher(s.get("publisher")),
-          s["holders"], digests.short(s["digest"]) if s.get("digest") else "-", s["share_id"]]
+          s["holders"], _digest(s), s["share_id"]]
          for s in shared],
     )
+
+
+#: What the DIGEST column adds where the daemon hashed the bytes (``list_shared``'s ``verified``).
+_VERIFIED = {"daemon": " verified", "mismatch": " MISMATCH"}
+
+
+def _digest(shared: dict[str, Any]) -> str:
+    """A name's short digest, and whether the daemon found its bytes bear it out (else: its publisher's word)."""
+    if not shared.get("digest"):
+        return "-"
+    return digests.short(shared["digest"]) + _VERIFIED.get(shared.get("verified") or "", "")
 
 
 def _publisher(publisher: dict[str, Any] | None) -> str:

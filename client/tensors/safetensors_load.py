@@ -5,10 +5,11 @@ anything is allocated, lays its tensors out as every layout is
 (:func:`~cuctxd.client.tensors.tensor_sets.layout_offsets`), reads every shard into one shareable daemon
 buffer, hashed on the way (:func:`~cuctxd.client.data_plane.file_reads.load_into_new_buffer`), and publishes it
 with its manifest and digests. A name in use is compared by content: where the published layout has the
-same tensors, the files are hashed (mapped, on threads) and, the same as its digest, nothing is loaded;
-other content is refused unless ``replace``, which loads into a new buffer (no hashing first: a replace
-mostly brings new content) and swaps the name in the daemon at once, or, the loaded digest the same as the
-published one, frees the new buffer and swaps nothing. Nothing stays
+same tensors, the files are hashed (mapped, on threads) and, the same as its digest and the daemon vouching
+for that digest (``verify_shared``: another user's is hashed on the device), nothing is loaded; other
+content is refused, naming who holds the name, unless ``replace``, which loads into a new buffer (no hashing
+first: a replace mostly brings new content) and swaps the name in the daemon at once, or, the loaded digest
+the same as the published one and vouched for, frees the new buffer and swaps nothing. Nothing stays
 published or allocated after a failure. Which thread may call: the client's callers.
 """
 
@@ -32,6 +33,7 @@ from cuctxd.protos.errors import (
     BadArgument,
     CuctxError,
     CudaError,
+    DigestMismatch,
     NameExists,
     NoDaemon,
     NotFound,
@@ -71,7 +73,7 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
     check_manifest(manifest.pack(), size)  # a checkpoint no layout can hold is refused before anything else
     published = _published(client, name)
     if published is not None and not replace:
-        return _same_content(checkpoint, manifest, name, published)
+        return _same_content(client, checkpoint, manifest, name, published)
     known = _manifest_of(published)
     theirs = None if known is None else known.digest
     with _opened(checkpoint) as fds:
@@ -83,7 +85,8 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
             with load_into_new_buffer(client, build.alloc(client, Buffer, size, device, True), device, ranges,
                                       digest=digest, progress=progress) as (buffer, found):
                 if (published is not None and theirs is not None and digest
-                        and _layout_digest(checkpoint, cast(list[str], found)) == theirs):
+                        and _layout_digest(checkpoint, cast(list[str], found)) == theirs
+                        and _vouched(client, name, published, theirs)):
                     buffer.free()  # a replace by the same content: nothing to swap
                     return Loaded(published, theirs, False)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
@@ -128,24 +131,51 @@ def _manifest_of(published: ShareDescriptor | None) -> Manifest | None:
     return check_manifest(published.manifest, published.size)
 
 
-def _same_content(checkpoint: Checkpoint, manifest: Manifest, name: str, published: ShareDescriptor) -> Loaded:
-    """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content; else
-    :class:`NameExists` naming ``--replace``. The files are hashed only when the published layout has the
-    same tensors, dtypes and shapes (else the content differs, known at once)."""
+def _same_content(client: Any, checkpoint: Checkpoint, manifest: Manifest, name: str,
+                  published: ShareDescriptor) -> Loaded:
+    """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content, by a digest the daemon
+    vouches for; else :class:`NameExists` naming who holds the name (and ``--replace`` where the content
+    differs). The files are hashed only when the published layout has the same tensors, dtypes and shapes
+    (else the content differs, known at once)."""
     known = _manifest_of(published)
     theirs = None if known is None else known.digest
     if known is None or theirs is None:
-        raise NameExists(f"{name!r} is published already, without a content digest to compare this checkpoint "
-                         f"with: load with --replace (replace=True) to swap it, or choose another name")
+        raise NameExists(f"{name!r} is published already by {_holder(published)}, without a content digest to "
+                         "compare this checkpoint with: load with --replace (replace=True) to swap it, or choose "
+                         "another name")
     if [(t.name, t.dtype, t.shape) for t in known.tensors] != [(t.name, t.dtype, t.shape) for t in manifest.tensors]:
         differs = "this checkpoint has other tensors"
     else:
         ours = checkpoint_digest(checkpoint)
         if ours == theirs:
+            try:
+                client.verify_shared(name, theirs, published.device)
+            except DigestMismatch as exc:
+                raise NameExists(f"{name!r} is held by {_holder(published)}, whose bytes are not the content its "
+                                 f"digest claims ({exc.message}): choose another name, or have its user "
+                                 f"unpublish it") from None
             return Loaded(published, ours, False)
         differs = f"this checkpoint's {digests.short(ours)}"
-    raise NameExists(f"{name!r} holds other content (digest {digests.short(theirs)}, {differs}): load with "
-                     f"--replace (replace=True) to swap it")
+    raise NameExists(f"{name!r} is held by {_holder(published)} with other content (digest {digests.short(theirs)}, "
+                     f"{differs}): load with --replace (replace=True) to swap it")
+
+
+def _vouched(client: Any, name: str, published: ShareDescriptor, digest: str) -> bool:
+    """Whether the daemon vouches that ``name`` holds ``digest`` (its own user's word, or bytes it hashed): a
+    replace by the same content is a no-op only then; other bytes under a claimed digest are replaced (or
+    the replace refused, naming their publisher)."""
+    try:
+        client.verify_shared(name, digest, published.device)
+    except DigestMismatch:
+        return False
+    return True
+
+
+def _holder(published: ShareDescriptor) -> str:
+    """Who published the name, as ``lookup`` says."""
+    who = published.publisher or {}
+    uid = "uid unknown" if who.get("uid") is None else f"uid {who['uid']}"
+    return f"session {who.get('session')} ({who.get('client')!r}, {uid}, pid {who.get('pid')})"
 
 
 def checkpoint_digest(checkpoint: Checkpoint) -> str:

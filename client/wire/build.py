@@ -479,6 +479,20 @@ def lookup(name: str) -> Request[ShareDescriptor]:
     return _request("lookup", _share, name=name)
 
 
+def verify_shared(name: str, digest: str, device: int) -> Request[dict[str, Any]]:
+    """Have the daemon vouch for ``name``'s layout digest (on ``device``, where its lookup says it is) before
+    relying on it. Result: ``digest``, ``verified`` (``"publisher"`` or ``"daemon"``), ``hashed``."""
+    return _request("verify_shared", _result, name=name, digest=digest, device=device)
+
+
+def lookup_verified(name: str, digest: str) -> Plan[ShareDescriptor]:
+    """The descriptor published as ``name``, once the daemon vouched that its layout has ``digest``
+    (:func:`verify_shared`; ``CUCTXD_ERROR_DIGEST_MISMATCH`` otherwise)."""
+    descriptor: ShareDescriptor = yield lookup(name)
+    yield verify_shared(name, digest, descriptor.device)
+    return descriptor
+
+
 def list_shared() -> Request[list[dict[str, Any]]]:
     return _request("list_shared", _field("shared", list))
 

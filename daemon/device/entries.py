@@ -133,13 +133,15 @@ class Share:
     #: Published ``once``: consume-once, its names stop keeping it once a session opened it after its
     #: owner let go (the names of other shares keep theirs however often they are opened).
     once: bool = False
+    #: Digest checks of its bytes queued or running (:mod:`cuctxd.daemon.device.digest_checks`): they keep it.
+    checks: int = 0
 
     @property
     def share_id(self) -> str:
         return self.descriptor.share_id
 
     def keeps_alive(self) -> bool:
-        if self.owner_present or self.holders:
+        if self.owner_present or self.holders or self.checks:
             return True
         return bool(self.names) and not (self.once and self.opened_since_orphaned)
 

@@ -12,7 +12,10 @@ share: its names go, new opens are refused, every holder's hold is dropped and i
 next ``open_shared``/``close_shared`` of it answers ``CUCTXD_ERROR_REVOKED``.
 
 Memory that was shared is set to zero before it is freed (:meth:`Sharing.settle`): the
-next allocation that gets those bytes, of whichever tenant, never reads what was shared.
+next allocation that gets those bytes, of whichever tenant, never reads what was shared. Not at the
+daemon's stop (:meth:`Sharing.stop`): from then on the daemon hands no memory to anyone, and processes
+may still map every share (the daemon knows only of sessions' holds), so no share is scrubbed or freed
+any more; each goes with the daemon's process, as at a SIGKILL, and the driver keeps it for whoever maps it.
 
 What a session leaves behind, its user pays for: a published share kept alive by its names alone
 (owner gone, nobody holding it) counts against its owner's uid on this device
@@ -49,7 +52,7 @@ class ParkingHooks(Protocol):
         """``share`` changed (names, holders, freed): park, update or unpark it."""
 
     def keeps(self, share: Share) -> bool:
-        """Whether ``share`` is parked, so that a shutdown must leave its memory to the service manager."""
+        """Whether ``share`` is parked: its fd in the service manager's store keeps its memory past the daemon."""
 
 
 class Sharing:
@@ -76,6 +79,10 @@ class Sharing:
         self.orphan_bytes_limit = limits.max_orphaned_bytes_per_uid or info.total_memory // 2
         #: Told of every change to a share, where persistent shares are parked (set by DeviceState).
         self.parking: ParkingHooks | None = None
+        #: The daemon is stopping (:meth:`stop`): no share is scrubbed or freed from now on.
+        self.stopping = False
+        #: Shares some session held open when the stop began.
+        self.held_at_stop = 0
 
     def _check_share_room(self, state: SessionOnDevice) -> None:
         check_limit("max_shares_per_session", self.limits.max_shares_per_session, state.share_count(),
@@ -272,16 +279,26 @@ class Sharing:
         self.settle(share)
         return restored
 
-    def drop_all(self) -> None:
-        """At shutdown, after every session closed: free what published names and orphans kept, except what is
-        parked with the service manager (its memory is left to the fd store for the next start)."""
-        for share in list(self.shares.values()):
-            if self.parking is not None and self.parking.keeps(share):
-                continue
-            self.registry.drop_names(share)
-            share.owner_present = False
-            share.holders.clear()
-            self.settle(share)
+    def stop(self) -> None:
+        """The daemon is stopping (the worker's first step at its shutdown, whatever ended its loop): from now on
+        no share is scrubbed or freed, whatever lets go of it. Every share may still be mapped by a process (a
+        holder's, or one whose session ended but kept its mapping) and a write would change what it computes;
+        the daemon hands no memory to anyone any more, so there is no next tenant to protect. The memory goes with
+        the daemon's process, and the driver keeps it while any process maps it (a parked share's fd keeps it
+        in the service manager's store too)."""
+        self.stopping = True
+        self.held_at_stop = sum(1 for share in self.shares.values() if share.holders)
+
+    def left_at_stop(self) -> str | None:
+        """After every session closed at the stop: what the log says of the shares left to the processes that
+        map them (None when there are none)."""
+        if not self.shares:
+            return None
+        parked = sum(1 for share in self.shares.values() if self.parking is not None and self.parking.keeps(share))
+        size = sum(share.descriptor.size for share in self.shares.values())
+        return (f"device {self.device}: {len(self.shares)} shared buffer(s), {size} bytes, left unscrubbed to the "
+                f"processes that map them ({self.held_at_stop} held open by a session when the stop began, {parked} "
+                "parked with the service manager); the driver frees each once no process maps it")
 
     def drop_hold(self, state: SessionOnDevice, share_id: str, *, everything: bool) -> None:
         count = 0 if everything else state.holds[share_id] - 1
@@ -301,14 +318,17 @@ class Sharing:
         self.settle(share)
 
     def settle(self, share: Share) -> None:
-        """Free a share's memory once nothing keeps it alive (deferred free)."""
+        """Scrub and free a share's memory once nothing keeps it alive (deferred free); never once the daemon is
+        stopping (:meth:`stop`)."""
         if share.keeps_alive():
             self.registry.update(share)
-            if not share.owner_present and not share.holders:  # kept by its names alone (again): counted
-                self._orphan(share)
+            if not share.owner_present and not share.holders and not share.checks and not self.stopping:
+                self._orphan(share)  # kept by its names alone (again): counted (not the stop's own doing)
             if self.parking is not None and share.share_id in self.shares:
                 self.parking.sync(share)
             return
+        if self.stopping:
+            return  # left to the processes that map it (stop)
         context = share.context
         self.current.activate(context)
         share.kind.scrub(share.ptr, share.descriptor.size)  # its next user must not read what was shared

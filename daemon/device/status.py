@@ -137,6 +137,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "vmm": {"supported": state.memory.vmm_memory.supported, "buffers": len(state.memory.vmm_memory.sizes)},
         "shm_lanes": len(state.shm_lanes),
         "orphaned": orphaned_status(state),
+        "digest_checks": state.digest_checks.status(),
         "truncated": truncated,
         "limits": {
             "max_objects_per_session": state.limits.max_objects_per_session,

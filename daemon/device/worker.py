@@ -26,6 +26,7 @@ waits for pending frees before trying again (:meth:`~cuctxd.daemon.device.memory
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -137,6 +138,12 @@ class DeviceWorker:
         self._tasks.put(task)
         os.eventfd_write(self._doorbell, 1)
 
+    def ring(self) -> None:
+        """Wake the worker without a task, so that it polls its pending work at once (a digest check's helper
+        thread finished hashing a chunk); any thread. A stopped worker's doorbell is gone: nothing to wake."""
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self._doorbell, 1)
+
     def run(self, work: Callable[[DeviceState], None]) -> None:
         """Queue fire-and-forget work on this device's state; failures are logged."""
         self.submit_task(lambda worker: worker._run_quietly(work))
@@ -191,6 +198,7 @@ class DeviceWorker:
             info = self._driver.device_info(self.device)
             self.state = DeviceState(self._driver, self.device, info, self._limits, self._shares, self._tickets)
             self.state.worker_thread = self.thread
+            self.state.digest_checks.wake = self.ring
             self._socket = self._zmq_context.socket(zmq.PUSH)
             self._socket.setsockopt(zmq.SNDHWM, 0)
             self._socket.setsockopt(zmq.LINGER, 1000)
@@ -369,7 +377,10 @@ class DeviceWorker:
         self._pending = still
 
     def _shutdown(self) -> None:
+        """Whatever ended the loop (a stop, a drain past its deadline, an error): first stop scrubbing and freeing
+        shared memory (:meth:`Sharing.stop`), then answer or drop what is queued and close every session."""
         assert self.state is not None and self._socket is not None
+        self.state.sharing.stop()
         while self._queues:
             job = self._queues.pop()
             taken(job)
@@ -387,10 +398,9 @@ class DeviceWorker:
                             self.device, session.ref.public_id, exc)
         while self.state.closing:
             self._run_quietly(DeviceState.close_more)
-        try:
-            self.state.sharing.drop_all()
-        except CuctxError as exc:
-            log.warning("device %d: freeing shared buffers at shutdown: %s", self.device, exc)
+        left = self.state.sharing.left_at_stop()
+        if left is not None:
+            log.info("%s", left)
         try:
             self.state.host.kept.release()
             self.state.contexts.release_kept()

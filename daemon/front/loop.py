@@ -83,6 +83,10 @@ class Front:
                 next_reap = now + reap_every
 
     def _reap(self, now: float, ttl: float) -> None:
+        """End the sessions past their lease; none while draining, when every heartbeat is refused (a client
+        cannot renew its lease, and the processes of its sessions still map what they hold open)."""
+        if self.state.draining:
+            return
         reaped = self.state.sessions.expire(now, ttl)
         for session in reaped:
             self.state.sessions_reaped += 1

@@ -91,6 +91,20 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
     return Reply(result)
 
 
+@device_handler(ops.VerifyShared)
+def verify_shared(state: DeviceState, job: Job) -> Reply | Pending:
+    """Vouch for a name's digest: at once where its publisher's uid is the caller's or it was checked before,
+    else once its bytes are hashed (:mod:`cuctxd.daemon.device.digest_checks`), the device serving others
+    meanwhile."""
+    digest = job.args.digest
+    found = state.digest_checks.rely(job.session, job.args.name, digest)
+    if isinstance(found, str):
+        return Reply({"digest": digest, "verified": found, "hashed": False})
+    checks = state.digest_checks
+    return Pending(lambda: checks.poll(found),
+                   lambda: Reply({"digest": digest, "verified": found.outcome(), "hashed": True}))
+
+
 @device_handler(ops.Revoke)
 def revoke(state: DeviceState, job: Job) -> Reply:
     state.sharing.revoke(state.session(job.session), job.args.share_id)

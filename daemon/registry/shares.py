@@ -103,6 +103,8 @@ class Naming:
 
 #: A name published with nothing but its share.
 PLAIN = Naming()
+#: ``list_shared``'s ``verified``: the daemon hashed the bytes and they bore the digest out, or did not.
+_VERIFIED: dict[bool | None, str] = {True: "daemon", False: "mismatch"}
 
 
 def check_scope(name: str, uid: int | None) -> None:
@@ -161,6 +163,9 @@ class ShareRegistry:
         self._names: dict[str, str] = {}
         #: What each name was published with (absent: a plain name, :class:`Naming`'s defaults).
         self._namings: dict[str, Naming] = {}
+        #: Names whose layout digest the daemon checked against their bytes: True where they bore it out, False
+        #: where they did not (:mod:`cuctxd.daemon.device.digest_checks`); gone with the name or its naming.
+        self._vouched: dict[str, bool] = {}
         #: Ids of published shares kept alive by their names alone, on every device.
         self._orphaned: set[str] = set()
         #: Bytes of the published names (:meth:`Naming.charged`) by publishing session token, and by uid.
@@ -275,6 +280,7 @@ class ShareRegistry:
             return
         share_id = self._names.pop(name, None)
         naming = self._namings.pop(name, PLAIN)
+        self._vouched.pop(name, None)
         listing = None if share_id is None else self._shares.get(share_id)
         if listing is None:
             return
@@ -306,6 +312,22 @@ class ShareRegistry:
         return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher(),
                                   "manifest": naming.manifest, "read_only": naming.read_only})
 
+    def relied_on(self, name: str) -> tuple[str, Naming, SessionRef, bool | None]:
+        """For a reliance on ``name``'s digest: its share id, what it was published with, its publisher, and
+        whether the daemon found its bytes bear the digest out (None: not checked)."""
+        with self._lock:
+            share_id = self._names.get(name)
+            if share_id is None:
+                raise NotFound(f"no buffer is published as {name!r}")
+            return share_id, self._namings.get(name, PLAIN), self._shares[share_id].owner, self._vouched.get(name)
+
+    def vouch(self, name: str, share_id: str, naming: Naming, matched: bool) -> None:
+        """The daemon checked ``naming``'s digest against ``share_id``'s bytes: remembered with the name while it
+        still names that share with that naming (``list_shared``'s ``verified``)."""
+        with self._lock:
+            if self._names.get(name) == share_id and self._namings.get(name, PLAIN) == naming:
+                self._vouched[name] = matched
+
     def device_of(self, share_id: str) -> int:
         with self._lock:
             listing = self._shares.get(share_id)
@@ -318,6 +340,7 @@ class ShareRegistry:
             return [
                 {
                     **self._namings.get(name, PLAIN).listed(),
+                    "verified": _VERIFIED.get(self._vouched.get(name)),
                     "name": name,
                     "share_id": share_id,
                     "device": self._shares[share_id].descriptor.device,

@@ -12,9 +12,11 @@ Stop (:meth:`Daemon.stop`, SIGTERM/SIGINT): the front stops serving, then
 *drains*: it keeps forwarding worker replies and answers every new request,
 hello included, with ``CUCTXD_ERROR_SHUTTING_DOWN``, until every device request
 in flight has been answered and the workers' queues are empty, or
-``drain_timeout`` has passed. Then the workers close every session (contexts
-destroyed, memory freed), their last replies are forwarded, sockets close and
-ipc:// socket files are removed. The drain deadline is final: once it has
+``drain_timeout`` has passed (no session is reaped meanwhile: its client cannot renew
+its lease). Then the workers close every session (contexts destroyed, memory freed;
+shared memory excepted, which no stop scrubs or frees: it is left to the processes
+that map it, :meth:`~cuctxd.daemon.device.sharing.Sharing.stop`), their last replies
+are forwarded, sockets close and ipc:// socket files are removed. The drain deadline is final: once it has
 passed, the workers are silenced (:meth:`DeviceWorker.silence`: queued and
 pending work is dropped unanswered, no reply goes out on any socket) and
 closing is bounded by :data:`STOP_GRACE`: the process exits within
@@ -485,7 +487,8 @@ class Daemon:
     # --- close -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free every session's contexts and memory, close sockets, remove ipc socket files.
+        """Free every session's contexts and memory (shared memory excepted: left to whoever maps it), close
+        sockets, remove ipc socket files.
 
         Bounded: workers that have not finished their queue and closed their
         sessions within :data:`STOP_GRACE` (at most ``drain_timeout``) are

@@ -60,22 +60,43 @@ def test_with_ipc_pools_a_shareable_buffer_has_a_pool_of_its_own(state: DeviceSt
     assert run(state, ref, "export", buffer=second["handle"]).result["share"]["pool_id"] != share["pool_id"]
 
 
+def exported_and_opened(state: DeviceState, owner: Any, holder: Any, data: bytes) -> tuple[Any, Any, int]:
+    """A 100-byte shareable buffer of ``owner`` (less than a page) holding ``data``, exported and opened by
+    ``holder`` with its pool's fd: the buffer, the share, and the fd (the caller's)."""
+    buffer = run(state, owner, "alloc", size=100, shareable=True).result["buffer"]
+    run(state, owner, "write", (data,), buffer=buffer["handle"])
+    share = run(state, owner, "export", buffer=buffer["handle"]).result["share"]
+    opened = run(state, holder, "open_shared", share_id=share["share_id"], pool_fd=True).result
+    fds, _ = state.tickets.redeem(opened["ticket"], None)
+    return buffer, share, fds[0]
+
+
 def test_private_pools_are_per_uid_and_shared_memory_is_scrubbed_before_its_free(state: DeviceState) -> None:
     alice, bob = new_ref(uid=1001), new_ref(uid=1002)
     run(state, alice, "alloc", size=4096)
     run(state, bob, "alloc", size=4096)
     assert len(state.pools.entries) == 2 and not state.pools.own
-    buffer = run(state, alice, "alloc", size=100, shareable=True).result["buffer"]  # less than a page
-    run(state, alice, "write", (b"secret",), buffer=buffer["handle"])
-    share = run(state, alice, "export", buffer=buffer["handle"]).result["share"]
-    opened = run(state, bob, "open_shared", share_id=share["share_id"], pool_fd=True).result
-    fds, _ = state.tickets.redeem(opened["ticket"], None)
-    with mmap.mmap(fds[0], 0) as pool:
-        os.close(fds[0])
+    buffer, share, fd = exported_and_opened(state, alice, bob, b"secret")
+    with mmap.mmap(fd, 0) as pool:
+        os.close(fd)
         assert pool[:6] == b"secret"
         run(state, alice, "free", buffer=buffer["handle"])
         run(state, bob, "close_shared", share_id=share["share_id"])
         assert not state.pools.own and pool[:IPC_GRANULARITY].count(0) == IPC_GRANULARITY
+
+
+def test_once_stopping_a_share_nobody_keeps_is_neither_scrubbed_nor_freed(state: DeviceState) -> None:
+    alice, bob = new_ref(uid=1001), new_ref(uid=1002)
+    _, share, fd = exported_and_opened(state, alice, bob, b"weights")
+    with mmap.mmap(fd, 0) as pool:
+        os.close(fd)
+        state.sharing.stop()
+        state.close_session(alice)
+        state.close_session(bob)
+        assert pool[:7] == b"weights", "the stop wrote over memory a process maps"
+        assert share["share_id"] in state.sharing.shares and state.pools.own
+        left = state.sharing.left_at_stop()
+        assert left is not None and "1 shared buffer(s), 100 bytes" in left and "(1 held open" in left
 
 
 def test_without_ipc_pools_shareable_buffers_fall_back_to_legacy_ipc() -> None:
