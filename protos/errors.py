@@ -236,9 +236,9 @@ class NoDaemon(ConnectionLost):
 
 class DaemonRestarted(NoDaemon):
     """Client side only: the daemon process that held this session exited and another one listens at the
-    endpoint now (an ipc:// socket file made anew, or the old daemon's pidfd on an shm lane polled
-    readable). The new daemon cannot know the session: the client raises
-    :class:`SessionLost` for it at once instead of waiting for a reply that cannot come."""
+    endpoint now (a pidfd of the old daemon polled readable, or ``ping`` answered with another
+    ``instance``: PROTOCOL.md, section 5, "Across a restart"). The new daemon cannot know the session: the
+    client raises :class:`SessionLost` for it at once instead of waiting for a reply that cannot come."""
 
     error_name = "CUCTXD_DAEMON_RESTARTED"
 

@@ -28,7 +28,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,9 +179,10 @@ class ServiceManager:
     # --- the service --------------------------------------------------------------------
 
     def start(self, *extra: str, endpoint: str | None = None, backend: str = "sim",
-              ready_timeout: float = 30.0) -> DaemonProcess:
+              ready_timeout: float = 30.0, launcher: Sequence[str] = ()) -> DaemonProcess:
         """Start the daemon with ``NOTIFY_SOCKET``, ``FDSTORE`` and whatever the store holds from fd 3 on;
-        returns once it listens."""
+        returns once it listens. ``launcher``: Python's arguments before ``-m cuctxd.daemon`` (a wrapper that
+        holds the start, as tests/reliability/restarts.py does)."""
         self.sync()
         with self._lock:
             stored = list(self.store)
@@ -191,8 +192,8 @@ class ServiceManager:
         if stored:
             env.update(LISTEN_FDS=str(len(stored)), LISTEN_FDNAMES=":".join(s.name for s in stored),
                        CUCTXD_TEST_LISTEN_FDS=",".join(str(s.fd) for s in stored))
-        self.daemon = launch_daemon([sys.executable, "-c", _EXEC_WRAPPER], *extra, endpoint=endpoint, env=env,
-                                    pass_fds=tuple(s.fd for s in stored), backend=backend,
+        self.daemon = launch_daemon([sys.executable, "-c", _EXEC_WRAPPER, *launcher], *extra, endpoint=endpoint,
+                                    env=env, pass_fds=tuple(s.fd for s in stored), backend=backend,
                                     ready_timeout=ready_timeout)
         return self.daemon
 

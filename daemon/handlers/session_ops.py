@@ -75,7 +75,9 @@ def goodbye(front: DaemonState, session: Session | None, args: ops.Goodbye, peer
 
 @front_handler(ops.Ping)
 def ping(front: DaemonState, session: Session | None, args: ops.Ping, peer: str | None) -> Reply:
-    return Reply()
+    """Answers with this daemon run's ``instance``: a client whose reply is late asks it, so as to tell a
+    restarted daemon from a slow one."""
+    return Reply({"instance": front.instance})
 
 
 @front_handler(ops.DeviceCount)
