@@ -2,7 +2,7 @@
 
 The front thread owns it and writes it; every ROUTER's admission reads it
 (:mod:`cuctxd.daemon.intake.admission`, on the front and on each device worker's
-own ROUTER, :mod:`cuctxd.daemon.device.lane`), and the front ops' handlers
+own ROUTER, :mod:`cuctxd.daemon.worker.lane`), and the front ops' handlers
 (:mod:`cuctxd.daemon.handlers.session_ops`, :mod:`~cuctxd.daemon.handlers.sharing_ops`)
 answer from it. It lives here, beside the other registries, and not in ``front/``,
 so that no device, intake or handler code imports the front thread's package.
@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cuctxd.daemon.device.queues import QueueLimits
 from cuctxd.daemon.intake.connections import ConnectionBudget
 from cuctxd.daemon.registry.fd_budget import FdBudget
 from cuctxd.daemon.registry.sessions import SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.side_channel.server import SideChannel
+from cuctxd.daemon.worker.queues import QueueLimits
 from cuctxd.protos.records import DeviceInfo
 
 
@@ -37,7 +37,7 @@ class AdmissionConfig:
     endpoints: tuple[str, ...] = ()
     #: The driver ordinal of each device served, by index.
     device_ordinals: tuple[int, ...] = ()
-    #: Per session and device: queued requests and unread replies (:mod:`cuctxd.daemon.device.queues`).
+    #: Per session and device: queued requests and unread replies (:mod:`cuctxd.daemon.worker.queues`).
     queue_limits: QueueLimits = field(default_factory=QueueLimits)
     #: What ``status`` and the metrics call the machine (``node_name``).
     node_name: str = ""

@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from cuctxd.daemon.device.state import DeviceState
-from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.registry.parking import ParkedShare, ParkingLot
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.service.fdstore import ServiceFdStore, listen_fds
+from cuctxd.daemon.worker.loop import DeviceWorker
 from cuctxd.protos.records import DeviceInfo
 
 log = logging.getLogger(__name__)

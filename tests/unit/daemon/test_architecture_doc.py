@@ -8,7 +8,7 @@ from tests.helpers import REPO
 
 DAEMON = REPO / "daemon"
 DOC = DAEMON / "ARCHITECTURE.md"
-#: A path relative to daemon/ in backticks: `front/`, `device/worker.py`, `__main__.py`.
+#: A path relative to daemon/ in backticks: `front/`, `worker/loop.py`, `__main__.py`.
 NAMED = re.compile(r"`((?:[a-z_]+/)*(?:[a-z_]+\.py|[a-z_]+/))`")
 
 
@@ -18,7 +18,7 @@ def named_paths() -> set[str]:
 
 def test_the_doc_names_modules_and_packages() -> None:
     names = named_paths()
-    assert "device/worker.py" in names and "front/" in names  # the pattern reads the doc as written
+    assert "worker/loop.py" in names and "front/" in names  # the pattern reads the doc as written
 
 
 def test_every_named_module_and_package_exists() -> None:

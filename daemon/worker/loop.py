@@ -2,8 +2,8 @@
 
 Work reaches it two ways. Other threads queue tasks (jobs the front received,
 fan-outs, forwarded continuations) and ring an eventfd doorbell; clients send
-device ops straight to its own ROUTER (:mod:`cuctxd.daemon.device.lane`). One poller waits on
-both. Jobs from either route wait in :class:`~cuctxd.daemon.device.queues.JobQueues`
+device ops straight to its own ROUTER (:mod:`cuctxd.daemon.worker.lane`). One poller waits on
+both. Jobs from either route wait in :class:`~cuctxd.daemon.worker.queues.JobQueues`
 (one FIFO per session, bounded, served round-robin); between two jobs the worker
 takes in whatever has arrived, so a session's long backlog delays another
 session's op by about one op. A lane request without payload that finds nothing
@@ -41,8 +41,6 @@ import zmq
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.entries import DeviceLimits
-from cuctxd.daemon.device.lane import DeviceLane
-from cuctxd.daemon.device.queues import HeldReplies, JobQueues, QueueLimits, taken
 from cuctxd.daemon.device.shm_lanes import ShmLane
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers import DEVICE_HANDLERS
@@ -52,6 +50,8 @@ from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS, TRACK_FROM, readable
 from cuctxd.daemon.registry.sessions import DeviceBacklog, Session
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
+from cuctxd.daemon.worker.lane import DeviceLane
+from cuctxd.daemon.worker.queues import HeldReplies, JobQueues, QueueLimits, taken
 from cuctxd.protos.cuda_results import STICKY_CODES, CUresult
 from cuctxd.protos.errors import BadRequest, CuctxError, CudaError, InternalError, ShuttingDown, UnknownSession
 from cuctxd.protos.messages import encode_error, encode_result
