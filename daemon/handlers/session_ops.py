@@ -12,10 +12,10 @@ from cuctxd.daemon.device.status import device_status, first, fit_status
 from cuctxd.daemon.handlers.registry import front_handler
 from cuctxd.daemon.handlers.replies import FanOut, Reply
 from cuctxd.daemon.intake.peers import peer_or_pid, pid_of, uid_of
+from cuctxd.daemon.registry.backlogs import backlog_status
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.fd_budget import fd_peer
 from cuctxd.daemon.registry.sessions import Session
-from cuctxd.daemon.worker.queues import backlog_status
 from cuctxd.protos import ops
 from cuctxd.protos.errors import LimitExceeded, VersionMismatch
 from cuctxd.protos.host import host_identity

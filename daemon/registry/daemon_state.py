@@ -14,14 +14,24 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from cuctxd.daemon.intake.connections import ConnectionBudget
+from cuctxd.daemon.registry.backlogs import QueueLimits
+from cuctxd.daemon.registry.connection_budget import ConnectionBudget
 from cuctxd.daemon.registry.fd_budget import FdBudget
 from cuctxd.daemon.registry.sessions import SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
-from cuctxd.daemon.side_channel.server import SideChannel
-from cuctxd.daemon.worker.queues import QueueLimits
 from cuctxd.protos.records import DeviceInfo
+
+
+class FdChannel(Protocol):
+    """What the front ops read of the fd channel (:class:`~cuctxd.daemon.side_channel.server.SideChannel`):
+    its socket paths, told in ``hello``, and its counts, shown by ``status``. Said here so that the
+    daemon-wide state does not import the fd channel's thread, which imports the registries."""
+
+    paths: list[str]
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ class DaemonState:
     #: Client connections on every ROUTER against ``max_connections`` (``status`` shows them).
     connections: ConnectionBudget | None = None
     #: The fd channel beside the ipc:// endpoints (None without one): its path goes out in hello.
-    fd_channel: SideChannel | None = None
+    fd_channel: FdChannel | None = None
     #: The fds the daemon holds for clients against its open-file limit (``status`` shows them).
     fd_budget: FdBudget | None = None
     #: Starts the daemon's shutdown as SIGTERM does (the op ``shutdown``); its argument says who asked, for the

@@ -17,6 +17,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
+from cuctxd.daemon.registry.backlogs import (
+    DEFAULT_MAX_QUEUED_BYTES,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_MAX_REPLY_BYTES_PER_PEER,
+)
 from cuctxd.daemon.registry.shares import (
     DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
     DEFAULT_MAX_MANIFEST_BYTES_PER_UID,
@@ -45,12 +51,6 @@ from cuctxd.daemon.service.settings import (
     switch,
 )
 from cuctxd.daemon.side_channel.server import DEFAULT_MAX_FD_CONNECTIONS, DEFAULT_MAX_FD_CONNECTIONS_PER_PEER
-from cuctxd.daemon.worker.queues import (
-    DEFAULT_MAX_QUEUED_BYTES,
-    DEFAULT_MAX_QUEUED_REQUESTS,
-    DEFAULT_MAX_REPLY_BYTES,
-    DEFAULT_MAX_REPLY_BYTES_PER_PEER,
-)
 from cuctxd.protos.endpoints import default_endpoint
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 from cuctxd.protos.shm_lane import polls_busily

@@ -58,9 +58,11 @@ from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.backends.subset import DeviceSubset
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.front.loop import Front
-from cuctxd.daemon.intake.connections import ConnectionBudget, ConnectionWatch, ListenerGuard, listen_backlog
+from cuctxd.daemon.intake.connections import ConnectionWatch, ListenerGuard, listen_backlog
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
+from cuctxd.daemon.registry.backlogs import QueueLimits
+from cuctxd.daemon.registry.connection_budget import ConnectionBudget
 from cuctxd.daemon.registry.daemon_state import AdmissionConfig, DaemonState
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
 from cuctxd.daemon.registry.parking import ParkingLot
@@ -84,7 +86,6 @@ from cuctxd.daemon.service.rlimits import NOFILE_CAP, raise_open_file_limit
 from cuctxd.daemon.side_channel.server import SideChannel
 from cuctxd.daemon.worker.lane import DeviceLane
 from cuctxd.daemon.worker.loop import DeviceWorker
-from cuctxd.daemon.worker.queues import QueueLimits
 from cuctxd.protos.fd_channel import channel_path
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 

@@ -47,11 +47,12 @@ from cuctxd.daemon.handlers import DEVICE_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Pending, Reply
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS, TRACK_FROM, readable
+from cuctxd.daemon.registry.backlogs import QueueLimits
 from cuctxd.daemon.registry.sessions import DeviceBacklog, Session
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.daemon.worker.lane import DeviceLane
-from cuctxd.daemon.worker.queues import HeldReplies, JobQueues, QueueLimits, taken
+from cuctxd.daemon.worker.queues import HeldReplies, JobQueues, taken
 from cuctxd.protos.cuda_results import STICKY_CODES, CUresult
 from cuctxd.protos.errors import BadRequest, CuctxError, CudaError, InternalError, ShuttingDown, UnknownSession
 from cuctxd.protos.messages import encode_error, encode_result
