@@ -51,6 +51,7 @@ from cuctxd.daemon.registry.backlogs import QueueLimits
 from cuctxd.daemon.registry.sessions import DeviceBacklog, Session
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
+from cuctxd.daemon.worker import shm_io
 from cuctxd.daemon.worker.lane import DeviceLane
 from cuctxd.daemon.worker.queues import HeldReplies, JobQueues, taken
 from cuctxd.protos.cuda_results import STICKY_CODES, CUresult
@@ -334,12 +335,12 @@ class DeviceWorker:
         lanes = self.state.shm_lanes
         received = time.perf_counter()
         try:
-            taken = lanes.take(fd)
+            taken = shm_io.take(lanes, fd)
         except BadRequest as exc:  # a message that does not fit its area: answered there
             self._answer_shm(lanes.by_fd[fd], 0, "?", encode_error(0, exc), (), exc.name, received)
             return
         if taken is None:
-            parked = lanes.unpark(fd)
+            parked = shm_io.unpark(lanes, fd)
             if parked is not None:  # its data ring: the loop runs it next
                 self._pending.append(parked)
             return
@@ -355,7 +356,7 @@ class DeviceWorker:
         """Answer a request that came through ``lane`` (copied into its region); the observer hears of it
         as of the ROUTER's requests."""
         assert self.state is not None and self._lane is not None
-        self.state.shm_lanes.reply(lane, request_id, header, frames)
+        shm_io.reply(self.state.shm_lanes, lane, request_id, header, frames)
         self._lane.finished(op, outcome, received, request_id)
 
     def _poll_pending(self) -> None:
@@ -473,7 +474,7 @@ class DeviceWorker:
         if isinstance(outcome, Pending):
             if outcome.on_ring is not None:
                 assert self.state is not None
-                self.state.shm_lanes.park(outcome.on_ring, job, outcome)
+                shm_io.park(self.state.shm_lanes, outcome.on_ring, job, outcome)
             else:
                 self._pending.append((job, outcome))
             return
