@@ -35,6 +35,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_NOT_OWNER = 10015
     CUCTXD_ERROR_REVOKED = 10016
     CUCTXD_ERROR_SESSION_CLOSED = 10017
+    CUCTXD_ERROR_DEVICE_NOT_ALLOWED = 10024
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -185,6 +186,13 @@ class SessionClosed(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_SESSION_CLOSED
 
 
+class DeviceNotAllowed(DaemonError):
+    """``gpu_limit``: the device is not one of the GPUs the kubelet gave the client's pod, or the daemon cannot
+    tell the client's pod (on ``hello``); the message says which."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_DEVICE_NOT_ALLOWED
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -265,7 +273,7 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DeviceNotAllowed, InternalError,
     )
 }
 

@@ -25,6 +25,7 @@ from cuctxd.daemon.device.queues import (
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
 from cuctxd.daemon.registry.shares import DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, DEFAULT_MAX_MANIFEST_BYTES_PER_UID
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
+from cuctxd.daemon.service.preload import Preload, preload_entry, preload_list, preload_texts
 from cuctxd.daemon.service.settings import (
     LOG_LEVELS,
     MAX_SIM_DEVICES,
@@ -51,6 +52,8 @@ from cuctxd.protos.endpoints import default_endpoint
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 from cuctxd.protos.shm_lane import polls_busily
 
+#: Where the kubelet serves its PodResources API (``gpu_limit``).
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 #: Seconds a published buffer whose owner left waits for a consumer before it is freed.
 DEFAULT_ORPHAN_TTL = 600.0
 #: Seconds a device's primary context is kept after its last user let go: making one again took 120-180 ms on
@@ -257,6 +260,22 @@ class DaemonConfig:
     #: What ``status`` (``node``) and the metrics (``cuctxd_info{node}``) call the machine this daemon serves.
     node_name: str = setting(DEFAULT_NODE_NAME, string, "what status and the metrics call this machine (in a "
                              "Kubernetes pod, pass the node's name)", "NAME", shown="the host name")
+    #: Checkpoints published at start, before ``status`` says ready (:mod:`cuctxd.daemon.service.preload`).
+    preload: tuple[Preload, ...] = setting((), preload_list, "a checkpoint to load and publish at start, before "
+                                           "the daemon says ready (a missing or bad one is logged and skipped): "
+                                           "NAME=PATH[@DEVICE,...], in the file also a table {name, path, devices}; "
+                                           "repeatable", "NAME=PATH", from_text=preload_entry, render=preload_texts,
+                                           repeat=True, shown="none")
+    #: Kubernetes (:mod:`cuctxd.daemon.kubelet.pod_gpus`): each session limited to its client pod's GPUs.
+    gpu_limit: bool = switch(False, "limit each session to the GPUs the kubelet gave its client's pod (Kubernetes: "
+                             "asks the API server and the kubelet's PodResources API; needs the kubernetes extra)",
+                             security=True)
+    gpu_resource: str = setting("nvidia.com/gpu", string, "with gpu_limit: the resource whose device ids are the "
+                                "pod's GPU UUIDs", "NAME", security=True)
+    pod_resources_socket: str = setting(DEFAULT_POD_RESOURCES_SOCKET, string, "with gpu_limit: the kubelet's "
+                                        "PodResources socket", "PATH", security=True)
+    kubernetes_api: str = setting("", string, "with gpu_limit: the API server's URL", "URL",
+                                  shown="in-cluster: KUBERNETES_SERVICE_HOST, the pod's service account", security=True)
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:
