@@ -21,6 +21,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -141,16 +142,18 @@ class DevicePlugin:
         Raises what registering raised the first time (a kubelet that refuses the plugin, or none there);
         later failures are logged and tried again on the next poll.
         """
-        self._serve_and_register()
-        while not self.stopping.wait(POLL_INTERVAL):
-            if os.path.exists(self.socket_path):
-                continue
-            log.info("%s is gone (the kubelet restarted): serving and registering again", self.socket_path)
-            try:
-                self._serve_and_register()
-            except (grpc.RpcError, OSError) as error:
-                log.warning("registering with the kubelet failed (trying again): %s", error)
-        self._stop_server()
+        try:
+            self._serve_and_register()
+            while not self.stopping.wait(POLL_INTERVAL):
+                if os.path.exists(self.socket_path):
+                    continue
+                log.info("%s is gone (the kubelet restarted): serving and registering again", self.socket_path)
+                try:
+                    self._serve_and_register()
+                except (grpc.RpcError, OSError) as error:
+                    log.warning("registering with the kubelet failed (trying again): %s", error)
+        finally:
+            self._stop_server()
 
     def stop(self) -> None:
         """End :meth:`run` (any thread, signal handlers included)."""
@@ -202,7 +205,12 @@ def main(argv: list[str] | None = None) -> None:
                                        args.slots, args.kubelet_dir))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: plugin.stop())
-    plugin.run()
+    try:
+        plugin.run()
+    except grpc.RpcError as error:
+        kubelet = os.path.join(args.kubelet_dir, KUBELET_SOCKET)
+        log.error("cannot register with the kubelet at %s: %s", kubelet, error.details())  # type: ignore[attr-defined]
+        sys.exit(1)
 
 
 if __name__ == "__main__":
