@@ -49,24 +49,29 @@ def preload_entry(value: Any) -> Preload:
     """A table ``{name, path, devices}`` (devices optional, default ``[0]``) or ``"NAME=PATH[@D,D...]"``;
     ValueError saying what is wrong."""
     if isinstance(value, str):
-        name, equals, rest = value.partition("=")
-        path, at, devices_text = rest.rpartition("@") if "@" in rest else (rest, "", "")
-        if not equals:
-            raise ValueError(f"{value!r}: expected NAME=PATH or NAME=PATH@DEVICE[,DEVICE...]")
-        try:
-            devices = [int(d) for d in devices_text.split(",")] if at else [0]
-        except ValueError:
-            raise ValueError(f"{value!r}: the devices after @ are ordinals, e.g. @0,1") from None
-        value = {"name": name, "path": path, "devices": devices}
+        value = _entry_table(value)
     if not isinstance(value, dict) or set(value) - {"name", "path", "devices"}:
         raise ValueError(f"{value!r}: expected a table of name, path and devices, or NAME=PATH[@DEVICES]")
     name, path, devices = value.get("name"), value.get("path"), value.get("devices", [0])
-    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+    if not (isinstance(name, str) and name and isinstance(path, str) and path):
         raise ValueError(f"{value!r}: name and path must be non-empty strings")
     if (not isinstance(devices, list) or not devices
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)):
         raise ValueError(f"{value!r}: devices must be a non-empty list of device indices")
     return Preload(name, path, tuple(devices))
+
+
+def _entry_table(text: str) -> dict[str, Any]:
+    """``NAME=PATH[@D,D...]`` as the table it stands for."""
+    name, equals, rest = text.partition("=")
+    path, at, devices_text = rest.rpartition("@") if "@" in rest else (rest, "", "")
+    if not equals:
+        raise ValueError(f"{text!r}: expected NAME=PATH or NAME=PATH@DEVICE[,DEVICE...]")
+    try:
+        devices = [int(d) for d in devices_text.split(",")] if at else [0]
+    except ValueError:
+        raise ValueError(f"{text!r}: the devices after @ are ordinals, e.g. @0,1") from None
+    return {"name": name, "path": path, "devices": devices}
 
 
 def preload_list(value: Any) -> tuple[Preload, ...]:
