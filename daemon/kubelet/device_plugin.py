@@ -10,7 +10,8 @@ Security "baseline". The devices are healthy while the daemon's socket exists an
 does not (a daemon restart), so the scheduler places no new client on a node whose daemon is gone.
 
 The kubelet removes every plugin socket when it restarts; the plugin then serves a new one and
-registers again (:meth:`DevicePlugin.run` polls for it). Threads: the main thread runs
+registers again (:meth:`DevicePlugin.run` polls for it). With ``--relay-pod-resources`` it also relays
+the kubelet's PodResources socket to the daemon (:mod:`.relay`). Threads: the main thread runs
 :meth:`DevicePlugin.run`; gRPC's own threads answer the kubelet's calls (``ListAndWatch`` streams
 wait on :attr:`DevicePlugin.changed`).
 """
@@ -30,8 +31,10 @@ from typing import Any
 
 import grpc
 
+from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
 from cuctxd.daemon.kubelet import deviceplugin_v1beta1_pb2 as api
 from cuctxd.daemon.kubelet import deviceplugin_v1beta1_pb2_grpc as rpc
+from cuctxd.daemon.kubelet.relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -199,18 +202,29 @@ def main(argv: list[str] | None = None) -> None:
                         help="client pods one node may hold at once (default %(default)s)")
     parser.add_argument("--kubelet-dir", default=defaults.kubelet_dir,
                         help="the kubelet's device plugin directory (default %(default)s)")
+    parser.add_argument("--relay-pod-resources", metavar="PATH",
+                        help="also relay connections on PATH to the kubelet's PodResources socket, for a daemon "
+                             "that does not run as root (gpu_limit; PATH in a directory only the two share)")
+    parser.add_argument("--pod-resources-socket", default=POD_RESOURCES_SOCKET,
+                        help="the kubelet's PodResources socket (default %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     plugin = DevicePlugin(PluginConfig(args.socket_dir, args.container_dir, args.socket_name, args.resource,
                                        args.slots, args.kubelet_dir))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: plugin.stop())
+    relay = None if args.relay_pod_resources is None else Relay(args.relay_pod_resources, args.pod_resources_socket)
+    if relay is not None:
+        relay.start()
     try:
         plugin.run()
     except grpc.RpcError as error:
         kubelet = os.path.join(args.kubelet_dir, KUBELET_SOCKET)
         log.error("cannot register with the kubelet at %s: %s", kubelet, error.details())  # type: ignore[attr-defined]
         sys.exit(1)
+    finally:
+        if relay is not None:
+            relay.stop()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from cuctxd.daemon.device.queues import (
     DEFAULT_MAX_REPLY_BYTES_PER_PEER,
 )
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
+from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
 from cuctxd.daemon.registry.shares import DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, DEFAULT_MAX_MANIFEST_BYTES_PER_UID
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
 from cuctxd.daemon.service.preload import Preload, preload_entry, preload_list, preload_texts
@@ -52,8 +53,6 @@ from cuctxd.protos.endpoints import default_endpoint
 from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 from cuctxd.protos.shm_lane import polls_busily
 
-#: Where the kubelet serves its PodResources API (``gpu_limit``).
-DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 #: Seconds a published buffer whose owner left waits for a consumer before it is freed.
 DEFAULT_ORPHAN_TTL = 600.0
 #: Seconds a device's primary context is kept after its last user let go: making one again took 120-180 ms on
@@ -272,7 +271,7 @@ class DaemonConfig:
                              security=True)
     gpu_resource: str = setting("nvidia.com/gpu", string, "with gpu_limit: the resource whose device ids are the "
                                 "pod's GPU UUIDs", "NAME", security=True)
-    pod_resources_socket: str = setting(DEFAULT_POD_RESOURCES_SOCKET, string, "with gpu_limit: the kubelet's "
+    pod_resources_socket: str = setting(POD_RESOURCES_SOCKET, string, "with gpu_limit: the kubelet's "
                                         "PodResources socket", "PATH", security=True)
     kubernetes_api: str = setting("", string, "with gpu_limit: the API server's URL", "URL",
                                   shown="in-cluster: KUBERNETES_SERVICE_HOST, the pod's service account", security=True)

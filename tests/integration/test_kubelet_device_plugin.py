@@ -5,6 +5,7 @@ registers again when the kubelet restarts (its socket removed)."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import socket
@@ -22,6 +23,9 @@ from tests.helpers import REPO, client_env, remove_tempdir, short_tempdir, wait_
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (the kubernetes extra, in the test extra)")
 api = pytest.importorskip("cuctxd.daemon.kubelet.deviceplugin_v1beta1_pb2")
 rpc = pytest.importorskip("cuctxd.daemon.kubelet.deviceplugin_v1beta1_pb2_grpc")
+pr_api = pytest.importorskip("cuctxd.daemon.kubelet.podresources_v1_pb2")
+pr_rpc = pytest.importorskip("cuctxd.daemon.kubelet.podresources_v1_pb2_grpc")
+from tests.kubelet_fakes import Pod, kubelet  # noqa: E402
 
 SLOTS = 4
 
@@ -131,3 +135,46 @@ def test_without_a_kubelet_the_plugin_exits_saying_so() -> None:
         remove_tempdir(root)
     assert done.returncode != 0
     assert "kubelet" in done.stderr.splitlines()[-1], done.stderr
+
+
+def test_the_plugin_relays_podresources_to_a_daemon_that_is_not_root() -> None:
+    root = short_tempdir()
+    pods = [Pod("team-a", "client-a", {"main": {"nvidia.com/gpu": ["GPU-1"]}})]
+    (root / "device-plugins").mkdir()
+    (root / "shared").mkdir()
+    relayed = root / "shared" / "pod-resources.sock"
+    try:
+        with kubelet(root / "pod-resources.sock", "node-a", pods) as (resources, _), \
+                node_with_relay(root, relayed) as fake_kubelet:
+            fake_kubelet.registered.get(timeout=30)
+            assert wait_until(relayed.exists, 10)
+            assert oct(relayed.stat().st_mode & 0o777) == oct(0o666)
+            for _ in range(3):  # one connection each, as the daemon makes them
+                with grpc.insecure_channel(f"unix:{relayed}") as channel:
+                    listed = pr_rpc.PodResourcesListerStub(channel).List(pr_api.ListPodResourcesRequest(), timeout=10)
+                assert [(p.namespace, p.name) for p in listed.pod_resources] == [("team-a", "client-a")]
+                assert list(listed.pod_resources[0].containers[0].devices[0].device_ids) == ["GPU-1"]
+            assert resources.calls == 3
+    finally:
+        remove_tempdir(root)
+
+
+@contextlib.contextmanager
+def node_with_relay(root: Path, relayed: Path) -> Iterator[FakeKubelet]:
+    fake = FakeKubelet()
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    rpc.add_RegistrationServicer_to_server(fake, server)
+    server.add_insecure_port(f"unix:{root / 'device-plugins' / 'kubelet.sock'}")
+    server.start()
+    plugin = subprocess.Popen(
+        [sys.executable, "-m", "cuctxd.daemon.kubelet.device_plugin", "--kubelet-dir", str(root / "device-plugins"),
+         "--socket-dir", str(root), "--relay-pod-resources", str(relayed),
+         "--pod-resources-socket", str(root / "pod-resources.sock")],
+        env=client_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield fake
+    finally:
+        plugin.send_signal(signal.SIGTERM)
+        _, err = plugin.communicate(timeout=20)
+        server.stop(None)
+        assert plugin.returncode == 0, err
