@@ -187,8 +187,8 @@ class DevicePlugin:
             self._server = None
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``cuctxd-device-plugin``: the plugin until SIGTERM or SIGINT."""
+def build_parser() -> argparse.ArgumentParser:
+    """``cuctxd-device-plugin``'s command line."""
     defaults = PluginConfig()
     parser = argparse.ArgumentParser(prog="cuctxd-device-plugin", description=__doc__.split("\n\n")[0])
     parser.add_argument("--socket-dir", default=defaults.socket_dir,
@@ -207,7 +207,12 @@ def main(argv: list[str] | None = None) -> None:
                              "that does not run as root (gpu_limit; PATH in a directory only the two share)")
     parser.add_argument("--pod-resources-socket", default=POD_RESOURCES_SOCKET,
                         help="the kubelet's PodResources socket (default %(default)s)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``cuctxd-device-plugin``: the plugin until SIGTERM or SIGINT."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     plugin = DevicePlugin(PluginConfig(args.socket_dir, args.container_dir, args.socket_name, args.resource,
                                        args.slots, args.kubelet_dir))
