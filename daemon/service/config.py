@@ -273,7 +273,7 @@ class DaemonConfig:
                                 "pod's GPU UUIDs", "NAME", security=True)
     pod_resources_socket: str = setting(POD_RESOURCES_SOCKET, string, "with gpu_limit: the kubelet's "
                                         "PodResources socket", "PATH", security=True)
-    kubernetes_api: str = setting("", string, "with gpu_limit: the API server's URL", "URL",
+    kubernetes_api: str | None = setting(None, string, "with gpu_limit: the API server's URL", "URL",
                                   shown="in-cluster: KUBERNETES_SERVICE_HOST, the pod's service account", security=True)
 
     @property

@@ -21,7 +21,7 @@ def gpu_limit(config: DaemonConfig, devices: Sequence[DeviceInfo]) -> Callable[[
     except ImportError as error:
         raise ConfigError("gpu_limit", f"needs grpcio and protobuf (pip install 'cuctxd[kubernetes]'): {error}") \
             from None
-    pods = pod_gpus.PodDirectory(config.kubernetes_api, config.node_name)
+    pods = pod_gpus.PodDirectory(config.kubernetes_api or "", config.node_name)
     limit = pod_gpus.GpuLimit([device.uuid for device in devices], pods,
                               pod_gpus.PodResources(config.pod_resources_socket), config.gpu_resource)
     log.info("gpu_limit on: each session may use only its pod's %s (node %s, PodResources at %s, API server %s)",
