@@ -66,6 +66,7 @@ class FakeApiServer:
                 if url.path != "/api/v1/pods" or selector != f"spec.nodeName={node}":
                     self.send_error(400, f"unexpected request {self.path}")
                     return
+                fake.requests += 1
                 body = json.dumps({"kind": "PodList", "apiVersion": "v1", "items": [
                     {"metadata": {"name": p.name, "namespace": p.namespace, "uid": p.uid}} for p in fake.pods]})
                 self.send_response(200)
@@ -77,6 +78,7 @@ class FakeApiServer:
                 pass
 
         self.pods = pods
+        self.requests = 0
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)

@@ -15,7 +15,8 @@ A process in the daemon's own cgroup (its probes, its preload, ``kubectl exec`` 
 may use every device. Anything the chain cannot resolve is refused with
 ``CUCTXD_ERROR_DEVICE_NOT_ALLOWED`` naming the step. Called on the front thread, at ``hello``;
 a pod's answer is cached (its devices do not change while it lives), so only a pod's first session
-waits for the two lookups (each bounded by ``timeout``).
+waits for the two lookups (each bounded by ``timeout``), and a pod that could not be resolved is
+refused again without them for :data:`REFUSAL_TTL`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import os
 import re
 import ssl
+import time
 import urllib.parse
 import urllib.request
 from collections import OrderedDict
@@ -44,6 +46,9 @@ SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 LOOKUP_TIMEOUT = 5.0
 #: Pods whose devices are remembered (the oldest forgotten first; a forgotten pod is looked up again).
 CACHED_PODS = 4096
+#: Seconds a pod that could not be resolved is refused again without a lookup, so that a pod repeating its
+#: hello cannot keep the front thread waiting on the API server or the kubelet.
+REFUSAL_TTL = 5.0
 
 _POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 
@@ -128,6 +133,8 @@ class GpuLimit:
         self.resource = resource
         self.own_cgroup = read_cgroup(os.getpid()) if own_cgroup is None else own_cgroup
         self._cache: OrderedDict[str, frozenset[int]] = OrderedDict()
+        #: Pods refused lately: when the refusal stops being repeated, and its message.
+        self._refused: dict[str, tuple[float, str]] = {}
 
     def devices_for(self, pid: int | None) -> frozenset[int] | None:
         """The indices of the devices process ``pid`` may use, None for all of them (the daemon's own cgroup).
@@ -150,7 +157,17 @@ class GpuLimit:
         if cached is not None:
             self._cache.move_to_end(uid)
             return cached
-        allowed = self._look_up(pid, uid)
+        refused = self._refused.get(uid)
+        if refused is not None and refused[0] > time.monotonic():
+            raise DeviceNotAllowed(refused[1])
+        try:
+            allowed = self._look_up(pid, uid)
+        except DeviceNotAllowed as error:
+            self._refused[uid] = (time.monotonic() + REFUSAL_TTL, error.message)
+            if len(self._refused) > CACHED_PODS:
+                self._refused.pop(next(iter(self._refused)))
+            raise
+        self._refused.pop(uid, None)
         self._cache[uid] = allowed
         if len(self._cache) > CACHED_PODS:
             self._cache.popitem(last=False)

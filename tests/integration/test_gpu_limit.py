@@ -124,8 +124,11 @@ def test_a_pod_is_served_on_its_gpus_and_refused_the_others(cgroups: Cgroups, tm
             assert f"gpu_limit: pod team-a/client-a (UID {pod_a.uid}) may use device(s) [1]" in daemon.log()
             assert resources.calls == 1
 
-            refused = run_in(cgroups.pod(stranger), HELLO, daemon.endpoint)
-            assert refused.startswith("CUCTXD_ERROR_DEVICE_NOT_ALLOWED") and stranger.uid in refused, refused
+            asked = apiserver.requests
+            for _ in range(2):  # the second is refused without asking again
+                refused = run_in(cgroups.pod(stranger), HELLO, daemon.endpoint)
+                assert refused.startswith("CUCTXD_ERROR_DEVICE_NOT_ALLOWED") and stranger.uid in refused, refused
+            assert apiserver.requests == asked + 1
             refused = run_in(cgroups.plain("not-a-pod"), HELLO, daemon.endpoint)
             assert refused.startswith("CUCTXD_ERROR_DEVICE_NOT_ALLOWED") and "in no Kubernetes pod" in refused, refused
     finally:
