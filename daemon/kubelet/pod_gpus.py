@@ -11,6 +11,10 @@ daemon's PID namespace whatever namespace the client runs in):
    of that pod holds (:class:`PodResources`); the NVIDIA device plugin's ids are GPU UUIDs.
 4. The daemon's devices whose UUID is one of them are the session's (:meth:`GpuLimit.devices_for`).
 
+The pid is the one the kernel recorded when the client connected; were that process gone and its pid
+reused by a process of another pod before ``hello``, the lookup would find the other pod (the peer's
+pidfd, which would close that gap, is not something libzmq reports).
+
 A process in the daemon's own cgroup (its probes, its preload, ``kubectl exec`` into its container)
 may use every device. Anything the chain cannot resolve is refused with
 ``CUCTXD_ERROR_DEVICE_NOT_ALLOWED`` naming the step. Called on the front thread, at ``hello``;
