@@ -250,14 +250,14 @@ class DaemonConfig:
     max_manifest_bytes_per_uid: int = size(DEFAULT_MAX_MANIFEST_BYTES_PER_UID, "bytes of the names (manifests "
                                            "included) one user's sessions may have published, ended ones included",
                                            zero="no limit", security=True, limit=True)
-    #: fds of the service manager's fd store one uid's parked shares may hold (two each; 0: a quarter of the store).
-    max_parked_fds_per_uid: int = count(0, "most fds of the service manager's fd store one user's parked "
-                                        "(persistent) shares may hold, two each", shown="0: a quarter of the "
-                                        "store ($FDSTORE)", security=True, limit=True)
     #: Reply payload bytes a peer's clients have not taken, all its sessions together, per device.
     max_reply_bytes_per_peer: int = size(DEFAULT_MAX_REPLY_BYTES_PER_PEER, "read results one peer's clients may "
                                          "leave untaken on each device, all its sessions together, before their "
                                          "reads are refused", zero="no limit", security=True, limit=True)
+    #: fds of the service manager's fd store one uid's parked shares may hold (two each; 0: a quarter of the store).
+    max_parked_fds_per_uid: int = count(0, "most fds of the service manager's fd store one user's parked "
+                                        "(persistent) shares may hold, two each", shown="0: a quarter of the "
+                                        "store ($FDSTORE)", security=True, limit=True)
     #: What ``status`` (``node``) and the metrics (``cuctxd_info{node}``) call the machine this daemon serves.
     node_name: str = setting(DEFAULT_NODE_NAME, string, "what status and the metrics call this machine (in a "
                              "Kubernetes pod, pass the node's name)", "NAME", shown="the host name")

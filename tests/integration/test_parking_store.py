@@ -25,7 +25,7 @@ from tests.service_manager import ServiceManager
 
 SIM = ("--sim-devices", "1", "--sim-memory", "256MiB")
 #: Rounds of change-then-SIGKILL, and the seconds they may take together.
-ROUNDS = 8
+ROUNDS = 16
 ROUNDS_BUDGET_S = 90.0
 
 
