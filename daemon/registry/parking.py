@@ -267,9 +267,9 @@ class ParkingLot:
         records: list[tuple[int, str, str, int]] = []
         registries: list[tuple[int, str, int]] = []
         for name, fd in fds:
-            record = record_of(name)
-            if record is not None:
-                records.append((record[1], record[0], name, fd))
+            named = record_of(name)
+            if named is not None:
+                records.append((named[1], named[0], name, fd))
             elif name.startswith(REGISTRY_FDNAME):
                 registries.append((registry_generation(name), name, fd))
             elif name.startswith(SHARE_FDNAME) and name not in memory:
