@@ -18,13 +18,11 @@ from cuctxd.client.wire import build as requests
 from cuctxd.protos.memfd import sealed_memfd
 from tests.helpers import (
     DaemonProcess,
-    remove_tempdir,
-    short_tempdir,
     start_daemon,
     wait_for_log,
     wait_until,
 )
-from tests.service_manager import ServiceManager
+from tests.service_manager import ServiceManager, managed
 
 SIM = ("--sim-devices", "1", "--sim-memory", "256MiB")
 #: Above POOL_BUFFER_MAX: a legacy buffer when not shareable (on the sim, its own memfd), a VMM one when shareable.
@@ -41,12 +39,8 @@ def pattern(size: int, seed: int = 0) -> bytes:
 
 @pytest.fixture
 def manager() -> Iterator[ServiceManager]:
-    directory = short_tempdir()
-    service = ServiceManager(directory)
-    yield service
-    code = service.close()
-    remove_tempdir(directory)
-    assert code in (0, None), service.daemon.log() if service.daemon else ""
+    with managed() as service:
+        yield service
 
 
 def share_fdnames(manager: ServiceManager) -> list[str]:

@@ -20,8 +20,8 @@ from cuctxd.client.wire import build as requests
 from cuctxd.daemon.registry.parked_records import decode_record, encode_registry
 from cuctxd.protos.memfd import sealed_memfd
 from tests.checkpoint_files import write_shard
-from tests.helpers import cuctx, remove_tempdir, short_tempdir
-from tests.service_manager import ServiceManager
+from tests.helpers import cuctx
+from tests.service_manager import ServiceManager, managed
 
 SIM = ("--sim-devices", "1", "--sim-memory", "256MiB")
 #: Rounds of change-then-SIGKILL, and the seconds they may take together.
@@ -31,12 +31,8 @@ ROUNDS_BUDGET_S = 90.0
 
 @pytest.fixture
 def manager() -> Iterator[ServiceManager]:
-    directory = short_tempdir()
-    service = ServiceManager(directory)
-    yield service
-    code = service.close()
-    remove_tempdir(directory)
-    assert code in (0, None), service.daemon.log() if service.daemon else ""
+    with managed() as service:
+        yield service
 
 
 def publish_persistent(client: Client, name: str, manifest: bytes | None = None, *, replace: bool = False,
@@ -162,10 +158,8 @@ def test_a_full_store_refuses_a_persistent_publish_by_name_and_the_restart_keeps
     """A store of 10 fds holds 4 shares (2 each, and one spare for a record's next generation); the 5th
     persistent publish fails with NOT_PARKED, ``cuctx load`` (which publishes persistent) says so, and neither
     is there after a restart; the 4 are."""
-    directory = short_tempdir()
-    manager = ServiceManager(directory, store_max=10)
     checkpoint = write_shard(tmp_path / "model.safetensors", {"w": np.ones(16, dtype=np.float32)})
-    try:
+    with managed(store_max=10) as manager:
         daemon = manager.start(*SIM, "--max-parked-fds-per-uid", "10")
         with Client(daemon.endpoint) as c:
             ids = {f"w{index}": publish_persistent(c, f"w{index}")[1] for index in range(4)}
@@ -177,22 +171,16 @@ def test_a_full_store_refuses_a_persistent_publish_by_name_and_the_restart_keeps
         daemon = manager.restart(*SIM, "--max-parked-fds-per-uid", "10")
         with Client(daemon.endpoint) as c:
             assert {s["name"]: s["share_id"] for s in c.list_shared()} == ids
-    finally:
-        code = manager.close()
-        remove_tempdir(directory)
-    assert code in (0, None)
 
 
 def test_each_change_writes_its_own_record_and_a_bystander_is_not_held_up() -> None:
     """One uid publishes persistent names with 512 KiB manifests: each publish stores one record of about its
     manifest's size, however many are parked (a counter in status, not a timing); a bystander's device ops meanwhile
     take about what they take while the same names are published without persistent (the baseline)."""
-    directory = short_tempdir()
-    manager = ServiceManager(directory, store_max=1024)
     count = 24
     manifest = msgpack.packb({"tensors": [{"name": "w", "dtype": "uint8", "shape": [16], "offset": 0}],
                               "metadata": {"pad": "m" * ((512 << 10) - 200)}})
-    try:
+    with managed(store_max=1024) as manager:
         daemon = manager.start(*SIM, "--max-parked-fds-per-uid", "1024")
         bystander = Bystander(daemon.endpoint)
         with Client(daemon.endpoint, name="publisher") as c:
@@ -213,10 +201,6 @@ def test_each_change_writes_its_own_record_and_a_bystander_is_not_held_up() -> N
         assert all(len(manifest) <= step < len(manifest) + 4096 for step in steps), steps
         assert max(parked) <= 3 * max(baseline) + 0.05, (max(parked), max(baseline))
         bystander.close()
-    finally:
-        code = manager.close()
-        remove_tempdir(directory)
-    assert code in (0, None)
 
 
 def test_a_format_1_registry_of_an_older_daemon_is_adopted_and_rewritten_as_records(manager: ServiceManager) -> None:
