@@ -3,7 +3,7 @@
 Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`; the daemon-wide
 :class:`~cuctxd.daemon.registry.parking.ParkingLot` (lock-protected) keeps the store and the
-parked registry. A ``persistent`` publish parks its share (:meth:`DeviceParking.ready`, then
+parked records. A ``persistent`` publish parks its share (:meth:`DeviceParking.ready`, then
 :meth:`DeviceParking.sync_published`), or fails with ``NotParked``; sharing tells this of every
 later change (:meth:`DeviceParking.sync`): a share stays parked while it is persistent, named and
 not revoked. Every change is sent to the store before the handler that made it returns, so its
