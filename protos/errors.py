@@ -36,6 +36,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_REVOKED = 10016
     CUCTXD_ERROR_SESSION_CLOSED = 10017
     CUCTXD_ERROR_DIGEST_MISMATCH = 10018
+    CUCTXD_ERROR_NOT_PARKED = 10019
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -195,6 +196,13 @@ class DigestMismatch(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_DIGEST_MISMATCH
 
 
+class NotParked(DaemonError):
+    """A ``persistent`` publish whose share the service manager's fd store cannot keep (the store, the uid's
+    share of it or the fd budget is full, the store refused it, or the memory has no fd): nothing was published."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NOT_PARKED
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -267,7 +275,7 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, InternalError,
     )
 }
 
