@@ -35,6 +35,8 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_NOT_OWNER = 10015
     CUCTXD_ERROR_REVOKED = 10016
     CUCTXD_ERROR_SESSION_CLOSED = 10017
+    CUCTXD_ERROR_DIGEST_MISMATCH = 10018
+    CUCTXD_ERROR_NOT_PARKED = 10019
     CUCTXD_ERROR_DEVICE_NOT_ALLOWED = 10024
     CUCTXD_ERROR_INTERNAL = 10099
 
@@ -186,6 +188,22 @@ class SessionClosed(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_SESSION_CLOSED
 
 
+class DigestMismatch(DaemonError):
+    """A layout's bytes are not what its digest says: ``verify_shared`` hashed them on the device and they
+    differ (the message names the publisher), or the name holds another digest, or none. Also raised by the
+    client, before asking the daemon, for a layout whose manifest states another digest. Nothing stays
+    mapped or held."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_DIGEST_MISMATCH
+
+
+class NotParked(DaemonError):
+    """A ``persistent`` publish whose share the service manager's fd store cannot keep (the store, the uid's
+    share of it or the fd budget is full, the store refused it, or the memory has no fd): nothing was published."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NOT_PARKED
+
+
 class DeviceNotAllowed(DaemonError):
     """``gpu_limit``: the device is not one of the GPUs the kubelet gave the client's pod, or the daemon cannot
     tell the client's pod (on ``hello``); the message says which."""
@@ -234,9 +252,9 @@ class NoDaemon(ConnectionLost):
 
 class DaemonRestarted(NoDaemon):
     """Client side only: the daemon process that held this session exited and another one listens at the
-    endpoint now (an ipc:// socket file made anew, or the old daemon's pidfd on an shm lane polled
-    readable). The new daemon cannot know the session: the client raises
-    :class:`SessionLost` for it at once instead of waiting for a reply that cannot come."""
+    endpoint now (a pidfd of the old daemon polled readable, or ``ping`` answered with another
+    ``instance``: PROTOCOL.md, section 5, "Across a restart"). The new daemon cannot know the session: the
+    client raises :class:`SessionLost` for it at once instead of waiting for a reply that cannot come."""
 
     error_name = "CUCTXD_DAEMON_RESTARTED"
 
@@ -260,20 +278,13 @@ class WrongBackend(CuctxError, AttributeError):  # type: ignore[misc]  # ``name`
         super().__init__(0, "CUCTXD_WRONG_BACKEND", message, op)
 
 
-class DigestMismatch(CuctxError):
-    """Client side only: a layout opened with ``digest=`` holds other content (or says none): the message
-    gives both digests. Nothing stays mapped."""
-
-    def __init__(self, message: str, op: str | None = None) -> None:
-        super().__init__(0, "CUCTXD_ERROR_DIGEST_MISMATCH", message, op)
-
-
 _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     int(cls.code_enum): cls
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DeviceNotAllowed, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, DeviceNotAllowed,
+        InternalError,
     )
 }
 

@@ -4,9 +4,9 @@
 MAX_HEADER_BYTES = 1 << 20
 
 #: Most entries a reply lists in one array that grows with what clients make (``status``'s sessions,
-#: contexts and shares, ``context_stack``, ``list_shared``); a longer one is cut, and the reply says so
+#: contexts and shares, ``context_stack``); a longer one is cut, and the reply says so
 #: (``truncated: true``) and gives the full count. ``status`` lists fewer where that is what keeps its
-#: header under MAX_HEADER_BYTES.
+#: header under MAX_HEADER_BYTES. Also the largest (and default) ``limit`` of a ``list_shared`` page.
 MAX_LISTED = 1000
 
 #: Default largest payload frame in bytes; the daemon's ``--max-payload`` may lower or raise it.
@@ -40,3 +40,14 @@ MAX_DEFERRED_ERRORS = 1024
 #: about 1.3 ms per GiB of the buffer, against 0.05-0.3 ms for a ``cuIpcOpenMemHandle`` at any size (they
 #: cross near 32 MiB), and kills the importing process with SIGSEGV for one allocation of 6 GiB or more.
 POOL_BUFFER_MAX = 32 << 20
+
+#: Bytes of a layout one step of a digest check copies to the host and one helper thread hashes (whole
+#: 2 MiB leaves, ``verify_shared``; PROTOCOL.md, section 9, "Digests").
+DIGEST_CHECK_CHUNK_BYTES = 16 << 20
+#: Page-locked staging slots of that size a device's digest check holds at most, only while it runs.
+DIGEST_CHECK_SLOTS = 8
+
+#: What the daemon charges each published name beyond its own UTF-8 bytes and its manifest, against
+#: ``max_manifest_bytes_per_*``: what it keeps of any name (its entries in the name table, the sorted
+#: indexes ``list_shared`` pages through, the share's own set), measured with tracemalloc, rounded up.
+NAME_OVERHEAD_BYTES = 512

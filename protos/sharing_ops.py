@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cuctxd.protos.limits import MAX_LISTED
 from cuctxd.protos.schema import count_field, handle_field, name_field, op
 
 
@@ -66,10 +67,36 @@ class Lookup:
     name: str = name_field()
 
 
+@op("verify_shared", target="device")
+class VerifyShared:
+    """Before relying on the layout digest ``digest`` of the name ``name`` (on device ``device``, as its
+    ``lookup`` says): the daemon vouches for it. Another uid's digest is hashed from the device memory once,
+    on the first reliance (later ones, and a reliance while it runs, wait for that one result), in chunks so
+    that the device serves others meanwhile; a digest of the caller's own uid is trusted as it stands.
+    Result: ``digest``, ``verified`` (``"publisher"``: the caller's own uid published it; ``"daemon"``: the
+    daemon hashed the bytes) and ``hashed`` (whether this request waited for the hashing). A name that holds
+    another digest, or whose bytes differ from it, fails with ``CUCTXD_ERROR_DIGEST_MISMATCH``
+    (PROTOCOL.md, section 9, "Digests")."""
+
+    name: str = name_field()
+    digest: str = dataclasses.field(metadata={"max_len": 64})
+    device: int | None = count_field()
+
+
 @op("list_shared", target="front")
 class ListShared:
-    """Every published name. Result: ``shared`` (list of maps: name, share_id, device,
-    size, owner, owner_present, holders, publisher, tensors, read_only)."""
+    """One page of the published names, in code point order: at most ``limit``, those after the name
+    ``after`` (the last page's ``next``), starting with ``prefix``, published by the session ``owner``
+    (public id) and by ``uid``. Result: ``shared`` (list of maps: name, share_id, device, size, owner,
+    owner_present, holders, publisher, tensors, read_only, digest, verified), ``next`` (the name to pass as
+    ``after`` for the next page; nil on the last), ``count`` (names published daemon-wide), ``truncated``
+    (``next`` is not nil)."""
+
+    limit: int = count_field(MAX_LISTED, minimum=1, maximum=MAX_LISTED)
+    after: str | None = name_field(default=None)
+    prefix: str = name_field(default="")
+    owner: int | None = count_field()
+    uid: int | None = count_field(maximum=0xFFFF_FFFF)
 
 
 @op("open_shared", target="device")

@@ -13,6 +13,7 @@ from bench.figures import (
     bandwidth,
     checkpoint_load,
     data_plane,
+    digest_checks,
     ipc_copy,
     isolation,
     latency,
@@ -22,4 +23,4 @@ from bench.figures import (
 )
 
 GROUPS: tuple[ModuleType, ...] = (latency, throughput, alloc, bandwidth, ipc_copy, isolation, pipelining, data_plane,
-                                  tensors, checkpoint_load)
+                                  tensors, checkpoint_load, digest_checks)

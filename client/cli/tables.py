@@ -69,6 +69,7 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
         f"listening on {', '.join(status['endpoints'])}",
         *_connections_line(status),
         *_fd_channel_line(status),
+        *_parking_line(status),
         *_ordinals_line(status),
         "",
         f"sessions: {len(status['sessions'])}",
@@ -165,6 +166,17 @@ def _fd_channel_line(status: dict[str, Any]) -> list[str]:
             f"{channel['tickets']} ticket(s) waiting ({channel['fds']} fds)"]
 
 
+def _parking_line(status: dict[str, Any]) -> list[str]:
+    """The service manager's fd store: its fds that parked shares hold, in all and per uid (absent without one)."""
+    parking = status.get("parking")
+    if parking is None:
+        return []
+    uids = ", ".join(f"uid {u['uid']}: {_of(u['fds'], parking['max_per_uid'])}" for u in parking["uids"])
+    refused = f"; {parking['refused']} persistent publish(es) refused" if parking["refused"] else ""
+    return [f"parked: {parking['shares']} share(s), {_of(parking['fds'], parking['store_max'])} fds of the service "
+            f"manager's fd store{f' ({uids})' if uids else ''}{refused}"]
+
+
 def _ordinals_line(status: dict[str, Any]) -> list[str]:
     """Which driver ordinal each device is, when the daemon serves a subset (``--devices``)."""
     ordinals = status.get("device_ordinals")
@@ -180,9 +192,20 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
         ["NAME", "DEVICE", "SIZE", "TENSORS", "MODE", "OWNER", "PUBLISHER", "HOLDERS", "DIGEST", "SHARE"],
         [[s["name"], s["device"], human_size(s["size"]), s.get("tensors") or "-", "ro" if s.get("read_only") else "rw",
           s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", _publisher(s.get("publisher")),
-          s["holders"], digests.short(s["digest"]) if s.get("digest") else "-", s["share_id"]]
+          s["holders"], _digest(s), s["share_id"]]
          for s in shared],
     )
+
+
+#: What the DIGEST column adds where the daemon hashed the bytes (``list_shared``'s ``verified``).
+_VERIFIED = {"daemon": " verified", "mismatch": " MISMATCH"}
+
+
+def _digest(shared: dict[str, Any]) -> str:
+    """A name's short digest, and whether the daemon found its bytes bear it out (else: its publisher's word)."""
+    if not shared.get("digest"):
+        return "-"
+    return digests.short(shared["digest"]) + _VERIFIED.get(shared.get("verified") or "", "")
 
 
 def _publisher(publisher: dict[str, Any] | None) -> str:

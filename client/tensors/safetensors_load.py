@@ -5,10 +5,11 @@ anything is allocated, lays its tensors out as every layout is
 (:func:`~cuctxd.client.tensors.tensor_sets.layout_offsets`), reads every shard into one shareable daemon
 buffer, hashed on the way (:func:`~cuctxd.client.data_plane.file_reads.load_into_new_buffer`), and publishes it
 with its manifest and digests. A name in use is compared by content: where the published layout has the
-same tensors, the files are hashed (mapped, on threads) and, the same as its digest, nothing is loaded;
-other content is refused unless ``replace``, which loads into a new buffer (no hashing first: a replace
-mostly brings new content) and swaps the name in the daemon at once, or, the loaded digest the same as the
-published one, frees the new buffer and swaps nothing. Nothing stays
+same tensors, the files are hashed (mapped, on threads) and, the same as its digest and the daemon vouching
+for that digest (``verify_shared``: another user's is hashed on the device), nothing is loaded; other
+content is refused, naming who holds the name, unless ``replace``, which loads into a new buffer (no hashing
+first: a replace mostly brings new content) and swaps the name in the daemon at once, or, the loaded digest
+the same as the published one and vouched for, frees the new buffer and swaps nothing. Nothing stays
 published or allocated after a failure. Which thread may call: the client's callers.
 """
 
@@ -23,12 +24,22 @@ from typing import Any, cast
 
 from cuctxd.client.api.objects import Buffer
 from cuctxd.client.data_plane.file_reads import FileRange, load_into_new_buffer
-from cuctxd.client.tensors.checkpoints import Checkpoint, read_checkpoint
+from cuctxd.client.tensors.checkpoints import Checkpoint, open_regular, read_checkpoint
 from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.tensor_sets import layout_offsets, no_room, publish_filled
 from cuctxd.client.wire import build
 from cuctxd.protos import digests
-from cuctxd.protos.errors import BadArgument, CudaError, NameExists, NotFound
+from cuctxd.protos.errors import (
+    BadArgument,
+    CuctxError,
+    CudaError,
+    DigestMismatch,
+    NameExists,
+    NoDaemon,
+    NotFound,
+    SessionLost,
+    UnknownSession,
+)
 from cuctxd.protos.layouts import Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
 
@@ -59,10 +70,10 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
     offsets, size = layout_offsets(tensor.nbytes for tensor in checkpoint.tensors)
     manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, t.shape, c_strides(t.shape), offset)
                               for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
-    check_manifest(manifest.pack(), size)  # a checkpoint no layout can hold is refused before anything else
+    _check_layout(path, manifest, size)
     published = _published(client, name)
     if published is not None and not replace:
-        return _same_content(checkpoint, manifest, name, published)
+        return _same_content(client, checkpoint, manifest, name, published)
     known = _manifest_of(published)
     theirs = None if known is None else known.digest
     with _opened(checkpoint) as fds:
@@ -74,17 +85,43 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
             with load_into_new_buffer(client, build.alloc(client, Buffer, size, device, True), device, ranges,
                                       digest=digest, progress=progress) as (buffer, found):
                 if (published is not None and theirs is not None and digest
-                        and _layout_digest(checkpoint, cast(list[str], found)) == theirs):
+                        and _layout_digest(checkpoint, cast(list[str], found)) == theirs
+                        and _vouched(client, name, published, theirs)):
                     buffer.free()  # a replace by the same content: nothing to swap
                     return Loaded(published, theirs, False)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
                                             replace=replace)
-        except (EOFError, OSError) as exc:
-            raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
         except CudaError as error:
             raise no_room(client, error, size, device, len(manifest.tensors)) from None
+        except SessionLost as lost:
+            raise _went_away(client, path, lost) from lost.__cause__
+        except CuctxError:  # the daemon's or the client's own (a timeout, a lost connection: OSErrors too)
+            raise
+        except (EOFError, OSError) as exc:
+            raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
     return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True,
                   replaced=published is not None)
+
+
+def _check_layout(path: str, manifest: Manifest, size: int) -> None:
+    """Refuse, naming ``path``, a checkpoint no layout can hold (its manifest too large), before anything else."""
+    try:
+        check_manifest(manifest.pack(), size)
+    except BadArgument as exc:
+        raise BadArgument(f"{path}: {exc.message}") from None
+
+
+def _went_away(client: Any, path: str, lost: SessionLost) -> SessionLost:
+    """``lost`` said for the load of ``path`` when the daemon went away during it (killed, crashed,
+    restarted): no fault of the checkpoint's."""
+    cause = lost.__cause__
+    if isinstance(cause, NoDaemon):
+        why = cause.message
+    elif isinstance(cause, UnknownSession):
+        why = f"the daemon at {client.endpoint} no longer knows this session (it was restarted)"
+    else:
+        return lost
+    return SessionLost(f"{path}: the daemon went away during the load, which did not finish: {why}", lost.op)
 
 
 def _published(client: Any, name: str) -> ShareDescriptor | None:
@@ -102,24 +139,51 @@ def _manifest_of(published: ShareDescriptor | None) -> Manifest | None:
     return check_manifest(published.manifest, published.size)
 
 
-def _same_content(checkpoint: Checkpoint, manifest: Manifest, name: str, published: ShareDescriptor) -> Loaded:
-    """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content; else
-    :class:`NameExists` naming ``--replace``. The files are hashed only when the published layout has the
-    same tensors, dtypes and shapes (else the content differs, known at once)."""
+def _same_content(client: Any, checkpoint: Checkpoint, manifest: Manifest, name: str,
+                  published: ShareDescriptor) -> Loaded:
+    """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content, by a digest the daemon
+    vouches for; else :class:`NameExists` naming who holds the name (and ``--replace`` where the content
+    differs). The files are hashed only when the published layout has the same tensors, dtypes and shapes
+    (else the content differs, known at once)."""
     known = _manifest_of(published)
     theirs = None if known is None else known.digest
     if known is None or theirs is None:
-        raise NameExists(f"{name!r} is published already, without a content digest to compare this checkpoint "
-                         f"with: load with --replace (replace=True) to swap it, or choose another name")
+        raise NameExists(f"{name!r} is published already by {_holder(published)}, without a content digest to "
+                         "compare this checkpoint with: load with --replace (replace=True) to swap it, or choose "
+                         "another name")
     if [(t.name, t.dtype, t.shape) for t in known.tensors] != [(t.name, t.dtype, t.shape) for t in manifest.tensors]:
         differs = "this checkpoint has other tensors"
     else:
         ours = checkpoint_digest(checkpoint)
         if ours == theirs:
+            try:
+                client.verify_shared(name, theirs, published.device)
+            except DigestMismatch as exc:
+                raise NameExists(f"{name!r} is held by {_holder(published)}, whose bytes are not the content its "
+                                 f"digest claims ({exc.message}): choose another name, or have its user "
+                                 f"unpublish it") from None
             return Loaded(published, ours, False)
         differs = f"this checkpoint's {digests.short(ours)}"
-    raise NameExists(f"{name!r} holds other content (digest {digests.short(theirs)}, {differs}): load with "
-                     f"--replace (replace=True) to swap it")
+    raise NameExists(f"{name!r} is held by {_holder(published)} with other content (digest {digests.short(theirs)}, "
+                     f"{differs}): load with --replace (replace=True) to swap it")
+
+
+def _vouched(client: Any, name: str, published: ShareDescriptor, digest: str) -> bool:
+    """Whether the daemon vouches that ``name`` holds ``digest`` (its own user's word, or bytes it hashed): a
+    replace by the same content is a no-op only then; other bytes under a claimed digest are replaced (or
+    the replace refused, naming their publisher)."""
+    try:
+        client.verify_shared(name, digest, published.device)
+    except DigestMismatch:
+        return False
+    return True
+
+
+def _holder(published: ShareDescriptor) -> str:
+    """Who published the name, as ``lookup`` says."""
+    who = published.publisher or {}
+    uid = "uid unknown" if who.get("uid") is None else f"uid {who['uid']}"
+    return f"session {who.get('session')} ({who.get('client')!r}, {uid}, pid {who.get('pid')})"
 
 
 def checkpoint_digest(checkpoint: Checkpoint) -> str:
@@ -155,14 +219,12 @@ def _hash_mapped(checkpoint: Checkpoint, mapped: list[mmap.mmap]) -> list[str]:
 
 @contextlib.contextmanager
 def _opened(checkpoint: Checkpoint) -> Iterator[list[int]]:
-    """Each shard open (read-only), the same size as when its header was read; closed on exit."""
+    """Each shard open (read-only, still a regular file), the same size as when its header was read; closed on
+    exit."""
     fds: list[int] = []
     try:
         for shard in checkpoint.shards:
-            try:
-                fds.append(os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC))
-            except OSError as exc:
-                raise BadArgument(f"{shard.path}: {exc.strerror or exc}") from None
+            fds.append(open_regular(shard.path))
             if os.fstat(fds[-1]).st_size != shard.size:
                 raise BadArgument(f"{shard.path}: changed while it was being loaded (it was {shard.size} bytes)")
         yield fds

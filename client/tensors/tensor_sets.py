@@ -393,17 +393,19 @@ def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str 
     """Map the tensors published as ``name`` (read-only views unless ``writable``, which a layout
     published ``read_only`` refuses; both are advisory: a mapping of device memory cannot be made
     read-only). ``digest``: the content required (a layout digest, :mod:`cuctxd.protos.digests`); a layout
-    with another one, or none, raises :class:`~cuctxd.protos.errors.DigestMismatch` before anything is
-    mapped."""
+    with another one, or none, or whose bytes the daemon finds do not bear it out (``verify_shared``: a layout
+    of another user's), raises :class:`~cuctxd.protos.errors.DigestMismatch` before anything is mapped."""
     descriptor = client.lookup(name)
     if not descriptor.manifest:
         raise BadArgument(f"{name!r} was published as a plain buffer, without a tensor layout")
     if writable and descriptor.read_only:
         raise BadArgument(f"{name!r} was published read-only: open it with writable=False")
     manifest = check_manifest(descriptor.manifest, descriptor.size)
-    if digest is not None and manifest.digest != digest:
-        raise DigestMismatch(f"{name!r} holds {manifest.digest or 'a layout without a digest'}, not the "
-                             f"required {digest}")
+    if digest is not None:
+        if manifest.digest != digest:
+            raise DigestMismatch(f"{name!r} holds {manifest.digest or 'a layout without a digest'}, not the "
+                                 f"required {digest}")
+        client.verify_shared(name, digest, descriptor.device)  # another uid's word is checked by the daemon
     return TensorSet(client.open_shared(descriptor), manifest, writable)
 
 

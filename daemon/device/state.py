@@ -11,6 +11,7 @@ uses when built:
 * :class:`~cuctxd.daemon.device.streams.Streams` — streams, events, markers, read staging;
 * :class:`~cuctxd.daemon.device.contexts.Contexts` — stacks, the primary's references, orphans;
 * :class:`~cuctxd.daemon.device.sharing.Sharing` — exported buffers and holds;
+* :class:`~cuctxd.daemon.device.digest_checks.DigestChecks` — shares' digests checked against their bytes;
 * :class:`~cuctxd.daemon.device.memory.Memory` — allocations, quota and reserve;
 * :class:`~cuctxd.daemon.device.host.HostBuffers` — shared page-locked host buffers;
 * :class:`~cuctxd.daemon.device.shm_lanes.ShmLanes` — the sessions' shm lanes (device ops through shared memory);
@@ -36,6 +37,7 @@ from collections.abc import Iterator
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
+from cuctxd.daemon.device.digest_checks import DigestChecks
 from cuctxd.daemon.device.entries import DeviceLimits, SessionContext, SessionOnDevice
 from cuctxd.daemon.device.host import HostBuffers
 from cuctxd.daemon.device.memory import Memory
@@ -74,10 +76,12 @@ class DeviceState:
         self.current = CurrentContext(driver)
         #: Make a context current on the worker (the bound method itself: handlers call it per request).
         self.activate = self.current.activate
-        self.pools = Pools(driver, device, self.current)
+        self.pools = Pools(driver, device, self.current, tickets.budget)
         self.streams = Streams(driver, device, self.current, self.sessions, self.pools)
         self.contexts = Contexts(driver, device, self.current, self.streams, limits)
         self.sharing = Sharing(driver, info, self.current, self.contexts, registry, limits, self.sessions)
+        self.digest_checks = DigestChecks(driver, device, self.current, registry, self.sharing.shares,
+                                          self.sharing.settle)
         self.memory = Memory(driver, device, limits, self.current, self.pools, self.sharing)
         self.host = HostBuffers(driver, device, limits, self.current, self.streams, tickets.budget)
         self.shm_lanes = ShmLanes(limits.max_shm_lanes, tickets.budget)

@@ -26,6 +26,7 @@ waits for pending frees before trying again (:meth:`~cuctxd.daemon.device.memory
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -137,9 +138,19 @@ class DeviceWorker:
         self._tasks.put(task)
         os.eventfd_write(self._doorbell, 1)
 
+    def ring(self) -> None:
+        """Wake the worker without a task, so that it polls its pending work at once (a digest check's helper
+        thread finished hashing a chunk); any thread. A stopped worker's doorbell is gone: nothing to wake."""
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self._doorbell, 1)
+
     def run(self, work: Callable[[DeviceState], None]) -> None:
         """Queue fire-and-forget work on this device's state; failures are logged."""
         self.submit_task(lambda worker: worker._run_quietly(work))
+
+    def forward(self, job: Job, forward: Forward) -> None:
+        """Go on with ``job`` (a front op's, or another device's) here with ``forward.then``; this worker replies."""
+        self.submit_task(lambda worker: worker._continue(job, forward))
 
     def close_session(self, session: Session) -> None:
         """Close ``session`` on this device once its requests queued here have run (reaping)."""
@@ -191,6 +202,7 @@ class DeviceWorker:
             info = self._driver.device_info(self.device)
             self.state = DeviceState(self._driver, self.device, info, self._limits, self._shares, self._tickets)
             self.state.worker_thread = self.thread
+            self.state.digest_checks.wake = self.ring
             self._socket = self._zmq_context.socket(zmq.PUSH)
             self._socket.setsockopt(zmq.SNDHWM, 0)
             self._socket.setsockopt(zmq.LINGER, 1000)
@@ -472,7 +484,7 @@ class DeviceWorker:
         if peer is None:
             self._fail(job, CudaError.of(CUresult.CUDA_ERROR_INVALID_DEVICE, f"no device {outcome.device}"))
             return
-        peer.submit_task(lambda worker: worker._continue(job, outcome))
+        peer.forward(job, outcome)
 
     def _continue(self, job: Job, forward: Forward) -> None:
         assert self.state is not None

@@ -76,7 +76,9 @@ def goodbye(front: DaemonState, session: Session | None, args: ops.Goodbye, peer
 
 @front_handler(ops.Ping)
 def ping(front: DaemonState, session: Session | None, args: ops.Ping, peer: str | None) -> Reply:
-    return Reply()
+    """Answers with this daemon run's ``instance``: a client whose reply is late asks it, so as to tell a
+    restarted daemon from a slow one."""
+    return Reply({"instance": front.instance})
 
 
 @front_handler(ops.DeviceCount)
@@ -120,6 +122,7 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
             "max_reply_bytes_per_peer": limits.max_reply_bytes_per_peer,
             "max_manifest_bytes_per_session": front.shares.max_manifest_bytes_per_session,
             "max_manifest_bytes_per_uid": front.shares.max_manifest_bytes_per_uid,
+            "max_names_per_uid": front.shares.max_names_per_uid,
         },
         "names": front.shares.names_status(),
     }
@@ -129,6 +132,8 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
         daemon_part["fd_channel"] = front.fd_channel.stats()
     if front.fd_budget is not None:
         daemon_part["fd_budget"] = front.fd_budget.to_status()
+    if front.shares.parking is not None:
+        daemon_part["parking"] = front.shares.parking.to_status()
 
     def each(state: DeviceState) -> dict[str, Any]:
         part = device_status(state)

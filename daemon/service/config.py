@@ -24,7 +24,11 @@ from cuctxd.daemon.device.queues import (
 )
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
 from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
-from cuctxd.daemon.registry.shares import DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, DEFAULT_MAX_MANIFEST_BYTES_PER_UID
+from cuctxd.daemon.registry.shares import (
+    DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
+    DEFAULT_MAX_MANIFEST_BYTES_PER_UID,
+    DEFAULT_MAX_NAMES_PER_UID,
+)
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
 from cuctxd.daemon.service.preload import Preload, preload_entry, preload_list, preload_texts
 from cuctxd.daemon.service.settings import (
@@ -256,9 +260,18 @@ class DaemonConfig:
     max_reply_bytes_per_peer: int = size(DEFAULT_MAX_REPLY_BYTES_PER_PEER, "read results one peer's clients may "
                                          "leave untaken on each device, all its sessions together, before their "
                                          "reads are refused", zero="no limit", security=True, limit=True)
+    #: Published names of one uid's sessions, ended ones included, daemon-wide.
+    max_names_per_uid: int = count(DEFAULT_MAX_NAMES_PER_UID, "names one user's sessions may have published, "
+                                   "ended ones included", zero="no limit", security=True, limit=True)
+    #: fds of the service manager's fd store one uid's parked shares may hold (two each; 0: a quarter of the store).
+    max_parked_fds_per_uid: int = count(0, "most fds of the service manager's fd store one user's parked "
+                                        "(persistent) shares may hold, two each", shown="0: a quarter of the "
+                                        "store ($FDSTORE)", security=True, limit=True)
     #: What ``status`` (``node``) and the metrics (``cuctxd_info{node}``) call the machine this daemon serves.
     node_name: str = setting(DEFAULT_NODE_NAME, string, "what status and the metrics call this machine (in a "
                              "Kubernetes pod, pass the node's name)", "NAME", shown="the host name")
+    sim_vmm: bool = switch(True, "testing aid (sim backend only): the sim's devices have CUDA VMM; with --no-sim-vmm "
+                           "they are GPUs without it, whose shareable buffers get IPC pools of their own")
     #: Checkpoints published at start, before ``status`` says ready (:mod:`cuctxd.daemon.service.preload`).
     preload: tuple[Preload, ...] = setting((), preload_list, "a checkpoint to load and publish at start, before "
                                            "the daemon says ready (a missing or bad one is logged and skipped): "
