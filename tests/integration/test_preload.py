@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 
 from cuctxd import Client
 from tests.checkpoint_files import write_shard
-from tests.helpers import REPO, DaemonProcess, client_env, running_daemon, wait_until
+from tests.helpers import REPO, DaemonProcess, client_env, freeze, running_daemon, wait_until
 
 TENSORS = {"w": np.arange(4096, dtype=np.float32), "b": np.ones(16, dtype=np.float16)}
 
@@ -51,22 +51,29 @@ def test_checkpoints_load_at_start_bad_ones_are_skipped_and_a_restart_serves_the
             assert "3 of 5 checkpoint load(s) published" in log, log
 
 
+def loaders(daemon: DaemonProcess) -> list[int]:
+    """The daemon's child processes (its preload's ``cuctx load``)."""
+    pid = daemon.process.pid
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
 def test_the_daemon_is_not_ready_while_a_checkpoint_loads(tmp_path: Path) -> None:
-    """A checkpoint whose file blocks (a FIFO nobody writes yet) keeps the probe failing until it is done."""
-    fifo = tmp_path / "slow.safetensors"
-    os.mkfifo(fifo)
-    with running_daemon("--preload", f"slow={fifo}") as daemon:
-        probe = ready_probe(daemon)
-        assert probe.returncode == 1 and "still preloading" in probe.stderr, (probe.stdout, probe.stderr)
-
-        def write() -> None:  # a short header, then the end: the loader fails on it (it may close first)
-            with contextlib.suppress(BrokenPipeError), open(fifo, "wb") as end:
-                end.write(b"\x00" * 4)
-
-        writer = threading.Thread(target=write, daemon=True)
-        writer.start()
+    """The loader, caught as it starts and stopped (SIGSTOP), keeps the probe failing until it is let go."""
+    checkpoint = write_shard(tmp_path / "model.safetensors", TENSORS)
+    with running_daemon("--preload", f"model={checkpoint}") as daemon:
+        found: list[int] = []
+        assert wait_until(lambda: found.extend(loaders(daemon)) or found, 30, interval=0.001), daemon.log()
+        freeze(found[0])
+        try:
+            probe = ready_probe(daemon)
+            assert probe.returncode == 1 and "still preloading" in probe.stderr, (probe.stdout, probe.stderr)
+        finally:
+            os.kill(found[0], signal.SIGCONT)
         with Client(daemon.endpoint) as client:
             assert wait_until(lambda: client.status()["ready"], 60), daemon.log()
-        writer.join(10)
+            assert client.lookup("model").size > 0
         assert ready_probe(daemon).returncode == 0
-        assert "preload: skipping slow on device 0" in daemon.log()
