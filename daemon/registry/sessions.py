@@ -96,6 +96,7 @@ class Session:
             "pid": self.ref.pid,
             "current_device": self.current_device,
             "opened_at": self.opened_at,
+            "devices": None if self.ref.devices is None else sorted(self.ref.devices),
         }
 
 

@@ -47,6 +47,7 @@ with Client(ENDPOINT) as client:
     buffer = client.alloc(1 << 20, device=1)
     client.write(buffer, b"x" * 100)
     said["read"] = client.read(buffer, 100) == b"x" * 100
+    said["devices"] = [s["devices"] for s in client.status()["sessions"] if s["session"] == client.session_id]
     with client.open_shared("model@1") as opened:
         said["weights"] = np.arange(4096, dtype=np.float32).tobytes() in opened.read()
     for what, call in (("alloc", lambda: client.alloc(1 << 20, device=0)),
@@ -119,10 +120,12 @@ def test_a_pod_is_served_on_its_gpus_and_refused_the_others(cgroups: Cgroups, tm
 
             said = json.loads(run_in(cgroups.pod(pod_a), CLIENT, daemon.endpoint, namespace).splitlines()[-1])
             assert said["pid"] == 1, "the client runs in a PID namespace of its own"
-            assert said["read"] and said["weights"], said
+            assert said["read"] and said["weights"] and said["devices"] == [[1]], said
             assert said["alloc"] == said["open_shared"] == "CUCTXD_ERROR_DEVICE_NOT_ALLOWED", said
             assert f"gpu_limit: pod team-a/client-a (UID {pod_a.uid}) may use device(s) [1]" in daemon.log()
             assert resources.calls == 1
+            with Client(daemon.endpoint) as operator:
+                assert [s["devices"] for s in operator.status()["sessions"]] == [None], "the operator's own"
 
             asked = apiserver.requests
             for _ in range(2):  # the second is refused without asking again
