@@ -80,6 +80,7 @@ class ClientSlots(rpc.DevicePluginServicer):
         self.plugin = plugin
 
     def GetDevicePluginOptions(self, request: api.Empty, context: Any) -> api.DevicePluginOptions:
+        """Neither PreStartContainer nor GetPreferredAllocation: any slot serves as well as another."""
         return api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
 
     def ListAndWatch(self, request: api.Empty, context: Any) -> Iterator[api.ListAndWatchResponse]:
@@ -94,16 +95,6 @@ class ClientSlots(rpc.DevicePluginServicer):
             with self.plugin.changed:
                 self.plugin.changed.wait(POLL_INTERVAL)
 
-    def GetPreferredAllocation(self, request: api.PreferredAllocationRequest,
-                               context: Any) -> api.PreferredAllocationResponse:
-        """Any devices do (they are all the same): those required, then the first available."""
-        answers = []
-        for wanted in request.container_requests:
-            chosen = list(wanted.must_include_deviceIDs)
-            chosen += [d for d in wanted.available_deviceIDs if d not in chosen][:wanted.allocation_size - len(chosen)]
-            answers.append(api.ContainerPreferredAllocationResponse(deviceIDs=chosen))
-        return api.PreferredAllocationResponse(container_responses=answers)
-
     def Allocate(self, request: api.AllocateRequest, context: Any) -> api.AllocateResponse:
         """Each container: the socket directory, mounted read-only (a client may connect to the sockets in
         it, not remove them), and ``CUCTXD_ENDPOINT``."""
@@ -115,9 +106,6 @@ class ClientSlots(rpc.DevicePluginServicer):
                 envs={"CUCTXD_ENDPOINT": config.endpoint},
                 mounts=[api.Mount(container_path=config.container_dir, host_path=config.socket_dir, read_only=True)]))
         return api.AllocateResponse(container_responses=answers)
-
-    def PreStartContainer(self, request: api.PreStartContainerRequest, context: Any) -> api.PreStartContainerResponse:
-        return api.PreStartContainerResponse()
 
 
 class DevicePlugin:
