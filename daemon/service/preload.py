@@ -138,6 +138,8 @@ class Preloader:
         code = self._loader.returncode
         with self._lock:
             self._loader = None
+        if self._stopping.is_set():  # terminated by stop(): the daemon is on its way out
+            return False
         if code == 0:
             log.info("preload: %s on device %d from %s in %.1f s: %s", name, device, entry.path,
                      time.monotonic() - started, out.strip().splitlines()[-1] if out.strip() else "published")
