@@ -428,6 +428,8 @@ class Daemon:
     def _drain(self) -> None:
         front = self._front
         assert front is not None
+        if self._preloader is not None:  # before its loader's requests are refused as the drain's
+            self._preloader.stop()
         front.state.draining = True
         self.notifier.stopping(self._status_line())
         timeout = self.config.drain_timeout
