@@ -16,7 +16,8 @@ from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.protos.errors import NotFound, NotParked
-from tests.unit.daemon.device.test_device_state import MAX_PAYLOAD, MEMORY, new_ref, run
+from tests.unit.daemon.device.test_data_plane_state import MEMORY
+from tests.unit.daemon.device.test_device_state import MAX_PAYLOAD, new_ref, run
 
 
 @dataclass
