@@ -37,6 +37,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_SESSION_CLOSED = 10017
     CUCTXD_ERROR_DIGEST_MISMATCH = 10018
     CUCTXD_ERROR_NOT_PARKED = 10019
+    CUCTXD_ERROR_DEVICE_NOT_ALLOWED = 10024
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -203,6 +204,13 @@ class NotParked(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_NOT_PARKED
 
 
+class DeviceNotAllowed(DaemonError):
+    """``gpu_limit``: the device is not one of the GPUs the kubelet gave the client's pod, or the daemon cannot
+    tell the client's pod (on ``hello``); the message says which."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_DEVICE_NOT_ALLOWED
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -275,7 +283,8 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, DeviceNotAllowed,
+        InternalError,
     )
 }
 
