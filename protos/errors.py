@@ -36,6 +36,8 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_REVOKED = 10016
     CUCTXD_ERROR_SESSION_CLOSED = 10017
     CUCTXD_ERROR_DIGEST_MISMATCH = 10018
+    CUCTXD_ERROR_NOT_PARKED = 10019
+    CUCTXD_ERROR_DEVICE_NOT_ALLOWED = 10024
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -195,6 +197,20 @@ class DigestMismatch(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_DIGEST_MISMATCH
 
 
+class NotParked(DaemonError):
+    """A ``persistent`` publish whose share the service manager's fd store cannot keep (the store, the uid's
+    share of it or the fd budget is full, the store refused it, or the memory has no fd): nothing was published."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NOT_PARKED
+
+
+class DeviceNotAllowed(DaemonError):
+    """``gpu_limit``: the device is not one of the GPUs the kubelet gave the client's pod, or the daemon cannot
+    tell the client's pod (on ``hello``); the message says which."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_DEVICE_NOT_ALLOWED
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -267,7 +283,8 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, DeviceNotAllowed,
+        InternalError,
     )
 }
 

@@ -28,11 +28,12 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.helpers import DaemonProcess, client_env, launch_daemon
+from tests.helpers import DaemonProcess, client_env, launch_daemon, remove_tempdir, short_tempdir
 
 #: Run in the child between fork and the daemon: move the fds listed in ``CUCTXD_TEST_LISTEN_FDS``
 #: (in order) to 3, 4, ..., set ``LISTEN_PID`` to this pid (exec keeps it), then exec the daemon.
@@ -239,3 +240,16 @@ def _same_file(a: int, b: int) -> bool:
         return False
     return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
 
+
+@contextmanager
+def managed(store_max: int = 64) -> Iterator[ServiceManager]:
+    """A service manager in a short temporary directory; on leaving, the daemon stopped (it must exit cleanly:
+    the assertion carries its log) and the directory removed."""
+    directory = short_tempdir()
+    service = ServiceManager(directory, store_max)
+    try:
+        yield service
+    finally:
+        code = service.close()
+        remove_tempdir(directory)
+    assert code in (0, None), service.daemon.log() if service.daemon else ""

@@ -3,19 +3,20 @@ leases are answered by the front from the daemon-wide :class:`~cuctxd.daemon.reg
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers.registry import device_handler, front_handler
-from cuctxd.daemon.handlers.replies import DeviceTask, Forward, Pending, Reply, after_markers
+from cuctxd.daemon.handlers.replies import Forward, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
-from cuctxd.protos.errors import BadArgument
+from cuctxd.protos.errors import BadArgument, NotParked
 from cuctxd.protos.layouts import check_manifest
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 from cuctxd.protos.messages import pack
@@ -45,7 +46,8 @@ def export(state: DeviceState, job: Job) -> Reply | Pending:
 @device_handler(ops.Publish)
 def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
     """Name the buffer; with ``replace``, the name's old share forgets it on its own device's worker (here,
-    or forwarded there and back) before the reply, as after ``unpublish``."""
+    or forwarded there and back) before the reply, as after ``unpublish``. A ``persistent`` name is parked
+    (PROTOCOL.md, "Parking") before the reply, or the publish fails with ``NotParked`` and names nothing."""
     name = job.args.name
     if not name:
         raise BadArgument("publish needs a non-empty name")
@@ -59,12 +61,25 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
         naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only, manifest.digest)
     state.sharing.check_orphan_room(session, buffer)
     share = state.sharing.export(session, buffer)
-    replaced = state.registry.publish(name, share, naming, replace=job.args.replace)
-    share.persistent = share.persistent or job.args.persistent
+    persistent = share.persistent or job.args.persistent
+    park_fd = state.parking.ready(share) if persistent else None
+    try:
+        replaced = state.registry.publish(name, share, naming, replace=job.args.replace)
+    except BaseException:
+        if park_fd is not None:
+            os.close(park_fd)
+        raise
+    was_persistent, share.persistent = share.persistent, persistent
     share.once = share.once or job.args.once
     if replaced is not None and replaced[1] == state.device:
         state.sharing.forget_name(name, replaced[0])  # unparked (or updated) before the new share is parked
-    state.parking.sync(share)
+    try:
+        state.parking.sync_published(share, park_fd)
+    except NotParked:
+        share.persistent = was_persistent
+        state.registry.unpublish(name, session.ref)
+        state.sharing.forget_name(name, share.share_id)
+        raise
     written = _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": name,
                                                                 "read_only": job.args.read_only}))
     if replaced is None or replaced[1] == state.device:
@@ -131,12 +146,18 @@ def heartbeat(front: DaemonState, session: Session | None, args: ops.Heartbeat, 
 
 
 @front_handler(ops.Unpublish)
-def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Reply:
+def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Forward:
+    """The name goes here; its share forgets it on its device's worker, which replies once that is done (and
+    the share unparked, or its parked record updated: a restart after the reply never finds the name)."""
     assert session is not None
     share_id = front.shares.unpublish(args.name, session.ref)
-    device = front.shares.device_of(share_id)
     name = args.name
-    return Reply(tasks=[DeviceTask(device, lambda state: state.sharing.forget_name(name, share_id))])
+
+    def on_device(state: DeviceState) -> Reply:
+        state.sharing.forget_name(name, share_id)
+        return Reply()
+
+    return Forward(front.shares.device_of(share_id), on_device)
 
 
 @front_handler(ops.Lookup)

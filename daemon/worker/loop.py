@@ -139,8 +139,8 @@ class DeviceWorker:
     def fan_out(self, identity: bytes, request_id: int, gather: Gather, fan_out: FanOut) -> None:
         self.submit_task(lambda runner: runner.run_fan_out(identity, request_id, gather, fan_out))
 
-    def carry_on(self, job: Job, forward: Forward) -> None:
-        """Queue the rest of a cross-device op another device's worker began: ``forward`` runs here."""
+    def forward(self, job: Job, forward: Forward) -> None:
+        """Go on with ``job`` (a front op's, or another device's) here with ``forward.then``; this worker replies."""
         self.submit_task(lambda runner: runner.carry_on(job, forward))
 
     def answer(self, job: Job, header: bytes, frames: Sequence[Any], outcome: str) -> None:

@@ -212,10 +212,10 @@ class JobRunner:
         if peer is None:
             self._fail(job, CudaError.of(CUresult.CUDA_ERROR_INVALID_DEVICE, f"no device {outcome.device}"))
             return
-        peer.carry_on(job, outcome)
+        peer.forward(job, outcome)
 
     def carry_on(self, job: Job, forward: Forward) -> None:
-        """Run the rest of a cross-device op another device's worker passed here."""
+        """Go on with ``job`` here with ``forward.then`` (a front op's, or the rest of another device's)."""
         if self.silenced.is_set():
             return
         try:
