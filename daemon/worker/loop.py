@@ -150,7 +150,7 @@ class DeviceWorker:
 
     def open_lane(self, lane: DeviceLane) -> None:
         """Hand the worker its own ROUTER (bound, not used by any other thread since)."""
-        self.submit_task(lambda runner: self._adopt_lane(lane))
+        self.submit_task(lambda runner: self._adopt_lane(runner, lane))
 
     def silence(self) -> None:
         """The drain deadline has passed: from now on run no queued or lane request and send no reply
@@ -304,11 +304,10 @@ class DeviceWorker:
             for fd in list(self.state.shm_lanes.by_fd):
                 self._watch_shm(fd, False)
 
-    def _adopt_lane(self, lane: DeviceLane) -> None:
+    def _adopt_lane(self, runner: JobRunner, lane: DeviceLane) -> None:
         self._lane = lane
         self._poller.register(lane.router, _POLLIN)
-        if self.runner is not None:
-            self.runner.open_lane(lane)
+        runner.open_lane(lane)
         if self.state is not None:  # shm lanes are admitted as this lane admits its requests
             self.state.shm_lanes.watch = self._watch_shm
 
