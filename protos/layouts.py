@@ -29,6 +29,8 @@ MAX_MANIFEST_BYTES = 512 << 10
 MAX_TENSORS = 100_000
 #: Most dimensions of one tensor.
 MAX_DIMS = 32
+#: Longest tensor name, in characters.
+MAX_NAME_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -157,8 +159,8 @@ def check_manifest(raw: bytes, size: int) -> Manifest:
         if not isinstance(entry, dict):
             raise BadArgument(f"tensor {index} of the manifest is not a map")
         name = entry.get("name")
-        if not isinstance(name, str) or not name or len(name) > 1024:
-            raise BadArgument(f"tensor {index}: 'name' must be a string of 1 to 1024 characters")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+            raise BadArgument(f"tensor {index}: 'name' must be a string of 1 to {MAX_NAME_CHARS} characters")
         if name in names:
             raise BadArgument(f"tensor name {name!r} appears twice in the manifest")
         names.add(name)

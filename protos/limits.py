@@ -4,9 +4,9 @@
 MAX_HEADER_BYTES = 1 << 20
 
 #: Most entries a reply lists in one array that grows with what clients make (``status``'s sessions,
-#: contexts and shares, ``context_stack``, ``list_shared``); a longer one is cut, and the reply says so
+#: contexts and shares, ``context_stack``); a longer one is cut, and the reply says so
 #: (``truncated: true``) and gives the full count. ``status`` lists fewer where that is what keeps its
-#: header under MAX_HEADER_BYTES.
+#: header under MAX_HEADER_BYTES. Also the largest (and default) ``limit`` of a ``list_shared`` page.
 MAX_LISTED = 1000
 
 #: Default largest payload frame in bytes; the daemon's ``--max-payload`` may lower or raise it.
@@ -46,6 +46,11 @@ POOL_BUFFER_MAX = 32 << 20
 DIGEST_CHECK_CHUNK_BYTES = 16 << 20
 #: Page-locked staging slots of that size a device's digest check holds at most, only while it runs.
 DIGEST_CHECK_SLOTS = 8
+
+#: What the daemon charges each published name beyond its own UTF-8 bytes and its manifest, against
+#: ``max_manifest_bytes_per_*``: what it keeps of any name (its entries in the name table, the sorted
+#: indexes ``list_shared`` pages through, the share's own set), measured with tracemalloc, rounded up.
+NAME_OVERHEAD_BYTES = 512
 
 #: Most ``wait_version`` requests one session may have waiting on one device at a time (section 9, "Versions").
 MAX_VERSION_WAITERS = 16

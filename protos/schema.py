@@ -86,9 +86,10 @@ def handle_field(*, optional: bool = False) -> Any:
 NAME_FORBIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
-def name_field(max_len: int = 256) -> Any:
-    """A name (a share's): at most ``max_len`` characters, none of them in :data:`NAME_FORBIDDEN`."""
-    return dataclasses.field(metadata={"max_len": max_len, "name": True})
+def name_field(max_len: int = 256, *, default: str | Any | None = dataclasses.MISSING) -> Any:
+    """A name (a share's): at most ``max_len`` characters, none of them in :data:`NAME_FORBIDDEN`; optional
+    with a ``default``."""
+    return dataclasses.field(default=default, metadata={"max_len": max_len, "name": True})
 
 
 def forbidden_in_name(value: str) -> tuple[int, str] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cuctxd.protos.limits import MAX_VERSION_WAIT_MS
+from cuctxd.protos.limits import MAX_LISTED, MAX_VERSION_WAIT_MS
 from cuctxd.protos.schema import count_field, handle_field, name_field, op
 
 
@@ -102,8 +102,18 @@ class VerifyShared:
 
 @op("list_shared", target="front")
 class ListShared:
-    """Every published name. Result: ``shared`` (list of maps: name, share_id, device,
-    size, owner, owner_present, holders, publisher, tensors, read_only, digest, verified, version)."""
+    """One page of the published names, in code point order: at most ``limit``, those after the name
+    ``after`` (the last page's ``next``), starting with ``prefix``, published by the session ``owner``
+    (public id) and by ``uid``. Result: ``shared`` (list of maps: name, share_id, device, size, owner,
+    owner_present, holders, publisher, tensors, read_only, digest, verified, version), ``next`` (the name to pass as
+    ``after`` for the next page; nil on the last), ``count`` (names published daemon-wide), ``truncated``
+    (``next`` is not nil)."""
+
+    limit: int = count_field(MAX_LISTED, minimum=1, maximum=MAX_LISTED)
+    after: str | None = name_field(default=None)
+    prefix: str = name_field(default="")
+    owner: int | None = count_field()
+    uid: int | None = count_field(maximum=0xFFFF_FFFF)
 
 
 @op("open_shared", target="device")

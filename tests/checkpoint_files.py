@@ -36,3 +36,31 @@ def write_index(path: Path, weight_map: dict[str, str], metadata: dict[str, Any]
     """A ``model.safetensors.index.json``: ``weight_map`` tensor -> shard file (relative to the index)."""
     path.write_text(json.dumps({"metadata": metadata or {}, "weight_map": weight_map}))
     return path
+
+
+def write_raw_shard(path: Path, header: bytes, data: bytes = b"") -> Path:
+    """A safetensors file whose header is ``header`` as given (hostile ones included), then ``data``."""
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+def zero_size_header(count: int) -> bytes:
+    """A header of ``count`` tensors of no bytes (``t0000000`` ...), about 56 bytes each."""
+    entries = (b'"t%07d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}' % n for n in range(count))
+    return b"{" + b",".join(entries) + b"}"
+
+
+def hf_snapshot(root: Path, shards: dict[str, dict[str, np.ndarray]]) -> Path:
+    """A Hugging Face cache entry under ``root``: ``blobs/`` holding the files by content, and
+    ``snapshots/main/`` holding each shard and the index as a symlink into ``../../blobs``; the snapshot."""
+    blobs, snapshot = root / "blobs", root / "snapshots" / "main"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    weight_map = {}
+    for number, (name, tensors) in enumerate(shards.items()):
+        write_shard(blobs / f"blob{number}", tensors)
+        (snapshot / name).symlink_to(f"../../blobs/blob{number}")
+        weight_map.update(dict.fromkeys(tensors, name))
+    write_index(blobs / "index-blob", weight_map)
+    (snapshot / "model.safetensors.index.json").symlink_to("../../blobs/index-blob")
+    return snapshot

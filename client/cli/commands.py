@@ -133,13 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     ping = command("ping", "round-trip time to the daemon")
     ping.add_argument("-c", "--count", type=_count, default=1, help="number of pings")
+    ping.add_argument("--ready", action="store_true", help="then exit 1 while the daemon is still preloading its "
+                                                           "checkpoints (a readiness probe)")
     command("devices", "the devices the daemon serves")
     status = command("status", "sessions, contexts and memory per device")
     status.add_argument("-w", "--watch", action="store_true", help="refresh like top until Ctrl-C")
     status.add_argument("-n", "--interval", type=_seconds, default=2.0, metavar="S",
                         help="seconds between refreshes with --watch (default 2)")
     status.add_argument("--count", type=_count, metavar="N", help="with --watch: stop after N refreshes")
-    command("shared", "published buffers and who holds them")
+    shared = command("shared", "published buffers and who holds them (every page of them)")
+    shared.add_argument("--prefix", default=None, help="only names that start with PREFIX")
+    shared.add_argument("--owner", type=_ordinal, default=None, metavar="SESSION",
+                        help="only names published by this session (its id, as the OWNER column lists it)")
+    shared.add_argument("--uid", type=_ordinal, default=None, help="only names published by this user's sessions")
     load = command("load", "publish a safetensors checkpoint (a file, a directory of shards or an index) as one "
                            "layout")
     load.add_argument("path", metavar="PATH", help="a .safetensors file, a directory (its "
@@ -210,6 +216,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                     for t in times:
                         print(f"pong from {client.endpoint}: {human_duration(t)} "
                               f"(cuctxd {client.daemon_version}, backend {client.backend})")
+                if args.ready and not client.status().get("ready", True):
+                    print("cuctx: not ready: the daemon is still preloading its checkpoints", file=sys.stderr)
+                    return 1
             elif args.command == "devices":
                 devices = client.devices()
                 memory = _memory_by_device(client.status())
@@ -221,7 +230,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 status = client.status()
                 print(json.dumps(status) if args.json else status_text(status, own_session=client.session_id))
             elif args.command == "shared":
-                shared = client.list_shared()
+                shared = client.list_shared(prefix=args.prefix, owner=args.owner, uid=args.uid)
                 print(json.dumps(shared) if args.json else shared_table(shared))
             elif args.command == "load":
                 return load_file(client, args)
@@ -294,11 +303,14 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
                   f"{human_size(total)})", end="", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    loaded = load_safetensors(client, args.path, args.name, device=args.device, progress=progress,
-                              read_only=args.read_only, replace=args.replace, version=args.version)
+    try:
+        loaded = load_safetensors(client, args.path, args.name, device=args.device, progress=progress,
+                                  read_only=args.read_only, replace=args.replace,
+                                  version=args.version)
+    finally:
+        if shown:  # the progress line ends, so that what follows (an error too) starts a line of its own
+            print(file=sys.stderr)
     took = time.perf_counter() - started
-    if shown:
-        print(file=sys.stderr)
     descriptor = loaded.descriptor
     if args.json:
         print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,

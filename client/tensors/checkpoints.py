@@ -3,26 +3,33 @@
 :func:`read_checkpoint` resolves a path: a ``.safetensors`` file; a directory (its
 ``model.safetensors.index.json`` if present, else every ``*.safetensors`` in it, sorted by name); or an
 index JSON given directly (``weight_map``: tensor -> shard file, relative to the index). It parses each
-shard's header itself (8-byte little-endian length, then JSON; the ``safetensors`` package is not needed)
-and refuses, with :class:`~cuctxd.protos.errors.BadArgument` naming the file and what is wrong, anything
-that would make a load go wrong half way: a truncated file, a header too large or not JSON, offsets out of
-range, reversed, overlapping or not the tensor's size, a dtype layouts do not know, a shard of the index
-that is missing, a tensor in the index but not its shard (or in a shard but not the index), a tensor in two
-shards. Nothing is allocated before it returns. Which thread may call: any (it only reads files).
+shard's header itself (8-byte little-endian length, then JSON, read by its grammar alone:
+:mod:`~cuctxd.client.tensors.safetensors_header`; the ``safetensors`` package is not needed) and refuses,
+with :class:`~cuctxd.protos.errors.BadArgument` naming the file and what is wrong, anything that would make
+a load go wrong half way or cost more than a checkpoint may: a path that is not a regular file (a FIFO
+would block the open forever), a truncated file, a header above ``MAX_HEADER_BYTES`` or not that JSON,
+more than ``MAX_TENSORS`` tensors in all (one layout's most), a name above ``MAX_NAME_CHARS``, more than
+``MAX_DIMS`` dimensions, offsets out of range, reversed, overlapping or not the tensor's size, a dtype
+layouts do not know, a shard of the index that is missing or outside the index's directory, a tensor in
+the index but not its shard (or in a shard but not the index), a tensor in two shards. Nothing is
+allocated before it returns. Which thread may call: any (it only reads files).
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
+from cuctxd.client.tensors.safetensors_header import HeaderTensor, Scalar, parse_header, parse_index
 from cuctxd.protos.errors import BadArgument
-from cuctxd.protos.layouts import DTYPES, MAX_DIMS
+from cuctxd.protos.layouts import DTYPES, MAX_TENSORS
+from cuctxd.protos.limits import MAX_HANDLE
 
 #: The index a sharded checkpoint's directory holds (the Hugging Face convention).
 INDEX_NAME = "model.safetensors.index.json"
@@ -88,27 +95,32 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 def _from_index(path: str, index: str) -> Checkpoint:
-    raw = _read_small(index, MAX_INDEX_BYTES)
-    try:
-        decoded = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadArgument(f"{index}: the index is not JSON ({exc})") from None
-    weight_map = decoded.get("weight_map") if isinstance(decoded, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
-                                                   for k, v in weight_map.items()):
-        raise BadArgument(f"{index}: an index is a JSON object whose 'weight_map' maps tensor names to shard files")
-    metadata = decoded.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        raise BadArgument(f"{index}: the index's 'metadata' must be an object")
+    weight_map, metadata = _read_index(index)
     directory = os.path.dirname(index)
-    files = sorted(set(weight_map.values()))
-    for shard in files:
-        if not os.path.isfile(os.path.join(directory, shard)):
-            raise BadArgument(f"{index}: shard {shard!r} named in the index is missing "
-                              f"({os.path.join(directory, shard)})")
-    checkpoint = _from_shards(path, [os.path.join(directory, shard) for shard in files],
-                              {name: os.path.join(directory, shard) for name, shard in weight_map.items()})
+    files = {shard: _shard_path(index, directory, shard) for shard in sorted(set(weight_map.values()))}
+    for shard, file in files.items():
+        if not os.path.lexists(file):
+            raise BadArgument(f"{index}: shard {shard!r} named in the index is missing ({file})")
+    checkpoint = _from_shards(path, list(files.values()),
+                              {name: files[shard] for name, shard in weight_map.items()})
     return Checkpoint(path, checkpoint.shards, checkpoint.tensors, {**checkpoint.metadata, **metadata})
+
+
+def _shard_path(index: str, directory: str, shard: str) -> str:
+    """Where shard file ``shard`` of the index is: a relative path without ``..`` whose folders, their
+    symlinks resolved, are ``directory`` or inside it. Its own name may be a symlink to anywhere (a Hugging
+    Face snapshot's files link into ``../../blobs``): what the index names must be in the directory, not
+    what it links to."""
+    parts = PurePosixPath(shard).parts
+    if shard.startswith("/") or ".." in parts or not parts or any(ord(c) < 32 for c in shard):
+        raise BadArgument(f"{index}: shard {shard!r} is not a file name in the index's directory (relative, "
+                          "without '..' or control characters)")
+    file = os.path.join(directory, shard)
+    root, folder = os.path.realpath(directory), os.path.realpath(os.path.dirname(file))
+    if os.path.commonpath([root, folder]) != root:
+        raise BadArgument(f"{index}: shard {shard!r} is in {folder}, outside the index's directory {root} "
+                          "(a symlinked folder)")
+    return file
 
 
 def _from_shards(path: str, files: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
@@ -118,7 +130,7 @@ def _from_shards(path: str, files: list[str], weight_map: dict[str, str] | None)
     metadata: dict[str, Any] = {}
     where: dict[str, str] = {}
     for number, file in enumerate(files):
-        size, found, shard_metadata = _read_header(file, number)
+        size, found, shard_metadata = _read_header(file, number, MAX_TENSORS - len(tensors))
         for key, value in shard_metadata.items():
             metadata.setdefault(key, value)
         for tensor in found:
@@ -138,45 +150,65 @@ def _from_shards(path: str, files: list[str], weight_map: dict[str, str] | None)
     return Checkpoint(path, tuple(shards), tuple(tensors), metadata)
 
 
-def _read_small(path: str, limit: int) -> bytes:
+def open_regular(path: str) -> int:
+    """``path`` opened read-only (symlinks followed), :class:`BadArgument` unless it is a regular file. It is
+    opened without blocking, so that a FIFO, whose open would wait for a writer forever, gets as far as the
+    ``fstat`` that refuses it; a file is made blocking again. The caller closes it."""
     try:
-        with open(path, "rb") as file:
-            raw = file.read(limit + 1)
-    except OSError as exc:
-        raise BadArgument(f"{path}: {exc.strerror or exc}") from None
-    if len(raw) > limit:
-        raise BadArgument(f"{path}: larger than {limit} bytes, too large for an index")
-    return raw
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise BadArgument(f"{path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _NOT_FILES if test(mode)), "not a file")
+            raise BadArgument(f"{path}: not a regular file ({kind}): a checkpoint is read from files")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def _read_header(path: str, shard: int) -> tuple[int, list[CheckpointTensor], dict[str, Any]]:
-    """``path``'s size, tensors (by offset) and ``__metadata__``, its header checked against its size."""
-    try:
-        with open(path, "rb") as file:
+_NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _read_index(path: str) -> tuple[dict[str, str], dict[str, Scalar]]:
+    """The index's ``weight_map`` and ``metadata``, read only as far as its parse gets."""
+    with open(open_regular(path), "rb") as file:
+        try:
+            size = os.fstat(file.fileno()).st_size
+            if size > MAX_INDEX_BYTES:
+                raise BadArgument(f"{path}: larger than {MAX_INDEX_BYTES} bytes, too large for an index")
+            return parse_index(path, file.read, size)
+        except OSError as exc:
+            raise BadArgument(f"{path}: {exc.strerror or exc}") from None
+
+
+def _read_header(path: str, shard: int, limit: int) -> tuple[int, list[CheckpointTensor], dict[str, str]]:
+    """``path``'s size, tensors (by offset, at most ``limit``) and ``__metadata__``, its header checked
+    against its size."""
+    with open(open_regular(path), "rb") as file:
+        try:
             size = os.fstat(file.fileno()).st_size
             if size < 8:
                 raise BadArgument(f"{path}: truncated: {size} bytes, not even a safetensors header's length")
-            (length,) = struct.unpack("<Q", file.read(8))
+            said = file.read(8)
+            if len(said) < 8:
+                raise BadArgument(f"{path}: truncated while it was read: {len(said)} bytes")
+            (length,) = struct.unpack("<Q", said)
             if length > MAX_HEADER_BYTES:
                 raise BadArgument(f"{path}: a header of {length} bytes is larger than {MAX_HEADER_BYTES}: "
                                   "not a safetensors file, or a damaged one")
             if 8 + length > size:
                 raise BadArgument(f"{path}: truncated: its header says {length} bytes, the file has {size - 8} "
                                   "after the length")
-            raw = file.read(length)
-    except OSError as exc:
-        raise BadArgument(f"{path}: {exc.strerror or exc}") from None
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadArgument(f"{path}: the header is not JSON ({exc}): not a safetensors file") from None
-    if not isinstance(header, dict):
-        raise BadArgument(f"{path}: the header is not a JSON object: not a safetensors file")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise BadArgument(f"{path}: the header's __metadata__ must be an object")
+            entries, metadata = parse_header(path, file.read, length, limit)
+        except OSError as exc:
+            raise BadArgument(f"{path}: {exc.strerror or exc}") from None
     start = 8 + length
-    tensors = [_tensor(path, shard, name, entry, start, size - start) for name, entry in header.items()]
+    tensors = [_tensor(path, shard, entry, start, size - start) for entry in entries]
     tensors.sort(key=lambda tensor: tensor.offset)
     previous: CheckpointTensor | None = None
     for tensor in tensors:
@@ -190,32 +222,27 @@ def _read_header(path: str, shard: int) -> tuple[int, list[CheckpointTensor], di
     return size, tensors, metadata
 
 
-def _tensor(path: str, shard: int, name: str, entry: Any, start: int, data_bytes: int) -> CheckpointTensor:
-    """One header entry, checked: known dtype, a shape, offsets in the file that hold exactly its bytes."""
-    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-        raise BadArgument(f"{path}: header entry {name!r} is not a tensor (dtype, shape, data_offsets)")
-    dtype = SAFETENSORS_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+def _tensor(path: str, shard: int, entry: HeaderTensor, start: int, data_bytes: int) -> CheckpointTensor:
+    """One header entry, checked: a dtype layouts know, a shape whose strides fit 63 bits, offsets in the file
+    that hold exactly its bytes."""
+    name, shape, begin, end = entry.name, entry.shape, entry.begin, entry.end
+    dtype = SAFETENSORS_DTYPES.get(entry.dtype)
     if dtype is None:
-        raise BadArgument(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which layouts do not know "
+        raise BadArgument(f"{path}: tensor {name!r} has dtype {entry.dtype[:40]}, which layouts do not know "
                           f"(known: {', '.join(SAFETENSORS_DTYPES)})")
-    shape, offsets = entry["shape"], entry["data_offsets"]
-    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-            or not all(type(n) is int and n >= 0 for n in shape)):
-        raise BadArgument(f"{path}: tensor {name!r}: shape {shape!r} is not a list of at most {MAX_DIMS} "
-                          "non-negative integers")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets):
-        raise BadArgument(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
-    begin, end = offsets
-    if not 0 <= begin <= end:
+    itemsize = DTYPES[dtype].itemsize
+    if math.prod(max(n, 1) for n in shape) * itemsize > MAX_HANDLE:
+        raise BadArgument(f"{path}: tensor {name!r}: shape {list(shape)} spans more than 2^63 bytes")
+    if begin > end:
         raise BadArgument(f"{path}: the header lies: tensor {name!r} claims bytes {begin}..{end}")
     if end > data_bytes:
         raise BadArgument(f"{path}: tensor {name!r} claims bytes {begin}..{end} of {data_bytes}: the file is "
                           "truncated or its header lies")
-    nbytes = DTYPES[dtype].itemsize * math.prod(shape)
+    nbytes = itemsize * math.prod(shape)
     if end - begin != nbytes:
-        raise BadArgument(f"{path}: the header lies: tensor {name!r} of shape {tuple(shape)} ({entry['dtype']}) "
+        raise BadArgument(f"{path}: the header lies: tensor {name!r} of shape {shape} ({entry.dtype}) "
                           f"is {nbytes} bytes, its offsets {begin}..{end} say {end - begin}")
-    return CheckpointTensor(name, dtype, tuple(shape), shard, start + begin, nbytes)
+    return CheckpointTensor(name, dtype, shape, shard, start + begin, nbytes)
 
 
-__all__ = ["INDEX_NAME", "Checkpoint", "CheckpointTensor", "Shard", "read_checkpoint"]
+__all__ = ["INDEX_NAME", "Checkpoint", "CheckpointTensor", "Shard", "open_regular", "read_checkpoint"]

@@ -24,12 +24,22 @@ from typing import Any, cast
 
 from cuctxd.client.api.objects import Buffer
 from cuctxd.client.data_plane.file_reads import FileRange, load_into_new_buffer
-from cuctxd.client.tensors.checkpoints import Checkpoint, read_checkpoint
+from cuctxd.client.tensors.checkpoints import Checkpoint, open_regular, read_checkpoint
 from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.tensor_sets import layout_offsets, no_room, publish_filled
 from cuctxd.client.wire import build
 from cuctxd.protos import digests
-from cuctxd.protos.errors import BadArgument, CudaError, DigestMismatch, NameExists, NotFound
+from cuctxd.protos.errors import (
+    BadArgument,
+    CuctxError,
+    CudaError,
+    DigestMismatch,
+    NameExists,
+    NoDaemon,
+    NotFound,
+    SessionLost,
+    UnknownSession,
+)
 from cuctxd.protos.layouts import Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
 
@@ -61,7 +71,7 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
     offsets, size = layout_offsets(tensor.nbytes for tensor in checkpoint.tensors)
     manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, t.shape, c_strides(t.shape), offset)
                               for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
-    check_manifest(manifest.pack(), size)  # a checkpoint no layout can hold is refused before anything else
+    _check_layout(path, manifest, size)
     published = _published(client, name)
     if published is not None and not (replace or version):
         return _same_content(client, checkpoint, manifest, name, published)
@@ -82,12 +92,37 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
                     return Loaded(published, theirs, False)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
                                             replace=replace and not version, version=version)
-        except (EOFError, OSError) as exc:
-            raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
         except CudaError as error:
             raise no_room(client, error, size, device, len(manifest.tensors)) from None
+        except SessionLost as lost:
+            raise _went_away(client, path, lost) from lost.__cause__
+        except CuctxError:  # the daemon's or the client's own (a timeout, a lost connection: OSErrors too)
+            raise
+        except (EOFError, OSError) as exc:
+            raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
     return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True,
                   replaced=published is not None)
+
+
+def _check_layout(path: str, manifest: Manifest, size: int) -> None:
+    """Refuse, naming ``path``, a checkpoint no layout can hold (its manifest too large), before anything else."""
+    try:
+        check_manifest(manifest.pack(), size)
+    except BadArgument as exc:
+        raise BadArgument(f"{path}: {exc.message}") from None
+
+
+def _went_away(client: Any, path: str, lost: SessionLost) -> SessionLost:
+    """``lost`` said for the load of ``path`` when the daemon went away during it (killed, crashed,
+    restarted): no fault of the checkpoint's."""
+    cause = lost.__cause__
+    if isinstance(cause, NoDaemon):
+        why = cause.message
+    elif isinstance(cause, UnknownSession):
+        why = f"the daemon at {client.endpoint} no longer knows this session (it was restarted)"
+    else:
+        return lost
+    return SessionLost(f"{path}: the daemon went away during the load, which did not finish: {why}", lost.op)
 
 
 def _published(client: Any, name: str) -> ShareDescriptor | None:
@@ -185,14 +220,12 @@ def _hash_mapped(checkpoint: Checkpoint, mapped: list[mmap.mmap]) -> list[str]:
 
 @contextlib.contextmanager
 def _opened(checkpoint: Checkpoint) -> Iterator[list[int]]:
-    """Each shard open (read-only), the same size as when its header was read; closed on exit."""
+    """Each shard open (read-only, still a regular file), the same size as when its header was read; closed on
+    exit."""
     fds: list[int] = []
     try:
         for shard in checkpoint.shards:
-            try:
-                fds.append(os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC))
-            except OSError as exc:
-                raise BadArgument(f"{shard.path}: {exc.strerror or exc}") from None
+            fds.append(open_regular(shard.path))
             if os.fstat(fds[-1]).st_size != shard.size:
                 raise BadArgument(f"{shard.path}: changed while it was being loaded (it was {shard.size} bytes)")
         yield fds

@@ -520,8 +520,40 @@ def lookup_verified(name: str, digest: str) -> Plan[ShareDescriptor]:
     return descriptor
 
 
-def list_shared() -> Request[list[dict[str, Any]]]:
-    return _request("list_shared", _field("shared", list))
+@dataclass(frozen=True)
+class SharedPage:
+    """One page of ``list_shared``: its ``shared`` records in name order; ``next``, the name to pass as
+    ``after`` for the next page (None on the last); ``count``, the names published daemon-wide."""
+
+    shared: list[dict[str, Any]]
+    next: str | None
+    count: int
+
+
+def _shared_page(result: dict[str, Any], frames: list[Any]) -> SharedPage:
+    return SharedPage(list(result["shared"]), result.get("next"), int(result["count"]))
+
+
+def shared_page(limit: int | None = None, after: str | None = None, prefix: str | None = None,
+                owner: int | None = None, uid: int | None = None) -> Request[SharedPage]:
+    """One page of the names (PROTOCOL.md, ``list_shared``): at most ``limit`` (the daemon's most by default),
+    after the name ``after``, starting with ``prefix``, published by session ``owner`` (public id) and ``uid``."""
+    return _request("list_shared", _shared_page, limit=limit, after=after, prefix=prefix or None, owner=owner,
+                    uid=uid)
+
+
+def list_shared(prefix: str | None = None, owner: int | None = None, uid: int | None = None
+                ) -> Plan[list[dict[str, Any]]]:
+    """Every name the filters select, page after page (each page one request the daemon answers in time
+    bounded by the page); a name published or removed meanwhile may be listed or not."""
+    shared: list[dict[str, Any]] = []
+    after = None
+    while True:
+        page: SharedPage = yield shared_page(after=after, prefix=prefix, owner=owner, uid=uid)
+        shared.extend(page.shared)
+        if page.next is None:
+            return shared
+        after = page.next
 
 
 def open_shared(descriptor: ShareDescriptor, pool_fd: bool = False) -> Request[tuple[ShareDescriptor, str | None]]:

@@ -16,6 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from cuctxd.daemon.backends.base import Ctx, Event, Stream
 from cuctxd.daemon.registry.fd_budget import FdCharge
 from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.daemon.registry.sorted_names import SortedNames
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CuctxError, CudaError, LimitExceeded, OutOfRange, UnknownHandle
 from cuctxd.protos.limits import MAX_DEFERRED_ERRORS, MAX_HANDLE, MAX_ISSUED_HANDLE
@@ -97,11 +98,13 @@ class MemoryKind(Protocol):
 
     exportable: bool
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
-                 uid: int | None = None) -> int:
-        """``size`` bytes for a session of ``uid`` in ``context`` (current)."""
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None, session: SessionRef) -> int:
+        """``size`` bytes for ``session`` in ``context`` (current), in order on ``stream`` (None: the legacy one)."""
 
     def free(self, ptr: int, stream: Stream | None = None) -> None: ...
+
+    def footprint(self, size: int) -> int:
+        """What a ``size``-byte buffer of this kind takes of the device: what quotas charge for it."""
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]: ...
 
@@ -121,7 +124,8 @@ class Share:
     kind: MemoryKind
     owner_present: bool = True
     holders: dict[str, int] = field(default_factory=dict)
-    names: set[str] = field(default_factory=set)
+    #: Its published names, sorted: ``status`` lists the first ones without sorting them all.
+    names: SortedNames = field(default_factory=SortedNames)
     opened_since_orphaned: bool = False
     #: ``time.monotonic()`` when it came to be kept by its names alone (its ``orphan_ttl`` counts from then).
     orphaned_at: float | None = None
@@ -143,6 +147,11 @@ class Share:
     def share_id(self) -> str:
         return self.descriptor.share_id
 
+    @property
+    def footprint(self) -> int:
+        """What its memory takes of the device (:meth:`MemoryKind.footprint`): what a hold or an orphan costs."""
+        return self.kind.footprint(self.descriptor.size)
+
     def keeps_alive(self) -> bool:
         if self.owner_present or self.holders or self.checks:
             return True
@@ -159,6 +168,11 @@ class Buffer:
     context: SessionContext
     kind: MemoryKind
     share: Share | None = None
+
+    @property
+    def footprint(self) -> int:
+        """What it takes of the device, what the session quota charges (:meth:`MemoryKind.footprint`)."""
+        return self.kind.footprint(self.size)
 
 
 @dataclass(eq=False)

@@ -39,7 +39,7 @@ def memory_status(state: DeviceState, live: list[Any] | None = None) -> dict[str
     left). Worker thread."""
     contexts = state.live_contexts() if live is None else live
     allocated = sum(s.bytes_allocated for s in state.sessions.values()) + sum(
-        share.descriptor.size for share in state.sharing.shares.values() if not share.owner_present)
+        share.footprint for share in state.sharing.shares.values() if not share.owner_present)
     memory: dict[str, Any] = {"total": state.info.total_memory, "free": None, "used": None, "allocated": allocated}
     if contexts:
         try:
@@ -84,7 +84,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         {
             "share_id": share.share_id[:8],  # a prefix only: the full id is what opens it
             "size": share.descriptor.size,
-            "names": first(sorted(share.names)),
+            "names": first(share.names),
             "owner": share.owner.public_id,
             "owner_present": share.owner_present,
             "holders": first(sorted(public.get(token, -1) for token in share.holders)),

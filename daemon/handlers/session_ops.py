@@ -7,12 +7,12 @@ import time
 from typing import Any
 
 from cuctxd.daemon import __version__
-from cuctxd.daemon.device.queues import backlog_status
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.status import device_status, first, fit_status
 from cuctxd.daemon.handlers.registry import front_handler
 from cuctxd.daemon.handlers.replies import FanOut, Reply
 from cuctxd.daemon.intake.peers import peer_or_pid, pid_of, uid_of
+from cuctxd.daemon.registry.backlogs import backlog_status
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.fd_budget import fd_peer
 from cuctxd.daemon.registry.sessions import Session
@@ -39,7 +39,8 @@ def hello(front: DaemonState, session: Session | None, args: ops.Hello, peer: st
     if limit and uid is not None and front.sessions.count_uid(uid) >= limit:
         raise LimitExceeded(f"max_sessions_per_uid: the processes of uid {uid} already hold {limit} open "
                             "session(s) together; close one (or let its lease run out) first")
-    opened = front.sessions.open(args.client, args.pid, peer, uid, fd_peer(uid, pid, peer))
+    devices = front.device_limit(pid) if front.device_limit is not None else None
+    opened = front.sessions.open(args.client, args.pid, peer, uid, fd_peer(uid, pid, peer), devices)
     return Reply({
         "session": opened.ref.token,
         "session_id": opened.ref.public_id,
@@ -75,7 +76,9 @@ def goodbye(front: DaemonState, session: Session | None, args: ops.Goodbye, peer
 
 @front_handler(ops.Ping)
 def ping(front: DaemonState, session: Session | None, args: ops.Ping, peer: str | None) -> Reply:
-    return Reply()
+    """Answers with this daemon run's ``instance``: a client whose reply is late asks it, so as to tell a
+    restarted daemon from a slow one."""
+    return Reply({"instance": front.instance})
 
 
 @front_handler(ops.DeviceCount)
@@ -107,6 +110,7 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
         "pid": os.getpid(),
         "node": front.config.node_name,
         "uptime_s": time.time() - front.started_at,
+        "ready": front.ready,
         "endpoints": list(front.config.endpoints),
         "sessions": [s.to_status() for s in first(sessions)],
         "session_count": len(sessions),
@@ -118,6 +122,7 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
             "max_reply_bytes_per_peer": limits.max_reply_bytes_per_peer,
             "max_manifest_bytes_per_session": front.shares.max_manifest_bytes_per_session,
             "max_manifest_bytes_per_uid": front.shares.max_manifest_bytes_per_uid,
+            "max_names_per_uid": front.shares.max_names_per_uid,
         },
         "names": front.shares.names_status(),
     }
@@ -127,6 +132,8 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
         daemon_part["fd_channel"] = front.fd_channel.stats()
     if front.fd_budget is not None:
         daemon_part["fd_budget"] = front.fd_budget.to_status()
+    if front.shares.parking is not None:
+        daemon_part["parking"] = front.shares.parking.to_status()
 
     def each(state: DeviceState) -> dict[str, Any]:
         part = device_status(state)

@@ -3,20 +3,28 @@ leases are answered by the front from the daemon-wide :class:`~cuctxd.daemon.reg
 
 from __future__ import annotations
 
+import os
 import time
+from typing import Any
 
 from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers.registry import device_handler, front_handler
-from cuctxd.daemon.handlers.replies import DeviceTask, Forward, Pending, Reply, after_markers
+from cuctxd.daemon.handlers.replies import Forward, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.daemon_state import DaemonState
+from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
-from cuctxd.protos.errors import BadArgument, LimitExceeded, ShuttingDown, TimedOut
+from cuctxd.protos.errors import BadArgument, LimitExceeded, NotParked, ShuttingDown, TimedOut
 from cuctxd.protos.layouts import check_manifest
-from cuctxd.protos.limits import MAX_LISTED, MAX_VERSION_WAIT_MS, MAX_VERSION_WAITERS
+from cuctxd.protos.limits import MAX_HEADER_BYTES, MAX_VERSION_WAIT_MS, MAX_VERSION_WAITERS
+from cuctxd.protos.messages import pack
+
+#: Room in a ``list_shared`` reply header for all but its records: the envelope, ``next`` (a name of at most
+#: 256 characters), ``count``, ``truncated``.
+_PAGE_ENVELOPE_BYTES = 4096
 
 
 def _share_reply(descriptor_wire: dict[str, object]) -> Reply:
@@ -39,8 +47,10 @@ def export(state: DeviceState, job: Job) -> Reply | Pending:
 @device_handler(ops.Publish)
 def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
     """Name the buffer; with ``replace`` (or ``version``), the name's old share forgets it on its own device's
-    worker (here, or forwarded there and back) before the reply, as after ``unpublish``. A version is handed
-    to its name: persistent, and the session lets go of the buffer as a ``free`` that keeps its names."""
+    worker (here, or forwarded there and back) before the reply, as after ``unpublish``. A ``persistent`` name
+    is parked (PROTOCOL.md, "Parking") before the reply, or the publish fails with ``NotParked`` and names
+    nothing. A version is persistent and handed to its name: the session lets go of the buffer as a ``free``
+    that keeps its names."""
     name = job.args.name
     if not name:
         raise BadArgument("publish needs a non-empty name")
@@ -54,18 +64,30 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
         naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only, manifest.digest)
     state.sharing.check_orphan_room(session, buffer)
     share = state.sharing.export(session, buffer)
-    replaced = state.registry.publish(name, share, naming, replace=job.args.replace, version=job.args.version)
-    share.persistent = share.persistent or job.args.persistent or job.args.version
+    persistent = share.persistent or job.args.persistent or job.args.version
+    park_fd = state.parking.ready(share) if persistent else None
+    try:
+        replaced = state.registry.publish(name, share, naming, replace=job.args.replace, version=job.args.version)
+    except BaseException:
+        if park_fd is not None:
+            os.close(park_fd)
+        raise
+    was_persistent, share.persistent = share.persistent, persistent
     share.once = share.once or job.args.once
     if replaced is not None and replaced[1] == state.device:
         state.sharing.forget_name(name, replaced[0])  # unparked (or updated) before the new share is parked
+    try:
+        state.parking.sync_published(share, park_fd)
+    except NotParked:
+        share.persistent = was_persistent
+        state.registry.unpublish(name, session.ref)
+        state.sharing.forget_name(name, share.share_id)
+        raise
     version = state.registry.version_of(name, share.share_id) if job.args.version else 0
     written = _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": name,
                                                                 "read_only": job.args.read_only, "version": version}))
     if job.args.version:
-        state.memory.free(session, buffer, unpublish=False)  # the name keeps it now (parked by settle)
-    else:
-        state.parking.sync(share)
+        state.memory.free(session, buffer, unpublish=False)  # the name keeps it now
     if replaced is None or replaced[1] == state.device:
         return written
     old_share, old_device = replaced
@@ -89,7 +111,7 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
             if mechanism == "pool":
                 fd, info = state.pools.export_fd(share.ptr), {"pool_id": share.descriptor.pool_id}
             else:
-                fd, info = state.memory.vmm_memory.export_fd(share.ptr), {"share_id": share.share_id}
+                fd, info = state.memory.vmm_memory.export_fd(share.ptr, share.owner), {"share_id": share.share_id}
             result["ticket"] = state.tickets.issue(job.session.token, job.session.uid, [fd], info,
                                                    job.session.fd_peer)
         except BaseException:
@@ -165,12 +187,18 @@ def heartbeat(front: DaemonState, session: Session | None, args: ops.Heartbeat, 
 
 
 @front_handler(ops.Unpublish)
-def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Reply:
+def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Forward:
+    """The name goes here; its share forgets it on its device's worker, which replies once that is done (and
+    the share unparked, or its parked record updated: a restart after the reply never finds the name)."""
     assert session is not None
     share_id = front.shares.unpublish(args.name, session.ref)
-    device = front.shares.device_of(share_id)
     name = args.name
-    return Reply(tasks=[DeviceTask(device, lambda state: state.sharing.forget_name(name, share_id))])
+
+    def on_device(state: DeviceState) -> Reply:
+        state.sharing.forget_name(name, share_id)
+        return Reply()
+
+    return Forward(front.shares.device_of(share_id), on_device)
 
 
 @front_handler(ops.Lookup)
@@ -180,5 +208,20 @@ def lookup(front: DaemonState, session: Session | None, args: ops.Lookup, peer: 
 
 @front_handler(ops.ListShared)
 def list_shared(front: DaemonState, session: Session | None, args: ops.ListShared, peer: str | None) -> Reply:
-    shared = front.shares.published()
-    return Reply({"shared": shared[:MAX_LISTED], "count": len(shared), "truncated": len(shared) > MAX_LISTED})
+    """One page: O(log n + limit) on the front however many names there are (the registry keeps them sorted,
+    daemon-wide and by owner), cut shorter where its records would not fit in one reply header."""
+    which = NameFilter(args.after, args.prefix, args.owner, args.uid)
+    records, more, count = front.shares.page(which, args.limit)
+    shared = _fitting(records, MAX_HEADER_BYTES - _PAGE_ENVELOPE_BYTES)
+    last = shared[-1]["name"] if shared and (more or len(shared) < len(records)) else None
+    return Reply({"shared": shared, "next": last, "count": count, "truncated": last is not None})
+
+
+def _fitting(records: list[dict[str, Any]], room: int) -> list[dict[str, Any]]:
+    """The first of ``records`` whose packed sizes fit in ``room`` bytes (at least one)."""
+    used = 0
+    for index, record in enumerate(records):
+        used += len(pack(record))
+        if used > room and index:
+            return records[:index]
+    return records

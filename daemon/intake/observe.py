@@ -4,7 +4,7 @@
 the end of ``Front._handle`` (every request; front ops and failures are
 finished there) and where worker replies are forwarded (device ops finish
 there, so their latency runs from the request's arrival to its reply leaving).
-Device lanes (:mod:`cuctxd.daemon.device.lane`) call :meth:`RequestObserver.finished` from
+Device lanes (:mod:`cuctxd.daemon.worker.lane`) call :meth:`RequestObserver.finished` from
 their worker threads as each reply leaves; it only logs and updates thread-safe
 metrics. :class:`ObservedSessions` is the session registry that logs every
 session opened and closed and counts reaps, on the front thread.
@@ -188,8 +188,9 @@ class ObservedSessions(SessionRegistry):
         super().__init__(receivers)
         self.metrics = metrics
 
-    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "") -> Session:
-        session = super().open(client, pid, peer, uid, fd_peer)
+    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "",
+             devices: frozenset[int] | None = None) -> Session:
+        session = super().open(client, pid, peer, uid, fd_peer, devices)
         ref = session.ref
         session_log.info("session %d opened by %s (pid %d)", ref.public_id, ref.client, ref.pid,
                          extra={"session": ref.public_id, "client": ref.client, "pid": ref.pid})

@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class SessionRef:
     ``uid``: the user the peer's process runs as, where the kernel said so (ipc://,
     :func:`cuctxd.daemon.intake.peers.uid_of`); None when unknown. ``fd_peer``: whose share of the
     daemon's fd budget the fds held for the session count in
-    (:func:`cuctxd.daemon.registry.fd_budget.fd_peer`; empty: the session's own).
+    (:func:`cuctxd.daemon.registry.fd_budget.fd_peer`; empty: the session's own). ``devices``: the
+    indices of the devices it may use (``gpu_limit``: its pod's GPUs); None: every one.
     """
 
     token: str
@@ -34,13 +35,14 @@ class SessionRef:
     pid: int
     uid: int | None = None
     fd_peer: str = ""
+    devices: frozenset[int] | None = None
 
 
 @dataclass(slots=True, eq=False)
 class DeviceBacklog:
     """One session's requests waiting for, and replies leaving, one device's worker: what
     ``max_queued_requests``, ``max_queued_bytes`` and ``max_reply_bytes`` bound
-    (:mod:`cuctxd.daemon.device.queues`).
+    (:mod:`cuctxd.daemon.worker.queues`).
 
     Written by two threads, each field by one: ``sent``/``sent_bytes`` (device ops the front handed
     to the worker) by the front; everything else by that device's worker: ``taken``/``taken_bytes``
@@ -94,12 +96,15 @@ class Session:
             "pid": self.ref.pid,
             "current_device": self.current_device,
             "opened_at": self.opened_at,
+            "devices": None if self.ref.devices is None else sorted(self.ref.devices),
         }
 
 
 #: How many reaped (or closed by another session) tokens are remembered, to answer "expired" or "closed"
 #: rather than "unknown".
 _EXPIRED_MEMORY = 4096
+
+K = TypeVar("K")
 
 
 class SessionRegistry:
@@ -114,13 +119,28 @@ class SessionRegistry:
         #: Tokens of sessions another session closed (``close_session``), with who closed them.
         self._closed: OrderedDict[str, str] = OrderedDict()
         self._public_ids = itertools.count(1)
+        #: The open sessions by public id, and how many each peer and uid has open: ``close_session`` and
+        #: ``hello``'s limits cost O(1), not a walk over every session.
+        self._by_public_id: dict[int, Session] = {}
+        self._per_peer: Counter[str] = Counter()
+        self._per_uid: Counter[int | None] = Counter()
 
-    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "") -> Session:
-        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid, uid, fd_peer)
+    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "",
+             devices: frozenset[int] | None = None) -> Session:
+        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid, uid, fd_peer, devices)
         backlogs = tuple(DeviceBacklog() for _ in range(self.receivers - 1))
         session = Session(ref, peer=peer, seen=[time.monotonic()] * self.receivers, backlogs=backlogs)
         self._sessions[ref.token] = session
+        self._by_public_id[ref.public_id] = session
+        self._per_peer[peer] += 1
+        self._per_uid[uid] += 1
         return session
+
+    def _forget(self, session: Session) -> None:
+        """Take a closed or reaped session out of the indexes."""
+        del self._by_public_id[session.ref.public_id]
+        _count_down(self._per_peer, session.peer)
+        _count_down(self._per_uid, session.ref.uid)
 
     def get(self, token: str) -> Session | None:
         return self._sessions.get(token)
@@ -132,7 +152,10 @@ class SessionRegistry:
             self._closed[token] = closed_by
             while len(self._closed) > _EXPIRED_MEMORY:
                 self._closed.popitem(last=False)
-        return self._sessions.pop(token, None)
+        session = self._sessions.pop(token, None)
+        if session is not None:
+            self._forget(session)
+        return session
 
     def closed_by(self, token: str) -> str | None:
         """Who closed the session of ``token``, when another session did (recently enough to remember)."""
@@ -140,13 +163,14 @@ class SessionRegistry:
 
     def by_public_id(self, public_id: int) -> Session | None:
         """The open session whose public id is ``public_id``."""
-        return next((s for s in self._sessions.values() if s.ref.public_id == public_id), None)
+        return self._by_public_id.get(public_id)
 
     def expire(self, now: float, ttl: float) -> list[Session]:
         """Remove and return the sessions not heard from for ``ttl`` seconds."""
         stale = [s for s in self._sessions.values() if now - max(s.seen) > ttl]
         for session in stale:
             del self._sessions[session.ref.token]
+            self._forget(session)
             self._expired[session.ref.token] = None
         while len(self._expired) > _EXPIRED_MEMORY:
             self._expired.popitem(last=False)
@@ -154,11 +178,11 @@ class SessionRegistry:
 
     def count_peer(self, peer: str) -> int:
         """Open sessions of ``peer``."""
-        return sum(1 for s in self._sessions.values() if s.peer == peer)
+        return self._per_peer[peer]
 
     def count_uid(self, uid: int) -> int:
         """Open sessions of peers running as ``uid``, whichever process opened them."""
-        return sum(1 for s in self._sessions.values() if s.ref.uid == uid)
+        return self._per_uid[uid]
 
     def was_expired(self, token: str) -> bool:
         return token in self._expired
@@ -169,3 +193,8 @@ class SessionRegistry:
     def all(self) -> list[Session]:
         return list(self._sessions.values())
 
+
+def _count_down(tally: Counter[K], key: K) -> None:
+    tally[key] -= 1
+    if not tally[key]:
+        del tally[key]

@@ -21,14 +21,19 @@ publishing session, a later run of the same producer, ``cuctx unpublish``), or
 by one of the daemon's own uid (its administrator). A session whose uid is
 unknown (tcp://) can remove only the names it published itself.
 
-Names cost the daemon memory, so they are charged: each name's bytes (its manifest, if any, plus
-the name itself) count against the session that published it (``max_manifest_bytes_per_session``)
-and its uid (``max_manifest_bytes_per_uid``; peers whose uid the kernel does not tell, tcp://, are
-one uid, None) until the name goes. A name that outlives its publisher stays charged to the uid.
+Names cost the daemon memory, so they are charged: each name's bytes (its manifest, if any, the name
+itself, and ``NAME_OVERHEAD_BYTES`` for what the daemon keeps of any name) count against the session that
+published it (``max_manifest_bytes_per_session``) and its uid (``max_manifest_bytes_per_uid``; peers whose
+uid the kernel does not tell, tcp://, are one uid, None) until the name goes, and a uid has at most
+``max_names_per_uid`` names. A name that outlives its publisher stays charged to the uid.
+
+Listing is paged (:meth:`ShareRegistry.page`): the names are kept sorted, daemon-wide and by owner
+(:mod:`cuctxd.daemon.registry.name_index`), so no front op costs more than a page however many there are.
 """
 
 from __future__ import annotations
 
+import heapq
 import os
 import pwd
 import threading
@@ -36,18 +41,24 @@ from collections.abc import MutableSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cuctxd.daemon.registry.name_index import NameFilter, NameIndex
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.versions import VersionBook
 from cuctxd.protos.errors import BadArgument, LimitExceeded, NameExists, NotFound, NotOwner
+from cuctxd.protos.limits import NAME_OVERHEAD_BYTES
 from cuctxd.protos.records import ShareDescriptor
 
 #: Default of ``max_manifest_bytes_per_session``: bytes of the names (manifests included) one session publishes.
 DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION = 16 << 20
 #: Default of ``max_manifest_bytes_per_uid``: the same for one uid, names left by ended sessions included.
 DEFAULT_MAX_MANIFEST_BYTES_PER_UID = 64 << 20
+#: Default of ``max_names_per_uid``: names one uid's sessions have published, ended ones' included.
+DEFAULT_MAX_NAMES_PER_UID = 16384
 #: How many uids ``status`` lists by the bytes of their names.
 _TOP_UIDS = 8
+#: Most names one hold of the lock forgets when all of a share's names go (its free, revoke or end).
+NAMES_PER_HOLD = 256
 
 
 class ShareRecord(Protocol):
@@ -98,8 +109,9 @@ class Naming:
         return {"tensors": self.tensors, "read_only": self.read_only, "digest": self.digest}
 
     def charged(self, name: str) -> int:
-        """What the name costs its publisher (``max_manifest_bytes_per_*``): its manifest and its own bytes."""
-        return len(self.manifest) + len(name.encode())
+        """What the name costs its publisher (``max_manifest_bytes_per_*``): its manifest, its own bytes, and
+        what the daemon keeps of any name (``NAME_OVERHEAD_BYTES``)."""
+        return len(self.manifest) + len(name.encode()) + NAME_OVERHEAD_BYTES
 
 
 #: A name published with nothing but its share.
@@ -155,13 +167,17 @@ class ShareRegistry:
     """
 
     def __init__(self, max_manifest_bytes_per_session: int = DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
-                 max_manifest_bytes_per_uid: int = DEFAULT_MAX_MANIFEST_BYTES_PER_UID) -> None:
-        """The two limits on the bytes of published names (0: none; module docstring)."""
+                 max_manifest_bytes_per_uid: int = DEFAULT_MAX_MANIFEST_BYTES_PER_UID,
+                 max_names_per_uid: int = DEFAULT_MAX_NAMES_PER_UID) -> None:
+        """The limits on the bytes of published names and on their number (0: none; module docstring)."""
         self.max_manifest_bytes_per_session = max_manifest_bytes_per_session
         self.max_manifest_bytes_per_uid = max_manifest_bytes_per_uid
+        self.max_names_per_uid = max_names_per_uid
         self._lock = threading.Lock()
         self._shares: dict[str, _Listing] = {}
         self._names: dict[str, str] = {}
+        #: The names in order, daemon-wide and by owner, for pages of ``list_shared``.
+        self._index = NameIndex()
         #: What each name was published with (absent: a plain name, :class:`Naming`'s defaults).
         self._namings: dict[str, Naming] = {}
         #: Names whose layout digest the daemon checked against their bytes: True where they bore it out, False
@@ -190,15 +206,16 @@ class ShareRegistry:
         and device it left are returned (its device's worker then forgets the name there,
         :meth:`cuctxd.daemon.device.sharing.Sharing.forget_name`). :class:`LimitExceeded` naming
         ``max_manifest_bytes_per_session`` or ``max_manifest_bytes_per_uid`` if the name's bytes would
-        pass either (nothing is published or replaced then). ``version``: ``share`` becomes the name's next
-        version (:meth:`version_of`), replacing its current one as ``replace`` does; a versioned name is replaced
-        only so (:class:`BadArgument` otherwise)."""
+        pass either, or ``max_names_per_uid`` if the uid has that many names (nothing is published or
+        replaced then). ``version``: ``share`` becomes the name's next version (:meth:`version_of`), replacing its
+        current one as ``replace`` does; a versioned name is replaced only so (:class:`BadArgument` otherwise)."""
         check_scope(name, share.owner.uid)
         owner = share.owner
         size = naming.charged(name)
         with self._lock:
             share_id = self._names.get(name)
             credit = (0, 0)  # what the replaced name gives back to this session and this uid
+            names_back = 0  # the replaced name, if it was this uid's
             if share_id is not None:
                 who = self._shares[share_id].owner
                 if not (replace or version):
@@ -213,6 +230,7 @@ class ShareRegistry:
                                    f"{_uid_text(who.uid)}); only {_who_may_unpublish(who)} may replace it")
                 old = self._namings.get(name, PLAIN).charged(name)
                 credit = (old if who.token == owner.token else 0, old if who.uid == owner.uid else 0)
+                names_back = int(who.uid == owner.uid)
             by_session = self._name_bytes_by_session.get(owner.token, 0) - credit[0]
             by_uid = self._name_bytes_by_uid.get(owner.uid, 0) - credit[1]
             _check_name_room("max_manifest_bytes_per_session", self.max_manifest_bytes_per_session, by_session,
@@ -220,6 +238,10 @@ class ShareRegistry:
             user = "peers whose uid is unknown (tcp://)" if owner.uid is None else f"uid {owner.uid}"
             _check_name_room("max_manifest_bytes_per_uid", self.max_manifest_bytes_per_uid, by_uid, size,
                              f"the sessions of {user} have published (ended ones included)")
+            count = self._index.count_of_uid(owner.uid) - names_back
+            if self.max_names_per_uid and count >= self.max_names_per_uid:
+                raise LimitExceeded(f"max_names_per_uid: the sessions of {user} have published {count} names that "
+                                    f"are still published (ended ones included), the limit; unpublish some first")
             replaced = None
             if share_id is not None:
                 self._forget_name(name)
@@ -228,6 +250,7 @@ class ShareRegistry:
             self._name_bytes_by_session[owner.token] = self._name_bytes_by_session.get(owner.token, 0) + size
             self._name_bytes_by_uid[owner.uid] = self._name_bytes_by_uid.get(owner.uid, 0) + size
             self._names[name] = share.share_id
+            self._index.add(name, owner)
             if naming != PLAIN:
                 self._namings[name] = naming
             if version:
@@ -263,9 +286,7 @@ class ShareRegistry:
             return len(self._orphaned)
 
     def drop_names(self, share: ShareRecord) -> None:
-        with self._lock:
-            for name in share.names:
-                self._forget_name(name, share.share_id)
+        self._forget_names(share)
         share.names.clear()
 
     def update(self, share: ShareRecord) -> None:
@@ -276,12 +297,21 @@ class ShareRegistry:
                 listing.owner_present = share.owner_present
 
     def remove(self, share: ShareRecord) -> None:
+        self._forget_names(share)
         with self._lock:
-            for name in share.names:
-                self._forget_name(name, share.share_id)
             self._shares.pop(share.share_id, None)
             self.versions.gone(share.share_id)
             self._orphaned.discard(share.share_id)
+
+    def _forget_names(self, share: ShareRecord) -> None:
+        """Every name of ``share`` goes, :data:`NAMES_PER_HOLD` per hold of the lock: a share may have thousands
+        (16,384 take about 0.1 s), and the front's lookups and pages wait for one turn, not for all. A name not
+        gone yet still answers a lookup, as it would have just before."""
+        names = list(share.names)
+        for start in range(0, len(names), NAMES_PER_HOLD):
+            with self._lock:
+                for name in names[start:start + NAMES_PER_HOLD]:
+                    self._forget_name(name, share.share_id)
 
     def _forget_name(self, name: str, of_share: str | None = None) -> None:
         """The name and what it was published with go, and its bytes are given back (under the lock); with
@@ -296,16 +326,19 @@ class ShareRegistry:
         listing = None if share_id is None else self._shares.get(share_id)
         if listing is None:
             return
+        self._index.discard(name, listing.owner)
         size = naming.charged(name)
         _give_back(self._name_bytes_by_session, listing.owner.token, size)
         _give_back(self._name_bytes_by_uid, listing.owner.uid, size)
 
     def names_status(self) -> dict[str, Any]:
-        """For ``status``: published names, their bytes, and the uids whose names hold the most."""
+        """For ``status``: published names, their bytes, and the uids whose names hold the most (with how many
+        names each); O(uids), which are the host's users."""
         with self._lock:
-            top = sorted(self._name_bytes_by_uid.items(), key=lambda item: -item[1])[:_TOP_UIDS]
+            top = heapq.nlargest(_TOP_UIDS, self._name_bytes_by_uid.items(), key=lambda item: item[1])
             return {"count": len(self._names), "bytes": sum(self._name_bytes_by_uid.values()),
-                    "top_uids": [{"uid": uid, "bytes": size} for uid, size in top]}
+                    "top_uids": [{"uid": uid, "bytes": size, "names": self._index.count_of_uid(uid)}
+                                 for uid, size in top]}
 
     def namings(self, share: ShareRecord) -> dict[str, Naming]:
         """Each name of ``share`` with what it was published with."""
@@ -379,24 +412,37 @@ class ShareRegistry:
                 raise NotFound("no such shared buffer (never exported, or already freed)")
             return listing.descriptor.device
 
-    def published(self) -> list[dict[str, Any]]:
+    def page(self, which: NameFilter, limit: int) -> tuple[list[dict[str, Any]], bool, int]:
+        """Up to ``limit`` of the names ``which`` selects, in code point order, as ``list_shared`` lists them;
+        whether more follow; and how many names are published daemon-wide. O(log n + limit) under the lock."""
         with self._lock:
-            return [
-                {
-                    **self._namings.get(name, PLAIN).listed(),
-                    "verified": _VERIFIED.get(self._vouched.get(name)),
-                    "name": name,
-                    "share_id": share_id,
-                    "device": self._shares[share_id].descriptor.device,
-                    "size": self._shares[share_id].descriptor.size,
-                    "owner": self._shares[share_id].owner.public_id,
-                    "owner_present": self._shares[share_id].owner_present,
-                    "holders": self._shares[share_id].holders,
-                    "publisher": self._shares[share_id].publisher(),
-                    "version": self.versions.current(name),
-                }
-                for name, share_id in sorted(self._names.items())
-            ]
+            records: list[dict[str, Any]] = []
+            check_uid = which.session is not None and which.uid is not None  # name_index says why
+            for name in self._index.matching(which):
+                if check_uid and self._shares[self._names[name]].owner.uid != which.uid:
+                    continue
+                if len(records) == limit:
+                    return records, True, len(self._names)
+                records.append(self._record(name))
+            return records, False, len(self._names)
+
+    def _record(self, name: str) -> dict[str, Any]:
+        """One name as ``list_shared`` lists it (under the lock)."""
+        share_id = self._names[name]
+        listing = self._shares[share_id]
+        return {
+            **self._namings.get(name, PLAIN).listed(),
+            "verified": _VERIFIED.get(self._vouched.get(name)),
+            "name": name,
+            "share_id": share_id,
+            "device": listing.descriptor.device,
+            "size": listing.descriptor.size,
+            "owner": listing.owner.public_id,
+            "owner_present": listing.owner_present,
+            "holders": listing.holders,
+            "publisher": listing.publisher(),
+            "version": self.versions.current(name),
+        }
 
     def __len__(self) -> int:
         with self._lock:

@@ -16,15 +16,21 @@ import socket
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from cuctxd.daemon.device.queues import (
+from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
+from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
+from cuctxd.daemon.registry.backlogs import (
     DEFAULT_MAX_QUEUED_BYTES,
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REPLY_BYTES,
     DEFAULT_MAX_REPLY_BYTES_PER_PEER,
 )
-from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
-from cuctxd.daemon.registry.shares import DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, DEFAULT_MAX_MANIFEST_BYTES_PER_UID
+from cuctxd.daemon.registry.shares import (
+    DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
+    DEFAULT_MAX_MANIFEST_BYTES_PER_UID,
+    DEFAULT_MAX_NAMES_PER_UID,
+)
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
+from cuctxd.daemon.service.preload import Preload, preload_entry, preload_list, preload_texts
 from cuctxd.daemon.service.settings import (
     LOG_LEVELS,
     MAX_SIM_DEVICES,
@@ -169,11 +175,11 @@ class DaemonConfig:
                                  "ring)", zero="none kept", limit=True)
     sim_fault: str | None = setting(None, fault_injection, "testing aid (sim backend only): device DEV turns sticky "
                                     "with ERROR after CALLS more calls", "DEV:CALLS:ERROR")
-    #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.device.lane`), told in hello.
+    #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.worker.lane`), told in hello.
     device_endpoints: bool = switch(True, "give each device its own socket next to each endpoint, so device ops "
                                     "skip a thread hand-off (--no-device-endpoints when only the one socket or port "
                                     "may be used)")
-    #: Per session and device (:mod:`cuctxd.daemon.device.queues`): requests queued, their payload bytes,
+    #: Per session and device (:mod:`cuctxd.daemon.worker.queues`): requests queued, their payload bytes,
     #: and reply payload bytes its client has not taken.
     max_queued_requests: int = count(DEFAULT_MAX_QUEUED_REQUESTS, "most requests one session may have queued on "
                                      "each device", zero="no limit", security=True, limit=True)
@@ -254,9 +260,34 @@ class DaemonConfig:
     max_reply_bytes_per_peer: int = size(DEFAULT_MAX_REPLY_BYTES_PER_PEER, "read results one peer's clients may "
                                          "leave untaken on each device, all its sessions together, before their "
                                          "reads are refused", zero="no limit", security=True, limit=True)
+    #: Published names of one uid's sessions, ended ones included, daemon-wide.
+    max_names_per_uid: int = count(DEFAULT_MAX_NAMES_PER_UID, "names one user's sessions may have published, "
+                                   "ended ones included", zero="no limit", security=True, limit=True)
+    #: fds of the service manager's fd store one uid's parked shares may hold (two each; 0: a quarter of the store).
+    max_parked_fds_per_uid: int = count(0, "most fds of the service manager's fd store one user's parked "
+                                        "(persistent) shares may hold, two each", shown="0: a quarter of the "
+                                        "store ($FDSTORE)", security=True, limit=True)
     #: What ``status`` (``node``) and the metrics (``cuctxd_info{node}``) call the machine this daemon serves.
     node_name: str = setting(DEFAULT_NODE_NAME, string, "what status and the metrics call this machine (in a "
                              "Kubernetes pod, pass the node's name)", "NAME", shown="the host name")
+    sim_vmm: bool = switch(True, "testing aid (sim backend only): the sim's devices have CUDA VMM; with --no-sim-vmm "
+                           "they are GPUs without it, whose shareable buffers get IPC pools of their own")
+    #: Checkpoints published at start, before ``status`` says ready (:mod:`cuctxd.daemon.service.preload`).
+    preload: tuple[Preload, ...] = setting((), preload_list, "a checkpoint to load and publish at start, before "
+                                           "the daemon says ready (a missing or bad one is logged and skipped): "
+                                           "NAME=PATH[@DEVICE,...], in the file also a table {name, path, devices}; "
+                                           "repeatable", "NAME=PATH", from_text=preload_entry, render=preload_texts,
+                                           repeat=True, shown="none")
+    #: Kubernetes (:mod:`cuctxd.daemon.kubelet.pod_gpus`): each session limited to its client pod's GPUs.
+    gpu_limit: bool = switch(False, "limit each session to the GPUs the kubelet gave its client's pod (Kubernetes: "
+                             "asks the API server and the kubelet's PodResources API; needs the kubernetes extra)",
+                             security=True)
+    gpu_resource: str = setting("nvidia.com/gpu", string, "with gpu_limit: the resource whose device ids are the "
+                                "pod's GPU UUIDs", "NAME", security=True)
+    pod_resources_socket: str = setting(POD_RESOURCES_SOCKET, string, "with gpu_limit: the kubelet's "
+                                        "PodResources socket", "PATH", security=True)
+    kubernetes_api: str | None = setting(None, string, "with gpu_limit: the API server's URL", "URL",
+                                  shown="in-cluster: KUBERNETES_SERVICE_HOST, the pod's service account", security=True)
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -3,7 +3,7 @@
 Start: every worker opens its device and re-adopts the shares a previous daemon parked with
 the service manager (:mod:`cuctxd.daemon.service.adoption`), then the front's ROUTER binds (tcp://
 only with CURVE or ``insecure_tcp``), then each device's own ROUTER binds next
-to every endpoint and goes to its worker (:mod:`cuctxd.daemon.device.lane`; unless
+to every endpoint and goes to its worker (:mod:`cuctxd.daemon.worker.lane`; unless
 ``device_endpoints`` is off), then the metrics endpoint (if configured) and the
 systemd liveness probe start; ``READY=1`` goes out once the front has answered
 the probe's first ping (:mod:`cuctxd.daemon.service.liveness`).
@@ -57,13 +57,12 @@ import zmq.auth.thread
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.backends.subset import DeviceSubset
 from cuctxd.daemon.device.entries import DeviceLimits
-from cuctxd.daemon.device.lane import DeviceLane
-from cuctxd.daemon.device.queues import QueueLimits
-from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
-from cuctxd.daemon.intake.connections import ConnectionBudget, ConnectionWatch, ListenerGuard, listen_backlog
+from cuctxd.daemon.intake.connections import ConnectionWatch, ListenerGuard, listen_backlog
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
+from cuctxd.daemon.registry.backlogs import QueueLimits
+from cuctxd.daemon.registry.connection_budget import ConnectionBudget
 from cuctxd.daemon.registry.daemon_state import AdmissionConfig, DaemonState
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
 from cuctxd.daemon.registry.parking import ParkingLot
@@ -79,12 +78,17 @@ from cuctxd.daemon.service.endpoint import (
     prepare_ipc,
     remove_ipc,
 )
+from cuctxd.daemon.service.gpu_limit import gpu_limit
 from cuctxd.daemon.service.liveness import PROBE_ENDPOINT, FrontProbe
 from cuctxd.daemon.service.logs import flush_logs
 from cuctxd.daemon.service.metrics import DaemonMetrics
 from cuctxd.daemon.service.notify import Notifier
+from cuctxd.daemon.service.preload import Preloader
 from cuctxd.daemon.service.rlimits import NOFILE_CAP, raise_open_file_limit
 from cuctxd.daemon.side_channel.server import SideChannel
+from cuctxd.daemon.worker.lane import DeviceLane
+from cuctxd.daemon.worker.loop import DeviceWorker
+from cuctxd.daemon.worker.runner import JobRunner
 from cuctxd.protos.fd_channel import channel_path
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 
@@ -143,6 +147,7 @@ class Daemon:
         self._side_channel: SideChannel | None = None
         self.fd_budget: FdBudget | None = None
         self._parking: ParkingLot | None = None
+        self._preloader: Preloader | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -172,8 +177,9 @@ class Daemon:
                               max_orphaned_bytes_per_uid=self.config.max_orphaned_bytes_per_uid,
                               primary_keep=self.config.primary_keep,
                               kept_host_memory=self.config.kept_host_memory)
-        shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid)
-        parking, passed = open_parking(shares)
+        shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid,
+                               self.config.max_names_per_uid)
+        parking, passed = open_parking(shares, self.fd_budget, config.max_parked_fds_per_uid)
         self._parking = parking
         self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session, self.fd_budget)
         queue_limits = self._queue_limits()
@@ -199,6 +205,8 @@ class Daemon:
         state = DaemonState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
                            endpoints=list(self.bound), connections=self.connections, fd_channel=self._side_channel,
                            fd_budget=self.fd_budget, request_stop=self._stop_asked)
+        if config.gpu_limit:
+            state.device_limit = gpu_limit(config, devices)
         self._front = Front(state, self._workers, router, replies)
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
@@ -213,6 +221,11 @@ class Daemon:
             log.info("metrics on %s", self.metrics_url)
         mapping = "" if self.config.devices is None else f" (driver ordinals {list(self.ordinals)})"
         log.info("serving %d %s device(s)%s on %s", count, self.driver.name, mapping, ", ".join(self.bound))
+        if config.preload:
+            state.ready = False
+            loader_endpoint = next((e for e in self.bound if e.startswith("ipc://")), self.bound[0])
+            self._preloader = Preloader(config.preload, loader_endpoint, partial(setattr, state, "ready", True))
+            self._preloader.start()
         if self.notifier.enabled:
             self._probe = FrontProbe(self._zmq, self.notifier, self._status_line)
             self._probe.start()
@@ -417,6 +430,8 @@ class Daemon:
     def _drain(self) -> None:
         front = self._front
         assert front is not None
+        if self._preloader is not None:  # before its loader's requests are refused as the drain's
+            self._preloader.stop()
         front.state.draining = True
         for worker in self._workers:
             worker.submit_task(_end_waits)
@@ -496,6 +511,8 @@ class Daemon:
         sessions within :data:`STOP_GRACE` (at most ``drain_timeout``) are
         abandoned, and ``exit_code`` becomes :data:`EXIT_FORCED`.
         """
+        if self._preloader is not None:
+            self._preloader.stop()
         if self._probe is not None:
             self._probe.stop()
         if self._watch is not None:
@@ -559,7 +576,6 @@ def _report(held: list[int], index: int, mark: threading.Event, count: int) -> N
     mark.set()
 
 
-def _end_waits(worker: DeviceWorker) -> None:
+def _end_waits(runner: JobRunner) -> None:
     """A device worker's task at the drain's start: its waits for new versions end (``DeviceState.draining``)."""
-    if worker.state is not None:
-        worker.state.draining = True
+    runner.state.draining = True

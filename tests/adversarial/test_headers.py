@@ -17,6 +17,7 @@ import pytest
 from cuctxd.protos.errors import TooLarge
 from cuctxd.protos.limits import MAX_HEADER_BYTES, MAX_LISTED
 from cuctxd.protos.messages import encode_result
+from cuctxd.protos.version import PROTOCOL_VERSION
 from tests.adversarial.attacks import Bystander, call_many, rss_bytes, scaled
 from tests.helpers import DaemonProcess
 from tests.helpers_raw import raw_peer
@@ -89,6 +90,34 @@ def test_thousands_of_long_names_keep_status_and_list_shared_under_the_header_li
         assert 0 < len(share["names"]) < NAMES and share["names"] == sorted(names)[:len(share["names"])]
         assert status["devices"][1]["share_count"] == 1
     assert time.monotonic() - started < 120
+
+
+def test_a_page_of_names_whose_records_would_not_fit_a_header_is_cut_and_says_where_to_go_on(
+        attack_daemon: DaemonProcess, bystander: Bystander) -> None:
+    """A publisher's client name may be 4096 characters, and every record of its names repeats it: a full page of
+    them (over 4 MiB) used to answer TOO_LARGE. Now the page stops short with ``next``, and paging lists all."""
+    with raw_peer(attack_daemon.endpoint) as peer:
+        session = peer.ok("hello", {"protocol": PROTOCOL_VERSION, "client": "c" * 4096, "pid": 1})[0]["session"]
+        buffer, _ = peer.ok("alloc", {"size": 4096, "device": 0, "shareable": True}, session)
+        handle = buffer["buffer"]["handle"]
+        names = [f"long-{i:04d}-" + "n" * 240 for i in range(MAX_LISTED)]
+        call_many(peer, "publish", [{"buffer": handle, "name": name, "device": 0} for name in names], session)
+        listed: list[str] = []
+        args: dict[str, object] = {"prefix": "long-"}
+        pages = 0
+        while True:
+            header, _ = peer.call("list_shared", args, session)
+            assert header["ok"] is True and header_size(header) <= MAX_HEADER_BYTES, header.get("error")
+            page = header["result"]
+            listed += [entry["name"] for entry in page["shared"]]
+            pages += 1
+            if page["next"] is None:
+                break
+            assert page["truncated"] is True and page["next"] == listed[-1]
+            args["after"] = page["next"]
+        assert listed == names and pages > 2
+        peer.ok("free", {"buffer": handle, "device": 0}, session)
+        bystander.check()
 
 
 def test_the_encoder_answers_too_large_instead_of_an_oversize_header() -> None:

@@ -29,6 +29,7 @@ from cuctxd import Client
 from cuctxd.client.wire import build as requests
 from cuctxd.protos.errors import LimitExceeded
 from cuctxd.protos.layouts import MAX_MANIFEST_BYTES
+from cuctxd.protos.limits import NAME_OVERHEAD_BYTES
 from cuctxd.protos.version import PROTOCOL_VERSION
 from tests.adversarial.attacks import BYSTANDER_SIZE, Bystander, assert_alive, rss_bytes
 from tests.helpers import REPO, DaemonProcess, client_env, spawn_client, wait_for_line
@@ -178,7 +179,7 @@ def test_names_with_large_manifests_are_charged_to_their_session_and_uid(
     """1,000 names with 512 KiB manifests on one 4 KiB buffer grew the daemon by 490 MiB. Now a session's
     names hold at most 16 MiB and a uid's 64 MiB (the defaults), ended sessions' names included."""
     manifest = _manifest(MAX_MANIFEST_BYTES)
-    name_bytes = MAX_MANIFEST_BYTES + len("m-0000-0000")
+    name_bytes = MAX_MANIFEST_BYTES + len("m-0000-0000") + NAME_OVERHEAD_BYTES
     per_session = (16 * MIB) // name_bytes
     per_uid = (64 * MIB) // name_bytes  # four sessions' worth, and a few names more
     before = rss_bytes(attack_daemon.process.pid)
@@ -208,7 +209,7 @@ def test_names_with_large_manifests_are_charged_to_their_session_and_uid(
     assert rss_bytes(attack_daemon.process.pid) - before < 160 * MIB
     names = bystander.client.status()["names"]
     assert names["count"] == per_uid and names["bytes"] == per_uid * name_bytes, names
-    assert names["top_uids"] == [{"uid": os.getuid(), "bytes": names["bytes"]}]
+    assert names["top_uids"] == [{"uid": os.getuid(), "bytes": names["bytes"], "names": per_uid}]
     for name in [entry["name"] for entry in bystander.client.list_shared()]:
         bystander.client.unpublish(name)  # the uid's session may remove names left by its ended sessions
     assert bystander.client.status()["names"] == {"count": 0, "bytes": 0, "top_uids": []}

@@ -451,7 +451,10 @@ def test_open_shared_maps_a_published_buffer(daemon: DaemonProcess) -> None:
             with pytest.raises(NotShareable):
                 await holder.open_shared(elsewhere)
             assert await holders(owner) == [[]]
-        assert [s["name"] for s in await owner.list_shared()] == ["async-weights"]
+        assert [s["name"] for s in await owner.list_shared(prefix="async-", owner=owner.session_id)] == [
+            "async-weights"]
+        page = await owner.shared_page(limit=1, prefix="async")
+        assert [s["name"] for s in page.shared] == ["async-weights"] and page.next is None and page.count == 1
         await owner.unpublish("async-weights")
         assert await owner.list_shared() == []
 

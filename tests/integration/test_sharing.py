@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import subprocess
@@ -118,7 +119,7 @@ def test_descriptor_is_plain_picklable_data(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
         descriptor = c.alloc(512, shareable=True).export()
         assert pickle.loads(pickle.dumps(descriptor)) == descriptor
-        assert len(descriptor.export_data) == 64 and descriptor.mechanism == "pool"
+        assert descriptor.mechanism == "vmm" and descriptor.allocation_size == 2 << 20
         assert descriptor.backend == "sim"
         assert descriptor.size == 512
 
@@ -183,6 +184,43 @@ def test_cuctx_shared_lists_published_buffers(daemon: DaemonProcess) -> None:
                              capture_output=True, text=True, env=client_env(), cwd=REPO, check=True).stdout
         assert "listed" in out and "2 KiB" in out
         c.unpublish("listed")
+
+
+def test_list_shared_pages_through_every_name_and_filters_by_prefix_owner_and_uid(daemon: DaemonProcess) -> None:
+    """2,500 names: a page holds at most ``limit`` (1000 at most) and says where the next starts; the client's
+    list_shared and ``cuctx shared`` go through every page."""
+    with raw_peer(daemon.endpoint) as peer, Client(daemon.endpoint, name="lister") as c:
+        hello = peer.ok("hello", {"protocol": 1, "client": "crowd", "pid": 1})[0]
+        token = hello["session"]
+        handle = peer.ok("alloc", {"size": 4096, "device": 0, "shareable": True}, token)[0]["buffer"]["handle"]
+        names = [f"{'ab'[n % 2]}-{n:05d}" for n in range(2500)]
+        for start in range(0, len(names), 250):
+            ids = [peer.send("publish", {"buffer": handle, "name": name, "device": 0}, token)
+                   for name in names[start:start + 250]]
+            assert all(peer.recv()[0]["ok"] for _ in ids)
+        c.publish(c.alloc(64, 0, shareable=True), "b-mine")
+        everything = sorted([*names, "b-mine"])
+        assert [s["name"] for s in c.list_shared()] == everything
+        first = c.shared_page()
+        assert [s["name"] for s in first.shared] == everything[:1000] and first.next == everything[999]
+        assert first.count == 2501
+        second = c.shared_page(limit=3, after=first.next)
+        assert [s["name"] for s in second.shared] == everything[1000:1003] and second.next == everything[1002]
+        last = c.shared_page(limit=5, prefix="b-", after="b-02495")
+        assert [s["name"] for s in last.shared] == ["b-02497", "b-02499", "b-mine"] and last.next is None
+        assert [s["name"] for s in c.list_shared(prefix="a-")] == names[0::2]
+        assert [s["name"] for s in c.list_shared(owner=c.session_id)] == ["b-mine"]
+        assert [s["name"] for s in c.list_shared(prefix="b-", owner=hello["session_id"])] == names[1::2]
+        assert len(c.list_shared(uid=os.getuid())) == 2501 and c.list_shared(uid=os.getuid() + 1) == []
+        with pytest.raises(BadArgument, match="limit"):
+            c.shared_page(limit=1001)
+        out = subprocess.run([sys.executable, "-m", "cuctxd.client", "--endpoint", daemon.endpoint, "shared",
+                              "--json", "--prefix", "b-", "--owner", str(hello["session_id"])],
+                             capture_output=True, text=True, env=client_env(), cwd=REPO, check=True).stdout
+        assert [s["name"] for s in json.loads(out)] == names[1::2]
+        peer.ok("free", {"buffer": handle, "device": 0}, token)
+        c.unpublish("b-mine")
+        assert c.list_shared() == []
 
 
 def test_writes_pipelined_before_goodbye_land_in_a_published_buffer(daemon: DaemonProcess) -> None:

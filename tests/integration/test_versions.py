@@ -111,10 +111,10 @@ def test_an_engine_keeps_version_1_while_2_and_3_are_published_and_memory_return
 
 
 def test_every_live_version_counts_against_the_quota_of_its_holder(start_daemons) -> None:  # type: ignore[no-untyped-def]
-    daemon = start_daemons("--sim-devices", "1", "--sim-memory", "64MiB", "--session-quota", "1536KiB")
+    daemon = start_daemons("--sim-devices", "1", "--sim-memory", "64MiB", "--session-quota", "3MiB")
     with Client(daemon.endpoint) as trainer, Client(daemon.endpoint) as engine:
         publish_version(trainer, "quota", weights(1))
-        held = open_tensors(engine, "quota")  # 1 MiB and a little: within the quota
+        held = open_tensors(engine, "quota")  # 2 MiB (a VMM allocation of 1 MiB and a little): within the quota
         publish_version(trainer, "quota", weights(2))
         with pytest.raises(CudaError, match="session quota"):
             held.refresh()  # both versions would be held

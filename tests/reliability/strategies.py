@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import ErrorCode
-from cuctxd.protos.limits import MAX_HANDLE, MAX_HEADER_BYTES
+from cuctxd.protos.limits import MAX_HANDLE, MAX_HEADER_BYTES, MAX_LISTED
 from cuctxd.protos.schema import OPS, OpSpec
 
 #: Inputs sent to a daemon, by kind; printed at the end of the run (conftest).
@@ -131,7 +131,8 @@ _ROLE_BY_NAME = {
     "event": "event", "start": "event", "end": "event", "device": "device", "dst_device": "device",
     "share_id": "share_id", "name": "share_name", "value": "byte", "flags": "flags", "protocol": "protocol",
     "client": "text", "pid": "count", "offset": "extent", "size": "extent", "src_offset": "extent",
-    "dst_offset": "extent",
+    "dst_offset": "extent", "after": "share_name", "prefix": "name_prefix", "limit": "page_limit",
+    "owner": "session_number", "uid": "uid",
 }
 #: Argument names that carry a handle, by the kind of object they name.
 HANDLE_ROLES = ("buffer", "context", "stream", "event")
@@ -206,6 +207,11 @@ _VALID: dict[str, st.SearchStrategy[Any]] = {
     "share_name": st.one_of(st.tuples(st.just("own_name"), st.integers(0, 3)), st.just(("foreign_name",)),
                             st.tuples(st.just("text"), st.sampled_from(["fz-0", "fz-1", "fz-2", ""])),
                             st.tuples(st.just("text"), st.text(max_size=20))),
+    "name_prefix": st.one_of(st.sampled_from(["", "fz-", "bystander", "crowd-", "crowd-0", "crowd-1", "zz"]),
+                             st.text(max_size=8)),
+    "page_limit": st.one_of(st.integers(1, MAX_LISTED), st.sampled_from([1, 2, MAX_LISTED])),
+    "session_number": st.one_of(st.integers(0, 64), st.just(MAX_HANDLE)),
+    "uid": st.one_of(st.sampled_from([os.getuid(), 0, 65534]), st.integers(0, 0xFFFF_FFFF)),
 }
 for _role in HANDLE_ROLES:
     _VALID[_role] = st.one_of(
@@ -321,6 +327,9 @@ def _plan(draw: st.DrawFn, name: str, junk: bool) -> RequestPlan:
 _named_plans = st.sampled_from(FUZZED_OPS).flatmap(lambda name: _plan(name, False))
 _junk_plans = st.sampled_from(FUZZED_OPS).flatmap(lambda name: _plan(name, True))
 request_plans = st.one_of(*[_named_plans] * 15, _junk_plans)
+#: Ops whose cost could grow with the number of published names, sessions and shares (issue 41, item 2).
+REGISTRY_OPS = ("list_shared", "list_shared", "list_shared", "lookup", "unpublish", "status", "publish")
+registry_plans = st.sampled_from(REGISTRY_OPS).flatmap(lambda name: _plan(name, False))
 
 
 # --- the oracle -----------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cuctxd.client import Buffer, Client, Event, Stream
+from cuctxd.protos.limits import MAX_LISTED
 from cuctxd.protos.schema import OPS
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
 from tests.helpers_raw import RawPeer
@@ -60,6 +62,7 @@ from tests.reliability.strategies import (
     msgpack_values,
     pack,
     payload_junk,
+    registry_plans,
     request_plans,
     shape_problem,
     soak_mode,
@@ -75,6 +78,9 @@ CHECK_EVERY = 25
 #: Most requests a pipelined burst sends before reading a reply: well under ZeroMQ's 1000-message queues.
 BURST = 60
 SHARE_NAME = "bystander-weights"
+#: Names the crowd publishes, and the sessions publishing them, for the registry tests: several pages.
+CROWD_NAMES = 3000
+CROWD_SESSIONS = 3
 
 pytestmark = pytest.mark.timeout(0 if soak_mode() else 120)
 
@@ -495,39 +501,134 @@ def test_mutated_requests_of_every_op(harness: Harness) -> None:
     harness.bystander.check()
 
 
-def test_a_pipelined_burst_of_mutated_requests_gets_one_reply_each(harness: Harness) -> None:
-    """Sent without waiting: replies may come in any order, but each request gets exactly its own one.
-    (Only requests whose header has no readable id share a reply id, 0; they differ in nothing else.)"""
-    @fuzz_settings(200)
-    @given(plans=st.lists(request_plans, min_size=10, max_size=BURST))
-    def one_burst(plans: list[RequestPlan]) -> None:
-        with fuzz_session(harness) as session:
-            waiting: dict[int, list[tuple[Expected, int | None, list[bytes]]]] = {}
-            opened: list[str] = []
-            for plan in plans:
-                if plan.id[0] == "raw" and valid_id(plan.id[1]):
-                    plan = dataclasses.replace(plan, id=("fresh",))  # in flight together, ids must differ
-                frames = session.frames(plan)
-                expected, device_now = session.predict(frames)
-                INPUTS["fuzz: pipelined requests"] += 1
-                harness.peer.send_frames(frames)
-                waiting.setdefault(expected.reply_id, []).append((expected, device_now, frames))
-            for _ in plans:
-                header, payload = harness.peer.recv(REPLY_DEADLINE)
-                candidates = waiting.get(header.get("id"), [])
-                fits = [c for c in candidates if shape_problem(header, payload, c[0]) is None
-                        and (c[0].error is None or header.get("error", {}).get("name") == c[0].error)]
-                assert fits, f"a reply that answers none of the requests in flight: {header!r}\n  {candidates!r}"
-                expected, device_now, frames = fits[0]
-                candidates.remove(fits[0])
-                if expected.error is None:
-                    session.check(expected, device_now, header, payload, frames)
-                    if header["ok"] and expected.spec is not None and expected.spec.name == "hello":
-                        opened.append(header["result"]["session"])
-            for token in opened:  # sessions the fuzz opened by chance, ended once no reply is due
-                harness.call("goodbye", {}, token)
+def run_burst(harness: Harness, plans: list[RequestPlan], kind: str) -> None:
+    """Send ``plans`` without waiting, in a fresh fuzz session: replies may come in any order, but each request
+    gets exactly its own one, within REPLY_DEADLINE. (Only requests whose header has no readable id share a
+    reply id, 0; they differ in nothing else.)"""
+    with fuzz_session(harness) as session:
+        waiting: dict[int, list[tuple[Expected, int | None, list[bytes]]]] = {}
+        opened: list[str] = []
+        for plan in plans:
+            if plan.id[0] == "raw" and valid_id(plan.id[1]):
+                plan = dataclasses.replace(plan, id=("fresh",))  # in flight together, ids must differ
+            frames = session.frames(plan)
+            expected, device_now = session.predict(frames)
+            INPUTS[kind] += 1
+            harness.peer.send_frames(frames)
+            waiting.setdefault(expected.reply_id, []).append((expected, device_now, frames))
+        for _ in plans:
+            header, payload = harness.peer.recv(REPLY_DEADLINE)
+            candidates = waiting.get(header.get("id"), [])
+            fits = [c for c in candidates if shape_problem(header, payload, c[0]) is None
+                    and (c[0].error is None or header.get("error", {}).get("name") == c[0].error)]
+            assert fits, f"a reply that answers none of the requests in flight: {header!r}\n  {candidates!r}"
+            expected, device_now, frames = fits[0]
+            candidates.remove(fits[0])
+            if expected.error is None:
+                session.check(expected, device_now, header, payload, frames)
+                if header["ok"] and expected.spec is not None and expected.spec.name == "hello":
+                    opened.append(header["result"]["session"])
+        for token in opened:  # sessions the fuzz opened by chance, ended once no reply is due
+            harness.call("goodbye", {}, token)
+
+
+def run_bursts(harness: Harness, plans: st.SearchStrategy[RequestPlan], examples: int, kind: str) -> None:
+    """``examples`` bursts of 10 to BURST requests drawn from ``plans`` (:func:`run_burst`); then the bystander's
+    check."""
+    @fuzz_settings(examples)
+    @given(burst=st.lists(plans, min_size=10, max_size=BURST))
+    def one_burst(burst: list[RequestPlan]) -> None:
+        run_burst(harness, burst, kind)
 
     one_burst()
+    harness.bystander.check()
+
+
+def test_a_pipelined_burst_of_mutated_requests_gets_one_reply_each(harness: Harness) -> None:
+    run_bursts(harness, request_plans, 200, "fuzz: pipelined requests")
+
+
+# --- a crowded registry: requests whose cost could grow with it ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Crowd:
+    """Names published by a few sessions on the fuzzing connection: each name's publisher (public id)."""
+
+    publishers: dict[str, int]
+
+
+@pytest.fixture
+def crowd(harness: Harness) -> Iterator[Crowd]:
+    """CROWD_NAMES names from CROWD_SESSIONS sessions (one shareable buffer each), gone after the test: each
+    buffer's free unpublishes its names."""
+    peer = harness.peer
+    publishers: dict[str, int] = {}
+    sessions = []
+    for n in range(CROWD_SESSIONS):
+        hello = peer.ok("hello", {"protocol": 1, "client": f"crowd-{n}", "pid": 1})[0]
+        token = hello["session"]
+        buffer = peer.ok("alloc", {"size": BUFFER_SIZE, "device": n % DEVICES, "shareable": True}, token)[0]
+        sessions.append((token, buffer["buffer"]["handle"], n % DEVICES))
+        names = [f"crowd-{m:05d}" for m in range(n, CROWD_NAMES, CROWD_SESSIONS)]
+        for start in range(0, len(names), BURST):
+            ids = [peer.send("publish", {"buffer": buffer["buffer"]["handle"], "name": name, "device": n % DEVICES},
+                             token) for name in names[start:start + BURST]]
+            for _ in ids:
+                assert peer.recv(REPLY_DEADLINE)[0]["ok"] is True
+        publishers.update(dict.fromkeys(names, hello["session_id"]))
+    try:
+        yield Crowd(publishers)
+    finally:
+        for token, handle, device in sessions:
+            peer.call("free", {"buffer": handle, "device": device}, token)
+            peer.call("goodbye", {}, token)
+
+
+def test_a_pipelined_burst_of_registry_requests_over_a_crowd_of_names_gets_prompt_replies(
+        harness: Harness, crowd: Crowd) -> None:
+    """``list_shared`` (any page, any filter), ``lookup``, ``unpublish``, ``status`` and ``publish`` while
+    thousands of names are published: each request one reply within REPLY_DEADLINE, as the oracle predicts."""
+    run_bursts(harness, registry_plans, 60, "fuzz: pipelined registry requests over a crowd")
+
+
+def test_pages_of_a_crowd_of_names_list_each_selected_name_once_in_order(harness: Harness, crowd: Crowd) -> None:
+    """Paging through with any filter lists exactly the names it selects, in code point order, each page at
+    most ``limit`` names and promptly answered."""
+    bystander = harness.bystander.client
+    publishers = {**crowd.publishers, SHARE_NAME: bystander.session_id}
+
+    @fuzz_settings(60)
+    @given(prefix=st.sampled_from(["", "crowd-", "crowd-00", "crowd-01", "crowd-9", "bys", "c", "zz"]),
+           owner=st.one_of(st.none(), st.sampled_from(sorted(set(publishers.values()))), st.integers(0, 64)),
+           uid=st.sampled_from([None, os.getuid(), 65534]),
+           limit=st.one_of(st.sampled_from([1, 7, MAX_LISTED]), st.integers(1, MAX_LISTED)),
+           after=st.one_of(st.none(), st.sampled_from(sorted(publishers)), st.text("crowd-0123", max_size=9)))
+    def page_through(prefix: str, owner: int | None, uid: int | None, limit: int, after: str | None) -> None:
+        expected = sorted(name for name, session in publishers.items()
+                          if name.startswith(prefix) and (after is None or name > after)
+                          and (owner is None or session == owner) and uid in (None, os.getuid()))
+        listed: list[str] = []
+        args = {"prefix": prefix, "limit": limit, "owner": owner, "uid": uid, "after": after}
+        with harness.resets_on_failure():
+            while True:
+                INPUTS["fuzz: list_shared pages over a crowd"] += 1
+                rid = harness.peer.send("list_shared", {k: v for k, v in args.items() if v is not None},
+                                        harness.probe)
+                header, _ = harness.peer.recv(REPLY_DEADLINE)
+                assert header["id"] == rid and header["ok"] is True, header
+                page = header["result"]
+                names = [entry["name"] for entry in page["shared"]]
+                assert len(names) <= limit and page["count"] == len(publishers) and page["truncated"] == (
+                    page["next"] is not None)
+                listed += names
+                if page["next"] is None:
+                    break
+                assert page["next"] == names[-1], page["next"]
+                args["after"] = page["next"]
+            assert listed == expected, (args, len(listed), len(expected))
+
+    page_through()
     harness.bystander.check()
 
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import os
 import pwd
-from dataclasses import dataclass, field
 
 import pytest
 
 from cuctxd.daemon.intake.peers import uid_of
+from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import Naming, ShareRegistry, check_scope
 from cuctxd.protos.errors import LimitExceeded, NameExists, NotOwner
-from cuctxd.protos.records import ShareDescriptor
+from cuctxd.protos.limits import NAME_OVERHEAD_BYTES as EACH
+from tests.unit.daemon.registry.plain_shares import PlainShare
 
 
 def _someone_else() -> int:
@@ -47,35 +48,21 @@ def test_the_uid_comes_from_an_ipc_peer_only() -> None:
     assert uid_of(None) is None
 
 
-@dataclass
-class _Share:
-    """What the registry reads of a device's share record."""
-
-    share_id: str
-    owner: SessionRef
-    descriptor: ShareDescriptor = field(init=False)
-    owner_present: bool = True
-    holders: dict[str, int] = field(default_factory=dict)
-    names: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.descriptor = ShareDescriptor(share_id=self.share_id, device=0, device_uuid="u", size=4096,
-                                          backend="sim", ipc_handle=b"", host="h")
-
-
 def test_names_are_charged_to_their_session_and_uid_until_they_go() -> None:
-    registry = ShareRegistry(max_manifest_bytes_per_session=1000, max_manifest_bytes_per_uid=1500)
+    """Each name costs its manifest, its own bytes and NAME_OVERHEAD_BYTES (EACH below)."""
+    registry = ShareRegistry(max_manifest_bytes_per_session=1000 + 2 * EACH, max_manifest_bytes_per_uid=1500 + 2 * EACH)
     first, second = SessionRef("t1", 1, "a", 1, uid=7), SessionRef("t2", 2, "b", 2, uid=7)
-    shares = [_Share("s1", first), _Share("s2", second)]
+    shares = [PlainShare("s1", first), PlainShare("s2", second)]
     for share in shares:
         registry.add(share)
-    registry.publish("a", shares[0], Naming(b"m" * 899))  # 900 bytes with its name
+    registry.publish("a", shares[0], Naming(b"m" * 899))  # 900 bytes with its name, and EACH
     with pytest.raises(LimitExceeded, match=r"\): max_manifest_bytes_per_session: "):
         registry.publish("b", shares[0], Naming(b"m" * 100))
-    registry.publish("c", shares[1], Naming(b"m" * 499))  # the uid's 1400 of 1500
+    registry.publish("c", shares[1], Naming(b"m" * 499))  # the uid's 1400 + 2 EACH of 1500 + 2 EACH
     with pytest.raises(LimitExceeded, match=r"\): max_manifest_bytes_per_uid: the sessions of uid 7"):
         registry.publish("d", shares[1], Naming(b"m" * 100))
-    assert registry.names_status() == {"count": 2, "bytes": 1400, "top_uids": [{"uid": 7, "bytes": 1400}]}
+    assert registry.names_status() == {"count": 2, "bytes": 1400 + 2 * EACH,
+                                       "top_uids": [{"uid": 7, "bytes": 1400 + 2 * EACH, "names": 2}]}
     registry.unpublish("a", first)
     registry.publish("d", shares[1], Naming(b"m" * 100))
     registry.remove(shares[1])  # the share's end takes its names and gives their bytes back
@@ -83,10 +70,10 @@ def test_names_are_charged_to_their_session_and_uid_until_they_go() -> None:
 
 
 def test_replace_moves_a_name_in_one_step_for_whoever_may_unpublish_it() -> None:
-    registry = ShareRegistry(max_manifest_bytes_per_session=1000, max_manifest_bytes_per_uid=1000)
+    registry = ShareRegistry(max_manifest_bytes_per_session=1000 + EACH, max_manifest_bytes_per_uid=1000 + EACH)
     first, again, stranger = (SessionRef("t1", 1, "a", 1, uid=7), SessionRef("t2", 2, "a", 2, uid=7),
                               SessionRef("t3", 3, "b", 3, uid=_someone_else()))
-    old, new, theirs = _Share("s1", first), _Share("s2", again), _Share("s3", stranger)
+    old, new, theirs = PlainShare("s1", first), PlainShare("s2", again), PlainShare("s3", stranger)
     for share in (old, new, theirs):
         registry.add(share)
     registry.publish("model", old, Naming(b"m" * 895, 1, digest="xxh3-128:" + "0" * 32))
@@ -94,11 +81,11 @@ def test_replace_moves_a_name_in_one_step_for_whoever_may_unpublish_it() -> None
         registry.publish("model", new, Naming(b"m" * 895))
     with pytest.raises(NotOwner, match="may replace it"):
         registry.publish("model", theirs, Naming(), replace=True)
-    # the uid's bytes: the old name's 900 are given back as the new one's 900 are charged
+    # the uid's bytes: the old name's 900 + EACH are given back as the new one's 900 + EACH are charged
     assert registry.publish("model", new, Naming(b"m" * 895, 1, digest="xxh3-128:" + "1" * 32), replace=True) \
         == ("s1", 0)
-    assert registry.lookup("model").share_id == "s2" and registry.names_status()["bytes"] == 900
-    assert [(s["name"], s["share_id"], s["digest"]) for s in registry.published()] == [
+    assert registry.lookup("model").share_id == "s2" and registry.names_status()["bytes"] == 900 + EACH
+    assert [(s["name"], s["share_id"], s["digest"]) for s in registry.page(NameFilter(), 10)[0]] == [
         ("model", "s2", "xxh3-128:" + "1" * 32)]
     registry.drop_names(old)  # the old share still lists the name until its worker forgets it: not the new one's
     assert registry.lookup("model").share_id == "s2"

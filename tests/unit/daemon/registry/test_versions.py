@@ -3,15 +3,15 @@ older ones kept while their shares live, re-adoption with their numbers; their p
 
 from __future__ import annotations
 
-import json
-
+import msgpack
 import pytest
 
-from cuctxd.daemon.registry.parking import ParkedName, ParkedShare, decode, encode
+from cuctxd.daemon.registry.name_index import NameFilter
+from cuctxd.daemon.registry.parked_records import ParkedName, ParkedShare, decode_record, encode_record
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import Naming, ShareRegistry
 from cuctxd.protos.errors import BadArgument, NameExists, NotFound
-from tests.unit.daemon.registry.test_share_names import _Share
+from tests.unit.daemon.registry.plain_shares import PlainShare as _Share
 
 TRAINER = SessionRef("t1", 1, "trainer", 1, uid=7)
 
@@ -31,7 +31,7 @@ def test_each_version_gets_the_next_number_and_becomes_current_in_one_step() -> 
     assert registry.current_version("policy") == 3 and registry.lookup("policy").share_id == "s3"
     assert registry.lookup("policy").version == 3
     assert registry.lookup("policy", 1).share_id == "s1"  # its share lives on (a holder keeps it)
-    assert [entry["version"] for entry in registry.published()] == [3]
+    assert [entry["version"] for entry in registry.page(NameFilter(), 10)[0]] == [3]
     assert registry.versions_of(shares[0]) == [("policy", 1, Naming(b"m", 1), False)]
     assert registry.versions_of(shares[2]) == [("policy", 3, Naming(b"m", 1), True)]
     registry.remove(shares[0])  # its last holder let go
@@ -83,12 +83,12 @@ def test_versions_are_restored_with_their_numbers_and_the_current_one_named() ->
     assert registry.version_of("policy", "s10") == 10
 
 
-def test_a_parked_version_keeps_its_number_and_an_older_registry_reads_as_unversioned() -> None:
+def test_a_parked_version_keeps_its_number_and_an_older_record_reads_as_unversioned() -> None:
     share = ParkedShare("ab" * 16, 0, "GPU-0", 4096, "sim", "vmm", b"",
                         (ParkedName("policy", b"\x81", 1, False, 4, False),), {"uid": 7})
-    assert decode(encode([share], 3)) == (3, [share])
-    document = json.loads(encode([share], 3))
-    for name in document["shares"][0]["names"]:
+    assert decode_record(encode_record(share, 3)) == (3, share)
+    document = msgpack.unpackb(encode_record(share, 3))
+    for name in document["share"]["names"]:
         del name["version"], name["current"]  # as a daemon before versions parked it
-    (_, [read]) = decode(json.dumps(document).encode())
+    (_, read) = decode_record(msgpack.packb(document, use_bin_type=True))
     assert read.names[0].version == 0 and read.names[0].current
