@@ -333,7 +333,7 @@ class FuzzSession:
                 continue
             args[arg.name] = None if kind == "nil" else rest[0] if kind == "raw" else \
                 self._value(arg.role, rest[0], devices)
-        takes_name = op == "unpublish" or (op == "publish" and args.get("replace") is True)
+        takes_name = op == "unpublish" or (op == "publish" and True in (args.get("replace"), args.get("version")))
         if takes_name and args.get("name") == SHARE_NAME:  # a session of the publisher's uid may unpublish (or
             args["name"] = f"fz-{SHARE_NAME}"  # replace) it (PROTOCOL.md section 9), and the fuzz runs as that uid
         for key, value in extras:
@@ -406,7 +406,7 @@ class FuzzSession:
             assert header["result"]["device"] == device_now, what
         if name == "device_count":
             assert header["result"]["count"] == DEVICES
-        if name == "lookup" and args.get("name") == SHARE_NAME:
+        if name == "lookup" and args.get("name") == SHARE_NAME and args.get("version") is None:  # it has none
             assert ok and header["result"]["share"]["share_id"] == self.h.bystander.share_id, what
         if ok and spec.payload_out:
             assert len(payload) == 1 and len(payload[0]) == header["result"]["size"], what
