@@ -3,15 +3,21 @@ older ones kept while their shares live, re-adoption with their numbers; their p
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import msgpack
 import pytest
 
 from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.parked_records import ParkedName, ParkedShare, decode_record, encode_record
+from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import Naming, ShareRegistry
 from cuctxd.protos.errors import BadArgument, NameExists, NotFound
+from tests.unit.daemon.registry import test_parking
 from tests.unit.daemon.registry.plain_shares import PlainShare as _Share
+from tests.unit.daemon.registry.test_parking import RecordingStore, park
 
 TRAINER = SessionRef("t1", 1, "trainer", 1, uid=7)
 
@@ -92,3 +98,20 @@ def test_a_parked_version_keeps_its_number_and_an_older_record_reads_as_unversio
         del name["version"], name["current"]  # as a daemon before versions parked it
     (_, read) = decode_record(msgpack.packb(document, use_bin_type=True))
     assert read.names[0].version == 0 and read.names[0].current
+
+
+#: The parking tests' store of one test (systemd's, recorded).
+store = test_parking.store
+
+
+def test_an_older_version_keeps_its_name_beside_the_current_one_at_recovery(store: RecordingStore) -> None:
+    """Each version's record names the name; only the current one claims it, an older one its number."""
+    lot = ParkingLot(store)
+    older, current = test_parking.share(0), test_parking.share(1)
+    park(lot, replace(older, names=(ParkedName("policy", version=1, current=False),)))
+    park(lot, replace(current, names=(ParkedName("policy", version=2),)))
+    recovered = ParkingLot(store).recover(store.passed())
+    by_id = {s.share_id: [(n.name, n.version, n.current) for n in s.names] for s, _ in recovered.shares}
+    assert by_id == {older.share_id: [("policy", 1, False)], current.share_id: [("policy", 2, True)]}
+    for _, fd in recovered.shares:
+        os.close(fd)
