@@ -341,10 +341,12 @@ class SharedTensor:
 
 
 class CudaArray:
-    """An object that carries a CUDA array interface (what ``torch.as_tensor``/``cupy.asarray`` read)."""
+    """An object that carries a CUDA array interface (what ``torch.as_tensor``/``cupy.asarray`` read); ``owner``:
+    what keeps the memory it points at alive while this object lives."""
 
-    def __init__(self, interface: dict[str, Any]) -> None:
+    def __init__(self, interface: dict[str, Any], owner: Any = None) -> None:
         self.__cuda_array_interface__ = interface
+        self.owner = owner
 
 
 class TensorSet(Mapping[str, SharedTensor]):

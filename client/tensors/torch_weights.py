@@ -48,7 +48,7 @@ def publishable(module_or_state_dict: Any) -> dict[str, Any]:
             typestr, name = typestrs[tensor.dtype]
             interface = {"shape": tuple(tensor.shape), "typestr": typestr, "data": (tensor.data_ptr(), False),
                          "version": 3, "strides": None}
-            tensors[key] = (CudaArray(interface), name)
+            tensors[key] = (CudaArray(interface, tensor), name)  # the tensor (a contiguous copy) lives as long
         elif tensor.dtype == torch.bfloat16:  # no array interface names it: publish its bytes as bfloat16
             tensors[key] = (tensor.view(torch.int16), "bfloat16")
         elif tensor.is_cuda:
