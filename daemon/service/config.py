@@ -21,6 +21,7 @@ from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
 from cuctxd.daemon.registry.backlogs import QueueLimits
 from cuctxd.daemon.registry.daemon_state import AdmissionLimits
 from cuctxd.daemon.registry.fd_budget import FdLimits
+from cuctxd.daemon.registry.parking import ParkingLimits
 from cuctxd.daemon.registry.shares import ShareLimits
 from cuctxd.daemon.registry.tickets import TicketLimits
 from cuctxd.daemon.service.preload import Preload, preload_entry, preload_list, preload_texts
@@ -79,7 +80,8 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class DaemonConfig(AdmissionLimits, DeviceLimits, QueueLimits, ShareLimits, TicketLimits, FdLimits, FdChannelLimits):
+class DaemonConfig(AdmissionLimits, DeviceLimits, QueueLimits, ShareLimits, TicketLimits, FdLimits, FdChannelLimits,
+                   ParkingLimits):
     """Everything the daemon needs to start; built by the CLI, used read-only afterwards.
 
     Every part's settings (the classes it inherits), then the service's own, below: ``devices``: the driver
@@ -128,10 +130,6 @@ class DaemonConfig(AdmissionLimits, DeviceLimits, QueueLimits, ShareLimits, Tick
                               "sleeping, after a request: a client's next one is then taken at once, at the cost of "
                               "that CPU time", high=1_000_000, metavar="US",
                               shown="300 on hosts with 8 or more CPUs, else 0")
-    #: fds of the service manager's fd store one uid's parked shares may hold (two each; 0: a quarter of the store).
-    max_parked_fds_per_uid: int = count(0, "most fds of the service manager's fd store one user's parked "
-                                        "(persistent) shares may hold, two each", shown="0: a quarter of the "
-                                        "store ($FDSTORE)", security=True, limit=True)
     sim_vmm: bool = switch(True, "testing aid (sim backend only): the sim's devices have CUDA VMM; with --no-sim-vmm "
                            "they are GPUs without it, whose shareable buffers get IPC pools of their own")
     #: Checkpoints published at start, before ``status`` says ready (:mod:`cuctxd.daemon.service.preload`).

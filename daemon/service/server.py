@@ -65,7 +65,7 @@ from cuctxd.daemon.registry.backlogs import QueueLimits
 from cuctxd.daemon.registry.connection_budget import ConnectionBudget
 from cuctxd.daemon.registry.daemon_state import AdmissionConfig, AdmissionLimits, DaemonState
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdLimits, FdPlan
-from cuctxd.daemon.registry.parking import ParkingLot
+from cuctxd.daemon.registry.parking import ParkingLimits, ParkingLot
 from cuctxd.daemon.registry.shares import ShareLimits, ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook, TicketLimits
 from cuctxd.daemon.service.adoption import adopt_parked, open_parking
@@ -170,7 +170,7 @@ class Daemon:
         count = self.driver.device_count()
         limits = part_of(config, DeviceLimits)
         shares = ShareRegistry(part_of(config, ShareLimits))
-        parking, passed = open_parking(shares, self.fd_budget, config.max_parked_fds_per_uid)
+        parking, passed = open_parking(shares, self.fd_budget, part_of(config, ParkingLimits))
         self._parking = parking
         self._tickets = TicketBook(part_of(config, TicketLimits), self.fd_budget)
         queue_limits = part_of(config, QueueLimits)
