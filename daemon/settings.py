@@ -3,11 +3,11 @@
 Each part's settings are a frozen dataclass next to the code they bound: :class:`DeviceLimits`
 (``daemon/device/entries.py``), :class:`QueueLimits` (``daemon/registry/backlogs.py``),
 :class:`AdmissionLimits` (``daemon/registry/daemon_state.py``), :class:`ShareLimits`, :class:`TicketLimits`,
-:class:`FdLimits` (``daemon/registry/``), :class:`FdChannelLimits` (``daemon/side_channel/server.py``), and the
-service's own settings on :class:`~cuctxd.daemon.service.config.DaemonConfig`, which inherits every part's
-class: the daemon's configuration is their union, one flat set of keys, and no key may be declared twice
-(:func:`declared` refuses it). The assembly hands each part its own object (:func:`part_of`), never a copy
-of single values.
+:class:`FdLimits`, :class:`ParkingLimits` (``daemon/registry/``), :class:`FdChannelLimits`
+(``daemon/side_channel/server.py``), and the service's own settings on
+:class:`~cuctxd.daemon.service.config.DaemonConfig`, which inherits every part's class: the daemon's
+configuration is their union, one flat set of keys, and no key may be declared twice (:func:`declared`
+refuses it). The assembly hands each part its own object (:func:`part_of`), never a copy of single values.
 
 Each field is made by one of the declarations below (:func:`size`, :func:`count`, :func:`seconds`,
 :func:`switch`, :func:`choice`, or the general :func:`setting`), which holds everything the setting means
@@ -19,8 +19,8 @@ by ``--help-all``), and whether it is a row of PROTOCOL.md's "Daemon limits" tab
 * the configuration-file key is the field's name (:mod:`cuctxd.daemon.service.config_file`);
 * the flag is the name in kebab case, ``--max-queued-bytes`` (:mod:`cuctxd.daemon.service.cli`);
 * ``--help`` and ``--help-all`` say the default, as :meth:`Setting.shown_default` writes it;
-* PROTOCOL.md's limits table lists every ``limit=True`` setting in :func:`declared` order with that flag and
-  default (tests/unit/protos/test_protocol_doc.py holds the table to :func:`limit_rows`).
+* PROTOCOL.md's limits table lists every ``limit=True`` setting once, with that flag and default
+  (tests/unit/protos/test_protocol_doc.py holds the table to :func:`limit_rows`).
 
 A new setting is one field of the limits object of the code it bounds, e.g. in ``ShareLimits``::
 
@@ -29,7 +29,8 @@ A new setting is one field of the limits object of the code it bounds, e.g. in `
 
 read there as ``self.limits.max_widgets_per_uid``, plus its row in PROTOCOL.md's table (what it bounds,
 what a client gets when it is reached). A setting only the service layer reads is a field at the end of
-``DaemonConfig`` itself.
+``DaemonConfig`` itself. A new part's limits object is a frozen dataclass of such fields, added to
+``DaemonConfig``'s bases and handed to the part by the assembly as ``part_of(config, NewLimits)``.
 """
 
 from __future__ import annotations
