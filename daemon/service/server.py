@@ -60,6 +60,7 @@ from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.lane import DeviceLane
 from cuctxd.daemon.device.queues import QueueLimits
 from cuctxd.daemon.device.worker import DeviceWorker
+from cuctxd.daemon.front.lookups import LookupPool
 from cuctxd.daemon.front.loop import Front
 from cuctxd.daemon.intake.connections import ConnectionBudget, ConnectionWatch, ListenerGuard, listen_backlog
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
@@ -206,6 +207,8 @@ class Daemon:
         if config.gpu_limit:
             state.device_limit = gpu_limit(config, devices)
         self._front = Front(state, self._workers, router, replies)
+        if config.gpu_limit:
+            self._front.lookups = LookupPool(config.max_pod_lookups, config.max_pending_hellos)
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
         self._watch.start()
@@ -527,6 +530,8 @@ class Daemon:
                 self._front.router.setsockopt(zmq.LINGER, REPLY_LINGER_MS)
             self._front.router.close()
             self._front.replies.close()
+            if self._front.lookups is not None:
+                self._front.lookups.stop()
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None
