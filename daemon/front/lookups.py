@@ -72,10 +72,10 @@ class LookupPool:
         for thread in self._threads:
             thread.start()
 
-    @property
-    def waiting(self) -> int:
-        """Requests waiting on a lookup now (front thread)."""
-        return self._count
+    def to_status(self) -> dict[str, int]:
+        """What ``status`` says of the pool (``pod_lookups``; front thread)."""
+        return {"waiting": self._count, "lookups": len(self._waiting), "max_pod_lookups": len(self._threads),
+                "max_pending_hellos": self.max_waiting}
 
     def submit(self, deferred: Deferred, waiting: Waiting) -> None:
         """Answer ``waiting`` once ``deferred``'s key is looked up, starting the lookup unless one with that key

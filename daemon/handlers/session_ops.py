@@ -157,6 +157,8 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
         daemon_part["fd_budget"] = front.fd_budget.to_status()
     if front.shares.parking is not None:
         daemon_part["parking"] = front.shares.parking.to_status()
+    if front.lookup_status is not None:
+        daemon_part["pod_lookups"] = front.lookup_status()
 
     def each(state: DeviceState) -> dict[str, Any]:
         part = device_status(state)

@@ -95,6 +95,8 @@ class DaemonState:
     request_stop: Callable[[str], None] | None = None
     #: ``gpu_limit``: the devices a peer's pid may use (:data:`DeviceLimit`). None: every session may use all.
     device_limit: DeviceLimit | None = None
+    #: ``gpu_limit``'s lookup pool as ``status`` shows it (``pod_lookups``; front thread); set with the pool.
+    lookup_status: Callable[[], dict[str, int]] | None = None
     #: False while the daemon preloads its checkpoints (``preload``; the preload thread sets it once, when done):
     #: ``status`` says it, the readiness probe asks.
     ready: bool = True

@@ -208,7 +208,8 @@ class Daemon:
             state.device_limit = gpu_limit(config, devices)
         self._front = Front(state, self._workers, router, replies)
         if config.gpu_limit:
-            self._front.lookups = LookupPool(config.max_pod_lookups, config.max_pending_hellos)
+            self._front.lookups = lookups = LookupPool(config.max_pod_lookups, config.max_pending_hellos)
+            state.lookup_status = lookups.to_status
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
         self._watch.start()
