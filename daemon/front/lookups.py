@@ -95,7 +95,7 @@ class LookupPool:
         the doorbell rang)."""
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.doorbell)
-        looked = []
+        looked: list[Looked] = []
         while True:
             try:
                 key, result, error = self._done.get_nowait()
