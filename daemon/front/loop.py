@@ -6,7 +6,7 @@ ops) or queued to the device's worker as a :class:`~cuctxd.daemon.intake.jobs.Jo
 send their replies over inproc to the PULL socket polled here, and they leave
 through the ROUTER. A front op that must wait on a service outside the daemon (``gpu_limit``'s
 lookups at ``hello``) is answered once the lookup pool (:mod:`cuctxd.daemon.front.lookups`) rings.
-(Device ops a client sends to a device's own endpoint never pass here: :mod:`cuctxd.daemon.device.lane`.)
+(Device ops a client sends to a device's own endpoint never pass here: :mod:`cuctxd.daemon.worker.lane`.)
 Garbage gets an error reply, or is dropped and logged when it cannot even be addressed;
 nothing a client sends can stop this loop.
 """
@@ -22,9 +22,7 @@ from typing import Any, cast
 
 import zmq
 
-from cuctxd.daemon.device.queues import check_sent
 from cuctxd.daemon.device.state import DeviceState
-from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.lookups import LookupPool, Waiting
 from cuctxd.daemon.handlers import FRONT_HANDLERS
 from cuctxd.daemon.handlers.replies import Deferred, FanOut, Forward, Gather, Reply
@@ -34,6 +32,8 @@ from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.peers import peer_of
 from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
 from cuctxd.daemon.registry.daemon_state import DaemonState
+from cuctxd.daemon.worker.loop import DeviceWorker
+from cuctxd.daemon.worker.queues import check_sent
 from cuctxd.protos.errors import ShuttingDown
 from cuctxd.protos.messages import encode_error, encode_result, parse_request, unpack
 
