@@ -273,6 +273,7 @@ def test_hellos_past_max_pending_hellos_are_refused_by_name(cgroups: Cgroups, so
                 assert wait_until(lambda: pod_lookups(bystander)["waiting"] == 2, 30), daemon.log()
                 assert pod_lookups(bystander) == {"waiting": 2, "lookups": 2, "max_pod_lookups": 1,
                                                   "max_pending_hellos": 2}
+                assert wait_until(lambda: apiserver.waiting >= 1, 30), daemon.log()
                 assert apiserver.waiting == 1, "one lookup at a time: the second pod's waits its turn"
                 clients[2].hello()
                 refused = clients[2].said()
