@@ -17,6 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
+from cuctxd.daemon.front.lookups import DEFAULT_MAX_PENDING_HELLOS, DEFAULT_MAX_POD_LOOKUPS
 from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
 from cuctxd.daemon.registry.backlogs import (
     DEFAULT_MAX_QUEUED_BYTES,
@@ -288,6 +289,12 @@ class DaemonConfig:
                                         "PodResources socket", "PATH", security=True)
     kubernetes_api: str | None = setting(None, string, "with gpu_limit: the API server's URL", "URL",
                                   shown="in-cluster: KUBERNETES_SERVICE_HOST, the pod's service account", security=True)
+    #: gpu_limit's lookup pool (:mod:`cuctxd.daemon.front.lookups`): lookups at once, hellos waiting on one.
+    max_pod_lookups: int = count(DEFAULT_MAX_POD_LOOKUPS, "with gpu_limit: pods' first hellos looked up at once "
+                                 "(the API server, the kubelet), each on a thread of its own", low=1, security=True,
+                                 limit=True)
+    max_pending_hellos: int = count(DEFAULT_MAX_PENDING_HELLOS, "with gpu_limit: hellos waiting on their pod's "
+                                    "lookup at once, all pods together", low=1, security=True, limit=True)
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:
