@@ -36,6 +36,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_REVOKED = 10016
     CUCTXD_ERROR_SESSION_CLOSED = 10017
     CUCTXD_ERROR_DIGEST_MISMATCH = 10018
+    CUCTXD_ERROR_NO_COPY = 10022
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -195,6 +196,14 @@ class DigestMismatch(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_DIGEST_MISMATCH
 
 
+class NoCopy(NotFound):
+    """The name is published, but has no copy on the device asked for (the caller's own GPU, or ``device=``);
+    the message lists the devices that have one. Making a copy is its publisher's decision
+    (``cuctx load ... --device N``, ``ensure_copy``)."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NO_COPY
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -267,7 +276,8 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NoCopy,
+        InternalError,
     )
 }
 

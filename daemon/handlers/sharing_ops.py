@@ -3,6 +3,7 @@ leases are answered by the front from the daemon-wide :class:`~cuctxd.daemon.reg
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cuctxd.daemon.device.entries import SessionContext
@@ -44,13 +45,17 @@ def export(state: DeviceState, job: Job) -> Reply | Pending:
 
 @device_handler(ops.Publish)
 def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
-    """Name the buffer; with ``replace``, the name's old share forgets it on its own device's worker (here,
-    or forwarded there and back) before the reply, as after ``unpublish``."""
+    """Name the buffer (or, ``copy``/``stage``, make it a copy of the name on this device); with ``replace``,
+    the name's old shares (its copies on other devices too) forget it each on its own device's worker (here,
+    or forwarded there, one device after the other, and back) before the reply, as after ``unpublish``."""
     name = job.args.name
     if not name:
         raise BadArgument("publish needs a non-empty name")
     if job.args.once and job.args.persistent:
         raise BadArgument("a name published once (consume-once) cannot be persistent")
+    copy = job.args.copy or job.args.stage
+    if copy and (job.args.once or job.args.replace):
+        raise BadArgument("a copy of a name is published neither once nor with replace (replace the name itself)")
     session = state.session(job.session)
     buffer = session.buffers[job.args.buffer]
     naming = Naming(read_only=job.args.read_only)
@@ -59,22 +64,31 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
         naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only, manifest.digest)
     state.sharing.check_orphan_room(session, buffer)
     share = state.sharing.export(session, buffer)
-    replaced = state.registry.publish(name, share, naming, replace=job.args.replace)
+    replaced = state.registry.publish(name, share, naming, replace=job.args.replace, copy=job.args.copy,
+                                      stage=job.args.stage)
     share.persistent = share.persistent or job.args.persistent
     share.once = share.once or job.args.once
-    if replaced is not None and replaced[1] == state.device:
-        state.sharing.forget_name(name, replaced[0])  # unparked (or updated) before the new share is parked
+    for old_share, old_device in replaced:
+        if old_device == state.device:
+            state.sharing.forget_name(name, old_share)  # unparked (or updated) before the new share is parked
     state.parking.sync(share)
     written = _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": name,
                                                                 "read_only": job.args.read_only}))
-    if replaced is None or replaced[1] == state.device:
-        return written
-    old_share, old_device = replaced
-    here = state.device
+    elsewhere = [(old_share, old_device) for old_share, old_device in replaced if old_device != state.device]
+    return _forget_elsewhere(name, elsewhere, state.device, written)
+
+
+def _forget_elsewhere(name: str, left: list[tuple[str, int]], here: int, reply: Reply | Pending
+                      ) -> Reply | Pending | Forward:
+    """``reply`` once each (share, device) in ``left`` forgot ``name`` on its device's worker, one after the
+    other, and the request came back ``here``."""
+    if not left:
+        return reply
+    (old_share, old_device), rest = left[0], left[1:]
 
     def on_old_device(other: DeviceState) -> Forward:
         other.sharing.forget_name(name, old_share)
-        return Forward(here, lambda _: written)
+        return Forward(here, lambda _: _forget_elsewhere(name, rest, here, reply))
 
     return Forward(old_device, on_old_device)
 
@@ -133,15 +147,18 @@ def heartbeat(front: DaemonState, session: Session | None, args: ops.Heartbeat, 
 @front_handler(ops.Unpublish)
 def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Reply:
     assert session is not None
-    share_id = front.shares.unpublish(args.name, session.ref)
-    device = front.shares.device_of(share_id)
     name = args.name
-    return Reply(tasks=[DeviceTask(device, lambda state: state.sharing.forget_name(name, share_id))])
+    left = front.shares.unpublish(name, session.ref, args.device)
+    return Reply(tasks=[DeviceTask(device, _forgetting(name, share_id)) for share_id, device in left])
+
+
+def _forgetting(name: str, share_id: str) -> Callable[[DeviceState], None]:
+    return lambda state: state.sharing.forget_name(name, share_id)
 
 
 @front_handler(ops.Lookup)
 def lookup(front: DaemonState, session: Session | None, args: ops.Lookup, peer: str | None) -> Reply:
-    return _share_reply(front.shares.lookup(args.name).to_wire())
+    return _share_reply(front.shares.lookup(args.name, args.device).to_wire())
 
 
 @front_handler(ops.ListShared)
