@@ -150,13 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "model.safetensors.index.json, else every *.safetensors in it) "
                                                    "or an index .json")
     load.add_argument("--name", required=True, help="the name to publish the layout under")
-    load.add_argument("--device", type=_ordinal, default=None, metavar="N", help="the device (default: 0)")
+    load.add_argument("--device", default=None, metavar="N", help="the device (default: 0); N,M,... or 'all': a "
+                      "copy on each, read onto the first and filled from it on the GPU; a name present elsewhere "
+                      "with this content gets a copy here")
     load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
     load.add_argument("--replace", action="store_true", help="if the name holds other content, swap it for this "
                                                             "(sessions that opened the old one keep it)")
     unpublish = command("unpublish", "remove a published name (one published by your user; any, as the "
                                      "daemon's user)")
     unpublish.add_argument("name", metavar="NAME", help="the name, as 'cuctx shared' lists it")
+    unpublish.add_argument("--device", type=_ordinal, default=None, metavar="N",
+                           help="remove only the name's copy on device N (default: every copy)")
     kill = command("kill", "close a session as its own goodbye would (your user's sessions; any, as the "
                            "daemon's user)")
     kill.add_argument("session", metavar="SESSION", type=_ordinal, help="the session's id, as 'cuctx status' "
@@ -223,8 +227,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             elif args.command == "load":
                 return load_file(client, args)
             elif args.command == "unpublish":
-                client.unpublish(args.name)
-                _say(args, {"unpublished": args.name}, f"unpublished {args.name!r}")
+                client.unpublish(args.name, device=args.device)
+                where = "" if args.device is None else f" on device {args.device}"
+                _say(args, {"unpublished": args.name, "device": args.device}, f"unpublished {args.name!r}{where}")
             elif args.command == "kill":
                 client.close_session(args.session)
                 _say(args, {"closed": args.session}, f"closed session {args.session}")
@@ -276,6 +281,7 @@ def _wait_for_exit(args: argparse.Namespace, endpoint: str, pid: int) -> int:
 def load_file(client: Client, args: argparse.Namespace) -> int:
     """``cuctx load``: the checkpoint's tensors published as ``--name``, with one progress line for all its
     files on a terminal; the same content already there is said and left as it is."""
+    from cuctxd.client.tensors.copies import parse_devices
     from cuctxd.client.tensors.safetensors_load import load_safetensors
 
     shown = False
@@ -287,8 +293,9 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
             print(f"\rloading {args.path}: {100 * done // max(total, 1):3d}% ({human_size(done)} of "
                   f"{human_size(total)})", end="", file=sys.stderr, flush=True)
 
+    devices = None if args.device is None else parse_devices(args.device, len(client.devices()))
     started = time.perf_counter()
-    loaded = load_safetensors(client, args.path, args.name, device=args.device, progress=progress,
+    loaded = load_safetensors(client, args.path, args.name, device=devices, progress=progress,
                               read_only=args.read_only, replace=args.replace)
     took = time.perf_counter() - started
     if shown:
@@ -296,17 +303,22 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
     descriptor = loaded.descriptor
     if args.json:
         print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,
-                          "replaced": loaded.replaced,
+                          "replaced": loaded.replaced, "devices": devices, "copied": list(loaded.copied),
                           "share_id": descriptor.share_id, "digest": loaded.digest}))
     elif not loaded.loaded:
         done = ("the copy just read was freed and the name left as it was" if args.replace
                 else "nothing was read onto the device")
+        if loaded.copied:
+            done = (f"copied to device{'s' if len(loaded.copied) > 1 else ''} "
+                    f"{', '.join(map(str, loaded.copied))} from device {descriptor.device} on the GPU")
         print(f"already loaded: same content, digest {loaded.digest} ({args.name!r}, "
               f"{human_size(descriptor.size)} on device {descriptor.device}); {done}")
     else:
         said = f", digest {digests.short(loaded.digest)}" if loaded.digest else ""
+        where = (f"device {descriptor.device}" if not devices or len(devices) == 1
+                 else f"devices {', '.join(map(str, devices))} (a copy on each)")
         print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {args.name!r}: "
-              f"{human_size(descriptor.size)} on device {descriptor.device} in {human_duration(took)}{said}")
+              f"{human_size(descriptor.size)} on {where} in {human_duration(took)}{said}")
     return 0
 
 

@@ -140,6 +140,33 @@ def copy_with_host(device_uuid: str, device_ptr: int, host: int, size: int, *, t
         primary.release()
 
 
+def copy_between_devices(dst_uuid: str, dst: int, src_uuid: str, src: int, size: int) -> None:
+    """``cuMemcpyPeer`` from a share mapped on one GPU to one mapped on another, in this process's primary contexts
+    of both, finished before it returns (a layout's copy filled from its copy on another device)."""
+    cu = driver("copy between GPUs")
+    dst_primary = _Primary(cu, dst_uuid)
+    try:
+        src_primary = _Primary(cu, src_uuid)
+        try:
+            with cu.current(dst_primary.context):
+                cu.copy_peer(dst, dst_primary.context, src, src_primary.context, size)
+        finally:
+            src_primary.release()
+    finally:
+        dst_primary.release()
+
+
+def current_device_uuid() -> str:
+    """The UUID of the GPU this thread's current context is on (ordinal 0's without one): the caller's GPU."""
+    cu = driver("find this process's GPU")
+    return cu.device_uuid(cu.current_device())
+
+
+def device_uuid(ordinal: int) -> str:
+    """The UUID of this process's GPU ``ordinal`` (torch's and CuPy's numbering, which is the driver's)."""
+    return driver("find a GPU").device_uuid(ordinal)
+
+
 def ordinal_of(device_uuid: str) -> int:
     """This process's CUDA ordinal of the GPU with that UUID."""
     return driver("find a GPU").find_device(device_uuid)

@@ -204,6 +204,8 @@ class Sharing:
         share.opened_since_orphaned = bool(share.holders)
         if unpublish:
             self.registry.drop_names(share)
+        else:
+            self.registry.unstage(share)  # a copy staged for a publish that will not come now
         self.settle(share)  # kept by its names alone from now on: counted as an orphan there
 
     def _orphan(self, share: Share) -> None:

@@ -359,6 +359,15 @@ class ShareRegistry:
             first = share_id, self._shares[share_id].descriptor.device
             return [first, *((copy.share_id, copy.device) for copy in self._forget_name(name))]
 
+    def unstage(self, share: ShareRecord) -> None:
+        """``share``'s owner let go of it while it was a staged copy (:meth:`_add_copy`): it is no copy any more."""
+        with self._lock:
+            copy = self._copies.of_share(share.share_id)
+            if copy is None or copy.staged_by is None:
+                return
+            self._copies.drop(share.share_id)
+        share.names.discard(copy.name)
+
     def count_orphan(self, share_id: str, orphaned: bool) -> None:
         """A device's share became (or stopped being) kept alive by its names alone."""
         with self._lock:
@@ -457,12 +466,16 @@ class ShareRegistry:
                                  for uid, size in top]}
 
     def namings(self, share: ShareRecord) -> dict[str, Naming]:
-        """Each name of ``share`` with what it was published with (its copies' names included, staged ones not)."""
+        """Each name of ``share`` with what it was published with (a copy's name included; a staged copy's with what
+        it was staged with: restored after a restart, it comes back as a copy where the name has that content)."""
         with self._lock:
             copy = self._copies.of_share(share.share_id)
-            return {name: self._namings.get(name, PLAIN) for name in share.names
-                    if self._names.get(name) == share.share_id
-                    or (copy is not None and copy.name == name and copy.staged_by is None)}
+            namings = {name: self._namings.get(name, PLAIN) for name in share.names
+                       if self._names.get(name) == share.share_id}
+            if copy is not None and copy.name in share.names:
+                staged = copy.naming if isinstance(copy.naming, Naming) else PLAIN
+                namings[copy.name] = self._namings.get(copy.name, PLAIN) if copy.staged_by is None else staged
+            return namings
 
     def lookup(self, name: str, device: int | None = None) -> ShareDescriptor:
         """The descriptor published as ``name``, with its ``publisher``: its copy on ``device`` (:class:`NoCopy`
