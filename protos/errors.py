@@ -36,6 +36,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_REVOKED = 10016
     CUCTXD_ERROR_SESSION_CLOSED = 10017
     CUCTXD_ERROR_DIGEST_MISMATCH = 10018
+    CUCTXD_ERROR_NOT_PARKED = 10019
     CUCTXD_ERROR_NO_COPY = 10022
     CUCTXD_ERROR_INTERNAL = 10099
 
@@ -196,6 +197,13 @@ class DigestMismatch(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_DIGEST_MISMATCH
 
 
+class NotParked(DaemonError):
+    """A ``persistent`` publish whose share the service manager's fd store cannot keep (the store, the uid's
+    share of it or the fd budget is full, the store refused it, or the memory has no fd): nothing was published."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NOT_PARKED
+
+
 class NoCopy(NotFound):
     """The name is published, but has no copy on the device asked for (the caller's own GPU, or ``device=``);
     the message lists the devices that have one. Making a copy is its publisher's decision
@@ -245,9 +253,9 @@ class NoDaemon(ConnectionLost):
 
 class DaemonRestarted(NoDaemon):
     """Client side only: the daemon process that held this session exited and another one listens at the
-    endpoint now (an ipc:// socket file made anew, or the old daemon's pidfd on an shm lane polled
-    readable). The new daemon cannot know the session: the client raises
-    :class:`SessionLost` for it at once instead of waiting for a reply that cannot come."""
+    endpoint now (a pidfd of the old daemon polled readable, or ``ping`` answered with another
+    ``instance``: PROTOCOL.md, section 5, "Across a restart"). The new daemon cannot know the session: the
+    client raises :class:`SessionLost` for it at once instead of waiting for a reply that cannot come."""
 
     error_name = "CUCTXD_DAEMON_RESTARTED"
 
@@ -276,7 +284,7 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NoCopy,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, NoCopy,
         InternalError,
     )
 }

@@ -32,7 +32,7 @@ class Goodbye:
 
 @op("ping", target="front", session=False)
 class Ping:
-    """Round trip; needs no session. Result: ``{}``."""
+    """Round trip; needs no session. Result: ``instance``, this daemon run's id (as ``hello`` gives it)."""
 
 
 @op("device_count", target="front")

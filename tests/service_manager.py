@@ -28,11 +28,12 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.helpers import DaemonProcess, client_env, launch_daemon
+from tests.helpers import DaemonProcess, client_env, launch_daemon, remove_tempdir, short_tempdir
 
 #: Run in the child between fork and the daemon: move the fds listed in ``CUCTXD_TEST_LISTEN_FDS``
 #: (in order) to 3, 4, ..., set ``LISTEN_PID`` to this pid (exec keeps it), then exec the daemon.
@@ -179,9 +180,10 @@ class ServiceManager:
     # --- the service --------------------------------------------------------------------
 
     def start(self, *extra: str, endpoint: str | None = None, backend: str = "sim",
-              ready_timeout: float = 30.0) -> DaemonProcess:
+              ready_timeout: float = 30.0, launcher: Sequence[str] = ()) -> DaemonProcess:
         """Start the daemon with ``NOTIFY_SOCKET``, ``FDSTORE`` and whatever the store holds from fd 3 on;
-        returns once it listens."""
+        returns once it listens. ``launcher``: Python's arguments before ``-m cuctxd.daemon`` (a wrapper that
+        holds the start, as tests/reliability/restarts.py does)."""
         self.sync()
         with self._lock:
             stored = list(self.store)
@@ -191,8 +193,8 @@ class ServiceManager:
         if stored:
             env.update(LISTEN_FDS=str(len(stored)), LISTEN_FDNAMES=":".join(s.name for s in stored),
                        CUCTXD_TEST_LISTEN_FDS=",".join(str(s.fd) for s in stored))
-        self.daemon = launch_daemon([sys.executable, "-c", _EXEC_WRAPPER], *extra, endpoint=endpoint, env=env,
-                                    pass_fds=tuple(s.fd for s in stored), backend=backend,
+        self.daemon = launch_daemon([sys.executable, "-c", _EXEC_WRAPPER, *launcher], *extra, endpoint=endpoint,
+                                    env=env, pass_fds=tuple(s.fd for s in stored), backend=backend,
                                     ready_timeout=ready_timeout)
         return self.daemon
 
@@ -238,3 +240,16 @@ def _same_file(a: int, b: int) -> bool:
         return False
     return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
 
+
+@contextmanager
+def managed(store_max: int = 64) -> Iterator[ServiceManager]:
+    """A service manager in a short temporary directory; on leaving, the daemon stopped (it must exit cleanly:
+    the assertion carries its log) and the directory removed."""
+    directory = short_tempdir()
+    service = ServiceManager(directory, store_max)
+    try:
+        yield service
+    finally:
+        code = service.close()
+        remove_tempdir(directory)
+    assert code in (0, None), service.daemon.log() if service.daemon else ""

@@ -5,7 +5,9 @@
   pageable copy of the same size, both measured here; the socket path (one payload frame) beside it.
 * ``write`` from and ``read_into`` a host buffer of 64 MiB (DMA, no bytes on the socket), against
   in-process pinned ``cuMemcpyHtoD``/``DtoH`` of the same size.
-* ``open_shared`` of a buffer whose pool this process has imported, against one bare-echo round trip.
+* ``open_shared`` of a shareable buffer again, against one bare-echo round trip: a pool share whose pool this
+  process has imported (a device without VMM) is judged; a VMM share, which every open imports from a new fd
+  (the fd channel, ``cuMemImportFromShareableHandle``, ``cuMemMap``), is reported without a target.
 * Stream-ordered ``alloc_async``+``free_async`` of 1 MiB in a loop, against in-process
   ``cuMemAlloc``+``cuMemFree``.
 
@@ -141,7 +143,7 @@ def _open_shared(bench: Bench, client: Any, echo: RawClient, note: str | None) -
         opened.append(client.open_shared(descriptor))
 
     try:
-        client.open_shared(descriptor).close()  # imports the pool: what every later open skips
+        client.open_shared(descriptor).close()  # imports a pool share's pool: what every later open skips
         samples: list[int] = []
         echo_samples: list[int] = []
         for _ in range(5):
@@ -152,9 +154,13 @@ def _open_shared(bench: Bench, client: Any, echo: RawClient, note: str | None) -
             echo_samples.extend(time_calls(echo.ping, count // 5))
     finally:
         buffer.free()
-    yield measured(FIGURE, f"open_shared, pool already imported ({descriptor.mechanism})", us(median(samples)), "us",
-                   "one bare-echo round trip (ipc)", us(median(echo_samples)), target=_target(note, "<= 1.2"),
-                   note=note or f"median of {len(samples)}: hold + cuMemPoolImportPointer")
+    if descriptor.mechanism == "pool":
+        name, target, what = "open_shared, pool already imported (pool)", "<= 1.2", "hold + cuMemPoolImportPointer"
+    else:
+        name, target, what = (f"open_shared again ({descriptor.mechanism})", None,
+                              "hold + its fd over the fd channel + import and map (no target yet)")
+    yield measured(FIGURE, name, us(median(samples)), "us", "one bare-echo round trip (ipc)", us(median(echo_samples)),
+                   target=target and _target(note, target), note=note or f"median of {len(samples)}: {what}")
 
 
 def _stream_ordered(bench: Bench, client: Any, local: LocalCuda | LocalSim, note: str | None) -> Iterator[Figure]:

@@ -40,8 +40,8 @@ from cuctxd.client.wire.build import Batch, Local, Plan, Request, Run, Send, Sha
 from cuctxd.client.wire.lease import AsyncHeartbeat
 from cuctxd.client.wire.routes import MAIN, Route, Router
 from cuctxd.client.wire.session import SessionState
-from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, curve_keys
-from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, listening, no_access, no_daemon
+from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, curve_keys, daemon_watch
+from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, DaemonWatch, listening, no_access, no_daemon
 from cuctxd.protos.endpoints import client_endpoint
 from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, SessionClosed, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
@@ -64,6 +64,8 @@ class AsyncClient(SessionState):
     host_buffer_kind = AsyncHostBuffer
     #: The data plane, when the daemon offers this process an fd channel.
     _plane: DataPlane | None = None
+    #: Whether the daemon of the session is still there: shared by all its transports.
+    _watch: DaemonWatch
     data_plane = Client.data_plane  # local work: one method for both flavours
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
@@ -104,20 +106,23 @@ class AsyncClient(SessionState):
             raise denied
         if not listening(self.endpoint):
             raise no_daemon(self.endpoint, "hello")
-        main = AsyncTransport(self.endpoint, self.timeout, self.curve)
+        self._watch = watch = daemon_watch(self.endpoint, self.curve)
+        main = AsyncTransport(self.endpoint, self.timeout, self.curve, watch=watch)
         hello = build.hello(self._name, min(self.timeout, self.hello_timeout))
         try:
             answer = hello.convert(*await main.call(hello.op, hello.args, None, timeout=hello.timeout))
         except BaseException:
             await main.close()  # not open: a later open() may try again
+            watch.close()
             raise
+        watch.expect(answer.get("instance"))
         self._router = Router(main, self._adopt(answer, self._use_device_endpoints), self._open_socket)
         self._plane = DataPlane.offered(answer, self.timeout)
         if self._beats:
-            self._heartbeat = AsyncHeartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
+            self._heartbeat = AsyncHeartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve, watch)
 
     def _open_socket(self, endpoint: str) -> AsyncTransport:
-        return AsyncTransport(endpoint, self.timeout, self.curve, daemon=self.endpoint)
+        return AsyncTransport(endpoint, self.timeout, self.curve, daemon=self.endpoint, watch=self._watch)
 
     async def run(self, operation: Request[T] | Plan[T]) -> T:
         """Run one request, or every step of a plan, awaiting each (see ``Client.run``)."""
@@ -215,6 +220,7 @@ class AsyncClient(SessionState):
                 self._plane = None
             for socket in self._router.sockets():
                 await socket.close()
+            self._watch.close()
 
     async def close(self) -> None:
         await self._end_session()

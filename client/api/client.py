@@ -29,8 +29,8 @@ from cuctxd.client.wire.lease import Heartbeat
 from cuctxd.client.wire.routes import Router
 from cuctxd.client.wire.session import SessionState
 from cuctxd.client.wire.shm_lane import ShmTransport
-from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, Transport, curve_keys
-from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, Call, listening, no_access, no_daemon
+from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, Transport, curve_keys, daemon_watch
+from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, Call, DaemonWatch, listening, no_access, no_daemon
 from cuctxd.protos.endpoints import client_endpoint
 from cuctxd.protos.errors import CuctxError, NoDaemon, SessionClosed, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
@@ -91,6 +91,8 @@ class Client(SessionState):
     host_buffer_kind = HostBuffer
     #: The data plane, when the daemon offers this process an fd channel.
     _plane: DataPlane | None = None
+    #: Whether the daemon of the session is still there: shared by all its transports.
+    _watch: DaemonWatch
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  hello_timeout: float = HELLO_TIMEOUT, name: str | None = None, heartbeat: bool = True,
@@ -117,23 +119,26 @@ class Client(SessionState):
             raise denied
         if not listening(self.endpoint):
             raise no_daemon(self.endpoint, "hello")
-        main = Transport(self.endpoint, self.timeout, self.curve)
+        self._watch = watch = daemon_watch(self.endpoint, self.curve)
+        main = Transport(self.endpoint, self.timeout, self.curve, watch=watch)
         hello = build.hello(self._name, min(self.timeout, self.hello_timeout))
         try:
             answer = main.send(hello.op, hello.args, None, convert=hello.convert).result(hello.timeout)
         except BaseException:
             main.close()
+            watch.close()
             raise
+        watch.expect(answer.get("instance"))
         endpoints = self._adopt(answer, self._use_device_endpoints)
         self._plane = DataPlane.offered(answer, self.timeout)
         # shm lanes are admitted by the device endpoints' workers: only with those and a data plane
         open_shm = self._open_shm if self._plane is not None and endpoints else None
         self._router: Router[Transport] = Router(main, endpoints, self._open_socket, open_shm)
         if self._beats:
-            self._heartbeat = Heartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve)
+            self._heartbeat = Heartbeat(self.endpoint, answer["session"], self.lease_ttl, self.curve, watch)
 
     def _open_socket(self, endpoint: str) -> Transport:
-        return Transport(endpoint, self.timeout, self.curve, daemon=self.endpoint)
+        return Transport(endpoint, self.timeout, self.curve, daemon=self.endpoint, watch=self._watch)
 
     def _open_shm(self, device: int) -> ShmTransport | None:
         """The shm lane to ``device`` (under the route lock), or None when the daemon or this process
@@ -150,7 +155,7 @@ class Client(SessionState):
                 os.close(fd)
             return None
         _, socket = self._router.pick(request.op, request.args)  # where its requests go once it is closed
-        return ShmTransport(fds, self.endpoint, self.timeout, socket)
+        return ShmTransport(fds, self._watch, self.timeout, socket)
 
     @property
     def shm_lanes(self) -> tuple[int, ...]:
@@ -278,6 +283,7 @@ class Client(SessionState):
                 self._plane = None
             for socket in self._router.sockets():
                 socket.close()
+            self._watch.close()
 
     def close(self) -> None:
         """End the session (the daemon frees its contexts and memory) and the connection."""
@@ -374,8 +380,9 @@ class Client(SessionState):
     def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> Buffer:
         """Device memory in the current context of ``device`` (default: the current device).
 
-        By default it comes from the context's stream-ordered pool (fast); pass
-        ``shareable=True`` for ``cuMemAlloc`` memory, which other processes can open.
+        By default it comes from the context's stream-ordered pool (fast), never exported; pass
+        ``shareable=True`` for memory other processes can open: a VMM allocation of its own, of at least
+        the device's granularity (2 MiB), where the GPU has VMM (PROTOCOL.md, section 7, "Buffers").
         """
         return self.run(build.alloc(self, Buffer, size, device, shareable))
 

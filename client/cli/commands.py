@@ -295,11 +295,13 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
 
     devices = None if args.device is None else parse_devices(args.device, len(client.devices()))
     started = time.perf_counter()
-    loaded = load_safetensors(client, args.path, args.name, device=devices, progress=progress,
-                              read_only=args.read_only, replace=args.replace)
+    try:
+        loaded = load_safetensors(client, args.path, args.name, device=devices, progress=progress,
+                                  read_only=args.read_only, replace=args.replace)
+    finally:
+        if shown:  # the progress line ends, so that what follows (an error too) starts a line of its own
+            print(file=sys.stderr)
     took = time.perf_counter() - started
-    if shown:
-        print(file=sys.stderr)
     descriptor = loaded.descriptor
     if args.json:
         print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,

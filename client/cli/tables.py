@@ -69,6 +69,7 @@ def status_text(status: dict[str, Any], own_session: int | None = None) -> str:
         f"listening on {', '.join(status['endpoints'])}",
         *_connections_line(status),
         *_fd_channel_line(status),
+        *_parking_line(status),
         *_ordinals_line(status),
         "",
         f"sessions: {len(status['sessions'])}",
@@ -163,6 +164,17 @@ def _fd_channel_line(status: dict[str, Any]) -> list[str]:
         return []
     return [f"fd channel: {channel['connections']} of {channel['max_connections']} connections, "
             f"{channel['tickets']} ticket(s) waiting ({channel['fds']} fds)"]
+
+
+def _parking_line(status: dict[str, Any]) -> list[str]:
+    """The service manager's fd store: its fds that parked shares hold, in all and per uid (absent without one)."""
+    parking = status.get("parking")
+    if parking is None:
+        return []
+    uids = ", ".join(f"uid {u['uid']}: {_of(u['fds'], parking['max_per_uid'])}" for u in parking["uids"])
+    refused = f"; {parking['refused']} persistent publish(es) refused" if parking["refused"] else ""
+    return [f"parked: {parking['shares']} share(s), {_of(parking['fds'], parking['store_max'])} fds of the service "
+            f"manager's fd store{f' ({uids})' if uids else ''}{refused}"]
 
 
 def _ordinals_line(status: dict[str, Any]) -> list[str]:

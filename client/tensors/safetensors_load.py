@@ -31,7 +31,18 @@ from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.tensor_sets import first_and_copies, layout_offsets, no_room, publish_filled
 from cuctxd.client.wire import build
 from cuctxd.protos import digests
-from cuctxd.protos.errors import BadArgument, CudaError, DigestMismatch, NameExists, NoCopy, NotFound
+from cuctxd.protos.errors import (
+    BadArgument,
+    CuctxError,
+    CudaError,
+    DigestMismatch,
+    NameExists,
+    NoCopy,
+    NoDaemon,
+    NotFound,
+    SessionLost,
+    UnknownSession,
+)
 from cuctxd.protos.layouts import Manifest, TensorSpec, c_strides, check_manifest
 from cuctxd.protos.records import ShareDescriptor
 
@@ -88,10 +99,14 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | Sequenc
                     return _with_copies(client, name, Loaded(published, theirs, False), device)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
                                             replace=replace, copies=copies)
-        except (EOFError, OSError) as exc:
-            raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
         except CudaError as error:
             raise no_room(client, error, size, first, len(manifest.tensors)) from None
+        except SessionLost as lost:
+            raise _went_away(client, path, lost) from lost.__cause__
+        except CuctxError:  # the daemon's or the client's own (a timeout, a lost connection: OSErrors too)
+            raise
+        except (EOFError, OSError) as exc:
+            raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
     return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True,
                   replaced=published is not None)
 
@@ -118,6 +133,19 @@ def _check_layout(path: str, manifest: Manifest, size: int) -> None:
         check_manifest(manifest.pack(), size)
     except BadArgument as exc:
         raise BadArgument(f"{path}: {exc.message}") from None
+
+
+def _went_away(client: Any, path: str, lost: SessionLost) -> SessionLost:
+    """``lost`` said for the load of ``path`` when the daemon went away during it (killed, crashed,
+    restarted): no fault of the checkpoint's."""
+    cause = lost.__cause__
+    if isinstance(cause, NoDaemon):
+        why = cause.message
+    elif isinstance(cause, UnknownSession):
+        why = f"the daemon at {client.endpoint} no longer knows this session (it was restarted)"
+    else:
+        return lost
+    return SessionLost(f"{path}: the daemon went away during the load, which did not finish: {why}", lost.op)
 
 
 def _published(client: Any, name: str) -> ShareDescriptor | None:

@@ -26,16 +26,8 @@ import zmq
 import zmq.asyncio
 
 from cuctxd.client.wire.socket_transport import MAX_IN_FLIGHT, CurveKeys, connect_dealer, match_reply, read_payload
-from cuctxd.client.wire.transport import (
-    DEFAULT_TIMEOUT,
-    PROBE_EVERY,
-    DaemonWatch,
-    Reach,
-    daemon_restarted,
-    no_daemon,
-    no_reply,
-)
-from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, error_from_wire
+from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, PROBE_EVERY, DaemonWatch, Reach, no_reply
+from cuctxd.protos.errors import ConnectionLost, CuctxError, error_from_wire
 from cuctxd.protos.messages import encode_request
 
 log = logging.getLogger(__name__)
@@ -59,18 +51,17 @@ class AsyncTransport:
     """A connection to one daemon endpoint, for coroutines of one event loop."""
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None, *,
-                 daemon: str | None = None) -> None:
-        """``daemon``: the endpoint the user gave, as for
-        :class:`~cuctxd.client.wire.socket_transport.Transport`: errors name it, and while calls wait an ipc://
-        daemon is checked every :data:`~cuctxd.client.wire.transport.PROBE_EVERY` s (they fail with
-        ``NoDaemon`` once it is gone)."""
+                 daemon: str | None = None, watch: DaemonWatch | None = None) -> None:
+        """``daemon`` and ``watch`` as for :class:`~cuctxd.client.wire.socket_transport.Transport`: errors
+        name ``daemon``, and while calls wait the watch is asked every
+        :data:`~cuctxd.client.wire.transport.PROBE_EVERY` s whether the daemon is still there (they fail with
+        ``NoDaemon``, or ``DaemonRestarted``, once it is not)."""
         self.endpoint = endpoint
         self.timeout = timeout
         self.curve = curve
         self.daemon = daemon or endpoint
-        self._probes = self.daemon.startswith("ipc://")
-        self._daemon_watch = DaemonWatch(self.daemon)
-        self._watch: asyncio.TimerHandle | None = None
+        self._daemon_watch = watch or DaemonWatch(self.daemon)
+        self._watch: asyncio.Task[None] | None = None
         self._socket = connect_dealer(zmq.asyncio.Context.instance(), endpoint, curve)
         # A plain view of the same socket, for the rest of a message whose first frame has come.
         self._frames: zmq.Socket[Any] = zmq.Socket.shadow(self._socket.underlying)
@@ -113,31 +104,34 @@ class AsyncTransport:
         """The calls sent and not answered yet."""
         return list(self._waiting.values())
 
-    def _watch_daemon(self) -> None:
-        """While calls wait, check every :data:`PROBE_EVERY` s that the same daemon still listens; fail them
-        when not (``NoDaemon``, or ``DaemonRestarted`` when another one listens in its place)."""
-        self._watch = None
-        if not self._waiting:
-            return
-        lost = no_daemon
+    async def _watch_daemon(self) -> None:
+        """While calls wait, ask the watch every :data:`PROBE_EVERY` s whether the daemon is still there (on a
+        thread: a check may wait for ``ping``); fail every waiting call once it is not."""
+        watch = self._daemon_watch
         try:
-            if self._daemon_watch.alive(None):
-                self._watch = asyncio.get_running_loop().call_later(PROBE_EVERY, self._watch_daemon)
-                return
-        except DaemonRestarted:
-            lost = daemon_restarted
-        for waiting in self._waiting.values():
-            if not waiting.reply.done():
-                waiting.reply.set_exception(lost(self.daemon, waiting.op))
+            while self._waiting and watch.lost is None:
+                await asyncio.sleep(PROBE_EVERY)
+                if self._waiting:
+                    await asyncio.to_thread(watch.check, None)
+            if watch.lost is not None:
+                for waiting in self._waiting.values():
+                    if not waiting.reply.done():
+                        waiting.reply.set_exception(type(watch.lost)(watch.lost.message, waiting.op))
+        finally:
+            self._watch = None
+
     async def _exchange(self, op: str, args: dict[str, Any], session: str | None, payload: Sequence[Any],
                         into: Any, reach: Reach, sent: Callable[[], None] | None) -> Reply:
         if self._failure is not None:
             raise ConnectionLost(self._failure.message, op)
+        gone = self._daemon_watch.lost
+        if gone is not None:  # found gone on another socket of the session: no reply can come
+            raise type(gone)(gone.message, op)
         self._start_reader()
         waiting = _Waiting(next(self._ids), op, into, asyncio.get_running_loop().create_future(), reach)
         self._waiting[waiting.request_id] = waiting
-        if self._probes and self._watch is None:
-            self._watch = asyncio.get_running_loop().call_later(PROBE_EVERY, self._watch_daemon)
+        if self._watch is None and self._daemon_watch.probes:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_daemon(), name="cuctxd-watch")
         try:
             header = encode_request(waiting.request_id, op, session, args)
             await self._socket.send_multipart([header, *payload], copy=False)
@@ -187,6 +181,7 @@ class AsyncTransport:
             return
         if self._watch is not None:
             self._watch.cancel()
+            await asyncio.wait([self._watch])
             self._watch = None
         if self._reader is not None:
             self._reader.cancel()

@@ -14,6 +14,7 @@ import threading
 
 from cuctxd.client.wire.async_socket_transport import AsyncTransport
 from cuctxd.client.wire.socket_transport import CurveKeys, Transport
+from cuctxd.client.wire.transport import DaemonWatch
 from cuctxd.protos.errors import CuctxError, SessionExpired, UnknownSession
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,12 @@ class _Beats:
 class Heartbeat(_Beats):
     """A daemon thread with its own socket, so a long call on the main socket never starves it."""
 
-    def __init__(self, endpoint: str, token: str, lease_ttl: float, curve: CurveKeys | None = None) -> None:
+    def __init__(self, endpoint: str, token: str, lease_ttl: float, curve: CurveKeys | None = None,
+                 watch: DaemonWatch | None = None) -> None:
+        """``watch``: the session's, so that a beat sent to a daemon that died fails as soon as the session's
+        calls do."""
         super().__init__(token, lease_ttl)
-        self._transport = Transport(endpoint, timeout=self._timeout, curve=curve)
+        self._transport = Transport(endpoint, timeout=self._timeout, curve=curve, watch=watch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cuctxd-heartbeat", daemon=True)
         self._thread.start()
@@ -65,9 +69,11 @@ class AsyncHeartbeat(_Beats):
     """A task of the running loop with its own socket; it beats only while the loop runs,
     so code that blocks the loop for a whole lease loses the session."""
 
-    def __init__(self, endpoint: str, token: str, lease_ttl: float, curve: CurveKeys | None = None) -> None:
+    def __init__(self, endpoint: str, token: str, lease_ttl: float, curve: CurveKeys | None = None,
+                 watch: DaemonWatch | None = None) -> None:
+        """``watch``: as for :class:`Heartbeat`."""
         super().__init__(token, lease_ttl)
-        self._transport = AsyncTransport(endpoint, timeout=self._timeout, curve=curve)
+        self._transport = AsyncTransport(endpoint, timeout=self._timeout, curve=curve, watch=watch)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="cuctxd-heartbeat")
 
     async def _run(self) -> None:

@@ -84,7 +84,7 @@ class SessionState:
             raise ConnectionLost("the client is closed", op)
         if self._reconnect:
             return True
-        raise SessionLost(self._lost.message, op)
+        raise SessionLost(self._lost.message, op) from self._lost.__cause__  # why it was lost
 
     def _lose(self, error: CuctxError) -> SessionLost:
         """The session is gone (the daemon stopped, or restarted and forgot it): remember it, so later

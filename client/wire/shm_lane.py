@@ -24,17 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cuctxd.client.wire.transport import (
-    PROBE_EVERY,
-    Call,
-    DaemonWatch,
-    Reach,
-    Sender,
-    daemon_restarted,
-    no_daemon,
-    no_reply,
-)
-from cuctxd.protos.errors import CuctxError, DaemonRestarted, error_from_wire
+from cuctxd.client.wire.transport import PROBE_EVERY, Call, DaemonWatch, Reach, Sender, no_reply
+from cuctxd.protos.errors import CuctxError, error_from_wire
 from cuctxd.protos.messages import encode_request, parse_reply
 from cuctxd.protos.schema import OPS
 from cuctxd.protos.shm_lane import (
@@ -93,10 +84,11 @@ class ShmTransport:
     sent one; the interface of a socket transport that the router and calls use (``busy``, ``in_flight``,
     ``wait``, ``abandon``), on the shared base (:mod:`cuctxd.client.wire.transport`)."""
 
-    def __init__(self, fds: Sequence[int], daemon: str, timeout: float, socket: Sender) -> None:
+    def __init__(self, fds: Sequence[int], watch: DaemonWatch, timeout: float, socket: Sender) -> None:
         """``fds``: as the ticket gave them (memfd, request and reply eventfds, then the daemon's pidfd, if
-        any). ``socket``: where a request goes instead once the daemon closed the lane under it (its session
-        ended, the daemon stops); the reply, an error saying why, is the call's."""
+        any). ``watch``: the session's, asked while a reply is late. ``socket``: where a request goes instead
+        once the daemon closed the lane under it (its session ended, the daemon stops); the reply, an error
+        saying why, is the call's."""
         memfd, self._requests, self._replies, *pidfd = fds
         try:
             self._region = mmap.mmap(memfd, REGION_BYTES)
@@ -109,8 +101,8 @@ class ShmTransport:
         self._pidfd = pidfd[0] if pidfd else None
         if self._pidfd is not None:
             self._poll.register(self._pidfd, select.POLLIN)
-        self._watch = DaemonWatch(daemon)
-        self.daemon = daemon
+        self._watch = watch
+        self.daemon = watch.endpoint
         self.timeout = timeout
         self._socket = socket
         #: The request out on the lane: what it would take to send it on the socket instead.
@@ -181,8 +173,8 @@ class ShmTransport:
 
     def wait(self, call: Call[Any], timeout: float | None = None) -> None:
         """Until ``call``'s reply is in the region; :class:`DaemonTimeout` after ``timeout`` s (the lane is
-        then given up), :class:`NoDaemon` as soon as an ipc:// daemon is found gone. Threads wait one at a
-        time: whoever reads the reply resolves the call."""
+        then given up), :class:`NoDaemon` as soon as the daemon is found gone (its pidfd polls readable, or the
+        session's watch says so). Threads wait one at a time: whoever reads the reply resolves the call."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._lock:
@@ -191,7 +183,7 @@ class ShmTransport:
             while not call.done:
                 left = deadline - time.monotonic()
                 slice_ms = max(1, int(min(left, PROBE_EVERY) * 1000))
-                ready = {fd for fd, _ in self._poll.poll(slice_ms)} if left > 0 else set()
+                ready = {fd for fd, _ in self._poll.poll(slice_ms)} if left > 0 and not self._watch.lost else set()
                 if self._replies in ready:
                     with contextlib.suppress(BlockingIOError):  # the fd is non-blocking (the daemon's side)
                         os.eventfd_read(self._replies)
@@ -202,19 +194,12 @@ class ShmTransport:
                         self._call, self.usable = None, False
                         self._resend(call, *self._request)
                     continue  # else a ring for an earlier reply
-                if self._pidfd in ready:  # the daemon exited: no reply can come, whoever listens now
-                    self._call, self.usable = None, False
-                    raise (daemon_restarted if self._watch.alive(call.op) else no_daemon)(self.daemon, call.op)
-                try:
-                    if left > 0 and self._watch.alive(call.op):
-                        continue
-                except DaemonRestarted:
-                    self._call, self.usable = None, False
-                    raise
+                # a pidfd that polls readable: the daemon exited, no reply can come, whoever listens now
+                gone = self._watch.exited(call.op) if self._pidfd in ready else self._watch.check(call.op)
+                if gone is None and time.monotonic() < deadline:
+                    continue
                 self._call, self.usable = None, False
-                if self._watch.alive(call.op):
-                    raise no_reply(self.daemon, limit, call.op)
-                raise no_daemon(self.daemon, call.op)
+                raise no_reply(self.daemon, limit, call.op) if gone is None else gone
 
     def _poll_busily(self, seconds: float) -> None:
         """Until the reply eventfd is readable or ``seconds`` have passed (each poll releases the GIL)."""

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import zmq
@@ -33,7 +34,7 @@ from cuctxd.client.wire.transport import (
     no_daemon,
     no_reply,
 )
-from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, DaemonTimeout, error_from_wire
+from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonTimeout, NoDaemon, error_from_wire
 from cuctxd.protos.messages import ReplyHeader, encode_request, parse_reply
 
 #: Most requests one connection has waiting for replies (a sync pipeline then reads
@@ -111,6 +112,12 @@ def connect_dealer(context: zmq.Context[SocketT], endpoint: str, curve: CurveKey
     return socket
 
 
+def daemon_watch(endpoint: str, curve: CurveKeys | None) -> DaemonWatch:
+    """The :class:`DaemonWatch` of a session with the daemon at ``endpoint`` (before its ``hello``); its
+    ``ping`` goes on sockets of the process-wide ZeroMQ context, whatever the client's flavour."""
+    return DaemonWatch.seen(endpoint, partial(connect_dealer, zmq.Context.instance(), endpoint, curve))
+
+
 def match_reply(header: bytes, in_flight: Mapping[int, P]) -> tuple[ReplyHeader | None, P | None]:
     """Decode a reply header and find the request it answers among ``in_flight`` (by id).
 
@@ -154,19 +161,20 @@ class Transport:
     """A connection to one daemon endpoint.
 
     ``daemon``: the endpoint the user gave, when ``endpoint`` is one the client found
-    (a device's own socket): errors name it, and while a reply is awaited the client
-    checks every :data:`PROBE_EVERY` s that an ipc:// daemon still listens there,
-    raising :class:`~cuctxd.protos.errors.NoDaemon` at once when not.
+    (a device's own socket): errors name it. ``watch``: the session's :class:`DaemonWatch`
+    (default: one of ``daemon`` that knows no instance); while a reply is awaited it is
+    asked every :data:`PROBE_EVERY` s whether the daemon is still there, and once it is
+    not, every call in flight here fails at once with
+    :class:`~cuctxd.protos.errors.NoDaemon` (or ``DaemonRestarted``).
     """
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None, *,
-                 daemon: str | None = None) -> None:
+                 daemon: str | None = None, watch: DaemonWatch | None = None) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
         self.curve = curve
         self.daemon = daemon or endpoint
-        self._watch = DaemonWatch(self.daemon)
-        self._probe_ms = int(PROBE_EVERY * 1000) if self.daemon.startswith("ipc://") else None
+        self._watch = watch or DaemonWatch(self.daemon)
         self._socket: zmq.Socket[bytes] = connect_dealer(zmq.Context.instance(), endpoint, curve)
         self._socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         self._ids = itertools.count(1)
@@ -228,16 +236,17 @@ class Transport:
         return list(self._in_flight.values())
 
     def wait(self, call: Call[Any], timeout: float | None = None) -> None:
-        """Read replies until ``call``'s has come; :class:`DaemonTimeout` after ``timeout`` s."""
+        """Read replies until ``call``'s has come; :class:`DaemonTimeout` after ``timeout`` s, ``NoDaemon`` (every
+        call in flight here resolved with it) once the daemon is found gone."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         limit_ms = max(1, int(limit * 1000))
-        slice_ms = limit_ms if self._probe_ms is None else min(limit_ms, self._probe_ms)
+        slice_ms = min(limit_ms, int(PROBE_EVERY * 1000)) if self._watch.probes else limit_ms
         with self._lock:
             while not call.done:
                 left_ms = (deadline - time.monotonic()) * 1000
                 header = None
-                if left_ms > 0:
+                if left_ms > 0 and self._watch.lost is None:
                     # A blocking recv with RCVTIMEO costs one call less per reply than poll + recv;
                     # the option is set again only when the time left is short of the usual slice.
                     want = slice_ms if left_ms >= slice_ms - 1 else max(1, int(left_ms))
@@ -248,19 +257,21 @@ class Transport:
                         header = self._socket.recv(copy=False)
                     except zmq.Again:
                         header = None
-                if header is None:
-                    try:
-                        alive = self._watch.alive(call.op)
-                    except DaemonRestarted:
-                        self._in_flight.pop(call.request_id, None)
-                        raise
-                    if alive and time.monotonic() < deadline:
-                        continue  # a slice passed and the same daemon still listens: wait on
+                if header is not None:
+                    self._receive_one(header)
+                    continue
+                gone = self._watch.check(call.op)
+                if gone is not None:
+                    self._fail_all(gone)
+                elif time.monotonic() >= deadline:
                     self._in_flight.pop(call.request_id, None)
-                    if alive:
-                        raise no_reply(self.daemon, limit, call.op, curve=self.curve is not None)
-                    raise no_daemon(self.daemon, call.op)
-                self._receive_one(header)
+                    raise no_reply(self.daemon, limit, call.op, curve=self.curve is not None)
+
+    def _fail_all(self, gone: NoDaemon) -> None:
+        """The daemon is gone: no call in flight here will get a reply (under the lock)."""
+        for waiting in self._in_flight.values():
+            waiting._resolve(None, [], type(gone)(gone.message, waiting.op))
+        self._in_flight.clear()
 
     def _receive_one(self, header: zmq.Frame) -> None:
         reply, target = match_reply(header.bytes, self._in_flight)

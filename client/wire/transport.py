@@ -6,7 +6,7 @@ twin :mod:`cuctxd.client.wire.async_socket_transport`) and the shm lane
 nothing from each other: a :class:`Call` (a request in flight, resolved by the
 transport that reads its reply), the errors a wait ends in (:func:`no_reply`,
 :func:`no_daemon`, :func:`daemon_restarted`) and the :class:`DaemonWatch` that
-probes an ipc:// daemon while a reply is awaited (:func:`listening`).
+tells, while a reply is late, whether the daemon that holds the session is still there.
 """
 
 from __future__ import annotations
@@ -14,13 +14,19 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import select
 import socket
 import stat
+import struct
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
+import zmq
+
 from cuctxd.protos.errors import CuctxError, DaemonRestarted, DaemonTimeout, NoAccess, NoDaemon
+from cuctxd.protos.messages import encode_request, parse_reply
 
 T = TypeVar("T")
 
@@ -30,8 +36,11 @@ Reach = frozenset[int] | None
 #: Seconds a call waits for its reply unless the client is told otherwise.
 DEFAULT_TIMEOUT = 30.0
 
-#: Seconds between checks, while a reply is awaited, that an ipc:// daemon still listens (:func:`listening`).
+#: Seconds between checks, while a reply is awaited, that the daemon is still there (:class:`DaemonWatch`).
 PROBE_EVERY = 1.0
+#: Seconds a check waits for the daemon's answer to ``ping`` (or for a tcp connection) before it takes the
+#: daemon as merely slow.
+PROBE_TIMEOUT = 0.5
 
 
 def _ipc_path(endpoint: str) -> str | None:
@@ -40,19 +49,6 @@ def _ipc_path(endpoint: str) -> str | None:
         return None
     path = endpoint[len("ipc://"):]
     return "\0" + path[1:] if path.startswith("@") else path
-
-
-def socket_identity(endpoint: str) -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of an ipc:// endpoint's socket file: a daemon started anew there binds a new
-    file. None for other transports, the abstract namespace, or no file."""
-    path = _ipc_path(endpoint)
-    if path is None or path.startswith("\0"):
-        return None
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return status.st_dev, status.st_ino
 
 
 def listening(endpoint: str) -> bool:
@@ -156,23 +152,167 @@ def daemon_restarted(endpoint: str, op: str | None = None) -> DaemonRestarted:
                            "now; it does not know this session", op)
 
 
-class DaemonWatch:
-    """Whether the daemon at an endpoint is still there, and still the one a transport was connected to:
-    probed while a reply is awaited (a request sent to a daemon that then died gets no reply from the
-    one started in its place, however long the wait)."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.identity = socket_identity(endpoint)
-
-    def alive(self, op: str | None) -> bool:
-        """True while the same daemon listens; False when nothing does; :class:`DaemonRestarted` when another
-        one does (its socket file is a new one)."""
-        if not listening(self.endpoint):
+def _tcp_refused(endpoint: str) -> bool:
+    """True when a tcp:// endpoint's host refuses a plain connection on its port (nobody listens there); False
+    when one is made, or it cannot be told within :data:`PROBE_TIMEOUT` (a host that drops packets)."""
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not port.isdigit():
+        return False
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT):
             return False
-        if self.identity is not None and socket_identity(self.endpoint) not in (self.identity, None):
-            raise daemon_restarted(self.endpoint, op)
+    except ConnectionRefusedError:
         return True
+    except OSError:
+        return False
+
+
+def _someone_listens(endpoint: str) -> bool:
+    """Whether anyone listens at ``endpoint`` now: :func:`listening` for ipc://, a plain connection for tcp://."""
+    if endpoint.startswith("tcp://"):
+        return not _tcp_refused(endpoint)
+    return listening(endpoint)
+
+
+def _listener_pidfd(endpoint: str) -> int | None:
+    """A pidfd of the process that listens on an ipc:// socket file now: its pid from ``SO_PEERCRED`` of a
+    plain connection (the kernel gives it in this process's pid namespace, 0 when it is not there), then
+    ``pidfd_open``. None for other transports, nobody listening, or no pidfds here."""
+    path = _ipc_path(endpoint)
+    if path is None or not hasattr(os, "pidfd_open"):
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(path)
+            pid, _, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        except OSError:
+            return None
+    if pid <= 0:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (the pidfd polls readable)."""
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(0))
+
+
+class DaemonWatch:
+    """Whether the daemon that holds a session is still there: shared by every transport of the session (the
+    main socket, device sockets, shm lanes, the heartbeat's socket), asked when a reply is late (a request
+    sent to a daemon that then died gets no reply from the one started in its place, however long the wait).
+
+    The daemon's identity is its ``instance`` from ``hello``, random at each start (:meth:`expect`). Where
+    the daemon listens on an ipc:// socket file of this host and pid namespace, the watch holds a pidfd of
+    its process, taken before ``hello`` (:meth:`seen`) and kept only if that process still lives after it:
+    it polls readable once the daemon exits, which needs no question to the daemon. Elsewhere (tcp://,
+    another pid namespace) a check asks ``ping``, on a socket of its own made by ``dealer``, for the
+    instance that answers now. Nothing listening there any more (no socket file, or a refused connection)
+    means the daemon is gone. Once gone, it stays gone (:attr:`lost`): every transport of the session then
+    fails its calls at once.
+
+    Which thread may call: any; a check made by two threads at once asks twice.
+    """
+
+    def __init__(self, endpoint: str, dealer: Callable[[], zmq.Socket[Any]] | None = None) -> None:
+        """``dealer``: a new DEALER connected to ``endpoint`` (with the client's CURVE keys), for ``ping``;
+        None: checks never ask the daemon."""
+        self.endpoint = endpoint
+        self._dealer = dealer
+        #: The instance the session lives in (None: not known, or a daemon that does not say).
+        self.instance: str | None = None
+        #: Why the daemon is taken as gone, once it is: :class:`NoDaemon` or :class:`DaemonRestarted`.
+        self.lost: NoDaemon | None = None
+        self._pidfd: int | None = None
+        self._lock = threading.Lock()  # the pidfd: a check on another thread must not poll it once closed
+
+    @classmethod
+    def seen(cls, endpoint: str, dealer: Callable[[], zmq.Socket[Any]] | None = None) -> DaemonWatch:
+        """A watch of the daemon that listens at ``endpoint`` now, with its pidfd where one can be had; made
+        before ``hello`` is sent, so that the process it names is the one ``hello`` reaches or one that
+        exited first (:meth:`expect` then drops it)."""
+        watch = cls(endpoint, dealer)
+        watch._pidfd = _listener_pidfd(endpoint)
+        return watch
+
+    def expect(self, instance: str | None) -> None:
+        """The session lives in the daemon that answered ``hello`` with ``instance``. A pidfd whose process
+        has exited by now named another daemon (``hello`` reached the next one): dropped."""
+        self.instance = instance
+        with self._lock:
+            if self._pidfd is not None and _exited(self._pidfd):
+                os.close(self._pidfd)
+                self._pidfd = None
+
+    @property
+    def probes(self) -> bool:
+        """Whether a late reply is worth a check before the timeout: there is a pidfd, a socket file, or an
+        instance to ask about."""
+        return self._pidfd is not None or self.endpoint.startswith("ipc://") or (
+            self.instance is not None and self._dealer is not None)
+
+    def check(self, op: str | None) -> NoDaemon | None:
+        """None while the daemon is there, or cannot be told from a slow one; else the error a call of ``op``
+        ends in: :class:`NoDaemon` (nothing listens any more) or :class:`DaemonRestarted` (another daemon
+        does). Blocks for at most about :data:`PROBE_TIMEOUT` (twice for a tcp:// daemon that is silent)."""
+        if self.lost is None:
+            self.lost = self._find_gone()
+        return self._error(op)
+
+    def exited(self, op: str | None) -> NoDaemon:
+        """The error for ``op`` now that the daemon's process is known to have exited (a pidfd of it, as an
+        shm lane holds, polled readable)."""
+        self.lost = self.lost or self._after_exit()
+        error = self._error(op)
+        assert error is not None
+        return error
+
+    def _error(self, op: str | None) -> NoDaemon | None:
+        return None if self.lost is None else type(self.lost)(self.lost.message, op)
+
+    def _find_gone(self) -> NoDaemon | None:
+        with self._lock:
+            if self._pidfd is not None:
+                return self._after_exit() if _exited(self._pidfd) else None
+        if not _someone_listens(self.endpoint):
+            return no_daemon(self.endpoint)
+        if self.instance is None or self._dealer is None:
+            return None
+        answer = self._ping()
+        if answer is not None and answer.get("instance") not in (None, self.instance):
+            return daemon_restarted(self.endpoint)
+        return None
+
+    def _after_exit(self) -> NoDaemon:
+        return daemon_restarted(self.endpoint) if _someone_listens(self.endpoint) else no_daemon(self.endpoint)
+
+    def _ping(self) -> dict[str, Any] | None:
+        """``ping``'s result on a new socket, or None without one within :data:`PROBE_TIMEOUT`."""
+        assert self._dealer is not None
+        dealer = self._dealer()
+        try:
+            dealer.send(encode_request(1, "ping", None, {}))
+            if not dealer.poll(int(PROBE_TIMEOUT * 1000)):
+                return None
+            reply = parse_reply(dealer.recv())
+        except (zmq.ZMQError, CuctxError):
+            return None
+        finally:
+            dealer.close()
+        return reply.result if reply.error is None and reply.result is not None else None
+
+    def close(self) -> None:
+        """Close the pidfd (the session ended)."""
+        with self._lock:
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
 
 
 def no_reply(endpoint: str, limit: float, op: str, curve: bool = False) -> DaemonTimeout:

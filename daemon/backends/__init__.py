@@ -21,19 +21,19 @@ class BackendUnavailable(Exception):
     """The ``cuda`` backend was asked for by name but cannot run on this machine."""
 
 
-def select_backend(name: str, *, sim_devices: int, sim_memory: int) -> tuple[Driver, str]:
+def select_backend(name: str, *, sim_devices: int, sim_memory: int, sim_vmm: bool = True) -> tuple[Driver, str]:
     """The initialised driver for backend ``name`` and a one-line reason for the log.
 
     ``auto`` takes ``cuda`` when the driver loads, initialises and sees at least
     one device, and otherwise falls back to ``sim``, saying why. ``cuda`` raises
     :class:`BackendUnavailable` instead of falling back. ``sim`` builds
-    ``sim_devices`` simulated devices of ``sim_memory`` bytes each.
+    ``sim_devices`` simulated devices of ``sim_memory`` bytes each, with VMM unless not ``sim_vmm``.
     Raises ValueError for any other name.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
     if name == "sim":
-        return _sim(sim_devices, sim_memory), f"requested, {_sim_shape(sim_devices, sim_memory)}"
+        return _sim(sim_devices, sim_memory, sim_vmm), f"requested, {_sim_shape(sim_devices, sim_memory)}"
     try:
         return _cuda()
     except BackendUnavailable as unavailable:
@@ -43,7 +43,7 @@ def select_backend(name: str, *, sim_devices: int, sim_memory: int) -> tuple[Dri
                 " (backend 'auto' or 'sim' runs without a GPU)"
             ) from unavailable
         reason = f"cuda unavailable ({unavailable}), so {_sim_shape(sim_devices, sim_memory)}"
-        return _sim(sim_devices, sim_memory), reason
+        return _sim(sim_devices, sim_memory, sim_vmm), reason
 
 
 def _cuda() -> tuple[Driver, str]:
@@ -68,10 +68,10 @@ def _cuda() -> tuple[Driver, str]:
     return driver, f"{count} device(s), CUDA driver {version // 1000}.{version % 1000 // 10}"
 
 
-def _sim(devices: int, memory: int) -> Driver:
+def _sim(devices: int, memory: int, vmm: bool) -> Driver:
     from cuctxd.daemon.backends.sim import SimDriver
 
-    driver = SimDriver(device_count=devices, memory_per_device=memory)
+    driver = SimDriver(device_count=devices, memory_per_device=memory, vmm=vmm)
     driver.init()
     return driver
 

@@ -36,6 +36,12 @@ class Driver(ABC):
 
     #: ``"cuda"`` or ``"sim"``, reported in ``hello`` and ``status``.
     name: str
+    #: File descriptors this process holds for each pool made with ``ipc`` (:meth:`mem_pool_create`) while it
+    #: lives: what the daemon's fd budget counts for it.
+    ipc_pool_fds: int
+    #: File descriptors this process keeps for a :meth:`vmm_alloc` allocation from its first :meth:`vmm_export_fd`
+    #: until :meth:`vmm_free` (none where the driver keeps the memory without one).
+    vmm_export_fds: int
 
     @abstractmethod
     def init(self) -> None:

@@ -242,6 +242,10 @@ class CudaDriver(Driver):
     """The CUDA driver of this process; one instance, shared by all device workers."""
 
     name = "cuda"
+    #: Measured on an H100 (driver 580, 2026-12-06): each pool exportable as a POSIX fd holds one in the process.
+    ipc_pool_fds = 1
+    #: ``cuMemCreate`` memory needs no fd in the process: each export makes a new one, the caller's.
+    vmm_export_fds = 0
 
     def __init__(self) -> None:
         self._devices: dict[int, Any] = {}

@@ -98,7 +98,7 @@ from cuctxd.daemon.backends.sim_streams import StreamScheduler, Work
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CudaError
 from cuctxd.protos.host import buffer_address
-from cuctxd.protos.memfd import resize_sealed, sealed_memfd
+from cuctxd.protos.memfd import resize_sealed
 from cuctxd.protos.records import DeviceInfo
 from cuctxd.protos.sim_ipc import decode_pool_pointer, encode_handle, encode_pool_pointer
 
@@ -126,11 +126,16 @@ class SimDriver(Driver):
     devices of ``memory_per_device`` bytes each. ``ipc_pools``: whether pools can be
     made IPC-capable (like a GPU whose ``MEMPOOL_SUPPORTED_HANDLE_TYPES`` has POSIX
     fds); without, sharing falls back to legacy IPC handles. ``vmm``: whether the devices
-    have VMM allocations exportable as POSIX fds (:meth:`vmm_alloc`: a sealed memfd from the
-    start, whose fd :meth:`vmm_export_fd` hands out).
+    have VMM allocations exportable as POSIX fds (:meth:`vmm_alloc`: private memory, as
+    ``cuMemCreate`` holds no fd in the process, moved into a sealed memfd of exactly its size
+    on its first :meth:`vmm_export_fd`, which hands out fds of it from then on).
     """
 
     name = "sim"
+    #: A pool's memfd and its mapping (Python's ``mmap`` keeps a descriptor of its own); an exported VMM
+    #: allocation's, likewise.
+    ipc_pool_fds = 2
+    vmm_export_fds = 2
 
     def __init__(self, device_count: int = 2, memory_per_device: int = 1 << 30, *, ipc_pools: bool = True,
                  vmm: bool = True) -> None:
@@ -564,11 +569,7 @@ class SimDriver(Driver):
         allocation, _ = self._memory.resolve(ptr, 0)
         if allocation.pool is not None or self._is_vmm(allocation.base):
             raise CudaError.of(_INVALID_VALUE, "memory from a stream-ordered pool or VMM is parked by its own fd")
-        try:
-            self._streams.run_legacy(context, partial(self._memory.export, allocation))
-            return os.dup(allocation.storage.fd)
-        except (OSError, ValueError) as failure:
-            raise CudaError.of(CUresult.CUDA_ERROR_MAP_FAILED, str(failure)) from failure
+        return self._export_memfd(context, allocation)
 
     def mem_import_fd(self, fd: int, size: int) -> int:
         """The memfd ``fd`` (of exactly ``size`` bytes, sealed) as an allocation of the current context."""
@@ -590,26 +591,31 @@ class SimDriver(Driver):
         return VMM_GRANULARITY
 
     def vmm_alloc(self, ordinal: int, size: int) -> int:
-        """A zero-filled allocation of device ``ordinal`` held in a sealed memfd from the start (counted against the
-        device; freed with :meth:`vmm_free`, or with the current context, which owns it here)."""
+        """A zero-filled allocation of device ``ordinal`` (counted against the device; freed with :meth:`vmm_free`,
+        or with the current context, which owns it here). No fd: its bytes move into a memfd on its first export."""
         context = self._live_current()
         self._device(ordinal)
         if not self._vmm:
             raise CudaError.of(CUresult.CUDA_ERROR_NOT_SUPPORTED, "this sim has no VMM (made with vmm=False)")
         self._check_vmm_size(size)
-        try:
-            fd = sealed_memfd("cuctxd-sim-vmm", size)
-        except OSError as failure:
-            raise CudaError.of(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"a memfd of {size} bytes: {failure}") from None
-        return self._vmm_mapped(self._memory.adopt(ordinal, fd, size, context))
+        return self._vmm_mapped(self._memory.allocate(ordinal, size, context))
 
     def vmm_export_fd(self, ptr: int) -> int:
-        """A new fd of the memfd that holds the VMM allocation at ``ptr``."""
-        self._live_current()
+        """A new fd of the sealed memfd that holds the VMM allocation at ``ptr``; the first export moves the bytes
+        there (as legacy-stream work, so no queued copy writes to the old bytes), and the memfd stays until the
+        allocation is freed. ``CUDA_ERROR_MAP_FAILED`` if the memfd cannot be made (out of fds)."""
+        context = self._live_current()
         if not self._is_vmm(ptr):
             raise CudaError.of(_INVALID_VALUE, f"{ptr:#x} is not the address of a VMM allocation")
-        allocation, _ = self._memory.resolve(ptr, 0)
-        return os.dup(allocation.storage.fd)
+        return self._export_memfd(context, self._memory.resolve(ptr, 0)[0])
+
+    def _export_memfd(self, context: SimContext, allocation: Allocation) -> int:
+        """A new fd of the memfd holding ``allocation``, made on the first call (:meth:`DeviceMemory.export`)."""
+        try:
+            self._streams.run_legacy(context, partial(self._memory.export, allocation))
+            return os.dup(allocation.storage.fd)
+        except (OSError, ValueError) as failure:
+            raise CudaError.of(CUresult.CUDA_ERROR_MAP_FAILED, str(failure)) from failure
 
     def vmm_import_fd(self, ordinal: int, fd: int, size: int) -> int:
         """The memfd ``fd`` (sealed, of exactly ``size`` bytes) mapped as a VMM allocation of device ``ordinal``."""

@@ -98,11 +98,13 @@ class MemoryKind(Protocol):
 
     exportable: bool
 
-    def allocate(self, context: SessionContext, size: int, stream: Stream | None = None, *,
-                 uid: int | None = None) -> int:
-        """``size`` bytes for a session of ``uid`` in ``context`` (current)."""
+    def allocate(self, context: SessionContext, size: int, stream: Stream | None, session: SessionRef) -> int:
+        """``size`` bytes for ``session`` in ``context`` (current), in order on ``stream`` (None: the legacy one)."""
 
     def free(self, ptr: int, stream: Stream | None = None) -> None: ...
+
+    def footprint(self, size: int) -> int:
+        """What a ``size``-byte buffer of this kind takes of the device: what quotas charge for it."""
 
     def export(self, context: SessionContext, ptr: int) -> dict[str, Any]: ...
 
@@ -142,6 +144,11 @@ class Share:
     def share_id(self) -> str:
         return self.descriptor.share_id
 
+    @property
+    def footprint(self) -> int:
+        """What its memory takes of the device (:meth:`MemoryKind.footprint`): what a hold or an orphan costs."""
+        return self.kind.footprint(self.descriptor.size)
+
     def keeps_alive(self) -> bool:
         if self.owner_present or self.holders or self.checks:
             return True
@@ -158,6 +165,11 @@ class Buffer:
     context: SessionContext
     kind: MemoryKind
     share: Share | None = None
+
+    @property
+    def footprint(self) -> int:
+        """What it takes of the device, what the session quota charges (:meth:`MemoryKind.footprint`)."""
+        return self.kind.footprint(self.size)
 
 
 @dataclass(eq=False)

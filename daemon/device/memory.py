@@ -2,9 +2,10 @@
 
 Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`. Buffers come from the private pool of
-their context and their session's uid; ``shareable`` ones from a pool of their own, or
-from ``cuMemAlloc`` where pools cannot export; buffers above ``POOL_BUFFER_MAX`` from VMM
-(``shareable`` ones, where the device has it) or ``cuMemAlloc`` (:mod:`cuctxd.daemon.device.pools`).
+their context and their session's uid (above ``POOL_BUFFER_MAX``, ``cuMemAlloc``); ``shareable`` ones
+from VMM where the device has it, else a pool of their own up to ``POOL_BUFFER_MAX``, else ``cuMemAlloc``
+(:mod:`cuctxd.daemon.device.pools`). Quotas and the reserve count what each buffer takes of the device
+(its kind's footprint: a 4 KiB ``shareable`` buffer takes a 2 MiB VMM allocation).
 """
 
 from __future__ import annotations
@@ -43,14 +44,16 @@ class Memory:
         self.private_memory = PrivatePoolMemory(driver, pools)
         self.own_pool_memory = OwnPoolMemory(driver, pools)
         self.legacy_memory = LegacyMemory(driver)
-        self.vmm_memory = VmmMemory(driver, device)
+        self.vmm_memory = VmmMemory(driver, device, pools.budget)
 
     def kind_for(self, size: int, shareable: bool) -> MemoryKind:
-        """Above :data:`POOL_BUFFER_MAX`, VMM memory for a ``shareable`` buffer where the device has it (an fd
-        keeps it alive: it can be parked), else legacy memory; up to it, a ``shareable`` buffer gets a pool of
-        its own (legacy memory where pools cannot export), any other one the private pool."""
+        """A ``shareable`` buffer: VMM memory where the device has it (one allocation an fd names and keeps
+        alive: it can be parked), else a pool of its own up to :data:`POOL_BUFFER_MAX` where pools can export,
+        else legacy memory. Any other buffer: the private pool, legacy memory above :data:`POOL_BUFFER_MAX`."""
+        if shareable and self.vmm_memory.supported:
+            return self.vmm_memory
         if size > POOL_BUFFER_MAX:
-            return self.vmm_memory if shareable and self.vmm_memory.supported else self.legacy_memory
+            return self.legacy_memory
         if shareable:
             return self.own_pool_memory if self.pools.ipc else self.legacy_memory
         return self.private_memory
@@ -66,20 +69,21 @@ class Memory:
         tried once more.
         """
         self.current.activate(context)
-        self._check_quota(state, size)
         kind = self.kind_for(size, shareable)
+        footprint = kind.footprint(size)
+        self._check_quota(state, footprint)
         try:
-            ptr = kind.allocate(context, size, stream, uid=state.ref.uid)
+            ptr = kind.allocate(context, size, stream, state.ref)
         except CudaError as exc:
             if exc.code != CUresult.CUDA_ERROR_OUT_OF_MEMORY or not self.pools.entries:
                 raise
             self.driver.ctx_synchronize()
             self.pools.trim()
             self.current.activate(context)
-            ptr = kind.allocate(context, size, stream, uid=state.ref.uid)
+            ptr = kind.allocate(context, size, stream, state.ref)
         buffer = Buffer(new_handle() if handle is None else handle, ptr, size, context, kind)
         state.buffers[buffer.handle] = buffer
-        state.bytes_allocated += size
+        state.bytes_allocated += footprint
         context.buffers.add(buffer.handle)
         return buffer
 
@@ -122,7 +126,7 @@ class Memory:
         else:
             self.sharing.owner_left(state, buffer.share, unpublish=unpublish)
         del state.buffers[buffer.handle]
-        state.bytes_allocated -= buffer.size
+        state.bytes_allocated -= buffer.footprint
         buffer.context.buffers.discard(buffer.handle)
 
     def record(self, buffer: Buffer) -> BufferRecord:

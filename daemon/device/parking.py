@@ -3,13 +3,16 @@
 Owned by the device's worker thread, as part of its
 :class:`~cuctxd.daemon.device.state.DeviceState`; the daemon-wide
 :class:`~cuctxd.daemon.registry.parking.ParkingLot` (lock-protected) keeps the store and the
-parked registry. Sharing tells this of every change to a share (:meth:`DeviceParking.sync`):
-a share is parked while it is persistent, named and not revoked.
+parked records. A ``persistent`` publish parks its share (:meth:`DeviceParking.ready`, then
+:meth:`DeviceParking.sync_published`), or fails with ``NotParked``; sharing tells this of every
+later change (:meth:`DeviceParking.sync`): a share stays parked while it is persistent, named and
+not revoked. Every change is sent to the store before the handler that made it returns, so its
+reply follows the store's datagrams.
 
 What keeps a share's memory alive outside the daemon is an fd: a pool of its own's
 (``cuMemPoolExportToShareableHandle``; the sim's pool memfd), a VMM allocation's
 (``cuMemExportToShareableHandle``; the sim's memfd) or, for a ``cuMemAlloc`` buffer, the
-allocation's own (the sim's memfd; cuda has none: such a share is logged as not parkable).
+allocation's own (the sim's memfd; cuda has none: a persistent publish of one fails).
 A new daemon re-adopts it from that fd (:meth:`DeviceParking.adopt`): it imports the pool and
 the buffer (``cuMemPoolImportFromShareableHandle``, ``cuMemPoolImportPointer`` with the parked
 export data), imports and maps the VMM allocation (``cuMemImportFromShareableHandle``,
@@ -30,10 +33,11 @@ from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import MemoryKind, SessionContext, Share
 from cuctxd.daemon.device.pools import LegacyMemory, OwnPoolMemory, Pools, VmmMemory, round_to_granularity
 from cuctxd.daemon.device.sharing import Sharing
-from cuctxd.daemon.registry.parking import ParkedName, ParkedShare, ParkingLot
+from cuctxd.daemon.registry.parked_records import ParkedName, ParkedShare
+from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.shares import Naming, ShareRegistry
-from cuctxd.protos.errors import CuctxError, CudaError
+from cuctxd.protos.errors import CuctxError, CudaError, NotParked
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.layouts import stated_digest
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
@@ -62,8 +66,6 @@ class DeviceParking:
         self.own_pool_memory = own_pool_memory
         self.legacy_memory = legacy_memory
         self.vmm_memory = vmm_memory
-        #: Shares already reported as not parkable (said once each).
-        self._unparkable: set[str] = set()
 
     @property
     def lot(self) -> ParkingLot | None:
@@ -73,29 +75,49 @@ class DeviceParking:
         lot = self.lot
         return lot is not None and lot.parked(share.share_id) is not None
 
-    def sync(self, share: Share) -> None:
-        """Park ``share`` if it should be and is not, update its registry entry, or unpark it (sharing calls this
-        after each change). Never raises: a share that cannot be parked is logged and stays unparked."""
+    def ready(self, share: Share) -> int | None:
+        """Before a ``persistent`` publish names ``share``: the fd that will park it (the caller's, for
+        :meth:`sync_published`), or None where none is needed (no service manager, or parked already).
+        :class:`NotParked` where it cannot be parked: the store or the owner's uid's share of it is full, or
+        its memory has no fd."""
         lot = self.lot
-        if lot is None:
-            return
+        if lot is None or lot.parked(share.share_id) is not None:
+            return None
+        lot.check_room(share.owner.uid)
+        return self._memory_fd(share)
+
+    def sync(self, share: Share) -> None:
+        """Update ``share``'s record, or unpark it, after a change (sharing calls this after each); parks nothing
+        new (a publish does, :meth:`sync_published`). Never raises: a record the store refused is logged."""
         try:
+            self._sync(share, None)
+        except (CuctxError, OSError) as exc:
+            log.warning("device %d: share %s…'s parked record is not up to date: %s", self.device,
+                        share.share_id[:8], exc)
+
+    def sync_published(self, share: Share, fd: int | None) -> None:
+        """After a publish named ``share``: park it with ``fd`` (from :meth:`ready`; closed here), or update its
+        record; returns once the store has been sent the change. :class:`NotParked` if the store refused it."""
+        self._sync(share, fd)
+
+    def _sync(self, share: Share, fd: int | None) -> None:
+        try:
+            lot = self.lot
+            if lot is None:
+                return
             parked = lot.parked(share.share_id)
             live = share.share_id in self.sharing.shares
             if not (live and share.persistent and share.names and not share.revoked):
                 if parked is not None:
                     lot.unpark(share.share_id)
-                if not live:
-                    self._unparkable.discard(share.share_id)
                 return
-            record = self._record(share)
             if parked is not None:
-                lot.update(record)
-            elif share.share_id not in self._unparkable:
-                self._park(lot, share, record)
-        except (CuctxError, OSError) as exc:
-            log.warning("device %d: share %s… could not be parked: %s", self.device, share.share_id[:8], exc)
-            self._unparkable.add(share.share_id)
+                lot.update(self._record(share))
+            elif fd is not None:
+                lot.park(self._record(share), fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def _record(self, share: Share) -> ParkedShare:
         descriptor = share.descriptor
@@ -107,26 +129,23 @@ class DeviceParking:
                            names, {"session": owner.public_id, "client": owner.client, "pid": owner.pid,
                                    "uid": owner.uid})
 
-    def _park(self, lot: ParkingLot, share: Share, record: ParkedShare) -> None:
-        if share.ptr in self.pools.own:
-            fd: int | None = self.pools.export_fd(share.ptr)
-        elif share.kind is self.vmm_memory:
-            fd = self.vmm_memory.export_fd(share.ptr)
-        else:
-            self.current.activate(share.context)
-            fd = self.driver.mem_export_fd(share.ptr)
-        if fd is None:
-            self._unparkable.add(share.share_id)
-            log.warning("device %d: share %s… (%d bytes, names %s) cannot be parked with the service manager: "
-                        "%s memory of this size has no fd (cuMemAlloc + cuIpc); a restart of the daemon forgets "
-                        "it", self.device, share.share_id[:8], share.descriptor.size, sorted(share.names),
-                        self.driver.name)
-            return
+    def _memory_fd(self, share: Share) -> int:
+        """A new fd that keeps ``share``'s memory alive; :class:`NotParked` where there is none."""
         try:
-            if not lot.park(record, fd):
-                self._unparkable.add(share.share_id)
-        finally:
-            os.close(fd)
+            if share.ptr in self.pools.own:
+                fd: int | None = self.pools.export_fd(share.ptr)
+            elif share.kind is self.vmm_memory:
+                fd = self.vmm_memory.export_fd(share.ptr, share.owner)
+            else:
+                self.current.activate(share.context)
+                fd = self.driver.mem_export_fd(share.ptr)
+        except CudaError as exc:
+            raise NotParked(f"its memory's fd could not be exported: {exc}") from None
+        if fd is None:
+            raise NotParked(f"{self.driver.name} memory of this kind ({share.descriptor.size} bytes, cuMemAlloc + "
+                            "cuIpc) has no fd to park; allocate it with shareable=True (a pool of its own or VMM "
+                            "memory), or publish without persistent (a restart then forgets the name)")
+        return fd
 
     # --- at start -------------------------------------------------------------------------
 

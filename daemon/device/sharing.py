@@ -6,8 +6,9 @@ Owned by the device's worker thread, as part of its
 read by the front) this keeps up to date.
 
 What a session keeps alive, its quota pays for: the shares it holds open count
-against ``session_quota`` (:meth:`Sharing.charges`) unless they are of its own
-live buffers, which it already pays for as allocations. An owner may ``revoke`` a
+against ``session_quota`` (:meth:`Sharing.charges`), at what their memory takes of the
+device (:attr:`Share.footprint`), unless they are of its own live buffers, which it
+already pays for as allocations. An owner may ``revoke`` a
 share: its names go, new opens are refused, every holder's hold is dropped and its
 next ``open_shared``/``close_shared`` of it answers ``CUCTXD_ERROR_REVOKED``.
 
@@ -135,10 +136,11 @@ class Sharing:
         uid = state.ref.uid
         orphaned = self.orphaned_bytes.get(uid, 0)
         limit = self.orphan_bytes_limit
-        if orphaned + buffer.size > limit:
+        footprint = buffer.footprint
+        if orphaned + footprint > limit:
             raise LimitExceeded(
                 f"max_orphaned_bytes_per_uid: {_uid_text(uid)} already leaves {orphaned} bytes on device "
-                f"{self.device} in published buffers whose owner is gone; publishing {buffer.size} more would pass "
+                f"{self.device} in published buffers whose owner is gone; publishing {footprint} more would pass "
                 f"the limit of {limit} once its session ends too; unpublish some of them first")
 
     def open(self, state: SessionOnDevice, share_id: str) -> Share:
@@ -153,8 +155,8 @@ class Sharing:
             self._check_share_room(state)
             state.check_room(self.limits.max_objects_per_session, "share hold")
             if self.charges(state, share):
-                state.check_quota(self.limits.session_quota, share.descriptor.size, "hold open a share of")
-                state.bytes_held += share.descriptor.size
+                state.check_quota(self.limits.session_quota, share.footprint, "hold open a share of")
+                state.bytes_held += share.footprint
         if not share.owner_present:
             share.opened_since_orphaned = True
             self._not_orphaned(share)
@@ -187,7 +189,7 @@ class Sharing:
             if holder is not None and share_id in holder.holds:
                 del holder.holds[share_id]
                 if self.charges(holder, share):
-                    holder.bytes_held -= share.descriptor.size
+                    holder.bytes_held -= share.footprint
                 holder.revoked.add(share_id)
         share.holders.clear()
         self.settle(share)
@@ -199,7 +201,7 @@ class Sharing:
         keeps on it now counts against the owner's quota."""
         state.exports -= 1
         if share.share_id in state.holds:
-            state.bytes_held += share.descriptor.size
+            state.bytes_held += share.footprint
         share.owner_present = False
         share.opened_since_orphaned = bool(share.holders)
         if unpublish:
@@ -217,7 +219,7 @@ class Sharing:
             return
         share.orphaned_at = time.monotonic()
         self.orphaned[share.share_id] = share
-        self.orphaned_bytes[share.owner.uid] += share.descriptor.size
+        self.orphaned_bytes[share.owner.uid] += share.footprint
         self.registry.count_orphan(share.share_id, True)
         self._evict_orphans(share.owner.uid)
 
@@ -242,7 +244,7 @@ class Sharing:
     def _not_orphaned(self, share: Share) -> None:
         if self.orphaned.pop(share.share_id, None) is not None:
             uid = share.owner.uid
-            self.orphaned_bytes[uid] -= share.descriptor.size
+            self.orphaned_bytes[uid] -= share.footprint
             if not self.orphaned_bytes[uid]:
                 del self.orphaned_bytes[uid]
             self.registry.count_orphan(share.share_id, False)
@@ -319,7 +321,7 @@ class Sharing:
         else:
             share.holders.pop(state.ref.token, None)
             if self.charges(state, share):
-                state.bytes_held -= share.descriptor.size
+                state.bytes_held -= share.footprint
         self.settle(share)
 
     def settle(self, share: Share) -> None:

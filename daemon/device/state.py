@@ -76,7 +76,7 @@ class DeviceState:
         self.current = CurrentContext(driver)
         #: Make a context current on the worker (the bound method itself: handlers call it per request).
         self.activate = self.current.activate
-        self.pools = Pools(driver, device, self.current)
+        self.pools = Pools(driver, device, self.current, tickets.budget)
         self.streams = Streams(driver, device, self.current, self.sessions, self.pools)
         self.contexts = Contexts(driver, device, self.current, self.streams, limits)
         self.sharing = Sharing(driver, info, self.current, self.contexts, registry, limits, self.sessions)

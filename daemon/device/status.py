@@ -39,7 +39,7 @@ def memory_status(state: DeviceState, live: list[Any] | None = None) -> dict[str
     left). Worker thread."""
     contexts = state.live_contexts() if live is None else live
     allocated = sum(s.bytes_allocated for s in state.sessions.values()) + sum(
-        share.descriptor.size for share in state.sharing.shares.values() if not share.owner_present)
+        share.footprint for share in state.sharing.shares.values() if not share.owner_present)
     memory: dict[str, Any] = {"total": state.info.total_memory, "free": None, "used": None, "allocated": allocated}
     if contexts:
         try:

@@ -148,6 +148,10 @@ class DeviceWorker:
         """Queue fire-and-forget work on this device's state; failures are logged."""
         self.submit_task(lambda worker: worker._run_quietly(work))
 
+    def forward(self, job: Job, forward: Forward) -> None:
+        """Go on with ``job`` (a front op's, or another device's) here with ``forward.then``; this worker replies."""
+        self.submit_task(lambda worker: worker._continue(job, forward))
+
     def close_session(self, session: Session) -> None:
         """Close ``session`` on this device once its requests queued here have run (reaping)."""
         ref = session.ref
@@ -480,7 +484,7 @@ class DeviceWorker:
         if peer is None:
             self._fail(job, CudaError.of(CUresult.CUDA_ERROR_INVALID_DEVICE, f"no device {outcome.device}"))
             return
-        peer.submit_task(lambda worker: worker._continue(job, outcome))
+        peer.forward(job, outcome)
 
     def _continue(self, job: Job, forward: Forward) -> None:
         assert self.state is not None

@@ -24,9 +24,9 @@ from cuctxd.daemon.device.queues import check_sent
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.handlers import FRONT_HANDLERS
-from cuctxd.daemon.handlers.replies import FanOut, Gather, Reply
+from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Reply
 from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, device_job, refusal
-from cuctxd.daemon.intake.jobs import payload_bytes
+from cuctxd.daemon.intake.jobs import Job, payload_bytes
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.peers import peer_of
 from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
@@ -159,16 +159,20 @@ class Front:
             self.observer.handled(identity, request_id, op_name, outcome, started)
 
     def _answer(self, identity: bytes, admitted: Admitted, peer: str | None) -> None:
-        """Run a front op here and reply (a fan-out replies from the last worker to finish)."""
+        """Run a front op here and reply (a fan-out replies from the last worker to finish, a forward from the
+        worker it goes to)."""
         request = admitted.request
         outcome = FRONT_HANDLERS[request.spec.name](self.state, admitted.session, admitted.args, peer)
         if isinstance(outcome, FanOut):
             self._fan_out(identity, request.id, outcome)
             return
+        if isinstance(outcome, Forward):  # the device's worker replies, through the replies socket
+            assert admitted.session is not None
+            job = Job(identity, request.id, request.spec, admitted.args, admitted.session.ref, outcome.device)
+            self.workers[outcome.device].forward(job, outcome)
+            return
         assert isinstance(outcome, Reply)
         send_parts(self.router, identity, encode_result(request.id, outcome.result), outcome.frames)
-        for task in outcome.tasks:
-            self.workers[task.device].run(task.run)
 
     def _fan_out(self, identity: bytes, request_id: int, fan_out: FanOut) -> None:
         if not self.workers:

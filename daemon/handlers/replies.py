@@ -23,23 +23,11 @@ from cuctxd.daemon.registry.sessions import Session
 
 
 @dataclass
-class DeviceTask:
-    """Fire-and-forget work for device ``device``'s worker, queued after a front reply."""
-
-    device: int
-    run: Callable[[DeviceState], None]
-
-
-@dataclass
 class Reply:
-    """A successful result map plus payload frames (zero-copy buffers).
-
-    ``tasks`` (front handlers only) are queued to device workers once the reply is sent.
-    """
+    """A successful result map plus payload frames (zero-copy buffers)."""
 
     result: dict[str, Any] = field(default_factory=dict)
     frames: Sequence[Any] = ()
-    tasks: Sequence[DeviceTask] = ()
 
 
 @dataclass
@@ -64,7 +52,8 @@ def after_markers(streams: Streams, markers: list[Marker], reply: Reply) -> Pend
 
 @dataclass
 class Forward:
-    """Continue on device ``device``'s worker thread with ``then(state)``."""
+    """Continue on device ``device``'s worker thread with ``then(state)`` (from a device handler, or from a
+    front handler whose op must finish on a worker, ``unpublish``); that worker sends the reply."""
 
     device: int
     then: Callable[[DeviceState], Reply | Pending | Forward]

@@ -75,7 +75,9 @@ def goodbye(front: DaemonState, session: Session | None, args: ops.Goodbye, peer
 
 @front_handler(ops.Ping)
 def ping(front: DaemonState, session: Session | None, args: ops.Ping, peer: str | None) -> Reply:
-    return Reply()
+    """Answers with this daemon run's ``instance``: a client whose reply is late asks it, so as to tell a
+    restarted daemon from a slow one."""
+    return Reply({"instance": front.instance})
 
 
 @front_handler(ops.DeviceCount)
@@ -128,6 +130,8 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
         daemon_part["fd_channel"] = front.fd_channel.stats()
     if front.fd_budget is not None:
         daemon_part["fd_budget"] = front.fd_budget.to_status()
+    if front.shares.parking is not None:
+        daemon_part["parking"] = front.shares.parking.to_status()
 
     def each(state: DeviceState) -> dict[str, Any]:
         part = device_status(state)

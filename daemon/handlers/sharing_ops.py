@@ -3,20 +3,21 @@ leases are answered by the front from the daemon-wide :class:`~cuctxd.daemon.reg
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from cuctxd.daemon.device.entries import SessionContext
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.handlers.registry import device_handler, front_handler
-from cuctxd.daemon.handlers.replies import DeviceTask, Forward, Pending, Reply, after_markers
+from cuctxd.daemon.handlers.replies import Forward, Pending, Reply, after_markers
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
-from cuctxd.protos.errors import BadArgument
+from cuctxd.protos.errors import BadArgument, NotParked
 from cuctxd.protos.layouts import check_manifest
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 from cuctxd.protos.messages import pack
@@ -47,14 +48,15 @@ def export(state: DeviceState, job: Job) -> Reply | Pending:
 def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
     """Name the buffer (or, ``copy``/``stage``, make it a copy of the name on this device); with ``replace``,
     the name's old shares (its copies on other devices too) forget it each on its own device's worker (here,
-    or forwarded there, one device after the other, and back) before the reply, as after ``unpublish``."""
+    or forwarded there, one device after the other, and back) before the reply, as after ``unpublish``. A
+    ``persistent`` name is parked (PROTOCOL.md, "Parking") before the reply, or the publish fails with
+    ``NotParked`` and names nothing on this device."""
     name = job.args.name
     if not name:
         raise BadArgument("publish needs a non-empty name")
     if job.args.once and job.args.persistent:
         raise BadArgument("a name published once (consume-once) cannot be persistent")
-    copy = job.args.copy or job.args.stage
-    if copy and (job.args.once or job.args.replace):
+    if (job.args.copy or job.args.stage) and (job.args.once or job.args.replace):
         raise BadArgument("a copy of a name is published neither once nor with replace (replace the name itself)")
     session = state.session(job.session)
     buffer = session.buffers[job.args.buffer]
@@ -64,33 +66,47 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
         naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only, manifest.digest)
     state.sharing.check_orphan_room(session, buffer)
     share = state.sharing.export(session, buffer)
-    replaced = state.registry.publish(name, share, naming, replace=job.args.replace, copy=job.args.copy,
-                                      stage=job.args.stage)
-    share.persistent = share.persistent or job.args.persistent
+    persistent = share.persistent or job.args.persistent
+    park_fd = state.parking.ready(share) if persistent else None
+    try:
+        replaced = state.registry.publish(name, share, naming, replace=job.args.replace, copy=job.args.copy,
+                                          stage=job.args.stage)
+    except BaseException:
+        if park_fd is not None:
+            os.close(park_fd)
+        raise
+    was_persistent, share.persistent = share.persistent, persistent
     share.once = share.once or job.args.once
     for old_share, old_device in replaced:
         if old_device == state.device:
             state.sharing.forget_name(name, old_share)  # unparked (or updated) before the new share is parked
-    state.parking.sync(share)
+    try:
+        state.parking.sync_published(share, park_fd)
+    except NotParked:
+        share.persistent = was_persistent
+        state.registry.withdraw(name, share)
+        state.sharing.forget_name(name, share.share_id)
+        raise
     written = _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": name,
                                                                 "read_only": job.args.read_only}))
     elsewhere = [(old_share, old_device) for old_share, old_device in replaced if old_device != state.device]
-    return _forget_elsewhere(name, elsewhere, state.device, written)
+    if not elsewhere:
+        return written
+    here = state.device
+    return _forget_each(name, elsewhere, lambda _: Forward(here, lambda _: written))
 
 
-def _forget_elsewhere(name: str, left: list[tuple[str, int]], here: int, reply: Reply | Pending
-                      ) -> Reply | Pending | Forward:
-    """``reply`` once each (share, device) in ``left`` forgot ``name`` on its device's worker, one after the
-    other, and the request came back ``here``."""
-    if not left:
-        return reply
-    (old_share, old_device), rest = left[0], left[1:]
+def _forget_each(name: str, left: list[tuple[str, int]],
+                 last: Callable[[DeviceState], Reply | Pending | Forward]) -> Forward:
+    """Each (share, device) of ``left`` in turn forgets ``name`` on its device's worker; then ``last`` runs on the
+    last of them."""
+    (share_id, device), rest = left[0], left[1:]
 
-    def on_old_device(other: DeviceState) -> Forward:
-        other.sharing.forget_name(name, old_share)
-        return Forward(here, lambda _: _forget_elsewhere(name, rest, here, reply))
+    def on_device(state: DeviceState) -> Reply | Pending | Forward:
+        state.sharing.forget_name(name, share_id)
+        return _forget_each(name, rest, last) if rest else last(state)
 
-    return Forward(old_device, on_old_device)
+    return Forward(device, on_device)
 
 
 @device_handler(ops.OpenShared)
@@ -104,7 +120,7 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
             if mechanism == "pool":
                 fd, info = state.pools.export_fd(share.ptr), {"pool_id": share.descriptor.pool_id}
             else:
-                fd, info = state.memory.vmm_memory.export_fd(share.ptr), {"share_id": share.share_id}
+                fd, info = state.memory.vmm_memory.export_fd(share.ptr, share.owner), {"share_id": share.share_id}
             result["ticket"] = state.tickets.issue(job.session.token, job.session.uid, [fd], info,
                                                    job.session.fd_peer)
         except BaseException:
@@ -145,15 +161,13 @@ def heartbeat(front: DaemonState, session: Session | None, args: ops.Heartbeat, 
 
 
 @front_handler(ops.Unpublish)
-def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Reply:
+def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Forward:
+    """The name goes here (every copy of it, or with ``device`` its copy there); each copy's share forgets it on
+    its device's worker, one after the other, and the last replies once that is done (and the shares unparked,
+    or their parked records updated: a restart after the reply never finds the name)."""
     assert session is not None
-    name = args.name
-    left = front.shares.unpublish(name, session.ref, args.device)
-    return Reply(tasks=[DeviceTask(device, _forgetting(name, share_id)) for share_id, device in left])
-
-
-def _forgetting(name: str, share_id: str) -> Callable[[DeviceState], None]:
-    return lambda state: state.sharing.forget_name(name, share_id)
+    left = front.shares.unpublish(args.name, session.ref, args.device)
+    return _forget_each(args.name, left, lambda _: Reply())
 
 
 @front_handler(ops.Lookup)

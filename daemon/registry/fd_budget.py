@@ -12,7 +12,9 @@ once, at start, in three parts that together never pass it (:class:`FdPlan`):
 * **client fds** (``max_client_fds``): every descriptor the daemon holds on a
   client's behalf: a ticket's fds until redeemed or expired, an shm lane's
   memfd, eventfds and mapping, a host buffer's mapping (Python's ``mmap`` keeps
-  its own descriptor), fd channel connections. :class:`FdBudget` counts them,
+  its own descriptor), fd channel connections, a shareable buffer's pool of its
+  own (a device without VMM), the sim's memfd of an exported VMM buffer.
+  :class:`FdBudget` counts them,
   daemon-wide and per peer (``max_client_fds_per_peer``) and per session
   (``max_client_fds_per_session``), so that one client cannot take what every
   other needs.
@@ -141,7 +143,7 @@ class FdBudget:
             if session is not None and in_session + count > self.per_session:
                 refusal = (f"max_client_fds_per_session: the session holds {in_session} fds in the daemon of "
                            f"{self.per_session}; {what} needs {count} more (redeem or let go of tickets, host "
-                           "buffers or shm lanes first)")
+                           "buffers, shm lanes or pools of their own first)")
             elif in_peer + count > self.per_peer:
                 refusal = (f"max_client_fds_per_peer: this client ({peer}) holds {in_peer} fds in the daemon "
                            f"of {self.per_peer}; {what} needs {count} more")

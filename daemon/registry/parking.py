@@ -2,47 +2,61 @@
 
 Under systemd (``$NOTIFY_SOCKET``), each persistent share's memory is kept alive by an fd
 in the service manager's file-descriptor store (``FDSTORE=1``, ``FDNAME=cuctxd-share-<id>``),
-and what a new daemon needs to rebuild its names, the *parked registry*, by a sealed memfd
-stored beside them (``FDNAME=cuctxd-registry-<generation>``): each change stores the next
-generation first and then removes the previous one (``FDSTOREREMOVE=1``), so the store always
-holds a whole registry. A share freed, unpublished or revoked is removed from the store.
+and what a new daemon needs to rebuild its names, its *record*, by a sealed memfd stored beside it
+(``FDNAME=cuctxd-record-<id>-<generation>``, :mod:`cuctxd.daemon.registry.parked_records`). Parking
+stores the memory, then the record; a change stores the share's next record, then removes its previous
+one (``FDSTOREREMOVE=1``); unparking removes the record, then the memory. So the store always holds
+a whole record for every share it keeps, and a change costs that share's record alone. Generations
+count daemon-wide: where two records claim one name at recovery (a ``replace`` cut short), the newer wins.
 
-At start (``LISTEN_FDS``, sd_listen_fds(3)) :meth:`ParkingLot.recover` reads the newest
-registry that decodes and pairs each of its shares with its fd; the device workers re-import
-them (:mod:`cuctxd.daemon.device.parking`). Whatever cannot be verified, a registry that is
-corrupt, truncated or of a newer format, an fd without a registry entry or an entry without its
-fd, is skipped with a log line and dropped from the store; the daemon starts anyway.
+Every method that changes the store returns once the datagrams carrying the change were sent: the
+reply that acknowledges it goes out after, so a SIGKILL after the reply finds the change in the store.
+Each uid's shares may hold ``max_parked_fds_per_uid`` of the store's fds, and every parked fd counts
+against the daemon's fd budget (a new daemon holds them all at start): a share that does not fit is
+refused with :class:`~cuctxd.protos.errors.NotParked`.
 
-Shared between threads: the device workers park and unpark, the main thread recovers at
-start; every method runs under one lock. Calls the store (a datagram to the service manager)
-under it, which never blocks for long.
+At start (``LISTEN_FDS``, sd_listen_fds(3)) :meth:`ParkingLot.recover` pairs the newest readable
+record of each share (or, from a daemon before format 2, the newest readable registry's entry) with
+its memory's fd; the device workers re-import them (:mod:`cuctxd.daemon.device.parking`). Whatever
+cannot be verified is skipped with a log line and dropped from the store; the daemon starts anyway.
+
+Shared between threads: the device workers park and unpark, the main thread recovers at start, the
+front reads :meth:`to_status`; every method runs under one lock. Calls the store (a datagram to the
+service manager) under it, which never blocks for long.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cuctxd.protos.memfd import resize_sealed, sealed_memfd
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
+from cuctxd.daemon.registry.parked_records import (
+    REGISTRY_FDNAME,
+    SHARE_FDNAME,
+    ParkedShare,
+    ParkError,
+    decode_record,
+    decode_registry,
+    encode_record,
+    read_sealed,
+    record_fdname,
+    record_of,
+    registry_generation,
+)
+from cuctxd.protos.errors import LimitExceeded, NotParked
+from cuctxd.protos.memfd import sealed_memfd
 
 log = logging.getLogger(__name__)
 
-#: The parked registry's format; a daemon skips a registry of a newer one (and says so).
-FORMAT_VERSION = 1
-#: ``FDNAME`` of a parked share's memory: this prefix and its share id.
-SHARE_FDNAME = "cuctxd-share-"
-#: ``FDNAME`` of the parked registry: this prefix and its generation.
-REGISTRY_FDNAME = "cuctxd-registry-"
-#: The most bytes of a parked registry a daemon reads (a larger one is skipped as corrupt).
-MAX_REGISTRY_BYTES = 256 << 20
-_SHARE_ID = re.compile(r"^[0-9a-f]{32}$")
+#: Store fds a parked share holds: its memory and its record.
+FDS_PER_SHARE = 2
+#: Uids listed in ``status`` (those holding the most).
+STATUS_UIDS = 8
 
 
 class FdStore(Protocol):
@@ -61,100 +75,16 @@ class FdStore(Protocol):
         """No more datagrams (the daemon is done)."""
 
 
-class ParkError(ValueError):
-    """A parked registry that cannot be read: corrupt, truncated or of a newer format."""
-
-
-@dataclass(frozen=True)
-class ParkedName:
-    """A published name of a parked share, with what it was published with."""
-
-    name: str
-    manifest: bytes = b""
-    tensors: int = 0
-    read_only: bool = False
-
-
-@dataclass(frozen=True)
-class ParkedShare:
-    """What a new daemon needs to re-adopt one share: its memory's kind and size, device, names and publisher.
-
-    ``mechanism``: ``"pool"`` (the fd is its pool's; ``export_data`` names the buffer in it),
-    ``"vmm"`` (the fd is its VMM allocation's, ``cuMemExportToShareableHandle``) or
-    ``"ipc"`` (the fd is the allocation's own memory: the sim's memfd).
-    """
-
-    share_id: str
-    device: int
-    device_uuid: str
-    size: int
-    backend: str
-    mechanism: str
-    export_data: bytes
-    names: tuple[ParkedName, ...]
-    #: Who published it: ``session``, ``client``, ``pid``, ``uid`` (as ``list_shared`` says).
-    publisher: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def fdname(self) -> str:
-        return SHARE_FDNAME + self.share_id
-
-
-def encode(shares: Sequence[ParkedShare], generation: int) -> bytes:
-    """The parked registry: JSON, bytes fields in base64."""
-    entries = []
-    for share in shares:
-        entry = asdict(share)
-        entry["export_data"] = base64.b64encode(share.export_data).decode()
-        entry["names"] = [{**asdict(n), "manifest": base64.b64encode(n.manifest).decode()} for n in share.names]
-        entries.append(entry)
-    return json.dumps({"format": FORMAT_VERSION, "generation": generation, "shares": entries},
-                      separators=(",", ":")).encode()
-
-
-def decode(raw: bytes) -> tuple[int, list[ParkedShare]]:
-    """(generation, shares) of a parked registry; :class:`ParkError` for anything it cannot verify."""
-    try:
-        document = json.loads(raw)
-        if not isinstance(document, dict):
-            raise ParkError("not a JSON object")
-        version = document.get("format")
-        if not isinstance(version, int) or version < 1:
-            raise ParkError(f"no format version ({version!r})")
-        if version > FORMAT_VERSION:
-            raise ParkError(f"format {version} is newer than this daemon's ({FORMAT_VERSION})")
-        generation = document["generation"]
-        if not isinstance(generation, int):
-            raise ParkError("no generation")
-        return generation, [_share(entry) for entry in document["shares"]]
-    except ParkError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ParkError(f"corrupt or truncated: {exc!r}") from None
-
-
-def _share(entry: dict[str, Any]) -> ParkedShare:
-    share_id = entry["share_id"]
-    if not isinstance(share_id, str) or not _SHARE_ID.match(share_id):
-        raise ParkError(f"bad share id {share_id!r}")
-    names = tuple(ParkedName(_typed(n["name"], str), base64.b64decode(n["manifest"], validate=True),
-                             _typed(n["tensors"], int), _typed(n["read_only"], bool)) for n in entry["names"])
-    size = _typed(entry["size"], int)
-    if size <= 0:
-        raise ParkError(f"share {share_id}: size {size}")
-    mechanism = _typed(entry["mechanism"], str)
-    if mechanism not in ("pool", "vmm", "ipc"):
-        raise ParkError(f"share {share_id}: unknown mechanism {mechanism!r}")
-    return ParkedShare(share_id, _typed(entry["device"], int), _typed(entry["device_uuid"], str), size,
-                       _typed(entry["backend"], str), mechanism,
-                       base64.b64decode(entry["export_data"], validate=True), names,
-                       _typed(entry["publisher"], dict))
-
-
-def _typed(value: Any, kind: type) -> Any:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ParkError(f"{value!r} is not a {kind.__name__}")
-    return value
+def per_uid_share(limit: int | None, configured: int) -> int:
+    """``max_parked_fds_per_uid`` in effect: ``configured`` (at most the store), else a quarter of the store;
+    0 (no share) where the store has no known limit and none is configured."""
+    if limit is None:
+        return configured
+    if configured > limit:
+        log.warning("max_parked_fds_per_uid %d is more than the fd store keeps (%d): using %d", configured, limit,
+                    limit)
+        return limit
+    return configured or max(FDS_PER_SHARE, limit // 4)
 
 
 @dataclass
@@ -166,60 +96,93 @@ class Recovered:
 
 
 class ParkingLot:
-    """The daemon's parked shares and their registry in the service manager's fd store (module docstring)."""
+    """The daemon's parked shares and their records in the service manager's fd store (module docstring)."""
 
-    def __init__(self, store: FdStore) -> None:
+    def __init__(self, store: FdStore, budget: FdBudget | None = None, per_uid: int = 0) -> None:
+        """``per_uid``: ``max_parked_fds_per_uid`` as configured (0: a quarter of the store)."""
         self.store = store
+        self.budget = budget
+        self.per_uid = per_uid_share(store.limit, per_uid)
         self._lock = threading.Lock()
         self._parked: dict[str, ParkedShare] = {}
+        #: Each parked share's record in the store, by share id.
+        self._records: dict[str, str] = {}
+        self._charges: dict[str, FdCharge | None] = {}
+        #: Store fds of each uid's parked shares.
+        self._by_uid: dict[int | None, int] = {}
+        #: Format 1 registries (and records of shares not adopted yet) in the store until :meth:`commit`.
+        self._stale: list[str] = []
         self._generation = 0
-        #: The registry's FDNAMEs now in the store (normally one).
-        self._registries: list[str] = []
-
-    @property
-    def room(self) -> int | None:
-        """How many more shares may be parked (the store's limit less the shares and two registries), or None."""
-        limit = self.store.limit
-        with self._lock:
-            return None if limit is None else max(0, limit - 2 - len(self._parked))
+        #: Records stored, and their bytes, since start (what a change costs: its own record).
+        self.records_written = 0
+        self.record_bytes_written = 0
+        self.refused = 0
 
     def parked(self, share_id: str) -> ParkedShare | None:
         with self._lock:
             return self._parked.get(share_id)
 
-    def park(self, share: ParkedShare, fd: int) -> bool:
-        """Store ``fd`` (the caller keeps and closes its copy) as the share's memory and record it; False (and a
-        log line) if the store is full or refused it."""
+    def check_room(self, uid: int | None) -> None:
+        """:class:`NotParked` when a new share of ``uid`` would not fit the store or the uid's share of it."""
         with self._lock:
-            limit = self.store.limit
-            if limit is not None and len(self._parked) + 2 >= limit:
-                log.warning("share %s… (names %s) not parked: the service manager's fd store is full "
-                            "(FileDescriptorStoreMax=%d); a restart forgets it", share.share_id[:8],
-                            [n.name for n in share.names], limit)
-                return False
+            refusal = self._refusal(uid)
+            if refusal is not None:
+                self.refused += 1
+                raise NotParked(refusal)
+
+    def park(self, share: ParkedShare, fd: int) -> None:
+        """Store ``fd`` (the caller keeps and closes its copy) as the share's memory, then its record; returns once
+        both were sent. :class:`NotParked` (nothing stays stored) where it does not fit or the store refused."""
+        with self._lock:
+            refusal = self._refusal(share.uid)
+            if refusal is not None:
+                self.refused += 1
+                raise NotParked(refusal)
+            charge = self._charge(share)
             if not self.store.store(share.fdname, fd):
-                return False
+                _release(charge)
+                raise NotParked("the service manager's fd store did not take the share's fd (see the daemon log)")
+            if not self._write_record(share):
+                self.store.remove(share.fdname)
+                _release(charge)
+                raise NotParked("the share's record could not be stored with the service manager (see the daemon "
+                                "log)")
             self._parked[share.share_id] = share
-            self._write()
+            self._charges[share.share_id] = charge
+            self._by_uid[share.uid] = self._by_uid.get(share.uid, 0) + FDS_PER_SHARE
         log.info("parked share %s… (%d bytes on device %d, names %s) with the service manager",
                  share.share_id[:8], share.size, share.device, [n.name for n in share.names])
-        return True
 
     def update(self, share: ParkedShare) -> None:
-        """A parked share's names (or publisher) changed: store the registry again if it differs."""
+        """A parked share's names (or publisher) changed: store its next record, then remove the previous one.
+        :class:`NotParked` if the store did not take it (the previous record stays)."""
         with self._lock:
-            if self._parked.get(share.share_id) not in (None, share):
-                self._parked[share.share_id] = share
-                self._write()
+            if self._parked.get(share.share_id) in (None, share):
+                return
+            previous = self._records.get(share.share_id)
+            if not self._write_record(share):
+                raise NotParked("the share's new record could not be stored with the service manager (see the "
+                                "daemon log); a restart finds its previous names")
+            if previous is not None:
+                self.store.remove(previous)
+            self._parked[share.share_id] = share
 
     def unpark(self, share_id: str) -> None:
-        """The share is gone (or no longer persistent): out of the store and the registry."""
+        """The share is gone (or no longer persistent): its record, then its memory, out of the store."""
         with self._lock:
             share = self._parked.pop(share_id, None)
             if share is None:
                 return
+            record = self._records.pop(share_id, None)
+            if record is not None:
+                self.store.remove(record)
             self.store.remove(share.fdname)
-            self._write()
+            _release(self._charges.pop(share_id, None))
+            left = self._by_uid.get(share.uid, 0) - FDS_PER_SHARE
+            if left > 0:
+                self._by_uid[share.uid] = left
+            else:
+                self._by_uid.pop(share.uid, None)
         log.info("share %s… unparked (names %s)", share_id[:8], [n.name for n in share.names])
 
     def forget(self, name: str, why: str) -> None:
@@ -227,84 +190,179 @@ class ParkingLot:
         log.warning("dropping %s from the service manager's fd store: %s", name, why)
         self.store.remove(name)
 
-    def _write(self) -> None:
-        """Store the next generation of the registry, then remove the previous ones (under the lock); with no
-        share parked, only remove them."""
-        if not self._parked:
-            for old in self._registries:
-                self.store.remove(old)
-            self._registries = []
-            return
-        self._generation += 1
-        name = f"{REGISTRY_FDNAME}{self._generation}"
-        raw = encode(list(self._parked.values()), self._generation)
+    def to_status(self) -> dict[str, Any]:
+        """For ``status`` (any thread): the store's use, in all and by the uids holding the most."""
+        with self._lock:
+            top = sorted(self._by_uid.items(), key=lambda item: -item[1])[:STATUS_UIDS]
+            return {"store_max": self.store.limit, "fds": self._used(), "shares": len(self._parked),
+                    "max_per_uid": self.per_uid or None, "uids": [{"uid": uid, "fds": fds} for uid, fds in top],
+                    "refused": self.refused, "records_written": self.records_written,
+                    "record_bytes_written": self.record_bytes_written}
+
+    def _used(self) -> int:
+        return FDS_PER_SHARE * len(self._parked) + len(self._stale)
+
+    def _refusal(self, uid: int | None) -> str | None:
+        """Why a new share of ``uid`` does not fit (under the lock): the store keeps a slot spare for a record's
+        next generation, stored before the previous one is removed."""
+        limit = self.store.limit
+        used = self._used()
+        if limit is not None and used + FDS_PER_SHARE + 1 > limit:
+            return (f"the service manager's fd store is full: {used} of its {limit} fds "
+                    f"(FileDescriptorStoreMax=) are parked shares, each {FDS_PER_SHARE}; unpublish persistent names "
+                    "first, or publish without persistent (a restart then forgets the name)")
+        held = self._by_uid.get(uid, 0)
+        if self.per_uid and held + FDS_PER_SHARE > self.per_uid:
+            who = "the peers whose uid is unknown (tcp://)" if uid is None else f"uid {uid}"
+            return (f"max_parked_fds_per_uid: {who} has {held} fds parked in the service manager's fd store, of "
+                    f"its share of {self.per_uid}; a parked share takes {FDS_PER_SHARE}; unpublish some of its "
+                    "persistent names first")
+        return None
+
+    def _charge(self, share: ParkedShare) -> FdCharge | None:
+        """Count the share's store fds against the fd budget (a new daemon holds them all at start)."""
+        if self.budget is None:
+            return None
         try:
-            fd = sealed_memfd("cuctxd-registry", len(raw))
+            return self.budget.charge(FDS_PER_SHARE, "a parked share", _budget_peer(share.uid))
+        except LimitExceeded as exc:
+            self.refused += 1
+            raise NotParked(f"its fds would pass the fd budget: {exc.message}") from None
+
+    def _write_record(self, share: ParkedShare) -> bool:
+        """Store the share's next record (under the lock); False (and a log line) if it could not be."""
+        self._generation += 1
+        name = record_fdname(share.share_id, self._generation)
+        raw = encode_record(share, self._generation)
+        try:
+            fd = sealed_memfd("cuctxd-record", len(raw))
         except OSError as exc:
-            log.error("cannot write the parked registry: %s; a restart may forget recent changes", exc)
-            return
+            log.error("cannot write share %s…'s parked record: %s", share.share_id[:8], exc)
+            return False
         try:
             os.pwrite(fd, raw, 0)
             stored = self.store.store(name, fd)
+        except OSError as exc:
+            log.error("cannot write share %s…'s parked record: %s", share.share_id[:8], exc)
+            stored = False
         finally:
             os.close(fd)
-        if not stored:
-            return
-        for old in self._registries:
-            self.store.remove(old)
-        self._registries = [name]
+        if stored:
+            self._records[share.share_id] = name
+            self.records_written += 1
+            self.record_bytes_written += len(raw)
+        return stored
 
     # --- at start -------------------------------------------------------------------------
 
     def recover(self, fds: Sequence[tuple[str, int]]) -> Recovered:
-        """Pair the shares of the newest readable registry among ``fds`` (from sd_listen_fds) with their fds.
+        """Pair the newest readable record of each share among ``fds`` (from sd_listen_fds) with its memory's fd.
 
         Every fd not returned is closed here; what is skipped is logged and removed from the store. The
-        registries found are removed once :meth:`adopted` has stored the next one (:meth:`commit`).
+        records and registries read stay stored until :meth:`commit`, after the adoptions.
         """
         recovered = Recovered()
-        registries: list[tuple[int, str, int]] = []
+        found: dict[str, tuple[int, ParkedShare, str | None]] = {}
         memory: dict[str, int] = {}
+        records: list[tuple[int, str, str, int]] = []
+        registries: list[tuple[int, str, int]] = []
         for name, fd in fds:
-            if name.startswith(REGISTRY_FDNAME):
-                registries.append((_generation(name), name, fd))
+            named = record_of(name)
+            if named is not None:
+                records.append((named[1], named[0], name, fd))
+            elif name.startswith(REGISTRY_FDNAME):
+                registries.append((registry_generation(name), name, fd))
             elif name.startswith(SHARE_FDNAME) and name not in memory:
                 memory[name] = fd
             else:
                 os.close(fd)
                 recovered.skipped += 1
                 self.forget(name, "not a name cuctxd stores (or stored twice)")
-        chosen: list[ParkedShare] | None = None
+        registry_read = False
         for generation, name, fd in sorted(registries, reverse=True):
-            self._generation = max(self._generation, generation)  # a later registry never takes a name found
-            try:
-                if chosen is None:
-                    _, chosen = decode(_read_registry(fd))
-            except ParkError as exc:
-                log.error("the parked registry %s cannot be used (%s): its shares are not adopted", name, exc)
-                recovered.skipped += 1
-            finally:
-                os.close(fd)
-            self._registries.append(name)
-        for share in chosen or ():
-            fd = memory.pop(share.fdname, -1)
-            if fd < 0:
-                log.error("parked share %s… (names %s) has no fd in the store: skipped", share.share_id[:8],
-                          [n.name for n in share.names])
-                recovered.skipped += 1
+            self._generation = max(self._generation, generation)
+            self._stale.append(name)
+            if registry_read:
+                os.close(fd)  # only the newest readable registry counts
                 continue
+            read = self._read(name, fd, registry=True)
+            registry_read = read is not None
+            recovered.skipped += read is None
+            for generation_read, share in read or ():
+                found.setdefault(share.share_id, (generation_read, share, None))
+        for generation, share_id, name, fd in sorted(records, reverse=True):
+            self._generation = max(self._generation, generation)
+            self._stale.append(name)
+            read = self._read(name, fd, registry=False)
+            recovered.skipped += read is None
+            for generation_read, share in read or ():
+                if share.share_id != share_id or generation_read != generation:
+                    log.error("the parked record %s names share %s… generation %d: skipped", name,
+                              share.share_id[:8], generation_read)
+                    recovered.skipped += 1
+                elif found.get(share_id, (-1,))[0] < generation:
+                    found[share_id] = (generation, share, name)
+        claimed: set[str] = set()
+        for _, share, record in sorted(found.values(), key=lambda entry: -entry[0]):
+            share = self._unclaimed(share, claimed)
+            fd = memory.pop(share.fdname, -1)
+            if fd < 0 or not share.names:
+                why = "has no fd in the store" if fd < 0 else "lost every name to newer records"
+                log.error("parked share %s… %s: skipped", share.share_id[:8], why)
+                recovered.skipped += 1
+                if fd >= 0:
+                    os.close(fd)
+                    self.forget(share.fdname, why)
+                continue
+            if record is not None:
+                self._stale.remove(record)
+                self._records[share.share_id] = record
             recovered.shares.append((share, fd))
         for name, fd in memory.items():
             os.close(fd)
             recovered.skipped += 1
-            self.forget(name, "no entry in a readable parked registry")
+            self.forget(name, "no entry in a readable parked record")
         return recovered
+
+    @staticmethod
+    def _read(name: str, fd: int, *, registry: bool) -> list[tuple[int, ParkedShare]] | None:
+        """The (generation, share) pairs a record or registry holds (closing ``fd``); None and a log line if it
+        cannot be read."""
+        try:
+            raw = read_sealed(fd)
+            if registry:
+                generation, shares = decode_registry(raw)
+                return [(generation, share) for share in shares]
+            return [decode_record(raw)]
+        except ParkError as exc:
+            log.error("the parked %s %s cannot be used (%s): its shares are not adopted",
+                      "registry" if registry else "record", name, exc)
+            return None
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _unclaimed(share: ParkedShare, claimed: set[str]) -> ParkedShare:
+        """``share`` without the names a newer record claimed (each name goes to the newest record naming it)."""
+        names = tuple(n for n in share.names if n.name not in claimed)
+        if len(names) != len(share.names):
+            log.warning("parked share %s…: names %s go to newer records", share.share_id[:8],
+                        sorted({n.name for n in share.names} - {n.name for n in names}))
+        claimed.update(n.name for n in names)
+        return share if len(names) == len(share.names) else ParkedShare(**{**share.__dict__, "names": names})
 
     def adopted(self, share: ParkedShare, fd: int) -> None:
         """A share re-adopted at start: keep its fd stored (sent again; the store does not keep an fd twice)."""
         with self._lock:
             self.store.store(share.fdname, fd)
             self._parked[share.share_id] = share
+            try:
+                charge = self._charge(share)
+            except NotParked as exc:
+                log.warning("adopted share %s…: %s", share.share_id[:8], exc)
+                charge = None
+            self._charges[share.share_id] = charge
+            self._by_uid[share.uid] = self._by_uid.get(share.uid, 0) + FDS_PER_SHARE
 
     def close(self) -> None:
         """At the daemon's end, once the workers stopped: what is parked stays in the store."""
@@ -312,29 +370,23 @@ class ParkingLot:
             self.store.close()
 
     def commit(self) -> None:
-        """After every adoption at start: store the registry of what was adopted and remove the old ones."""
+        """After every adoption at start: store a record for each adopted share that has none (from a format 1
+        registry), then remove the registries and the records no adopted share keeps."""
         with self._lock:
-            self._write()
+            for share_id, share in self._parked.items():
+                if share_id not in self._records:
+                    self._write_record(share)
+            for share_id in [share_id for share_id in self._records if share_id not in self._parked]:
+                self._stale.append(self._records.pop(share_id))
+            for name in self._stale:
+                self.store.remove(name)
+            self._stale = []
 
 
-def _generation(name: str) -> int:
-    try:
-        return int(name[len(REGISTRY_FDNAME):])
-    except ValueError:
-        return -1
+def _budget_peer(uid: int | None) -> str:
+    return "parked, uid unknown" if uid is None else f"parked, uid {uid}"
 
 
-def _read_registry(fd: int) -> bytes:
-    """The bytes of a parked registry memfd; :class:`ParkError` if it is not one or cannot be read."""
-    if not resize_sealed(fd):
-        raise ParkError("not a sealed memfd")
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_REGISTRY_BYTES:
-            raise ParkError(f"{size} bytes, more than {MAX_REGISTRY_BYTES}")
-        raw = os.pread(fd, size, 0)
-    except OSError as exc:
-        raise ParkError(f"unreadable: {exc}") from None
-    if len(raw) != size:
-        raise ParkError("truncated")
-    return raw
+def _release(charge: FdCharge | None) -> None:
+    if charge is not None:
+        charge.release()

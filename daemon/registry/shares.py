@@ -359,6 +359,12 @@ class ShareRegistry:
             first = share_id, self._shares[share_id].descriptor.device
             return [first, *((copy.share_id, copy.device) for copy in self._forget_name(name))]
 
+    def withdraw(self, name: str, share: ShareRecord) -> None:
+        """``share`` is no copy of ``name`` any more (a publish that failed after naming it): its entry goes (the
+        name with it where it was the name's only copy; else another copy takes its place as the first)."""
+        with self._lock:
+            self._forget_name(name, share.share_id)
+
     def unstage(self, share: ShareRecord) -> None:
         """``share``'s owner let go of it while it was a staged copy (:meth:`_add_copy`): it is no copy any more."""
         with self._lock:

@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level, config.log_format)
     try:
         driver, reason = select_backend(
-            config.backend, sim_devices=config.sim_devices, sim_memory=config.sim_memory
+            config.backend, sim_devices=config.sim_devices, sim_memory=config.sim_memory, sim_vmm=config.sim_vmm
         )
     except BackendUnavailable as exc:
         log.error("%s", exc)

@@ -261,9 +261,15 @@ class DaemonConfig:
     #: Published names of one uid's sessions, ended ones included, daemon-wide.
     max_names_per_uid: int = count(DEFAULT_MAX_NAMES_PER_UID, "names one user's sessions may have published, "
                                    "ended ones included", zero="no limit", security=True, limit=True)
+    #: fds of the service manager's fd store one uid's parked shares may hold (two each; 0: a quarter of the store).
+    max_parked_fds_per_uid: int = count(0, "most fds of the service manager's fd store one user's parked "
+                                        "(persistent) shares may hold, two each", shown="0: a quarter of the "
+                                        "store ($FDSTORE)", security=True, limit=True)
     #: What ``status`` (``node``) and the metrics (``cuctxd_info{node}``) call the machine this daemon serves.
     node_name: str = setting(DEFAULT_NODE_NAME, string, "what status and the metrics call this machine (in a "
                              "Kubernetes pod, pass the node's name)", "NAME", shown="the host name")
+    sim_vmm: bool = switch(True, "testing aid (sim backend only): the sim's devices have CUDA VMM; with --no-sim-vmm "
+                           "they are GPUs without it, whose shareable buffers get IPC pools of their own")
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -174,7 +174,7 @@ class Daemon:
                               kept_host_memory=self.config.kept_host_memory)
         shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid,
                                self.config.max_names_per_uid)
-        parking, passed = open_parking(shares)
+        parking, passed = open_parking(shares, self.fd_budget, config.max_parked_fds_per_uid)
         self._parking = parking
         self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session, self.fd_budget)
         queue_limits = self._queue_limits()

@@ -2,7 +2,8 @@
 
 ``attack_daemon``: a sim daemon (two devices, 256 MiB each) for one test,
 started with ``attack_daemon_args`` (override that fixture in a test module to
-add options, e.g. limits). On teardown it must still be alive and exit cleanly.
+add options, e.g. limits) and ``attack_daemon_open_files`` as its open-file
+limit. On teardown it must still be alive and exit cleanly.
 ``bystander``: a session on it with a buffer of known bytes
 (:class:`~tests.adversarial.attacks.Bystander`); on teardown its bytes are
 checked once more.
@@ -28,9 +29,15 @@ def attack_daemon_args() -> tuple[str, ...]:
 
 
 @pytest.fixture
-def attack_daemon(attack_daemon_args: tuple[str, ...]) -> Iterator[DaemonProcess]:
+def attack_daemon_open_files() -> int | None:
+    """The daemon's RLIMIT_NOFILE, soft and hard (None: the test runner's); a module overrides it."""
+    return None
+
+
+@pytest.fixture
+def attack_daemon(attack_daemon_args: tuple[str, ...], attack_daemon_open_files: int | None) -> Iterator[DaemonProcess]:
     with running_daemon("--sim-devices", "2", "--sim-memory", "256MiB", *attack_daemon_args,
-                        clean_log=True) as process:
+                        open_files=attack_daemon_open_files, clean_log=True) as process:
         yield process
         assert_alive(process)
 

@@ -126,3 +126,23 @@ def data_plane_clients(endpoint: str, clients: int, results: Connection) -> None
             except CuctxError as error:
                 errors.append(f"{error.name}: {error.message}")
     results.send(errors)
+
+
+def allocate_shareable(endpoint: str, count: int, results: Connection) -> None:
+    """One session allocates ``count`` shareable 4 KiB buffers, stopping at the first refusal, and opens the first
+    one from a second session through its fd (an import, as a consumer's). Reports ``(allocated, refusal message,
+    the opened bytes)``, then holds them."""
+    with Client(endpoint, timeout=30, name="shareable") as client, Client(endpoint, timeout=30) as consumer:
+        buffers, refusal = [], None
+        while len(buffers) < count:
+            try:
+                buffers.append(client.alloc(HOST_SIZE, shareable=True))
+            except LimitExceeded as refused:
+                refusal = refused.message
+                break
+        buffers[0].write(b"first")
+        with consumer.open_shared(client.export(buffers[0])) as share:
+            opened = bytes(share.host_view()[:5])
+        results.send((len(buffers), refusal, opened))
+        with contextlib.suppress(EOFError):
+            results.recv()

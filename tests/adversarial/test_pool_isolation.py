@@ -1,9 +1,10 @@
-"""Reading other sessions' memory through what sharing hands out (issue 25, item 4), on the sim.
+"""Reading other sessions' memory through what sharing hands out (issue 25, item 4; issue 40, item 5), on the sim.
 
-The attacker exports its own small buffer, opens it with ``pool_fd`` and maps the whole fd it receives,
-as :class:`cuctxd.client.data_plane.ipc_sim.SimPoolImport` does, then scans it: it must find nothing of another
-session's. Memory that was shared and is freed must not be readable afterwards, neither through a
-mapping the holder kept nor by the next allocation. The bystander (``conftest.py``) is served throughout.
+The attacker exports its own small buffer, opens it with ``pool_fd`` and maps the whole fd it receives (its VMM
+allocation's memfd, or on a device without VMM its pool's, as
+:class:`cuctxd.client.data_plane.ipc_sim.SimPoolImport` does), then scans it: it must find nothing of another
+session's. Memory that was shared and is freed must not be readable afterwards, neither through a mapping the
+holder kept nor by the next allocation. The bystander (``conftest.py``) is served throughout.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+
+import pytest
 
 from cuctxd import Client
 from cuctxd.client.wire import build
@@ -39,7 +42,8 @@ with Client(ENDPOINT, name="attacker") as c:
 """
 
 
-def test_an_exported_buffers_pool_fd_reaches_no_other_sessions_memory(
+@pytest.mark.parametrize("attack_daemon_args", [(), ("--no-sim-vmm",)], ids=["vmm", "pool of its own"])
+def test_an_exported_buffers_fd_reaches_no_other_sessions_memory(
         attack_daemon: DaemonProcess, bystander: Bystander) -> None:
     secret = secrets.token_bytes(32)
     with Client(attack_daemon.endpoint, name="victim") as victim:
@@ -49,7 +53,7 @@ def test_an_exported_buffers_pool_fd_reaches_no_other_sessions_memory(
         kept.write(secret * 128)
         before = victim.alloc(256, device=0, shareable=True)
         before.write(secret * 8)
-        victim.export(before)  # another session's export: a pool of its own too
+        victim.export(before)  # another session's export: its own allocation (or pool) too
         out = run_client(f"SECRET = {secret.hex()!r}\n{ATTACKER}", attack_daemon.endpoint).split()
         assert out[0] == "mapped" and out[2] == "clean", out
         assert int(out[1]) <= 2 << 20, "the fd reaches more than the attacker's own buffer"
@@ -86,6 +90,7 @@ def test_freed_shared_memory_is_zeroed_for_a_holder_that_kept_its_mapping_and_fo
             os.close(fds[0])
             assert kept.find(secret) >= 0  # it was shared with everyone: readable while held
             attacker.unpublish("victim-weights")  # the victim's uid, which may once the victim is gone
+            attacker.status()  # reaches the device after the unpublish's own task there, which drops the name
             attacker.run(build.close_shared(descriptor))  # the last hold: the memory is freed
             assert kept.find(secret) < 0, "the freed share's bytes are still readable through a kept mapping"
         fresh = [attacker.alloc(1000, device=0, shareable=True), attacker.alloc(1000, device=0),

@@ -111,12 +111,14 @@ def test_a_host_buffer_cannot_be_truncated_and_copies_from_it_still_work(
         os.close(memfd)
 
 
-def test_a_pool_fd_cannot_be_truncated_and_the_pools_buffers_still_take_writes(
-        attack_daemon: DaemonProcess, attacker: tuple[RawPeer, str], bystander: Bystander) -> None:
+@pytest.mark.parametrize(("attack_daemon_args", "mechanism"), [((), "vmm"), (("--no-sim-vmm",), "pool")])
+def test_a_shared_buffers_fd_cannot_be_truncated_and_the_buffer_still_takes_writes(
+        attack_daemon: DaemonProcess, attacker: tuple[RawPeer, str], bystander: Bystander, mechanism: str) -> None:
+    """The fd of a VMM allocation (the sim's memfd), or of a pool of its own on a device without VMM."""
     peer, token = attacker
     buffer = peer.ok("alloc", {"device": 0, "size": 256, "shareable": True}, token)[0]["buffer"]["handle"]
     share = peer.ok("export", {"device": 0, "buffer": buffer}, token)[0]["share"]
-    assert share["mechanism"] == "pool"
+    assert share["mechanism"] == mechanism
     opened = peer.ok("open_shared", {"device": 0, "share_id": share["share_id"], "pool_fd": True}, token)[0]
     (pool,), _ = _fetch(attack_daemon, opened["ticket"])
     try:

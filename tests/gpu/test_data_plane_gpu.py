@@ -1,12 +1,11 @@
-"""The data plane on a real GPU: pool shares into torch, host buffers by DMA, the staging ring,
-stream-ordered allocation; a real daemon on the cuda backend and real client processes."""
+"""The data plane on a real GPU: shareable buffers (VMM allocations of their own) into torch, host buffers by DMA,
+the staging ring, stream-ordered allocation; a real daemon on the cuda backend and real client processes."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from cuctxd.client import Client
-from cuctxd.client.data_plane.pool_imports import POOL_IMPORTS
 from tests.helpers import DaemonProcess, pattern, run_client
 
 MIB = 1 << 20
@@ -14,8 +13,8 @@ MIB = 1 << 20
 TORCH_CONSUMER = """
 import torch
 from cuctxd.client import Client
-with Client(ENDPOINT) as c, c.open_shared("pool-weights") as s:
-    assert s.descriptor.mechanism == "pool", s.descriptor.mechanism
+with Client(ENDPOINT) as c, c.open_shared("shared-weights") as s:
+    assert s.descriptor.mechanism == "vmm", s.descriptor.mechanism
     t = torch.as_tensor(s, device="cuda").view(torch.float32)
     print("sum", float(t.sum()))
     t[:4] = 2.0
@@ -23,26 +22,27 @@ with Client(ENDPOINT) as c, c.open_shared("pool-weights") as s:
 """
 
 
-def test_a_shareable_buffer_is_shared_into_torch_through_its_own_pool(cuda_daemon: DaemonProcess) -> None:
+def test_a_shareable_buffer_is_shared_into_torch_as_its_own_vmm_allocation(cuda_daemon: DaemonProcess) -> None:
     with Client(cuda_daemon.endpoint) as owner:
         buf = owner.alloc(4 * MIB, shareable=True)
         buf.write(np.ones(MIB, dtype=np.float32).tobytes())
-        owner.publish(buf, "pool-weights")
+        owner.publish(buf, "shared-weights")
         out = run_client(TORCH_CONSUMER, cuda_daemon.endpoint, timeout=120)
         assert f"sum {float(MIB)}" in out
         assert np.frombuffer(buf.read(16), dtype=np.float32).tolist() == [2.0] * 4
-        owner.unpublish("pool-weights")
+        owner.unpublish("shared-weights")
 
 
-def test_opening_shared_buffers_each_in_a_pool_of_its_own(cuda_daemon: DaemonProcess) -> None:
+def test_opening_shared_buffers_each_its_own_vmm_allocation(cuda_daemon: DaemonProcess) -> None:
     with Client(cuda_daemon.endpoint) as owner, Client(cuda_daemon.endpoint) as consumer:
         buffers = [owner.alloc(MIB, shareable=True) for _ in range(3)]
         for i, buf in enumerate(buffers):
             buf.fill(i + 1)
         descriptors = [owner.export(buf) for buf in buffers]
+        assert all(d.mechanism == "vmm" and d.allocation_size == 2 * MIB for d in descriptors)
         shares = [consumer.open_shared(d) for d in descriptors]
-        assert all(POOL_IMPORTS.has(d.pool_id) for d in descriptors)
-        assert len({d.pool_id for d in descriptors}) == 3 and len({s.ptr for s in shares}) == 3
+        assert len({s.ptr for s in shares}) == 3
+        assert [share.read(1) for share in shares] == [bytes([i + 1]) for i in range(3)]
         for share in shares:
             share.close()
 

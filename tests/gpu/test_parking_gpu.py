@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 
-from cuctxd import Client
+import pytest
+
+from cuctxd import Client, NotFound, NotParked
 from tests.helpers import run_client, spawn_client, wait_for_line
 from tests.service_manager import ServiceManager
 
@@ -52,7 +54,9 @@ def test_a_parked_layout_survives_a_sigkill_on_the_gpu(manager: ServiceManager) 
     with Client(daemon.endpoint) as c:
         free_at_start = c.mem_get_info()[0]
     run_client(PRODUCER, daemon.endpoint, timeout=300)
-    assert "cannot be parked" not in daemon.log()  # the 48 MiB one too: VMM memory has an fd
+    names = manager.names()  # the 48 MiB one too: VMM memory has an fd (else its publish failed, NOT_PARKED)
+    assert len([n for n in names if n.startswith("cuctxd-share-")]) == 2
+    assert len([n for n in names if n.startswith("cuctxd-record-")]) == 2
     go = manager.workdir / "go"
     old = spawn_client(f"GO = {str(go)!r}\n{OLD_WORKER}", daemon.endpoint)
     try:
@@ -76,3 +80,19 @@ def test_a_parked_layout_survives_a_sigkill_on_the_gpu(manager: ServiceManager) 
     finally:
         old.kill()
         old.communicate(timeout=30)
+
+
+def test_a_persistent_legacy_buffer_is_refused_by_name_on_the_gpu(manager: ServiceManager) -> None:
+    """cuMemAlloc memory (above POOL_BUFFER_MAX, not shareable) has no fd to park: a persistent publish of it fails
+    with NOT_PARKED and names nothing; published without persistent, it is named."""
+    daemon = manager.start(backend="cuda", ready_timeout=120)
+    with Client(daemon.endpoint) as c:
+        legacy = c.alloc(48 << 20)
+        with pytest.raises(NotParked, match="shareable=True"):
+            c.publish(legacy, "legacy", persistent=True)
+        with pytest.raises(NotFound):
+            c.lookup("legacy")
+        c.publish(legacy, "legacy")
+        assert c.lookup("legacy").mechanism == "ipc"
+        c.unpublish("legacy")
+    assert not [n for n in manager.names() if n.startswith("cuctxd-")]

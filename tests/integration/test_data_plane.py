@@ -1,9 +1,11 @@
-"""The data plane through a real daemon: every buffer shareable through its pool, host buffers, the
-staging ring, stream-ordered allocation; over real sockets, with real client processes."""
+"""The data plane through a real daemon: shareable buffers (VMM allocations, or pools of their own on a device
+without VMM), host buffers, the staging ring, stream-ordered allocation; over real sockets, with real client
+processes."""
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ from tests.helpers import (
     DaemonProcess,
     pattern,
     run_client,
+    running_daemon,
     spawn_client,
     start_daemon,
     tcp_endpoint,
@@ -35,10 +38,38 @@ def session_on(c: Client, device: int, session_id: int) -> dict[str, object]:
     return next(s for s in c.status()["devices"][device]["sessions"] if s["session"] == session_id)
 
 
-# --- shareable buffers, each in a pool of its own ----------------------------------------------------
+@pytest.fixture(scope="module")
+def no_vmm_daemon() -> Iterator[DaemonProcess]:
+    """A sim daemon whose devices have no VMM: shareable buffers get IPC pools of their own."""
+    with running_daemon("--sim-devices", "1", "--sim-memory", "64MiB", "--no-sim-vmm") as process:
+        yield process
 
 
-def test_a_shareable_allocation_is_shared_through_its_own_pool(daemon: DaemonProcess) -> None:
+# --- shareable buffers: VMM allocations, or each in a pool of its own without VMM ---------------------------
+
+
+def test_a_small_shareable_allocation_is_a_vmm_allocation_whose_fd_is_made_at_each_open(
+        daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as owner:
+        buf = owner.alloc(8192, shareable=True)
+        buf.write(pattern(8192))
+        descriptor = owner.publish(buf, "vmm-shared")
+        assert descriptor.mechanism == "vmm" and descriptor.allocation_size == 2 << 20 and not descriptor.pool_id
+        consumer = """
+from cuctxd.client import Client
+with Client(ENDPOINT) as c, c.open_shared("vmm-shared") as s:
+    print(bytes(s.host_view()[:16]).hex(), s.size)
+    s.host_view()[:4] = b"back"
+"""
+        assert run_client(consumer, daemon.endpoint).split() == [pattern(8192)[:16].hex(), "8192"]
+        assert buf.read(4) == b"back"
+        again = run_client(consumer, daemon.endpoint).split()  # a new process, a new fd of the same allocation
+        assert again == [(b"back" + pattern(8192)[4:16]).hex(), "8192"]
+        owner.unpublish("vmm-shared")
+
+
+def test_without_vmm_a_shareable_allocation_is_shared_through_its_own_pool(no_vmm_daemon: DaemonProcess) -> None:
+    daemon = no_vmm_daemon
     with Client(daemon.endpoint) as owner:
         assert not owner.alloc(8192).shareable
         buf = owner.alloc(8192, shareable=True)
@@ -59,7 +90,9 @@ with Client(ENDPOINT) as c, c.open_shared("pool-shared") as s:
         owner.unpublish("pool-shared")
 
 
-def test_each_shared_buffer_has_a_pool_of_its_own_imported_once_per_process(daemon: DaemonProcess) -> None:
+def test_without_vmm_each_shared_buffer_has_a_pool_of_its_own_imported_once_per_process(
+        no_vmm_daemon: DaemonProcess) -> None:
+    daemon = no_vmm_daemon
     with Client(daemon.endpoint) as owner, Client(daemon.endpoint) as consumer:
         first, second = owner.alloc(4096, shareable=True), owner.alloc(4096, shareable=True)
         first.write(b"a" * 4096)
@@ -78,10 +111,10 @@ def test_each_shared_buffer_has_a_pool_of_its_own_imported_once_per_process(daem
 def test_shareable_true_still_works_and_means_exportable(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
         buf = c.alloc(4096, shareable=True)
-        assert buf.shareable and c.export(buf).mechanism == "pool"
+        assert buf.shareable and c.export(buf).mechanism == "vmm"
 
 
-def test_a_tcp_client_on_this_host_maps_pool_shares_through_the_fd_channel(daemon: DaemonProcess) -> None:
+def test_a_tcp_client_on_this_host_maps_vmm_shares_through_the_fd_channel(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as owner:
         buf = owner.alloc(4096, shareable=True)
         buf.write(b"over tcp")
@@ -90,7 +123,7 @@ def test_a_tcp_client_on_this_host_maps_pool_shares_through_the_fd_channel(daemo
             assert bytes(share.host_view()[:8]) == b"over tcp"
 
 
-def test_without_an_fd_channel_pool_shares_say_why_and_bytes_take_the_socket() -> None:
+def test_without_an_fd_channel_vmm_shares_say_why_and_bytes_take_the_socket() -> None:
     process = start_daemon("--sim-devices", "1", "--endpoint", "tcp://127.0.0.1:*", "--insecure-tcp",
                            ipc=False)
     try:

@@ -4,11 +4,11 @@ stands in for systemd), the daemon SIGKILLed and started again with the stored f
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from collections.abc import Iterator
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -18,13 +18,11 @@ from cuctxd.client.wire import build as requests
 from cuctxd.protos.memfd import sealed_memfd
 from tests.helpers import (
     DaemonProcess,
-    remove_tempdir,
-    short_tempdir,
     start_daemon,
     wait_for_log,
     wait_until,
 )
-from tests.service_manager import ServiceManager
+from tests.service_manager import ServiceManager, managed
 
 SIM = ("--sim-devices", "1", "--sim-memory", "256MiB")
 #: Above POOL_BUFFER_MAX: a legacy buffer when not shareable (on the sim, its own memfd), a VMM one when shareable.
@@ -41,12 +39,8 @@ def pattern(size: int, seed: int = 0) -> bytes:
 
 @pytest.fixture
 def manager() -> Iterator[ServiceManager]:
-    directory = short_tempdir()
-    service = ServiceManager(directory)
-    yield service
-    code = service.close()
-    remove_tempdir(directory)
-    assert code in (0, None), service.daemon.log() if service.daemon else ""
+    with managed() as service:
+        yield service
 
 
 def share_fdnames(manager: ServiceManager) -> list[str]:
@@ -223,31 +217,32 @@ def test_hello_says_which_daemon_run_it_is(manager: ServiceManager) -> None:
         assert c.instance != first and c.restarted
 
 
-def corrupt(kind: str) -> bytes:
+def corrupt(kind: str, record: bytes) -> bytes:
     if kind == "newer format":
-        return json.dumps({"format": 99, "generation": 1, "shares": []}).encode()
+        return msgpack.packb({"format": 99, "generation": 1, "share": {}})
     if kind == "truncated":
-        return b'{"format": 1, "generation": 3, "shares": [{"share_id": "'
+        return record[:-10]
     return os.urandom(256)
 
 
 @pytest.mark.parametrize("kind", ["garbage", "truncated", "newer format"])
-def test_a_bad_registry_and_stray_fds_are_skipped_and_the_daemon_serves(manager: ServiceManager, kind: str) -> None:
+def test_a_bad_record_and_stray_fds_are_skipped_and_the_daemon_serves(manager: ServiceManager, kind: str) -> None:
     daemon = manager.start(*SIM)
     with Client(daemon.endpoint) as c:
         buffer = c.alloc(4096, shareable=True)
         c.run(requests.publish(buffer, "weights", None, True, False))
     manager.kill()
-    (registry,) = [name for name in manager.names() if name.startswith("cuctxd-registry-")]
-    for fd in manager.take(registry):
-        os.close(fd)
-    raw = corrupt(kind)
-    fd = sealed_memfd("test-registry", len(raw))
+    (record,) = [name for name in manager.names() if name.startswith("cuctxd-record-")]
+    (taken,) = manager.take(record)
+    original = os.pread(taken, 1 << 20, 0)
+    os.close(taken)
+    raw = corrupt(kind, original)
+    fd = sealed_memfd("test-record", len(raw))
     os.pwrite(fd, raw, 0)
-    manager.add(registry, fd)
+    manager.add(record, fd)
     read_end, write_end = os.pipe()
     os.close(write_end)
-    manager.add("cuctxd-share-" + "0" * 32, read_end)  # an fd without a registry entry, of no memory at all
+    manager.add("cuctxd-share-" + "0" * 32, read_end)  # an fd without a record, of no memory at all
     manager.add("something-else", os.dup(read_end))
 
     daemon = manager.start(*SIM, endpoint=daemon.endpoint)
@@ -261,7 +256,7 @@ def test_a_bad_registry_and_stray_fds_are_skipped_and_the_daemon_serves(manager:
     assert "dropping something-else" in daemon.log()
     names = manager.names()
     assert len(share_fdnames(manager)) == 1
-    assert registry not in names and len([n for n in names if n.startswith("cuctxd-registry-")]) == 1
+    assert record not in names and len([n for n in names if n.startswith("cuctxd-record-")]) == 1
 
 
 def not_the_memory(kind: str) -> int:
@@ -269,27 +264,30 @@ def not_the_memory(kind: str) -> int:
         read_end, write_end = os.pipe()
         os.close(write_end)
         return read_end
-    return sealed_memfd("too-small", 4096)  # a memfd, but no block of 1 MiB in it, nor 40 MiB of VMM
+    return sealed_memfd("too-small", 4096)  # a memfd, but no block of 1 MiB in it, nor a VMM allocation
 
 
-@pytest.mark.parametrize("kind,size", [("small memfd", 1 << 20), ("pipe", 1 << 20), ("small memfd", BIG),
-                                       ("pipe", BIG)])
+@pytest.mark.parametrize("kind,size,vmm", [("small memfd", 1 << 20, False), ("pipe", 1 << 20, False),
+                                           ("small memfd", 1 << 20, True), ("small memfd", BIG, True),
+                                           ("pipe", BIG, True)])
 def test_a_registry_entry_whose_memory_does_not_match_is_skipped(manager: ServiceManager, kind: str,
-                                                                 size: int) -> None:
-    """A pool share (1 MiB) or a VMM share (``BIG``) whose fd is not its memory is not adopted."""
-    daemon = manager.start(*SIM)
+                                                                 size: int, vmm: bool) -> None:
+    """A VMM share (1 MiB: one granule; ``BIG``), or a pool share (1 MiB, on a sim without VMM), whose fd is not
+    its memory is not adopted."""
+    options = SIM if vmm else (*SIM, "--no-sim-vmm")
+    daemon = manager.start(*options)
     with Client(daemon.endpoint) as c:
         for name in ("kept", "swapped"):
             buffer = c.alloc(size, shareable=True)
             c.write(buffer, pattern(size))
             c.run(requests.publish(buffer, name, None, True, False))
         swapped = c.lookup("swapped").share_id
-        assert c.lookup("swapped").mechanism == ("vmm" if size > (32 << 20) else "pool")
+        assert c.lookup("swapped").mechanism == ("vmm" if vmm else "pool")
     manager.kill()
     for fd in manager.take(f"cuctxd-share-{swapped}"):
         os.close(fd)
     manager.add(f"cuctxd-share-{swapped}", not_the_memory(kind))
-    daemon = manager.start(*SIM, endpoint=daemon.endpoint)
+    daemon = manager.start(*options, endpoint=daemon.endpoint)
     with Client(daemon.endpoint) as c:
         assert [s["name"] for s in c.list_shared()] == ["kept"]
     assert "not adopted" in daemon.log()

@@ -119,7 +119,7 @@ def test_descriptor_is_plain_picklable_data(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as c:
         descriptor = c.alloc(512, shareable=True).export()
         assert pickle.loads(pickle.dumps(descriptor)) == descriptor
-        assert len(descriptor.export_data) == 64 and descriptor.mechanism == "pool"
+        assert descriptor.mechanism == "vmm" and descriptor.allocation_size == 2 << 20
         assert descriptor.backend == "sim"
         assert descriptor.size == 512
 

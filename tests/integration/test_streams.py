@@ -66,10 +66,10 @@ def test_synchronize_replies_and_the_legacy_stream_sees_stream_work(client: Clie
     client.device_synchronize(0)
 
 
-def test_shareable_memory_is_shared_through_a_pool_of_its_own(client: Client) -> None:
+def test_shareable_memory_is_its_own_vmm_allocation(client: Client) -> None:
     assert not client.alloc(4096, 0).shareable
     shared = client.alloc(4096, 0, shareable=True)
-    assert shared.shareable and shared.export().mechanism == "pool" and shared.export().size == 4096
+    assert shared.shareable and shared.export().mechanism == "vmm" and shared.export().size == 4096
 
 
 def test_pipelined_writes_land_in_order(client: Client) -> None:

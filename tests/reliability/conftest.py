@@ -10,8 +10,12 @@ works from anywhere and also reaches the load test's client processes.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from tests.helpers import remove_tempdir, short_tempdir
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,3 +38,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for kind, count in sorted(INPUTS.items()):
         terminalreporter.write_line(f"{kind}: {count}")
     terminalreporter.write_line(f"total: {sum(INPUTS.values())}")
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A private directory with a short path (for a notify socket, FIFOs and checkpoints), removed after."""
+    directory = short_tempdir()
+    yield directory
+    remove_tempdir(directory)

@@ -93,6 +93,30 @@ def test_a_vmm_allocation_is_exported_and_imported_by_its_fd() -> None:
             new.vmm_free(adopted)
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_vmm_allocation_holds_no_fd_until_exported_then_one_memfd_of_its_size_until_freed() -> None:
+    """As ``cuMemCreate`` memory holds no fd in the process: the sim's memfd is made by the first export."""
+    driver, _ = drivers()
+    with primary_current(driver):
+        fds = open_fds()
+        ptrs = [driver.vmm_alloc(0, 2 * MIB) for _ in range(8)]
+        assert open_fds() == fds
+        driver.memcpy_htod(ptrs[0], b"before the export", 17)
+        first, second = driver.vmm_export_fd(ptrs[0]), driver.vmm_export_fd(ptrs[0])
+        assert os.fstat(first).st_ino == os.fstat(second).st_ino and os.fstat(first).st_size == 2 * MIB
+        assert open_fds() == fds + 2 + driver.vmm_export_fds  # the two handed out, and what the sim keeps
+        driver.memcpy_htod(ptrs[0] + 17, b", after", 7)
+        with open(first, "rb", closefd=True) as memfd:
+            assert memfd.read(24) == b"before the export, after"  # the bytes moved, and later writes land there
+        os.close(second)
+        for ptr in ptrs:
+            driver.vmm_free(ptr)
+        assert open_fds() == fds
+
+
 def test_without_vmm_a_vmm_allocation_is_not_supported() -> None:
     driver = SimDriver(1, 64 * MIB, vmm=False)
     driver.init()

@@ -15,6 +15,7 @@ from cuctxd.daemon.backends.sim import SimDriver
 from cuctxd.daemon.device.entries import DeviceLimits
 from cuctxd.daemon.device.pools import IPC_GRANULARITY
 from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.protos.errors import BadArgument, CudaError, LimitExceeded, NotShareable, TooLarge, UnknownHandle
@@ -39,7 +40,77 @@ def state() -> Iterator[DeviceState]:
     state.tickets.close()
 
 
-def test_with_ipc_pools_a_shareable_buffer_has_a_pool_of_its_own(state: DeviceState) -> None:
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_small_shareable_buffer_is_one_vmm_allocation_of_the_granularity_holding_no_fd(state: DeviceState) -> None:
+    ref, other = new_ref(), new_ref()
+    granularity = state.driver.vmm_granularity(0)
+    run(state, ref, "mem_get_info")  # binds the primary context, current on this thread from now on
+    free, fds = state.driver.mem_get_info()[0], open_fds()
+    buffers = [run(state, ref, "alloc", size=4096, shareable=True).result["buffer"] for _ in range(4)]
+    assert state.driver.mem_get_info()[0] == free - 4 * granularity  # the device gives up 2 MiB each
+    assert open_fds() == fds and not state.pools.own  # no pool, and no fd held for any of them
+    assert state.sessions[ref.token].bytes_charged() == 4 * granularity  # the quota counts what the device gave
+    run(state, ref, "write", (b"mine",), buffer=buffers[0]["handle"])
+    share = run(state, ref, "export", buffer=buffers[0]["handle"]).result["share"]
+    assert share["mechanism"] == "vmm" and share["allocation_size"] == granularity and share["size"] == 4096
+    opened = run(state, other, "open_shared", share_id=share["share_id"], pool_fd=True).result
+    assert state.sessions[other.token].bytes_charged() == granularity  # a hold costs the whole allocation too
+    fds_given, _ = state.tickets.redeem(opened["ticket"], None)
+    assert os.fstat(fds_given[0]).st_size == granularity  # this allocation and no other
+    with mmap.mmap(fds_given[0], granularity) as mapped:
+        assert mapped[:4] == b"mine"
+    os.close(fds_given[0])
+    run(state, other, "close_shared", share_id=share["share_id"])
+    for buffer in buffers:
+        run(state, ref, "free", buffer=buffer["handle"])
+    assert state.driver.mem_get_info()[0] == free and state.sessions[ref.token].bytes_charged() == 0
+    assert open_fds() == fds and not state.memory.vmm_memory.sizes
+
+
+def test_a_session_quota_charges_a_4_kib_shareable_buffer_its_2_mib_allocation() -> None:
+    granularity = 2 << 20
+    state = make_state(session_quota=3 * granularity + 4096)
+    ref = new_ref()
+    for _ in range(3):
+        run(state, ref, "alloc", size=4096, shareable=True)
+    with pytest.raises(CudaError, match="session quota") as refused:
+        run(state, ref, "alloc", size=4096, shareable=True)
+    assert f"asked to allocate {granularity} more" in str(refused.value)
+    run(state, ref, "alloc", size=4096)  # a private pool buffer is charged its size: the 4 KiB left fit it
+    assert state.sessions[ref.token].bytes_charged() == 3 * granularity + 4096
+
+
+def test_the_sims_memfd_of_an_exported_vmm_buffer_counts_in_its_owners_fd_budget() -> None:
+    budget = FdBudget(FdPlan.derive(1024))  # 48 fds a session
+    driver = SimDriver(device_count=1, memory_per_device=64 * (2 << 20))
+    driver.init()
+    state = DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=4096), ShareRegistry(),
+                        TicketBook(budget=budget))
+    owner, opener = new_ref(), new_ref()
+    buffers = [run(state, owner, "alloc", size=4096, shareable=True).result["buffer"] for _ in range(30)]
+    assert budget.held == 0  # allocated, never exported: no fd
+    opened = 0
+    with pytest.raises(LimitExceeded, match=r"max_client_fds_per_session: .* exported VMM allocation"):
+        for buffer in buffers:
+            share = run(state, owner, "export", buffer=buffer["handle"]).result["share"]
+            for _ in range(2):  # the second open of a buffer costs the owner nothing more
+                ticket = run(state, opener, "open_shared", share_id=share["share_id"], pool_fd=True).result["ticket"]
+                for fd in state.tickets.redeem(ticket, None)[0]:
+                    os.close(fd)
+            opened += 1
+    assert opened == budget.per_session // driver.vmm_export_fds and budget.held == budget.per_session
+    for buffer in buffers:
+        run(state, owner, "free", buffer=buffer["handle"])
+    state.close_session(opener)
+    assert budget.held == 0
+    state.tickets.close()
+
+
+def test_without_vmm_a_shareable_buffer_has_a_pool_of_its_own() -> None:
+    state = make_state(vmm=False)
     ref = new_ref()
     private = run(state, ref, "alloc", size=4096).result["buffer"]
     assert not private["shareable"]
@@ -58,11 +129,12 @@ def test_with_ipc_pools_a_shareable_buffer_has_a_pool_of_its_own(state: DeviceSt
     assert "ticket" not in run(state, other, "open_shared", share_id=share["share_id"]).result
     second = run(state, ref, "alloc", size=4096, shareable=True).result["buffer"]
     assert run(state, ref, "export", buffer=second["handle"]).result["share"]["pool_id"] != share["pool_id"]
+    state.tickets.close()
 
 
 def exported_and_opened(state: DeviceState, owner: Any, holder: Any, data: bytes) -> tuple[Any, Any, int]:
     """A 100-byte shareable buffer of ``owner`` (less than a page) holding ``data``, exported and opened by
-    ``holder`` with its pool's fd: the buffer, the share, and the fd (the caller's)."""
+    ``holder`` with its fd (its pool's, or its VMM allocation's): the buffer, the share, and the fd (the caller's)."""
     buffer = run(state, owner, "alloc", size=100, shareable=True).result["buffer"]
     run(state, owner, "write", (data,), buffer=buffer["handle"])
     share = run(state, owner, "export", buffer=buffer["handle"]).result["share"]
@@ -71,7 +143,8 @@ def exported_and_opened(state: DeviceState, owner: Any, holder: Any, data: bytes
     return buffer, share, fds[0]
 
 
-def test_private_pools_are_per_uid_and_shared_memory_is_scrubbed_before_its_free(state: DeviceState) -> None:
+def test_private_pools_are_per_uid_and_shared_pool_memory_is_scrubbed_before_its_free() -> None:
+    state = make_state(vmm=False)
     alice, bob = new_ref(uid=1001), new_ref(uid=1002)
     run(state, alice, "alloc", size=4096)
     run(state, bob, "alloc", size=4096)
@@ -83,24 +156,25 @@ def test_private_pools_are_per_uid_and_shared_memory_is_scrubbed_before_its_free
         run(state, alice, "free", buffer=buffer["handle"])
         run(state, bob, "close_shared", share_id=share["share_id"])
         assert not state.pools.own and pool[:IPC_GRANULARITY].count(0) == IPC_GRANULARITY
+    state.tickets.close()
 
 
 def test_once_stopping_a_share_nobody_keeps_is_neither_scrubbed_nor_freed(state: DeviceState) -> None:
     alice, bob = new_ref(uid=1001), new_ref(uid=1002)
     _, share, fd = exported_and_opened(state, alice, bob, b"weights")
-    with mmap.mmap(fd, 0) as pool:
+    with mmap.mmap(fd, 0) as memory:
         os.close(fd)
         state.sharing.stop()
         state.close_session(alice)
         state.close_session(bob)
-        assert pool[:7] == b"weights", "the stop wrote over memory a process maps"
-        assert share["share_id"] in state.sharing.shares and state.pools.own
+        assert memory[:7] == b"weights", "the stop wrote over memory a process maps"
+        assert share["share_id"] in state.sharing.shares and state.memory.vmm_memory.sizes
         left = state.sharing.left_at_stop()
         assert left is not None and "1 shared buffer(s), 100 bytes" in left and "(1 held open" in left
 
 
-def test_without_ipc_pools_shareable_buffers_fall_back_to_legacy_ipc() -> None:
-    state = make_state(ipc_pools=False)
+def test_without_vmm_nor_ipc_pools_shareable_buffers_fall_back_to_legacy_ipc() -> None:
+    state = make_state(ipc_pools=False, vmm=False)
     ref = new_ref()
     private = run(state, ref, "alloc", size=4096).result["buffer"]
     assert not private["shareable"]
@@ -117,7 +191,7 @@ def test_buffers_above_the_pool_maximum_are_legacy_allocations_shared_by_ipc_han
     ref = new_ref()
     largest = run(state, ref, "alloc", size=POOL_BUFFER_MAX, shareable=True).result["buffer"]
     above = run(state, ref, "alloc", size=POOL_BUFFER_MAX + 1).result["buffer"]
-    assert run(state, ref, "export", buffer=largest["handle"]).result["share"]["mechanism"] == "pool"
+    assert run(state, ref, "export", buffer=largest["handle"]).result["share"]["mechanism"] == "vmm"
     share = run(state, ref, "export", buffer=above["handle"]).result["share"]
     assert above["shareable"] and share["mechanism"] == "ipc" and len(share["ipc_handle"]) == 64
     assert "ticket" not in run(state, new_ref(), "open_shared", share_id=share["share_id"], pool_fd=True).result

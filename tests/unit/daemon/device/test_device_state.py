@@ -252,7 +252,7 @@ def test_free_returns_memory_and_invalidates_the_handle(state: DeviceState, driv
     session = state.session(new_ref())
     state.activate(state.contexts.current_or_primary(session))
     before = driver.mem_get_info()[0]
-    buffer = alloc(state, session, 65536, shareable=True)
+    buffer = alloc(state, session, 65536, shareable=False)
     assert driver.mem_get_info()[0] == before - 65536
     state.memory.free(session, session.buffers[buffer.handle], unpublish=True)
     assert driver.mem_get_info()[0] + state.pools.cached() == before  # pool memory stays cached for reuse
