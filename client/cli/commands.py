@@ -279,9 +279,12 @@ def _wait_for_exit(args: argparse.Namespace, endpoint: str, pid: int) -> int:
 
 
 def load_file(client: Client, args: argparse.Namespace) -> int:
-    """``cuctx load``: the checkpoint's tensors published as ``--name``, with one progress line for all its
-    files on a terminal; the same content already there is said and left as it is."""
+    """``cuctx load``: the checkpoint's tensors published as ``--name`` (a directory of tensor-parallel ranks: one
+    layout per rank, ``NAME/rank-R``, on the device given for it), with one progress line for all its files on a
+    terminal; the same content already there is said and left as it is."""
+    from cuctxd.client.tensors.checkpoints import tensor_parallel_ranks
     from cuctxd.client.tensors.copies import parse_devices
+    from cuctxd.client.tensors.ranks import load_ranks, rank_name
     from cuctxd.client.tensors.safetensors_load import load_safetensors
 
     shown = False
@@ -296,15 +299,28 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
     devices = None if args.device is None else parse_devices(args.device, len(client.devices()))
     started = time.perf_counter()
     try:
-        loaded = load_safetensors(client, args.path, args.name, device=devices, progress=progress,
-                                  read_only=args.read_only, replace=args.replace)
+        if tensor_parallel_ranks(args.path):
+            ranks = load_ranks(client, args.path, args.name, devices=devices, progress=progress,
+                               read_only=args.read_only, replace=args.replace)
+            each = [(rank_name(args.name, rank), loaded, [loaded.descriptor.device])
+                    for rank, loaded in enumerate(ranks)]
+        else:
+            each = [(args.name, load_safetensors(client, args.path, args.name, device=devices, progress=progress,
+                                                 read_only=args.read_only, replace=args.replace), devices)]
     finally:
         if shown:  # the progress line ends, so that what follows (an error too) starts a line of its own
             print(file=sys.stderr)
     took = time.perf_counter() - started
+    for name, loaded, where in each:
+        _say_loaded(args, name, loaded, where, took)
+    return 0
+
+
+def _say_loaded(args: argparse.Namespace, name: str, loaded: Any, devices: list[int] | None, took: float) -> None:
+    """What ``cuctx load`` did with one layout (:class:`~cuctxd.client.tensors.safetensors_load.Loaded`)."""
     descriptor = loaded.descriptor
     if args.json:
-        print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,
+        print(json.dumps({"name": name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,
                           "replaced": loaded.replaced, "devices": devices, "copied": list(loaded.copied),
                           "share_id": descriptor.share_id, "digest": loaded.digest}))
     elif not loaded.loaded:
@@ -313,15 +329,14 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
         if loaded.copied:
             done = (f"copied to device{'s' if len(loaded.copied) > 1 else ''} "
                     f"{', '.join(map(str, loaded.copied))} from device {descriptor.device} on the GPU")
-        print(f"already loaded: same content, digest {loaded.digest} ({args.name!r}, "
+        print(f"already loaded: same content, digest {loaded.digest} ({name!r}, "
               f"{human_size(descriptor.size)} on device {descriptor.device}); {done}")
     else:
         said = f", digest {digests.short(loaded.digest)}" if loaded.digest else ""
         where = (f"device {descriptor.device}" if not devices or len(devices) == 1
                  else f"devices {', '.join(map(str, devices))} (a copy on each)")
-        print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {args.name!r}: "
+        print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {name!r}: "
               f"{human_size(descriptor.size)} on {where} in {human_duration(took)}{said}")
-    return 0
 
 
 def show_help(parser: argparse.ArgumentParser, topic: str | None) -> int:

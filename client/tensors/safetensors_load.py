@@ -73,7 +73,15 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | Sequenc
     (allowed to whoever may unpublish the name). ``digest=False`` leaves the digests out of the manifest
     (for measuring). Raises :class:`BadArgument` for a checkpoint that cannot load (nothing allocated then),
     ``CudaError`` ``CUDA_ERROR_OUT_OF_MEMORY`` for a device without room."""
-    checkpoint = read_checkpoint(path)
+    return load_checkpoint(client, read_checkpoint(path), name, device=device, progress=progress,
+                           read_only=read_only, replace=replace, digest=digest)
+
+
+def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: int | Sequence[int] | None = None,
+                    progress: Callable[[int, int], None] | None = None, read_only: bool = False,
+                    replace: bool = False, digest: bool = True) -> Loaded:
+    """:func:`load_safetensors` of a checkpoint read already (one tensor-parallel rank's parts, say)."""
+    path = checkpoint.path
     offsets, size = layout_offsets(tensor.nbytes for tensor in checkpoint.tensors)
     manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, t.shape, c_strides(t.shape), offset)
                               for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
@@ -257,4 +265,4 @@ def _opened(checkpoint: Checkpoint) -> Iterator[list[int]]:
             os.close(fd)
 
 
-__all__ = ["Loaded", "checkpoint_digest", "load_safetensors"]
+__all__ = ["Loaded", "checkpoint_digest", "load_checkpoint", "load_safetensors"]

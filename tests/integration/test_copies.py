@@ -246,3 +246,42 @@ def test_every_copy_is_parked_and_comes_back_after_a_restart(manager: ServiceMan
         c.unpublish("model")
     manager.sync()
     assert [name for name in manager.names() if name.startswith("cuctxd-share-")] == []
+
+
+OPEN_RANK = """
+import sys
+import numpy as np
+from cuctxd import Client
+from cuctxd.client.tensors.ranks import open_rank
+with Client(ENDPOINT) as c, open_rank(c, "tp", int(sys.argv[1])) as opened:
+    print(opened.share.descriptor.device, sorted(opened), float(np.asarray(opened["w"]).sum()))
+"""
+
+
+def test_tensor_parallel_ranks_are_a_layout_each_on_the_device_given_for_it(daemon: DaemonProcess,
+                                                                            tmp_path: Path) -> None:
+    """vLLM's sharded_state: ``model-rank-R-part-P.safetensors``; ``NAME/rank-R`` on the R-th device given; a rank's
+    process on that device opens its own by asking for its rank."""
+    for rank in (0, 1):
+        write_shard(tmp_path / f"model-rank-{rank}-part-0.safetensors", {"w": np.full(64, rank + 1, dtype=np.float32)})
+        write_shard(tmp_path / f"model-rank-{rank}-part-1.safetensors", {"extra": np.arange(3, dtype=np.int64)})
+    done = load(daemon, str(tmp_path), "--name", "tp", "--device", "2,3")
+    assert done.returncode == 0, done.stderr
+    assert "as 'tp/rank-0'" in done.stdout and "as 'tp/rank-1'" in done.stdout, done.stdout
+    with Client(daemon.endpoint) as c:
+        assert {s["name"]: s["device"] for s in c.list_shared()} == {"tp/rank-0": 2, "tp/rank-1": 3}
+        uuids = {d.index: d.uuid for d in c.devices()}
+        for rank, device in ((0, 2), (1, 3)):
+            env = {**client_env(), SIM_VISIBLE_DEVICES: uuids[device]}
+            said = subprocess.run([sys.executable, "-c", f"ENDPOINT = {daemon.endpoint!r}\n{OPEN_RANK}", str(rank)],
+                                  env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+            assert said.stdout.split(maxsplit=1) == [str(device), f"['extra', 'w'] {64.0 * (rank + 1)}\n"], said
+        message = one_line_error(load(daemon, str(tmp_path), "--name", "tp2", "--device", "1"))
+        assert "2 tensor-parallel ranks need 2 devices" in message
+        for rank in (0, 1):
+            c.unpublish(f"tp/rank-{rank}")
+        assert load(daemon, str(tmp_path), "--name", "tp").returncode == 0  # by default rank R on device R
+        assert {s["name"]: s["device"] for s in c.list_shared()} == {"tp/rank-0": 0, "tp/rank-1": 1}
+        for rank in (0, 1):
+            c.unpublish(f"tp/rank-{rank}")
+        nothing_left(c)
