@@ -15,7 +15,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cuctxd.client.api.client import Client
 from cuctxd.client.cli.doctor import FAIL, run_checks
@@ -34,6 +34,9 @@ from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, c
 from cuctxd.protos.errors import CuctxError
 from cuctxd.protos.sizes import human_size
 from cuctxd.protos.version import __version__
+
+if TYPE_CHECKING:
+    from cuctxd.client.tensors.safetensors_load import Loaded
 
 #: Exit status for a usage error (what argparse uses too).
 EXIT_USAGE = 2
@@ -302,8 +305,8 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
         if tensor_parallel_ranks(args.path):
             ranks = load_ranks(client, args.path, args.name, devices=devices, progress=progress,
                                read_only=args.read_only, replace=args.replace)
-            each = [(rank_name(args.name, rank), loaded, [loaded.descriptor.device])
-                    for rank, loaded in enumerate(ranks)]
+            each: list[tuple[str, Loaded, list[int] | None]] = [
+                (rank_name(args.name, rank), loaded, [loaded.descriptor.device]) for rank, loaded in enumerate(ranks)]
         else:
             each = [(args.name, load_safetensors(client, args.path, args.name, device=devices, progress=progress,
                                                  read_only=args.read_only, replace=args.replace), devices)]
@@ -316,7 +319,7 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def _say_loaded(args: argparse.Namespace, name: str, loaded: Any, devices: list[int] | None, took: float) -> None:
+def _say_loaded(args: argparse.Namespace, name: str, loaded: Loaded, devices: list[int] | None, took: float) -> None:
     """What ``cuctx load`` did with one layout (:class:`~cuctxd.client.tensors.safetensors_load.Loaded`)."""
     descriptor = loaded.descriptor
     if args.json:
