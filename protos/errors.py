@@ -38,6 +38,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_DIGEST_MISMATCH = 10018
     CUCTXD_ERROR_NOT_PARKED = 10019
     CUCTXD_ERROR_NO_COPY = 10022
+    CUCTXD_ERROR_DEVICE_NOT_ALLOWED = 10024
     CUCTXD_ERROR_INTERNAL = 10099
 
 
@@ -212,6 +213,13 @@ class NoCopy(NotFound):
     code_enum = ErrorCode.CUCTXD_ERROR_NO_COPY
 
 
+class DeviceNotAllowed(DaemonError):
+    """``gpu_limit``: the device is not one of the GPUs the kubelet gave the client's pod, or the daemon cannot
+    tell the client's pod (on ``hello``); the message says which."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_DEVICE_NOT_ALLOWED
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -285,7 +293,7 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
         NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, NoCopy,
-        InternalError,
+        DeviceNotAllowed, InternalError,
     )
 }
 

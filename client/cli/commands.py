@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ping = command("ping", "round-trip time to the daemon")
     ping.add_argument("-c", "--count", type=_count, default=1, help="number of pings")
+    ping.add_argument("--ready", action="store_true", help="then exit 1 while the daemon is still preloading its "
+                                                           "checkpoints (a readiness probe)")
     command("devices", "the devices the daemon serves")
     status = command("status", "sessions, contexts and memory per device")
     status.add_argument("-w", "--watch", action="store_true", help="refresh like top until Ctrl-C")
@@ -214,6 +216,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                     for t in times:
                         print(f"pong from {client.endpoint}: {human_duration(t)} "
                               f"(cuctxd {client.daemon_version}, backend {client.backend})")
+                if args.ready and not client.status().get("ready", True):
+                    print("cuctx: not ready: the daemon is still preloading its checkpoints", file=sys.stderr)
+                    return 1
             elif args.command == "devices":
                 devices = client.devices()
                 memory = _memory_by_device(client.status())

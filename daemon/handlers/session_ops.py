@@ -39,7 +39,8 @@ def hello(front: DaemonState, session: Session | None, args: ops.Hello, peer: st
     if limit and uid is not None and front.sessions.count_uid(uid) >= limit:
         raise LimitExceeded(f"max_sessions_per_uid: the processes of uid {uid} already hold {limit} open "
                             "session(s) together; close one (or let its lease run out) first")
-    opened = front.sessions.open(args.client, args.pid, peer, uid, fd_peer(uid, pid, peer))
+    devices = front.device_limit(pid) if front.device_limit is not None else None
+    opened = front.sessions.open(args.client, args.pid, peer, uid, fd_peer(uid, pid, peer), devices)
     return Reply({
         "session": opened.ref.token,
         "session_id": opened.ref.public_id,
@@ -109,6 +110,7 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
         "pid": os.getpid(),
         "node": front.config.node_name,
         "uptime_s": time.time() - front.started_at,
+        "ready": front.ready,
         "endpoints": list(front.config.endpoints),
         "sessions": [s.to_status() for s in first(sessions)],
         "session_count": len(sessions),

@@ -24,6 +24,7 @@ from cuctxd.protos.errors import (
     BadRequest,
     CuctxError,
     CudaError,
+    DeviceNotAllowed,
     InternalError,
     SessionClosed,
     SessionExpired,
@@ -67,7 +68,8 @@ def device_job(admitted: Admitted, identity: bytes, payload: Sequence[Any], devi
     session's current device.
 
     Raises ``CUDA_ERROR_INVALID_DEVICE`` when it, or ``dst_device``, is not below
-    ``device_count``, and, on device ``lane``'s endpoint, ``CUCTXD_ERROR_BAD_REQUEST``
+    ``device_count``, ``CUCTXD_ERROR_DEVICE_NOT_ALLOWED`` when it is not one of the session's
+    (``gpu_limit``), and, on device ``lane``'s endpoint, ``CUCTXD_ERROR_BAD_REQUEST``
     when it is another device. A ``set_device`` makes its device current here, on receipt.
     """
     request, session, args = admitted
@@ -80,6 +82,7 @@ def device_job(admitted: Admitted, identity: bytes, payload: Sequence[Any], devi
                 CUresult.CUDA_ERROR_INVALID_DEVICE,
                 f"device {named}; this daemon serves {device_count} device(s)",
             )
+    _check_allowed(session, device, getattr(args, "dst_device", None))
     if lane is not None and device != lane:
         raise BadRequest(f"{spec.name} is for device {device} but came to device {lane}'s endpoint: "
                          f"send it to device {device}'s endpoint or the main one")
@@ -87,6 +90,15 @@ def device_job(admitted: Admitted, identity: bytes, payload: Sequence[Any], devi
         session.current_device = device
     backlog = session.backlogs[device] if device < len(session.backlogs) else None
     return Job(identity, request.id, spec, args, session.ref, device, payload, lane, received, backlog, shm)
+
+
+def _check_allowed(session: Session, *devices: int | None) -> None:
+    """``gpu_limit``: DeviceNotAllowed for a device that is not one of the session's pod's GPUs."""
+    allowed = session.ref.devices
+    for device in devices:
+        if allowed is not None and device is not None and device not in allowed:
+            raise DeviceNotAllowed(f"gpu_limit: device {device} is not one of this pod's GPUs (it may use "
+                                   f"{', '.join(map(str, sorted(allowed))) or 'none'})")
 
 
 def refusal(header: Any, op_name: str, exc: Exception, where: str = "") -> tuple[int, CuctxError]:

@@ -188,8 +188,9 @@ class ObservedSessions(SessionRegistry):
         super().__init__(receivers)
         self.metrics = metrics
 
-    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "") -> Session:
-        session = super().open(client, pid, peer, uid, fd_peer)
+    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "",
+             devices: frozenset[int] | None = None) -> Session:
+        session = super().open(client, pid, peer, uid, fd_peer, devices)
         ref = session.ref
         session_log.info("session %d opened by %s (pid %d)", ref.public_id, ref.client, ref.pid,
                          extra={"session": ref.public_id, "client": ref.client, "pid": ref.pid})

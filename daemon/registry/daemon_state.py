@@ -76,3 +76,9 @@ class DaemonState:
     #: Starts the daemon's shutdown as SIGTERM does (the op ``shutdown``); its argument says who asked, for the
     #: log. Set by the daemon; None: the op is refused (a front run without a daemon around it, in tests).
     request_stop: Callable[[str], None] | None = None
+    #: ``gpu_limit`` (:class:`cuctxd.daemon.kubelet.pod_gpus.GpuLimit`): the devices a peer's pid may use, None
+    #: for all; raises DeviceNotAllowed. Called by hello on the front thread. None: every session may use all.
+    device_limit: Callable[[int | None], frozenset[int] | None] | None = None
+    #: False while the daemon preloads its checkpoints (``preload``; the preload thread sets it once, when done):
+    #: ``status`` says it, the readiness probe asks.
+    ready: bool = True

@@ -25,7 +25,8 @@ class SessionRef:
     ``uid``: the user the peer's process runs as, where the kernel said so (ipc://,
     :func:`cuctxd.daemon.intake.peers.uid_of`); None when unknown. ``fd_peer``: whose share of the
     daemon's fd budget the fds held for the session count in
-    (:func:`cuctxd.daemon.registry.fd_budget.fd_peer`; empty: the session's own).
+    (:func:`cuctxd.daemon.registry.fd_budget.fd_peer`; empty: the session's own). ``devices``: the
+    indices of the devices it may use (``gpu_limit``: its pod's GPUs); None: every one.
     """
 
     token: str
@@ -34,6 +35,7 @@ class SessionRef:
     pid: int
     uid: int | None = None
     fd_peer: str = ""
+    devices: frozenset[int] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +96,7 @@ class Session:
             "pid": self.ref.pid,
             "current_device": self.current_device,
             "opened_at": self.opened_at,
+            "devices": None if self.ref.devices is None else sorted(self.ref.devices),
         }
 
 
@@ -122,8 +125,9 @@ class SessionRegistry:
         self._per_peer: Counter[str] = Counter()
         self._per_uid: Counter[int | None] = Counter()
 
-    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "") -> Session:
-        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid, uid, fd_peer)
+    def open(self, client: str, pid: int, peer: str = "", uid: int | None = None, fd_peer: str = "",
+             devices: frozenset[int] | None = None) -> Session:
+        ref = SessionRef(secrets.token_hex(16), next(self._public_ids), client, pid, uid, fd_peer, devices)
         backlogs = tuple(DeviceBacklog() for _ in range(self.receivers - 1))
         session = Session(ref, peer=peer, seen=[time.monotonic()] * self.receivers, backlogs=backlogs)
         self._sessions[ref.token] = session

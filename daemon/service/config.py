@@ -23,12 +23,14 @@ from cuctxd.daemon.device.queues import (
     DEFAULT_MAX_REPLY_BYTES_PER_PEER,
 )
 from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
+from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
 from cuctxd.daemon.registry.shares import (
     DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
     DEFAULT_MAX_MANIFEST_BYTES_PER_UID,
     DEFAULT_MAX_NAMES_PER_UID,
 )
 from cuctxd.daemon.registry.tickets import DEFAULT_MAX_TICKETS_PER_SESSION, DEFAULT_TICKET_TTL
+from cuctxd.daemon.service.preload import Preload, preload_entry, preload_list, preload_texts
 from cuctxd.daemon.service.settings import (
     LOG_LEVELS,
     MAX_SIM_DEVICES,
@@ -270,6 +272,22 @@ class DaemonConfig:
                              "Kubernetes pod, pass the node's name)", "NAME", shown="the host name")
     sim_vmm: bool = switch(True, "testing aid (sim backend only): the sim's devices have CUDA VMM; with --no-sim-vmm "
                            "they are GPUs without it, whose shareable buffers get IPC pools of their own")
+    #: Checkpoints published at start, before ``status`` says ready (:mod:`cuctxd.daemon.service.preload`).
+    preload: tuple[Preload, ...] = setting((), preload_list, "a checkpoint to load and publish at start, before "
+                                           "the daemon says ready (a missing or bad one is logged and skipped): "
+                                           "NAME=PATH[@DEVICE,...], in the file also a table {name, path, devices}; "
+                                           "repeatable", "NAME=PATH", from_text=preload_entry, render=preload_texts,
+                                           repeat=True, shown="none")
+    #: Kubernetes (:mod:`cuctxd.daemon.kubelet.pod_gpus`): each session limited to its client pod's GPUs.
+    gpu_limit: bool = switch(False, "limit each session to the GPUs the kubelet gave its client's pod (Kubernetes: "
+                             "asks the API server and the kubelet's PodResources API; needs the kubernetes extra)",
+                             security=True)
+    gpu_resource: str = setting("nvidia.com/gpu", string, "with gpu_limit: the resource whose device ids are the "
+                                "pod's GPU UUIDs", "NAME", security=True)
+    pod_resources_socket: str = setting(POD_RESOURCES_SOCKET, string, "with gpu_limit: the kubelet's "
+                                        "PodResources socket", "PATH", security=True)
+    kubernetes_api: str | None = setting(None, string, "with gpu_limit: the API server's URL", "URL",
+                                  shown="in-cluster: KUBERNETES_SERVICE_HOST, the pod's service account", security=True)
 
     @property
     def tcp_endpoints(self) -> tuple[str, ...]:

@@ -79,10 +79,12 @@ from cuctxd.daemon.service.endpoint import (
     prepare_ipc,
     remove_ipc,
 )
+from cuctxd.daemon.service.gpu_limit import gpu_limit
 from cuctxd.daemon.service.liveness import PROBE_ENDPOINT, FrontProbe
 from cuctxd.daemon.service.logs import flush_logs
 from cuctxd.daemon.service.metrics import DaemonMetrics
 from cuctxd.daemon.service.notify import Notifier
+from cuctxd.daemon.service.preload import Preloader
 from cuctxd.daemon.service.rlimits import NOFILE_CAP, raise_open_file_limit
 from cuctxd.daemon.side_channel.server import SideChannel
 from cuctxd.protos.fd_channel import channel_path
@@ -143,6 +145,7 @@ class Daemon:
         self._side_channel: SideChannel | None = None
         self.fd_budget: FdBudget | None = None
         self._parking: ParkingLot | None = None
+        self._preloader: Preloader | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -200,6 +203,8 @@ class Daemon:
         state = DaemonState(self._front_config(), self.driver.name, devices, shares, sessions=sessions,
                            endpoints=list(self.bound), connections=self.connections, fd_channel=self._side_channel,
                            fd_budget=self.fd_budget, request_stop=self._stop_asked)
+        if config.gpu_limit:
+            state.device_limit = gpu_limit(config, devices)
         self._front = Front(state, self._workers, router, replies)
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
@@ -214,6 +219,11 @@ class Daemon:
             log.info("metrics on %s", self.metrics_url)
         mapping = "" if self.config.devices is None else f" (driver ordinals {list(self.ordinals)})"
         log.info("serving %d %s device(s)%s on %s", count, self.driver.name, mapping, ", ".join(self.bound))
+        if config.preload:
+            state.ready = False
+            loader_endpoint = next((e for e in self.bound if e.startswith("ipc://")), self.bound[0])
+            self._preloader = Preloader(config.preload, loader_endpoint, partial(setattr, state, "ready", True))
+            self._preloader.start()
         if self.notifier.enabled:
             self._probe = FrontProbe(self._zmq, self.notifier, self._status_line)
             self._probe.start()
@@ -418,6 +428,8 @@ class Daemon:
     def _drain(self) -> None:
         front = self._front
         assert front is not None
+        if self._preloader is not None:  # before its loader's requests are refused as the drain's
+            self._preloader.stop()
         front.state.draining = True
         self.notifier.stopping(self._status_line())
         timeout = self.config.drain_timeout
@@ -495,6 +507,8 @@ class Daemon:
         sessions within :data:`STOP_GRACE` (at most ``drain_timeout``) are
         abandoned, and ``exit_code`` becomes :data:`EXIT_FORCED`.
         """
+        if self._preloader is not None:
+            self._preloader.stop()
         if self._probe is not None:
             self._probe.stop()
         if self._watch is not None:

@@ -59,7 +59,7 @@ def test_authors_and_urls() -> None:
 
 def test_the_entry_points_resolve() -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert set(scripts) == {"cuctxd", "cuctx"}
+    assert set(scripts) == {"cuctxd", "cuctx", "cuctxd-device-plugin"}
     for target in scripts.values():
         module, _, name = target.partition(":")
         assert callable(getattr(importlib.import_module(module), name)), target
