@@ -62,6 +62,21 @@ def _current_device_uuid(backend: str) -> str | None:
     return current_device_uuid()
 
 
+#: Where a layout goes: a device; several (the first read or filled, the others copies of it, filled from it on
+#: the GPU); ``"all"``, ``"N,M"`` (:func:`parse_devices`); None: the session's current device.
+Devices = int | Sequence[int] | str | None
+
+
+def first_and_copies(client: Any, device: Devices) -> tuple[int | None, list[int]]:
+    """``device`` as the device a layout is filled on and those that get copies of it."""
+    if device is None or isinstance(device, int):
+        return device, []
+    devices = parse_devices(device, len(client.devices())) if isinstance(device, str) else list(device)
+    if not devices:
+        raise BadArgument("a layout is published on at least one device")
+    return devices[0], devices[1:]
+
+
 def parse_devices(text: str, count: int) -> list[int]:
     """``--device``'s value: ``all`` (every device of the daemon's ``count``), ``N`` or ``N,M,...`` (in that order,
     the first the one the checkpoint is read onto); :class:`BadArgument` otherwise."""
@@ -153,4 +168,5 @@ def _copy_mapped(target: Any, source: Any, size: int) -> None:
         into[start:start + _SIM_CHUNK] = out_of[start:start + _SIM_CHUNK]
 
 
-__all__ = ["SIM_VISIBLE_DEVICES", "caller_device", "ensure_copy", "parse_devices", "stage_copies"]
+__all__ = ["SIM_VISIBLE_DEVICES", "Devices", "caller_device", "ensure_copy", "first_and_copies", "parse_devices",
+           "stage_copies"]

@@ -26,9 +26,9 @@ from typing import Any, cast
 from cuctxd.client.api.objects import Buffer
 from cuctxd.client.data_plane.file_reads import FileRange, load_into_new_buffer
 from cuctxd.client.tensors.checkpoints import Checkpoint, open_regular, read_checkpoint
-from cuctxd.client.tensors.copies import ensure_copy
+from cuctxd.client.tensors.copies import Devices, ensure_copy, first_and_copies
 from cuctxd.client.tensors.hashing import hash_views
-from cuctxd.client.tensors.tensor_sets import first_and_copies, layout_offsets, no_room, publish_filled
+from cuctxd.client.tensors.tensor_sets import layout_offsets, no_room, publish_filled
 from cuctxd.client.wire import build
 from cuctxd.protos import digests
 from cuctxd.protos.errors import (
@@ -61,7 +61,7 @@ class Loaded:
     copied: tuple[int, ...] = ()
 
 
-def load_safetensors(client: Any, path: str, name: str, *, device: int | Sequence[int] | None = None,
+def load_safetensors(client: Any, path: str, name: str, *, device: Devices = None,
                      progress: Callable[[int, int], None] | None = None, read_only: bool = False,
                      replace: bool = False, digest: bool = True) -> Loaded:
     """Publish the checkpoint at ``path`` (a ``.safetensors`` file, a directory, or an index JSON) as
@@ -77,7 +77,7 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | Sequenc
                            read_only=read_only, replace=replace, digest=digest)
 
 
-def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: int | Sequence[int] | None = None,
+def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: Devices = None,
                     progress: Callable[[int, int], None] | None = None, read_only: bool = False,
                     replace: bool = False, digest: bool = True) -> Loaded:
     """:func:`load_safetensors` of a checkpoint read already (one tensor-parallel rank's parts, say)."""
@@ -86,7 +86,7 @@ def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: i
     manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, t.shape, c_strides(t.shape), offset)
                               for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
     _check_layout(path, manifest, size)
-    first, copies = first_and_copies(device)
+    first, copies = first_and_copies(client, device)
     published = _published(client, name)
     if published is not None and not replace:
         return _with_copies(client, name, _same_content(client, checkpoint, manifest, name, published), device)
@@ -119,14 +119,14 @@ def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: i
                   replaced=published is not None)
 
 
-def _with_copies(client: Any, name: str, loaded: Loaded, devices: int | Sequence[int] | None) -> Loaded:
+def _with_copies(client: Any, name: str, loaded: Loaded, devices: Devices) -> Loaded:
     """``loaded`` (the name held the content already), with a copy added on each of ``devices`` that lacks one,
     filled from the name's first copy on the GPU."""
-    if devices is None:
+    first, others = first_and_copies(client, devices)
+    if first is None:
         return loaded
-    wanted = [devices] if isinstance(devices, int) else list(devices)
     copied = []
-    for device in wanted:
+    for device in [first, *others]:
         try:
             client.lookup(name, device=device)
         except NoCopy:

@@ -24,7 +24,7 @@ from typing import Any
 from cuctxd.client.api.sharing import OpenedShare, byte_interface
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.tensors import dlpack
-from cuctxd.client.tensors.copies import caller_device, stage_copies
+from cuctxd.client.tensors.copies import Devices, caller_device, first_and_copies, stage_copies
 from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.wire import build
 from cuctxd.protos.errors import BadArgument, CudaError, DigestMismatch, WrongBackend
@@ -138,7 +138,7 @@ def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None =
 
 
 def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
-                   fill: Callable[[Any], Sequence[str | None]], *, device: int | Sequence[int] | None = None,
+                   fill: Callable[[Any], Sequence[str | None]], *, device: Devices = None,
                    persistent: bool = True, read_only: bool = False, replace: bool = False) -> ShareDescriptor:
     """Allocate one shareable buffer of ``size`` bytes on ``device`` (several: the first; the others get copies
     of it), ``fill(buffer)`` it (it returns each tensor's digest in the manifest's order, None where unknown),
@@ -147,7 +147,7 @@ def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
     raises; a device without room raises the allocation's ``CUDA_ERROR_OUT_OF_MEMORY`` with the sizes in
     its message (:func:`no_room`)."""
     check_manifest(manifest.pack(), size)  # what the daemon will check, said before any memory is taken
-    device, copies = first_and_copies(device)
+    device, copies = first_and_copies(client, device)
     try:
         buffer = client.alloc(size, device, shareable=True)
     except CudaError as error:
@@ -159,15 +159,6 @@ def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
         raise
     return publish_filled(client, name, manifest, buffer, found, persistent=persistent, read_only=read_only,
                           replace=replace, copies=copies)
-
-
-def first_and_copies(device: int | Sequence[int] | None) -> tuple[int | None, list[int]]:
-    """``device`` as the device a layout is filled on and those that get copies of it."""
-    if device is None or isinstance(device, int):
-        return device, []
-    if not device:
-        raise BadArgument("a layout is published on at least one device")
-    return device[0], list(device[1:])
 
 
 def publish_filled(client: Any, name: str, manifest: Manifest, buffer: Any, found: Sequence[str | None], *,
@@ -209,7 +200,7 @@ def _size_text(nbytes: int) -> str:
 
 
 def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
-                    *, device: int | Sequence[int] | None = None, progress: Callable[[int, int], None] | None = None,
+                    *, device: Devices = None, progress: Callable[[int, int], None] | None = None,
                     persistent: bool = True, read_only: bool = False, replace: bool = False,
                     digest: bool = True) -> ShareDescriptor:
     """Put ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`) in one buffer on ``device``

@@ -12,10 +12,11 @@ torch is imported only when these are called.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from cuctxd.client.api.sharing import byte_interface
+from cuctxd.client.tensors.copies import Devices
 from cuctxd.client.tensors.tensor_sets import CudaArray, TensorSet, open_tensors, publish_tensors
 from cuctxd.protos.records import ShareDescriptor
 
@@ -27,7 +28,7 @@ def _torch() -> Any:
 
 
 def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metadata: Mapping[str, Any] | None = None,
-                       *, device: int | Sequence[int] | None = None) -> ShareDescriptor:
+                       *, device: Devices = None) -> ShareDescriptor:
     """Publish a module's (or a state dict's) tensors as ``name``; ``metadata`` goes with them; ``device``: several
     devices get a copy each (:func:`~cuctxd.client.tensors.tensor_sets.publish_tensors`)."""
     torch = _torch()

@@ -205,6 +205,9 @@ def test_publish_tensors_on_several_devices_and_only_a_copy_of_the_same_layout(d
         assert [x["device"] for x in copies(c, "small")] == [0, 3]
         assert same_bytes(c, "small", 0, weights)
         c.unpublish("small")
+        publish_tensors(c, "everywhere", weights, device="all")
+        assert [x["device"] for x in copies(c, "everywhere")] == [0, 1, 2, 3]
+        c.unpublish("everywhere")
     all_freed(daemon)
 
 

@@ -115,3 +115,16 @@ def test_a_fresh_publish_brings_its_staged_copies_and_another_sessions_stay_out(
         registry.lookup("llama")
     registry.publish("llama", first, LAYOUT)
     assert [c["device"] for c in registry.page(NameFilter(), 10)[0][0]["copies"]] == [0, 1]
+
+
+def test_a_staged_copy_whose_owner_lets_go_is_no_copy() -> None:
+    registry = ShareRegistry()
+    first, second = _shares(registry, ME, 0, 1)
+    registry.publish("llama", second, LAYOUT, stage=True)
+    assert registry.namings(second) == {"llama": LAYOUT}  # parked with what it was staged with
+    registry.unstage(second)
+    assert "llama" not in second.names
+    registry.publish("llama", first, LAYOUT)
+    assert [c["device"] for c in registry.page(NameFilter(), 10)[0][0]["copies"]] == [0]
+    registry.unstage(first)  # a first copy is not staged: nothing changes
+    assert registry.lookup("llama").share_id == "s0"
