@@ -61,5 +61,12 @@ def test_another_uid_adds_and_removes_no_copy(group_daemon: DaemonProcess, model
             assert np.array_equal(np.asarray(opened["embed"]), TENSORS["embed"])
     done = cuctx_as(OWNER_UID, "--endpoint", endpoint, "load", str(model), "--name", "owned", "--device", "1")
     assert done.returncode == 0 and "copied to device 1" in done.stdout, done.stderr  # its owner may
+    with Client(endpoint) as observer:  # another uid relies on the digest: each copy's bytes are hashed once
+        digest = observer.list_shared()[0]["digest"]
+        said = [observer.verify_shared("owned", digest, device) for device in (1, 0, 1)]
+        # device 0's copy was hashed when the other uid's load compared its file with it; device 1's is new
+        assert [(one["verified"], one["hashed"]) for one in said] == [("daemon", True), ("daemon", False),
+                                                                      ("daemon", False)]
+        assert [copy["device"] for copy in observer.list_shared()[0]["copies"]] == [0, 1]
     done = cuctx_as(OWNER_UID, "--endpoint", endpoint, "unpublish", "owned")
     assert done.returncode == 0, done.stderr
