@@ -3,7 +3,9 @@ load --device all`` and ``N,M`` put a copy on each, all published in one step; `
 name present elsewhere, filled from it and not from the files; ``cuctx shared`` lists every copy with its UUID;
 ``unpublish --device N`` removes one copy and ``unpublish`` all; a process that sees one device under
 ``CUCTXD_SIM_VISIBLE_DEVICES`` opens the copy on it, matched by UUID, or gets NO_COPY naming where copies are;
-one device too full leaves nothing on the others; a replace swaps every copy at once, holders keeping theirs."""
+one device too full leaves nothing on the others; a replace swaps every copy at once, holders keeping theirs;
+every copy is parked and adopted after a restart under the test service manager; a directory of tensor-parallel
+ranks is a layout per rank, each on the device given for it."""
 
 from __future__ import annotations
 
