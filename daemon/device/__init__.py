@@ -1,1 +1,1 @@
-"""A device's worker thread: its own ROUTER (lane), its state, and the only calls to the driver for it."""
+"""A device's state: its contexts, memory, pools, streams, host buffers and shares, owned by its worker thread."""

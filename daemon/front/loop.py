@@ -5,7 +5,7 @@ Requests enter here (:meth:`Front.serve`), are decoded and checked against
 ops) or queued to the device's worker as a :class:`~cuctxd.daemon.intake.jobs.Job`. Workers
 send their replies over inproc to the PULL socket polled here, and they leave
 through the ROUTER. (Device ops a client sends to a device's own endpoint never
-pass here: :mod:`cuctxd.daemon.device.lane`.) Garbage gets an error reply, or is dropped and logged when
+pass here: :mod:`cuctxd.daemon.worker.lane`.) Garbage gets an error reply, or is dropped and logged when
 it cannot even be addressed; nothing a client sends can stop this loop.
 """
 
@@ -20,9 +20,7 @@ from typing import Any, cast
 
 import zmq
 
-from cuctxd.daemon.device.queues import check_sent
 from cuctxd.daemon.device.state import DeviceState
-from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.handlers import FRONT_HANDLERS
 from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Reply
 from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, device_job, refusal
@@ -31,6 +29,8 @@ from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.peers import peer_of
 from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
 from cuctxd.daemon.registry.daemon_state import DaemonState
+from cuctxd.daemon.worker.loop import DeviceWorker
+from cuctxd.daemon.worker.queues import check_sent
 from cuctxd.protos.messages import encode_error, encode_result, parse_request, unpack
 
 log = logging.getLogger(__name__)

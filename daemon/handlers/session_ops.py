@@ -7,12 +7,12 @@ import time
 from typing import Any
 
 from cuctxd.daemon import __version__
-from cuctxd.daemon.device.queues import backlog_status
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.status import device_status, first, fit_status
 from cuctxd.daemon.handlers.registry import front_handler
 from cuctxd.daemon.handlers.replies import FanOut, Reply
 from cuctxd.daemon.intake.peers import peer_or_pid, pid_of, uid_of
+from cuctxd.daemon.registry.backlogs import backlog_status
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.fd_budget import fd_peer
 from cuctxd.daemon.registry.sessions import Session

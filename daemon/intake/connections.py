@@ -5,7 +5,7 @@ cannot accept one for lack of descriptors it aborts the whole process (ipc://,
 ``Too many open files (src/ipc_listener.cpp)``) or retries in a busy loop
 (tcp://). So the daemon stops taking connections first: each ROUTER has a
 socket monitor (:class:`ListenerGuard`), the counts meet in one
-:class:`ConnectionBudget`, and once the daemon holds ``cap`` connections every
+:class:`~cuctxd.daemon.registry.connection_budget.ConnectionBudget`, and once the daemon holds ``cap`` connections every
 listener stops taking new ones without being closed
 (:mod:`cuctxd.daemon.intake.listeners`): connections already made stay, the
 kernel turns new ones away. Once the count falls to the low-water mark, the
@@ -40,6 +40,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from cuctxd.daemon.intake.listeners import IpcListener, Listener, TcpListener
+from cuctxd.daemon.registry.connection_budget import ConnectionBudget
 from cuctxd.daemon.registry.fd_budget import FdPlan, fd_reserve
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,6 @@ EVENT_BATCH = 1024
 #: Seconds between attempts to take connections again after a failed attempt (a file put at the
 #: socket's path meanwhile).
 RESUME_RETRY_S = 1.0
-#: Seconds between two warnings that the cap was reached (INFO in between).
-WARN_EVERY_S = 60.0
 #: While listeners are paused, the watch thread looks at least this often whether the count fell.
 PAUSED_POLL_S = 0.25
 
@@ -68,44 +67,6 @@ def connection_cap(open_files: int, configured: int) -> int:
     """The cap: ``configured`` (``max_connections``; 0: none given), as :class:`FdPlan` sizes it out of the
     open-file limit beside the reserve and the fds held for clients."""
     return FdPlan.derive(open_files, configured).connections
-
-
-class ConnectionBudget:
-    """The daemon-wide connection count against the cap; any thread may call (one lock).
-
-    ``refusing`` turns on when the count reaches ``cap`` and off once it is at
-    most ``low_water``; the :class:`ListenerGuard` of every ROUTER follows it.
-    Each time it turns on is logged, at WARNING at most every
-    :data:`WARN_EVERY_S` (a sustained flood turns it on again and again).
-    """
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.low_water = cap - max(1, cap // 10)
-        self.count = 0
-        self.refusing = False
-        self._warned_at = -WARN_EVERY_S
-        self._lock = threading.Lock()
-
-    def change(self, delta: int) -> None:
-        """Add ``delta`` connections (negative: gone); logs when refusing starts and ends."""
-        with self._lock:
-            self.count = max(0, self.count + delta)
-            if not self.refusing and self.count >= self.cap:
-                self.refusing = True
-                now = time.monotonic()
-                quiet = now - self._warned_at < WARN_EVERY_S
-                if not quiet:
-                    self._warned_at = now
-                log.log(logging.INFO if quiet else logging.WARNING,
-                        "max_connections reached: %d client connections open; new connections are refused "
-                        "until at most %d remain", self.count, self.low_water)
-            elif self.refusing and self.count <= self.low_water:
-                self.refusing = False
-                log.info("%d client connections open: accepting new connections again", self.count)
-
-    def to_status(self) -> dict[str, Any]:
-        return {"open": self.count, "max": self.cap, "accepting": not self.refusing}
 
 
 class ListenerGuard:

@@ -15,7 +15,7 @@ class Job(NamedTuple):
     ``device`` is resolved on receipt (the op's ``device`` argument, else the
     session's current device). ``payload`` holds the request's raw frames.
     ``lane``: the device whose own ROUTER received the request and must send the
-    reply (:mod:`cuctxd.daemon.device.lane`); None when it came through the front.
+    reply (:mod:`cuctxd.daemon.worker.lane`); None when it came through the front.
     ``received``: ``time.perf_counter()`` on arrival, for the request's latency.
     ``backlog``: the session's :class:`DeviceBacklog` on ``device`` (queue and reply limits).
     ``shm``: the session's shm lane (:mod:`cuctxd.daemon.device.shm_lanes`) the request came through and

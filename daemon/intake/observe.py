@@ -4,7 +4,7 @@
 the end of ``Front._handle`` (every request; front ops and failures are
 finished there) and where worker replies are forwarded (device ops finish
 there, so their latency runs from the request's arrival to its reply leaving).
-Device lanes (:mod:`cuctxd.daemon.device.lane`) call :meth:`RequestObserver.finished` from
+Device lanes (:mod:`cuctxd.daemon.worker.lane`) call :meth:`RequestObserver.finished` from
 their worker threads as each reply leaves; it only logs and updates thread-safe
 metrics. :class:`ObservedSessions` is the session registry that logs every
 session opened and closed and counts reaps, on the front thread.

@@ -1,6 +1,6 @@
 """Taking requests off a ROUTER socket and putting replies on it, for the front and the device lanes.
 
-Both the front's ROUTER and each device's own ROUTER (:mod:`cuctxd.daemon.device.lane`) read
+Both the front's ROUTER and each device's own ROUTER (:mod:`cuctxd.daemon.worker.lane`) read
 and write messages the same way: a message is ``[identity, header, *payload]``;
 replies never block (a client that does not read loses its reply, the daemon
 goes on). Flags are plain ints: pyzmq's enums cost a Python-level operation on

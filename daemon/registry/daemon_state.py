@@ -2,7 +2,7 @@
 
 The front thread owns it and writes it; every ROUTER's admission reads it
 (:mod:`cuctxd.daemon.intake.admission`, on the front and on each device worker's
-own ROUTER, :mod:`cuctxd.daemon.device.lane`), and the front ops' handlers
+own ROUTER, :mod:`cuctxd.daemon.worker.lane`), and the front ops' handlers
 (:mod:`cuctxd.daemon.handlers.session_ops`, :mod:`~cuctxd.daemon.handlers.sharing_ops`)
 answer from it. It lives here, beside the other registries, and not in ``front/``,
 so that no device, intake or handler code imports the front thread's package.
@@ -14,14 +14,24 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from cuctxd.daemon.device.queues import QueueLimits
-from cuctxd.daemon.intake.connections import ConnectionBudget
+from cuctxd.daemon.registry.backlogs import QueueLimits
+from cuctxd.daemon.registry.connection_budget import ConnectionBudget
 from cuctxd.daemon.registry.fd_budget import FdBudget
 from cuctxd.daemon.registry.sessions import SessionRegistry
 from cuctxd.daemon.registry.shares import ShareRegistry
-from cuctxd.daemon.side_channel.server import SideChannel
 from cuctxd.protos.records import DeviceInfo
+
+
+class FdChannel(Protocol):
+    """What the front ops read of the fd channel (:class:`~cuctxd.daemon.side_channel.server.SideChannel`):
+    its socket paths, told in ``hello``, and its counts, shown by ``status``. Said here so that the
+    daemon-wide state does not import the fd channel's thread, which imports the registries."""
+
+    paths: list[str]
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,7 @@ class AdmissionConfig:
     endpoints: tuple[str, ...] = ()
     #: The driver ordinal of each device served, by index.
     device_ordinals: tuple[int, ...] = ()
-    #: Per session and device: queued requests and unread replies (:mod:`cuctxd.daemon.device.queues`).
+    #: Per session and device: queued requests and unread replies (:mod:`cuctxd.daemon.worker.queues`).
     queue_limits: QueueLimits = field(default_factory=QueueLimits)
     #: What ``status`` and the metrics call the machine (``node_name``).
     node_name: str = ""
@@ -70,7 +80,7 @@ class DaemonState:
     #: Client connections on every ROUTER against ``max_connections`` (``status`` shows them).
     connections: ConnectionBudget | None = None
     #: The fd channel beside the ipc:// endpoints (None without one): its path goes out in hello.
-    fd_channel: SideChannel | None = None
+    fd_channel: FdChannel | None = None
     #: The fds the daemon holds for clients against its open-file limit (``status`` shows them).
     fd_budget: FdBudget | None = None
     #: Starts the daemon's shutdown as SIGTERM does (the op ``shutdown``); its argument says who asked, for the

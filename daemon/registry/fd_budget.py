@@ -8,7 +8,7 @@ once, at start, in three parts that together never pass it (:class:`FdPlan`):
 * the **reserve**, kept for the daemon itself (its sockets, eventfds, logs, the
   backend's files) and for the connections a paused listener still accepts;
 * **connections** (``max_connections``): client connections on every ROUTER,
-  counted by :class:`~cuctxd.daemon.intake.connections.ConnectionBudget`;
+  counted by :class:`~cuctxd.daemon.registry.connection_budget.ConnectionBudget`;
 * **client fds** (``max_client_fds``): every descriptor the daemon holds on a
   client's behalf: a ticket's fds until redeemed or expired, an shm lane's
   memfd, eventfds and mapping, a host buffer's mapping (Python's ``mmap`` keeps

@@ -42,7 +42,7 @@ class SessionRef:
 class DeviceBacklog:
     """One session's requests waiting for, and replies leaving, one device's worker: what
     ``max_queued_requests``, ``max_queued_bytes`` and ``max_reply_bytes`` bound
-    (:mod:`cuctxd.daemon.device.queues`).
+    (:mod:`cuctxd.daemon.worker.queues`).
 
     Written by two threads, each field by one: ``sent``/``sent_bytes`` (device ops the front handed
     to the worker) by the front; everything else by that device's worker: ``taken``/``taken_bytes``

@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from cuctxd.daemon.device.state import DeviceState
-from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.registry.fd_budget import FdBudget
 from cuctxd.daemon.registry.parked_records import ParkedShare
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.service.fdstore import ServiceFdStore, listen_fds
+from cuctxd.daemon.worker.loop import DeviceWorker
 from cuctxd.protos.records import DeviceInfo
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,6 @@ import zmq
 from cuctxd.daemon import __version__
 from cuctxd.daemon.backends import BackendUnavailable, select_backend
 from cuctxd.daemon.backends.sim import SimDriver
-from cuctxd.daemon.device.worker import WorkerStartError
 from cuctxd.daemon.service import keygen
 from cuctxd.daemon.service.config import SETTINGS, ConfigError, DaemonConfig, check_config
 from cuctxd.daemon.service.config_file import build_config, load_file, render_toml
@@ -33,6 +32,7 @@ from cuctxd.daemon.service.logs import flush_logs, setup_logging
 from cuctxd.daemon.service.metrics import MetricsUnavailable
 from cuctxd.daemon.service.server import Daemon
 from cuctxd.daemon.service.settings import SIZE_HELP, Setting
+from cuctxd.daemon.worker.loop import WorkerStartError
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.endpoints import default_endpoint
 

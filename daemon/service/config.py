@@ -16,14 +16,14 @@ import socket
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from cuctxd.daemon.device.queues import (
+from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
+from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
+from cuctxd.daemon.registry.backlogs import (
     DEFAULT_MAX_QUEUED_BYTES,
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REPLY_BYTES,
     DEFAULT_MAX_REPLY_BYTES_PER_PEER,
 )
-from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
-from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
 from cuctxd.daemon.registry.shares import (
     DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
     DEFAULT_MAX_MANIFEST_BYTES_PER_UID,
@@ -175,11 +175,11 @@ class DaemonConfig:
                                  "ring)", zero="none kept", limit=True)
     sim_fault: str | None = setting(None, fault_injection, "testing aid (sim backend only): device DEV turns sticky "
                                     "with ERROR after CALLS more calls", "DEV:CALLS:ERROR")
-    #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.device.lane`), told in hello.
+    #: Give each device its own ROUTER next to every endpoint (:mod:`cuctxd.daemon.worker.lane`), told in hello.
     device_endpoints: bool = switch(True, "give each device its own socket next to each endpoint, so device ops "
                                     "skip a thread hand-off (--no-device-endpoints when only the one socket or port "
                                     "may be used)")
-    #: Per session and device (:mod:`cuctxd.daemon.device.queues`): requests queued, their payload bytes,
+    #: Per session and device (:mod:`cuctxd.daemon.worker.queues`): requests queued, their payload bytes,
     #: and reply payload bytes its client has not taken.
     max_queued_requests: int = count(DEFAULT_MAX_QUEUED_REQUESTS, "most requests one session may have queued on "
                                      "each device", zero="no limit", security=True, limit=True)

@@ -23,8 +23,8 @@ from cuctxd.protos.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from cuctxd.daemon.device.state import DeviceState
-    from cuctxd.daemon.device.worker import DeviceWorker
     from cuctxd.daemon.registry.daemon_state import DaemonState
+    from cuctxd.daemon.worker.loop import DeviceWorker
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Start: every worker opens its device and re-adopts the shares a previous daemon parked with
 the service manager (:mod:`cuctxd.daemon.service.adoption`), then the front's ROUTER binds (tcp://
 only with CURVE or ``insecure_tcp``), then each device's own ROUTER binds next
-to every endpoint and goes to its worker (:mod:`cuctxd.daemon.device.lane`; unless
+to every endpoint and goes to its worker (:mod:`cuctxd.daemon.worker.lane`; unless
 ``device_endpoints`` is off), then the metrics endpoint (if configured) and the
 systemd liveness probe start; ``READY=1`` goes out once the front has answered
 the probe's first ping (:mod:`cuctxd.daemon.service.liveness`).
@@ -57,13 +57,12 @@ import zmq.auth.thread
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.backends.subset import DeviceSubset
 from cuctxd.daemon.device.entries import DeviceLimits
-from cuctxd.daemon.device.lane import DeviceLane
-from cuctxd.daemon.device.queues import QueueLimits
-from cuctxd.daemon.device.worker import DeviceWorker
 from cuctxd.daemon.front.loop import Front
-from cuctxd.daemon.intake.connections import ConnectionBudget, ConnectionWatch, ListenerGuard, listen_backlog
+from cuctxd.daemon.intake.connections import ConnectionWatch, ListenerGuard, listen_backlog
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
+from cuctxd.daemon.registry.backlogs import QueueLimits
+from cuctxd.daemon.registry.connection_budget import ConnectionBudget
 from cuctxd.daemon.registry.daemon_state import AdmissionConfig, DaemonState
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
 from cuctxd.daemon.registry.parking import ParkingLot
@@ -87,6 +86,8 @@ from cuctxd.daemon.service.notify import Notifier
 from cuctxd.daemon.service.preload import Preloader
 from cuctxd.daemon.service.rlimits import NOFILE_CAP, raise_open_file_limit
 from cuctxd.daemon.side_channel.server import SideChannel
+from cuctxd.daemon.worker.lane import DeviceLane
+from cuctxd.daemon.worker.loop import DeviceWorker
 from cuctxd.protos.fd_channel import channel_path
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 

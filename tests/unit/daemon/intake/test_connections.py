@@ -12,7 +12,6 @@ import pytest
 import zmq
 
 from cuctxd.daemon.intake.connections import (
-    ConnectionBudget,
     ConnectionWatch,
     ListenerGuard,
     connection_cap,
@@ -20,6 +19,7 @@ from cuctxd.daemon.intake.connections import (
     listen_backlog,
 )
 from cuctxd.daemon.intake.listeners import IpcListener, TcpListener
+from cuctxd.daemon.registry.connection_budget import ConnectionBudget
 from tests.helpers import remove_tempdir, short_tempdir, wait_until
 
 

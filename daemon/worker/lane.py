@@ -4,7 +4,7 @@ Through the front, a device op crosses two threads (front -> worker -> front),
 and each hand-off under the GIL costs tens of microseconds. A client that was
 told the device endpoints in ``hello`` sends device ops for device N to device
 N's endpoint instead; its worker thread receives, admits (:mod:`cuctxd.daemon.intake.admission`,
-the same checks as the front), queues (:mod:`cuctxd.daemon.device.queues`, whose limits
+the same checks as the front), queues (:mod:`cuctxd.daemon.worker.queues`, whose limits
 refuse it here like any other check), runs and answers each one itself. Front ops and
 requests for another device are refused here with ``CUCTXD_ERROR_BAD_REQUEST``
 rather than passed on, so a session's requests for one device always arrive

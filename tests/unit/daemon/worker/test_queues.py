@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from cuctxd.daemon.device.queues import HeldReplies, JobQueues, QueueLimits, check_sent, taken
 from cuctxd.daemon.intake.jobs import Job
+from cuctxd.daemon.registry.backlogs import QueueLimits
 from cuctxd.daemon.registry.sessions import Session, SessionRegistry
+from cuctxd.daemon.worker.queues import HeldReplies, JobQueues, check_sent, taken
 from cuctxd.protos.errors import LimitExceeded
 from cuctxd.protos.schema import OPS
 

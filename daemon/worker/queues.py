@@ -8,7 +8,7 @@ session with work in turn (:meth:`JobQueues.pop`), so a session with hundreds of
 requests queued delays another's by at most one op. ``max_queued_requests`` and
 ``max_queued_bytes`` bound each FIFO (:meth:`JobQueues.push` refuses at once);
 ``max_reply_bytes`` bounds the reply payloads a session has left in ZeroMQ that
-its client has not taken (:func:`track_reply`, :func:`reply_bytes`), and
+its client has not taken (:func:`track_reply`, :func:`~cuctxd.daemon.registry.backlogs.reply_bytes`), and
 ``max_reply_bytes_per_peer`` those of all of one peer's sessions (:class:`HeldReplies`), so
 that a client cannot multiply the first by opening sessions. Worker thread only, but for
 :func:`check_sent`, which the front calls for the jobs it hands on.
@@ -18,33 +18,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from cuctxd.daemon.intake.jobs import Job, payload_bytes
+from cuctxd.daemon.registry.backlogs import QueueLimits, reply_bytes
 from cuctxd.daemon.registry.sessions import DeviceBacklog
 from cuctxd.protos.errors import LimitExceeded
-
-#: Default of ``max_queued_requests``: twice the Python client's in-flight window (256 per socket), so a
-#: client that pipelines through both the main and a device endpoint never meets it.
-DEFAULT_MAX_QUEUED_REQUESTS = 512
-#: Default of ``max_queued_bytes``: write payloads one session may have queued on one device.
-DEFAULT_MAX_QUEUED_BYTES = 256 << 20
-#: Default of ``max_reply_bytes``: read results one session may have waiting to leave one device.
-DEFAULT_MAX_REPLY_BYTES = 256 << 20
-#: Default of ``max_reply_bytes_per_peer``: the same, of all one peer's sessions together (two sessions' worth).
-DEFAULT_MAX_REPLY_BYTES_PER_PEER = 512 << 20
-
-
-@dataclass(frozen=True)
-class QueueLimits:
-    """Per session and device; 0: no limit."""
-
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES
-    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
-    #: Of all one peer's sessions together (:class:`HeldReplies`).
-    max_reply_bytes_per_peer: int = DEFAULT_MAX_REPLY_BYTES_PER_PEER
 
 
 class JobQueues:
@@ -125,19 +104,6 @@ def track_reply(backlog: DeviceBacklog, trackers: Sequence[tuple[Any, int]]) -> 
             backlog.reply_bytes += size
 
 
-def reply_bytes(backlog: DeviceBacklog, limit: int = 0) -> int:
-    """Reply bytes ZeroMQ still holds for the session: forgets those sent from the front of the line
-    and, when that leaves ``limit`` (0: none) or more, looks through the rest (out-of-order sends)."""
-    replies = backlog.replies
-    while replies and replies[0][0].done:
-        backlog.reply_bytes -= replies.popleft()[1]
-    if limit and backlog.reply_bytes >= limit:
-        still = deque(entry for entry in replies if not entry[0].done)
-        backlog.replies = still
-        backlog.reply_bytes = sum(size for _, size in still)
-    return backlog.reply_bytes
-
-
 def check_reply_room(backlog: DeviceBacklog, limits: QueueLimits) -> None:
     """Before running an op whose reply carries a payload: :class:`LimitExceeded` naming
     ``max_reply_bytes`` while the session's earlier replies still hold that much here."""
@@ -197,16 +163,3 @@ def _held_by(backlogs: set[DeviceBacklog], limit: int) -> int:
         else:
             backlogs.discard(backlog)
     return total
-
-
-def backlog_status(backlog: DeviceBacklog) -> dict[str, int]:
-    """A session's use on one device, for ``status`` (on that device's worker)."""
-    return {
-        "queued": len(backlog.jobs) + backlog.sent - backlog.taken - _front_jobs_queued(backlog),
-        "queued_bytes": backlog.queued_bytes,
-        "reply_bytes": reply_bytes(backlog),
-    }
-
-
-def _front_jobs_queued(backlog: DeviceBacklog) -> int:
-    return sum(1 for job in backlog.jobs if job.lane is None)
