@@ -365,12 +365,13 @@ class AsyncClient(SessionState):
         return await self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
                                             replace=replace))
 
-    async def unpublish(self, name: str) -> None:
-        await self.run(build.unpublish(name))
+    async def unpublish(self, name: str, *, device: int | None = None) -> None:
+        await self.run(build.unpublish(name, device))
 
-    async def lookup(self, name: str, *, digest: str | None = None) -> ShareDescriptor:
+    async def lookup(self, name: str, *, digest: str | None = None, device: int | None = None) -> ShareDescriptor:
         """As :meth:`cuctxd.client.api.client.Client.lookup`."""
-        return await self.run(build.lookup(name) if digest is None else build.lookup_verified(name, digest))
+        return await self.run(build.lookup(name, device) if digest is None
+                              else build.lookup_verified(name, digest, device))
 
     async def verify_shared(self, name: str, digest: str, device: int) -> dict[str, Any]:
         """As :meth:`cuctxd.client.api.client.Client.verify_shared`."""

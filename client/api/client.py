@@ -469,15 +469,17 @@ class Client(SessionState):
         return self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
                                       replace=replace))
 
-    def unpublish(self, name: str) -> None:
-        """Remove a name published by this user's sessions (any name, as the daemon's own user)."""
-        self.run(build.unpublish(name))
+    def unpublish(self, name: str, *, device: int | None = None) -> None:
+        """Remove a name published by this user's sessions (any name, as the daemon's own user): every copy of it,
+        or with ``device`` only its copy there."""
+        self.run(build.unpublish(name, device))
 
-    def lookup(self, name: str, *, digest: str | None = None) -> ShareDescriptor:
-        """The descriptor published as ``name``; with ``digest``, only once the daemon vouches that the name's
-        layout has that digest (:meth:`verify_shared`): :class:`~cuctxd.protos.errors.DigestMismatch`
-        otherwise."""
-        return self.run(build.lookup(name) if digest is None else build.lookup_verified(name, digest))
+    def lookup(self, name: str, *, digest: str | None = None, device: int | None = None) -> ShareDescriptor:
+        """The descriptor published as ``name`` (its copy on ``device``; else its first); with ``digest``, only once
+        the daemon vouches that the name's layout has that digest (:meth:`verify_shared`):
+        :class:`~cuctxd.protos.errors.DigestMismatch` otherwise."""
+        return self.run(build.lookup(name, device) if digest is None
+                        else build.lookup_verified(name, digest, device))
 
     def verify_shared(self, name: str, digest: str, device: int) -> dict[str, Any]:
         """Have the daemon vouch for ``name``'s layout digest on ``device`` before relying on it: at once for a

@@ -27,6 +27,22 @@ from cuctxd.protos.limits import DEFAULT_MAX_PAYLOAD_BYTES
 from cuctxd.protos.records import DeviceInfo
 
 
+class DeviceLookup(Protocol):
+    """The devices a session may use, still to be asked of services outside the daemon (``gpu_limit``: the API
+    server, the kubelet): called on the front's lookup pool (:mod:`cuctxd.daemon.front.lookups`), never on the
+    front thread; raises DeviceNotAllowed. Lookups with one ``key`` (one pod) are asked once."""
+
+    @property
+    def key(self) -> str: ...
+
+    def __call__(self) -> frozenset[int]: ...
+
+
+#: ``gpu_limit`` (:class:`cuctxd.daemon.kubelet.pod_gpus.GpuLimit`): for a peer's pid, the devices it may use
+#: (None: all), or the :class:`DeviceLookup` that will say; raises DeviceNotAllowed. Front thread, at hello.
+DeviceLimit = Callable[[int | None], "frozenset[int] | DeviceLookup | None"]
+
+
 class FdChannel(Protocol):
     """What the front ops read of the fd channel (:class:`~cuctxd.daemon.side_channel.server.SideChannel`):
     its socket paths, told in ``hello``, and its counts, shown by ``status``. Said here so that the
@@ -121,9 +137,10 @@ class DaemonState:
     #: Starts the daemon's shutdown as SIGTERM does (the op ``shutdown``); its argument says who asked, for the
     #: log. Set by the daemon; None: the op is refused (a front run without a daemon around it, in tests).
     request_stop: Callable[[str], None] | None = None
-    #: ``gpu_limit`` (:class:`cuctxd.daemon.kubelet.pod_gpus.GpuLimit`): the devices a peer's pid may use, None
-    #: for all; raises DeviceNotAllowed. Called by hello on the front thread. None: every session may use all.
-    device_limit: Callable[[int | None], frozenset[int] | None] | None = None
+    #: ``gpu_limit``: the devices a peer's pid may use (:data:`DeviceLimit`). None: every session may use all.
+    device_limit: DeviceLimit | None = None
+    #: ``gpu_limit``'s lookup pool as ``status`` shows it (``pod_lookups``; front thread); set with the pool.
+    lookup_status: Callable[[], dict[str, int]] | None = None
     #: False while the daemon preloads its checkpoints (``preload``; the preload thread sets it once, when done):
     #: ``status`` says it, the readiness probe asks.
     ready: bool = True

@@ -312,7 +312,7 @@ class ParkingLot:
                     recovered.skipped += 1
                 elif found.get(share_id, (-1,))[0] < generation:
                     found[share_id] = (generation, share, name)
-        claimed: set[str] = set()
+        claimed: set[tuple[str, str]] = set()
         for _, share, record in sorted(found.values(), key=lambda entry: -entry[0]):
             share = self._unclaimed(share, claimed)
             fd = memory.pop(share.fdname, -1)
@@ -352,13 +352,14 @@ class ParkingLot:
             os.close(fd)
 
     @staticmethod
-    def _unclaimed(share: ParkedShare, claimed: set[str]) -> ParkedShare:
-        """``share`` without the names a newer record claimed (each name goes to the newest record naming it)."""
-        names = tuple(n for n in share.names if n.name not in claimed)
+    def _unclaimed(share: ParkedShare, claimed: set[tuple[str, str]]) -> ParkedShare:
+        """``share`` without the names a newer record claimed on its device (each name's copy on a device goes to
+        the newest record naming it there: a name holds one copy per device)."""
+        names = tuple(n for n in share.names if (n.name, share.device_uuid) not in claimed)
         if len(names) != len(share.names):
             log.warning("parked share %s…: names %s go to newer records", share.share_id[:8],
                         sorted({n.name for n in share.names} - {n.name for n in names}))
-        claimed.update(n.name for n in names)
+        claimed.update((n.name, share.device_uuid) for n in names)
         return share if len(names) == len(share.names) else ParkedShare(**{**share.__dict__, "names": names})
 
     def adopted(self, share: ParkedShare, fd: int) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from cuctxd.daemon.device.entries import DeviceLimits
+from cuctxd.daemon.front.lookups import LookupLimits
 from cuctxd.daemon.kubelet import POD_RESOURCES_SOCKET
 from cuctxd.daemon.registry.backlogs import QueueLimits
 from cuctxd.daemon.registry.daemon_state import AdmissionLimits
@@ -81,7 +82,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DaemonConfig(AdmissionLimits, DeviceLimits, QueueLimits, ShareLimits, TicketLimits, FdLimits, FdChannelLimits,
-                   ParkingLimits):
+                   ParkingLimits, LookupLimits):
     """Everything the daemon needs to start; built by the CLI, used read-only afterwards.
 
     Every part's settings (the classes it inherits), then the service's own, below: ``devices``: the driver

@@ -57,6 +57,7 @@ import zmq.auth.thread
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.backends.subset import DeviceSubset
 from cuctxd.daemon.device.entries import DeviceLimits
+from cuctxd.daemon.front.lookups import LookupLimits, LookupPool
 from cuctxd.daemon.front.loop import Front
 from cuctxd.daemon.intake.connections import ConnectionWatch, ListenerGuard, listen_backlog
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
@@ -199,6 +200,9 @@ class Daemon:
         if config.gpu_limit:
             state.device_limit = gpu_limit(config, devices)
         self._front = Front(state, self._workers, router, replies)
+        if config.gpu_limit:
+            self._front.lookups = lookups = LookupPool(part_of(config, LookupLimits))
+            state.lookup_status = lookups.to_status
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
         self._watch.start()
@@ -512,6 +516,8 @@ class Daemon:
                 self._front.router.setsockopt(zmq.LINGER, REPLY_LINGER_MS)
             self._front.router.close()
             self._front.replies.close()
+            if self._front.lookups is not None:
+                self._front.lookups.stop()
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None

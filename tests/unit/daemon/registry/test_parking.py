@@ -208,6 +208,19 @@ def test_a_name_two_records_claim_goes_to_the_newer(store: RecordingStore) -> No
         os.close(fd)
 
 
+def test_a_names_copies_on_other_devices_do_not_compete(store: RecordingStore) -> None:
+    """A name holds one copy per device: each device's newest record keeps the name there."""
+    first = ParkingLot(store)
+    park(first, replace(share(0, 1000, "model"), device=0, device_uuid="GPU-a"))
+    park(first, replace(share(1, 1000, "model"), device=1, device_uuid="GPU-b"))
+    park(first, replace(share(2, 1000, "model", "b-too"), device=1, device_uuid="GPU-b"))
+    recovered = ParkingLot(store).recover(store.passed())
+    by_id = {s.share_id: [n.name for n in s.names] for s, _ in recovered.shares}
+    assert by_id == {share(0).share_id: ["model"], share(2).share_id: ["model", "b-too"]}
+    for _, fd in recovered.shares:
+        os.close(fd)
+
+
 def test_a_format_1_registry_is_recovered_and_rewritten_as_records(store: RecordingStore) -> None:
     raw = encode_registry([SHARE], 9)
     registry = sealed_memfd("registry", len(raw))

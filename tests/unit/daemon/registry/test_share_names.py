@@ -85,10 +85,10 @@ def test_replace_moves_a_name_in_one_step_for_whoever_may_unpublish_it() -> None
         registry.publish("model", theirs, Naming(), replace=True)
     # the uid's bytes: the old name's 900 + EACH are given back as the new one's 900 + EACH are charged
     assert registry.publish("model", new, Naming(b"m" * 895, 1, digest="xxh3-128:" + "1" * 32), replace=True) \
-        == ("s1", 0)
+        == [("s1", 0)]
     assert registry.lookup("model").share_id == "s2" and registry.names_status()["bytes"] == 900 + EACH
     assert [(s["name"], s["share_id"], s["digest"]) for s in registry.page(NameFilter(), 10)[0]] == [
         ("model", "s2", "xxh3-128:" + "1" * 32)]
     registry.drop_names(old)  # the old share still lists the name until its worker forgets it: not the new one's
     assert registry.lookup("model").share_id == "s2"
-    assert registry.publish("model", new, Naming(), replace=True) is None  # its own name: nothing left behind
+    assert registry.publish("model", new, Naming(), replace=True) == []  # its own name: nothing left behind

@@ -74,7 +74,7 @@ def test_a_uid_may_publish_max_names_per_uid_names_and_other_uids_are_unaffected
     registry.publish("c", again)  # the uid's third, from another of its sessions
     with pytest.raises(LimitExceeded, match=r"^.*\): max_names_per_uid: the sessions of uid 7 have published 3 "):
         registry.publish("d", again)
-    assert registry.publish("c", mine, replace=True) == ("s2", 0)  # a name of the same uid moving: not one more
+    assert registry.publish("c", mine, replace=True) == [("s2", 0)]  # a name of the same uid moving: not one more
     for n in range(3):
         registry.publish(f"theirs-{n}", theirs)
         registry.publish(f"unknown-{n}", unknown)
