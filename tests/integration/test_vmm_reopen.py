@@ -5,6 +5,9 @@ this test's own process as the one that maps."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -134,3 +137,33 @@ def test_an_open_the_daemon_refuses_gives_its_reference_on_the_mapping_back(daem
         with pytest.raises(Revoked):  # its hold went with the revoke; the mapping goes with its close
             held.close()
         assert not mapped_here(start)
+
+
+def test_clients_opening_one_share_at_once_end_up_with_one_mapping(daemon: DaemonProcess) -> None:
+    """Threads racing to map the same share each may import it; one mapping is kept, the others are undone."""
+    with Client(daemon.endpoint) as owner:
+        buf = owner.alloc(8192, shareable=True)
+        buf.write(pattern(8192, seed=5))
+        descriptor = owner.export(buf)
+        clients = [Client(daemon.endpoint) for _ in range(6)]
+        try:
+            start = threading.Barrier(len(clients))
+
+            def open_at_once(client: Client) -> OpenedShare:
+                start.wait(timeout=30)
+                return client.open_shared(descriptor)
+
+            with ThreadPoolExecutor(len(clients)) as pool:
+                opened = list(pool.map(open_at_once, clients))
+            assert len({address(share) for share in opened}) == 1
+            assert all(share.read() == pattern(8192, seed=5) for share in opened)
+            last = opened.pop()
+            for share in opened:
+                share.close()
+            start_address = address(last)
+            assert mapped_here(start_address)
+            last.close()
+            assert not mapped_here(start_address)
+        finally:
+            for client in clients:
+                client.close()
