@@ -115,8 +115,8 @@ class OpenShared:
     """Hold a share open for this session so the daemon keeps it alive; the client maps it
     as the descriptor's ``mechanism`` says. ``pool_fd``: also hand over the share's fd: its
     pool's (a ``"pool"`` share, when this process has not imported that pool yet) or its
-    allocation's (a ``"vmm"`` share). Result: ``share``, and ``ticket`` (redeem it on the fd
-    channel) when ``pool_fd`` and the share has an fd."""
+    allocation's (a ``"vmm"`` share this process does not map yet). Result: ``share``, and
+    ``ticket`` (redeem it on the fd channel) when ``pool_fd`` and the share has an fd."""
 
     share_id: str = dataclasses.field(metadata={"max_len": 64})
     device: int | None = count_field()
