@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cuctxd.daemon.handlers.replies import Deferred, Reply
+from cuctxd.daemon.settings import count
 from cuctxd.protos.errors import CuctxError, InternalError, LimitExceeded
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,22 @@ class Looked:
     error: CuctxError | None
 
 
+@dataclass(frozen=True)
+class LookupLimits:
+    """gpu_limit's lookup pool: lookups at once, hellos waiting on one (:mod:`cuctxd.daemon.settings`)."""
+
+    max_pod_lookups: int = count(DEFAULT_MAX_POD_LOOKUPS, "with gpu_limit: pods' first hellos looked up at once "
+                                 "(the API server, the kubelet), each on a thread of its own", low=1, security=True,
+                                 limit=True)
+    max_pending_hellos: int = count(DEFAULT_MAX_PENDING_HELLOS, "with gpu_limit: hellos waiting on their pod's "
+                                    "lookup at once, all pods together", low=1, security=True, limit=True)
+
+
 class LookupPool:
     """Owned by the front thread (:meth:`submit`, :meth:`finished`); its threads only run lookups and ring."""
 
-    def __init__(self, threads: int = DEFAULT_MAX_POD_LOOKUPS, max_waiting: int = DEFAULT_MAX_PENDING_HELLOS) -> None:
-        self.max_waiting = max_waiting
+    def __init__(self, limits: LookupLimits = LookupLimits()) -> None:
+        self.max_waiting = limits.max_pending_hellos
         #: Readable when a lookup has finished; the front polls it.
         self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ring_lock = threading.Lock()
@@ -68,7 +80,7 @@ class LookupPool:
         self._waiting: dict[str, list[Waiting]] = {}
         self._count = 0
         self._threads = [threading.Thread(target=self._run, name=f"cuctxd-lookup-{n}", daemon=True)
-                         for n in range(threads)]
+                         for n in range(limits.max_pod_lookups)]
         for thread in self._threads:
             thread.start()
 

@@ -143,9 +143,9 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
             "max_queued_bytes": limits.max_queued_bytes,
             "max_reply_bytes": limits.max_reply_bytes,
             "max_reply_bytes_per_peer": limits.max_reply_bytes_per_peer,
-            "max_manifest_bytes_per_session": front.shares.max_manifest_bytes_per_session,
-            "max_manifest_bytes_per_uid": front.shares.max_manifest_bytes_per_uid,
-            "max_names_per_uid": front.shares.max_names_per_uid,
+            "max_manifest_bytes_per_session": front.shares.limits.max_manifest_bytes_per_session,
+            "max_manifest_bytes_per_uid": front.shares.limits.max_manifest_bytes_per_uid,
+            "max_names_per_uid": front.shares.limits.max_names_per_uid,
         },
         "names": front.shares.names_status(),
     }

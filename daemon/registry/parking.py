@@ -48,6 +48,7 @@ from cuctxd.daemon.registry.parked_records import (
     record_of,
     registry_generation,
 )
+from cuctxd.daemon.settings import count
 from cuctxd.protos.errors import LimitExceeded, NotParked
 from cuctxd.protos.memfd import sealed_memfd
 
@@ -95,14 +96,23 @@ class Recovered:
     skipped: int = 0
 
 
+@dataclass(frozen=True)
+class ParkingLimits:
+    """The fd store's share of one uid (:mod:`cuctxd.daemon.settings`)."""
+
+    #: fds of the service manager's fd store one uid's parked shares may hold (two each; 0: a quarter of the store).
+    max_parked_fds_per_uid: int = count(0, "most fds of the service manager's fd store one user's parked "
+                                        "(persistent) shares may hold, two each", shown="0: a quarter of the "
+                                        "store ($FDSTORE)", security=True, limit=True)
+
+
 class ParkingLot:
     """The daemon's parked shares and their records in the service manager's fd store (module docstring)."""
 
-    def __init__(self, store: FdStore, budget: FdBudget | None = None, per_uid: int = 0) -> None:
-        """``per_uid``: ``max_parked_fds_per_uid`` as configured (0: a quarter of the store)."""
+    def __init__(self, store: FdStore, budget: FdBudget | None = None, limits: ParkingLimits = ParkingLimits()) -> None:
         self.store = store
         self.budget = budget
-        self.per_uid = per_uid_share(store.limit, per_uid)
+        self.per_uid = per_uid_share(store.limit, limits.max_parked_fds_per_uid)
         self._lock = threading.Lock()
         self._parked: dict[str, ParkedShare] = {}
         #: Each parked share's record in the store, by share id.

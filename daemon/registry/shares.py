@@ -49,6 +49,7 @@ from cuctxd.daemon.registry.copies import Copy, CopyBook
 from cuctxd.daemon.registry.name_index import NameFilter, NameIndex
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.daemon.settings import count, size
 from cuctxd.protos.errors import BadArgument, LimitExceeded, NameExists, NoCopy, NotFound, NotOwner
 from cuctxd.protos.limits import NAME_OVERHEAD_BYTES
 from cuctxd.protos.records import ShareDescriptor
@@ -59,6 +60,24 @@ DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION = 16 << 20
 DEFAULT_MAX_MANIFEST_BYTES_PER_UID = 64 << 20
 #: Default of ``max_names_per_uid``: names one uid's sessions have published, ended ones' included.
 DEFAULT_MAX_NAMES_PER_UID = 16384
+
+
+@dataclass(frozen=True)
+class ShareLimits:
+    """The bytes and the number of published names (0: no limit; :mod:`cuctxd.daemon.settings`)."""
+
+    #: Bytes of published names (manifests included), per publishing session and per uid, daemon-wide.
+    max_manifest_bytes_per_session: int = size(DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, "bytes of the names "
+                                               "(manifests included) one session may have published",
+                                               zero="no limit", security=True, limit=True)
+    max_manifest_bytes_per_uid: int = size(DEFAULT_MAX_MANIFEST_BYTES_PER_UID, "bytes of the names (manifests "
+                                           "included) one user's sessions may have published, ended ones included",
+                                           zero="no limit", security=True, limit=True)
+    #: Published names of one uid's sessions, ended ones included, daemon-wide.
+    max_names_per_uid: int = count(DEFAULT_MAX_NAMES_PER_UID, "names one user's sessions may have published, "
+                                   "ended ones included", zero="no limit", security=True, limit=True)
+
+
 #: How many uids ``status`` lists by the bytes of their names.
 _TOP_UIDS = 8
 #: Most names one hold of the lock forgets when all of a share's names go (its free, revoke or end).
@@ -175,13 +194,9 @@ class ShareRegistry:
     no method calls out while holding it.
     """
 
-    def __init__(self, max_manifest_bytes_per_session: int = DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
-                 max_manifest_bytes_per_uid: int = DEFAULT_MAX_MANIFEST_BYTES_PER_UID,
-                 max_names_per_uid: int = DEFAULT_MAX_NAMES_PER_UID) -> None:
+    def __init__(self, limits: ShareLimits = ShareLimits()) -> None:
         """The limits on the bytes of published names and on their number (0: none; module docstring)."""
-        self.max_manifest_bytes_per_session = max_manifest_bytes_per_session
-        self.max_manifest_bytes_per_uid = max_manifest_bytes_per_uid
-        self.max_names_per_uid = max_names_per_uid
+        self.limits = limits
         self._lock = threading.Lock()
         self._shares: dict[str, _Listing] = {}
         self._names: dict[str, str] = {}
@@ -244,13 +259,13 @@ class ShareRegistry:
                 names_back = int(who.uid == owner.uid)
             by_session = self._name_bytes_by_session.get(owner.token, 0) - credit[0]
             by_uid = self._name_bytes_by_uid.get(owner.uid, 0) - credit[1]
-            _check_name_room("max_manifest_bytes_per_session", self.max_manifest_bytes_per_session, by_session,
+            _check_name_room("max_manifest_bytes_per_session", self.limits.max_manifest_bytes_per_session, by_session,
                              size, "this session has published")
             user = "peers whose uid is unknown (tcp://)" if owner.uid is None else f"uid {owner.uid}"
-            _check_name_room("max_manifest_bytes_per_uid", self.max_manifest_bytes_per_uid, by_uid, size,
+            _check_name_room("max_manifest_bytes_per_uid", self.limits.max_manifest_bytes_per_uid, by_uid, size,
                              f"the sessions of {user} have published (ended ones included)")
             count = self._index.count_of_uid(owner.uid) - names_back
-            if self.max_names_per_uid and count >= self.max_names_per_uid:
+            if self.limits.max_names_per_uid and count >= self.limits.max_names_per_uid:
                 raise LimitExceeded(f"max_names_per_uid: the sessions of {user} have published {count} names that "
                                     f"are still published (ended ones included), the limit; unpublish some first")
             replaced = []

@@ -1,8 +1,8 @@
-"""cuctxd.ray on a Ray cluster of several nodes on this machine (``ray.cluster_utils.Cluster``), each
+"""cuctxd.client.ray_nodes on a Ray cluster of several nodes on this machine (``ray.cluster_utils.Cluster``), each
 with its own sim daemon, one of them with none.
 
 Each Ray node is started with ``CUCTXD_ENDPOINT`` in its environment (``env_vars``), which its raylet
-hands to every worker it starts: the convention cuctxd.ray documents. On a real cluster that is one
+hands to every worker it starts: the convention cuctxd.client.ray_nodes documents. On a real cluster that is one
 socket path on every node (the DaemonSet's); here the nodes share one host, so each gets its own.
 """
 
@@ -25,7 +25,7 @@ save_file = pytest.importorskip("safetensors.numpy").save_file
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-import cuctxd.ray as cuctxd_ray  # noqa: E402
+import cuctxd.client.ray_nodes as cuctxd_ray  # noqa: E402
 from cuctxd import Client, NotFound  # noqa: E402
 from cuctxd.client.tensors.copies import SIM_VISIBLE_DEVICES  # noqa: E402
 from cuctxd.protos.endpoints import ENDPOINT_ENV  # noqa: E402

@@ -9,14 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from cuctxd.daemon.front.lookups import Looked, LookupPool, Waiting
+from cuctxd.daemon.front.lookups import Looked, LookupLimits, LookupPool, Waiting
 from cuctxd.daemon.handlers.replies import Deferred, Reply
 from cuctxd.protos.errors import DeviceNotAllowed, InternalError, LimitExceeded
 
 
 @pytest.fixture
 def pool() -> Iterator[LookupPool]:
-    made = LookupPool(threads=2, max_waiting=3)
+    made = LookupPool(LookupLimits(max_pod_lookups=2, max_pending_hellos=3))
     try:
         yield made
     finally:

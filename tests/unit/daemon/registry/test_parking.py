@@ -22,7 +22,7 @@ from cuctxd.daemon.registry.parked_records import (
     encode_registry,
     record_fdname,
 )
-from cuctxd.daemon.registry.parking import ParkingLot
+from cuctxd.daemon.registry.parking import ParkingLimits, ParkingLot
 from cuctxd.protos.errors import NotParked
 from cuctxd.protos.memfd import sealed_memfd
 
@@ -151,7 +151,7 @@ def test_each_uid_gets_its_share_of_the_store_and_status_says_so(store: Recordin
 
 def test_a_full_store_refuses_and_keeps_a_slot_for_a_records_next_generation(store: RecordingStore) -> None:
     store.limit = 7
-    lot = ParkingLot(store, per_uid=7)
+    lot = ParkingLot(store, limits=ParkingLimits(max_parked_fds_per_uid=7))
     for index in range(3):
         park(lot, share(index))
     with pytest.raises(NotParked, match="fd store is full: 6 of its 7"):

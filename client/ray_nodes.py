@@ -25,9 +25,8 @@ daemon as one mapping of zero-copy tensors, held open while the object lives: ea
 GPU (the one Ray gave it, matched by UUID whatever ``CUDA_VISIBLE_DEVICES`` renumbers).
 
 Only the client library's public names are used, and the tensor functions named in :func:`_tensor_io`
-and :func:`layout_names`. When the repository's root itself is on ``sys.path`` (a checkout's current
-directory, pytest's ``pythonpath``), ``import ray`` finds this file: it then hands over to the real
-Ray at once (the end of this file).
+and :func:`layout_names`. Formerly ``cuctxd.ray``: a ``ray.py`` at the repository's root, which
+shadowed the real Ray wherever that root was on ``sys.path`` (the sessions it opens keep that name).
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError as missing:
-        raise ImportError(f"cuctxd.ray needs Ray: pip install 'cuctxd[ray]' ({missing})") from None
+        raise ImportError(f"cuctxd.client.ray_nodes needs Ray: pip install 'cuctxd[ray]' ({missing})") from None
     return ray
 
 
@@ -298,24 +297,3 @@ class LocalLayouts(Mapping[str, Any]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _hand_over_to_ray() -> None:
-    """Imported as the top-level ``ray`` (the repository's root on ``sys.path`` ahead of site-packages):
-    load the real Ray under that name instead, so that ``import ray`` works from a checkout too."""
-    import importlib.machinery
-    import importlib.util
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
-    spec = importlib.machinery.PathFinder.find_spec("ray", path)
-    if spec is None or spec.loader is None:
-        raise ImportError("Ray is not installed (this is cuctxd.ray, found because the cuctxd checkout is on "
-                          "sys.path): pip install 'cuctxd[ray]'")
-    real = importlib.util.module_from_spec(spec)
-    sys.modules["ray"] = real
-    spec.loader.exec_module(real)
-
-
-if __name__ == "ray":
-    _hand_over_to_ray()
