@@ -38,6 +38,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_DIGEST_MISMATCH = 10018
     CUCTXD_ERROR_NOT_PARKED = 10019
     CUCTXD_ERROR_TIMED_OUT = 10020
+    CUCTXD_ERROR_NO_COPY = 10022
     CUCTXD_ERROR_DEVICE_NOT_ALLOWED = 10024
     CUCTXD_ERROR_INTERNAL = 10099
 
@@ -205,6 +206,14 @@ class NotParked(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_NOT_PARKED
 
 
+class NoCopy(NotFound):
+    """The name is published, but has no copy on the device asked for (the caller's own GPU, or ``device=``);
+    the message lists the devices that have one. Making a copy is its publisher's decision
+    (``cuctx load ... --device N``, ``ensure_copy``)."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_NO_COPY
+
+
 class DeviceNotAllowed(DaemonError):
     """``gpu_limit``: the device is not one of the GPUs the kubelet gave the client's pod, or the daemon cannot
     tell the client's pod (on ``hello``); the message says which."""
@@ -290,8 +299,8 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
     for cls in (
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
-        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, DeviceNotAllowed,
-        TimedOut, InternalError,
+        NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, NoCopy,
+        DeviceNotAllowed, TimedOut, InternalError,
     )
 }
 

@@ -39,9 +39,13 @@ class Publish:
     where a service manager keeps fds); ``once``: consume-once, the name stops keeping it once a
     session opened it after its owner let go; ``read_only``: openers are told to map it without
     write access (``read_only`` in the descriptor); ``replace``: a name already published moves to this
-    buffer at once, if this session may unpublish it (holders of the old one keep it); ``version``: publish the
-    name's next version (PROTOCOL.md, section 9, "Versions"): persistent, replacing the current one, and the
-    buffer is handed to the name (this session's handle goes). Result: ``share`` (with ``version``)."""
+    buffer at once, if this session may unpublish it (holders of the old one keep it; the name's copies on
+    other devices go with it, and the buffers published ``stage`` for it come in with it); ``copy``: the
+    buffer becomes the copy on its device of a name already published elsewhere, with the same manifest
+    (PROTOCOL.md, section 9, "Copies on several devices"); ``stage``: that copy is held for the next
+    ``replace`` of the name, not published before it; ``version``: publish the name's next version
+    (PROTOCOL.md, section 9, "Versions"): persistent, replacing the current one, and the buffer handed to the
+    name (this session's handle goes); not with ``copy`` or ``stage``. Result: ``share`` (with ``version``)."""
 
     buffer: int = handle_field()
     name: str = name_field()
@@ -51,23 +55,29 @@ class Publish:
     read_only: bool = False
     once: bool = False
     replace: bool = False
+    copy: bool = False
+    stage: bool = False
     version: bool = False
 
 
 @op("unpublish", target="front")
 class Unpublish:
     """Remove a name published by a session of this session's user (or, for the daemon's own user, any
-    name); holders keep their mappings. Result: ``{}``."""
+    name), every copy of it; with ``device``, only its copy on that device. Holders keep their mappings.
+    Result: ``{}``."""
 
     name: str = name_field()
+    device: int | None = count_field()
 
 
 @op("lookup", target="front")
 class Lookup:
     """The share descriptor published under ``name``, with its ``publisher`` (session, client,
-    pid, uid); ``version``: that live version of a versioned name instead of its current one. Result: ``share``."""
+    pid, uid): its copy on ``device`` (``CUCTXD_ERROR_NO_COPY`` where it has none), else its first copy;
+    ``version``: that live version of a versioned name instead of its current one. Result: ``share``."""
 
     name: str = name_field()
+    device: int | None = count_field()
     version: int | None = count_field(minimum=1)
 
 
@@ -105,7 +115,8 @@ class ListShared:
     """One page of the published names, in code point order: at most ``limit``, those after the name
     ``after`` (the last page's ``next``), starting with ``prefix``, published by the session ``owner``
     (public id) and by ``uid``. Result: ``shared`` (list of maps: name, share_id, device, size, owner,
-    owner_present, holders, publisher, tensors, read_only, digest, verified, version), ``next`` (the name to pass as
+    owner_present, holders, publisher, tensors, read_only, digest, verified, version, copies: one map per
+    device that holds a copy: device, uuid, share_id, size, holders, owner_present), ``next`` (the name to pass as
     ``after`` for the next page; nil on the last), ``count`` (names published daemon-wide), ``truncated``
     (``next`` is not nil)."""
 
@@ -121,8 +132,8 @@ class OpenShared:
     """Hold a share open for this session so the daemon keeps it alive; the client maps it
     as the descriptor's ``mechanism`` says. ``pool_fd``: also hand over the share's fd: its
     pool's (a ``"pool"`` share, when this process has not imported that pool yet) or its
-    allocation's (a ``"vmm"`` share). Result: ``share``, and ``ticket`` (redeem it on the fd
-    channel) when ``pool_fd`` and the share has an fd."""
+    allocation's (a ``"vmm"`` share this process does not map yet). Result: ``share``, and
+    ``ticket`` (redeem it on the fd channel) when ``pool_fd`` and the share has an fd."""
 
     share_id: str = dataclasses.field(metadata={"max_len": 64})
     device: int | None = count_field()

@@ -53,8 +53,14 @@ class FakePodResources(rpc.PodResourcesListerServicer):  # type: ignore[misc]
             for pod in self.pods])
 
 
+#: Seconds a held answer waits for :meth:`FakeApiServer.release` at most: less than the daemon's own timeout
+#: for the API server (``LOOKUP_TIMEOUT``), so that a held lookup still succeeds, only late.
+HOLD_LIMIT = 4.0
+
+
 class FakeApiServer:
-    """``GET /api/v1/pods?fieldSelector=spec.nodeName=NODE``: the pods of ``node``, as the API server lists them."""
+    """``GET /api/v1/pods?fieldSelector=spec.nodeName=NODE``: the pods of ``node``, as the API server lists them;
+    between :meth:`hold` and :meth:`release`, each request waits (:attr:`waiting` counts them) before its answer."""
 
     def __init__(self, node: str, pods: list[Pod]) -> None:
         fake = self
@@ -67,6 +73,7 @@ class FakeApiServer:
                     self.send_error(400, f"unexpected request {self.path}")
                     return
                 fake.requests += 1
+                fake.wait_if_held()
                 body = json.dumps({"kind": "PodList", "apiVersion": "v1", "items": [
                     {"metadata": {"name": p.name, "namespace": p.namespace, "uid": p.uid}} for p in fake.pods]})
                 self.send_response(200)
@@ -82,6 +89,27 @@ class FakeApiServer:
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.waiting = 0
+        self._released = threading.Event()
+        self._released.set()
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        """From now on, hold each answer until :meth:`release` (or :data:`HOLD_LIMIT`)."""
+        self._released.clear()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait_if_held(self) -> None:
+        """A request's handler thread: wait while answers are held."""
+        if self._released.is_set():
+            return
+        with self._lock:
+            self.waiting += 1
+        self._released.wait(HOLD_LIMIT)
+        with self._lock:
+            self.waiting -= 1
 
 
 @contextmanager

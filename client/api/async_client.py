@@ -365,14 +365,14 @@ class AsyncClient(SessionState):
         return await self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
                                             replace=replace, version=version))
 
-    async def unpublish(self, name: str) -> None:
-        await self.run(build.unpublish(name))
+    async def unpublish(self, name: str, *, device: int | None = None) -> None:
+        await self.run(build.unpublish(name, device))
 
-    async def lookup(self, name: str, *, digest: str | None = None, version: int | None = None) -> ShareDescriptor:
+    async def lookup(self, name: str, *, digest: str | None = None, device: int | None = None,
+                     version: int | None = None) -> ShareDescriptor:
         """As :meth:`cuctxd.client.api.client.Client.lookup`."""
-        if digest is None:
-            return await self.run(build.lookup(name, version))
-        return await self.run(build.lookup_verified(name, digest))
+        return await self.run(build.lookup(name, device, version) if digest is None
+                              else build.lookup_verified(name, digest, device))
 
     async def wait_version(self, name: str, after: int, timeout: float | None = None) -> int:
         """As :meth:`cuctxd.client.api.client.Client.wait_version`; other calls of this client go on meanwhile."""

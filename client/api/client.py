@@ -470,17 +470,19 @@ class Client(SessionState):
         return self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
                                       replace=replace, version=version))
 
-    def unpublish(self, name: str) -> None:
-        """Remove a name published by this user's sessions (any name, as the daemon's own user)."""
-        self.run(build.unpublish(name))
+    def unpublish(self, name: str, *, device: int | None = None) -> None:
+        """Remove a name published by this user's sessions (any name, as the daemon's own user): every copy of it,
+        or with ``device`` only its copy there."""
+        self.run(build.unpublish(name, device))
 
-    def lookup(self, name: str, *, digest: str | None = None, version: int | None = None) -> ShareDescriptor:
-        """The descriptor published as ``name``; with ``digest``, only once the daemon vouches that the name's
-        layout has that digest (:meth:`verify_shared`): :class:`~cuctxd.protos.errors.DigestMismatch`
-        otherwise; ``version``: that live version of a versioned name instead of its current one."""
-        if digest is None:
-            return self.run(build.lookup(name, version))
-        return self.run(build.lookup_verified(name, digest))
+    def lookup(self, name: str, *, digest: str | None = None, device: int | None = None,
+               version: int | None = None) -> ShareDescriptor:
+        """The descriptor published as ``name`` (its copy on ``device``; else its first); with ``digest``, only once
+        the daemon vouches that the name's layout has that digest (:meth:`verify_shared`):
+        :class:`~cuctxd.protos.errors.DigestMismatch` otherwise; ``version``: that live version of a versioned
+        name instead of its current one."""
+        return self.run(build.lookup(name, device, version) if digest is None
+                        else build.lookup_verified(name, digest, device))
 
     def wait_version(self, name: str, after: int, timeout: float | None = None) -> int:
         """Block until ``name`` has a version newer than ``after`` and return its number: the daemon answers

@@ -10,11 +10,11 @@ daemon's hold are requests, so :meth:`AsyncOpenedShare.close` is a coroutine
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from cuctxd.client.data_plane.pool_imports import POOL_IMPORTS
+from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.presentation import docs_from
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import Local, Plan
@@ -178,13 +178,14 @@ class AsyncOpenedShare(MappedShare):
 
 def map_share(descriptor: ShareDescriptor, pool_fd: int | None) -> Any:
     """Map a share in this process as its ``mechanism`` says: from its pool (imported from ``pool_fd``
-    unless already, :mod:`cuctxd.client.data_plane.pool_imports`), its VMM allocation's fd (``pool_fd``), or
-    with the backend's legacy IPC handle. ``pool_fd`` is closed here."""
+    unless already, :mod:`cuctxd.client.data_plane.pool_imports`), its VMM allocation's fd (``pool_fd``,
+    :mod:`cuctxd.client.data_plane.vmm_imports`), or with the backend's legacy IPC handle. ``pool_fd`` is
+    closed here."""
     check_same_host(descriptor)
     if descriptor.mechanism == "pool":
         return POOL_IMPORTS.map(descriptor, pool_fd)
     if descriptor.mechanism == "vmm":
-        return _map_vmm(descriptor, pool_fd)
+        return VMM_IMPORTS.map(descriptor, pool_fd)
     if descriptor.backend == "sim":
         from cuctxd.client.data_plane.ipc_sim import SimMapping
 
@@ -196,34 +197,25 @@ def map_share(descriptor: ShareDescriptor, pool_fd: int | None) -> Any:
     raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")
 
 
-def _map_vmm(descriptor: ShareDescriptor, fd: int | None) -> Any:
-    if fd is None:
-        raise NotShareable(f"share {descriptor.share_id} is VMM memory, mapped from its fd: open it with a session "
-                           "that has the fd channel (ipc://, same host)")
-    try:
-        if descriptor.backend == "sim":
-            from cuctxd.client.data_plane.ipc_sim import SimVmmMapping
-
-            return SimVmmMapping(descriptor, fd)
-        if descriptor.backend == "cuda":
-            from cuctxd.client.data_plane.ipc_cuda import CudaVmmMapping
-
-            return CudaVmmMapping(descriptor, fd)
-        raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")
-    finally:
-        os.close(fd)
-
-
 def open_share(owner: Any, kind: Callable[[Any, ShareDescriptor, Any], ShareT],
                share: str | ShareDescriptor) -> Plan[ShareT]:
-    """Look the share up (by name), hold it, map it here (asking for its fd: a VMM share's always, a pool
-    share's when this process has not imported that pool yet); a failed mapping drops the hold again."""
+    """Look the share up (by name), hold it, map it here (asking for its fd: a VMM share's unless this process
+    maps it already, then its mapping is reused; a pool share's when this process has not imported that pool
+    yet); a failed mapping drops the hold again."""
     descriptor = (yield build.lookup(share)) if isinstance(share, str) else share
     check_same_host(descriptor)
-    need_fd = descriptor.mechanism == "vmm" or (
+    mapped = VMM_IMPORTS.reuse(descriptor) if descriptor.mechanism == "vmm" else None
+    need_fd = (descriptor.mechanism == "vmm" and mapped is None) or (
         descriptor.mechanism == "pool" and not POOL_IMPORTS.has(descriptor.pool_id))
-    plane = owner.data_plane() if need_fd else None
-    descriptor, ticket = yield build.open_shared(descriptor, pool_fd=need_fd)
+    try:
+        plane = owner.data_plane() if need_fd else None
+        descriptor, ticket = yield build.open_shared(descriptor, pool_fd=need_fd)
+    except BaseException:
+        if mapped is not None:
+            mapped.close()
+        raise
+    if mapped is not None:
+        return kind(owner, descriptor, mapped)
     try:
         mapping = yield Local(lambda: map_share(descriptor, plane.receive_fd(ticket) if plane and ticket else None))
     except BaseException:

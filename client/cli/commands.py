@@ -15,7 +15,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cuctxd.client.api.client import Client
 from cuctxd.client.cli.doctor import FAIL, run_checks
@@ -31,9 +31,12 @@ from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys
 from cuctxd.client.wire.transport import listening
 from cuctxd.protos import digests
 from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
-from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.errors import BadArgument, CuctxError
 from cuctxd.protos.sizes import human_size
 from cuctxd.protos.version import __version__
+
+if TYPE_CHECKING:
+    from cuctxd.client.tensors.safetensors_load import Loaded
 
 #: Exit status for a usage error (what argparse uses too).
 EXIT_USAGE = 2
@@ -152,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "model.safetensors.index.json, else every *.safetensors in it) "
                                                    "or an index .json")
     load.add_argument("--name", required=True, help="the name to publish the layout under")
-    load.add_argument("--device", type=_ordinal, default=None, metavar="N", help="the device (default: 0)")
+    load.add_argument("--device", default=None, metavar="N", help="the device (default: 0); N,M,... or 'all': a "
+                      "copy on each, read onto the first and filled from it on the GPU; a name present elsewhere "
+                      "with this content gets a copy here")
     load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
     load.add_argument("--replace", action="store_true", help="if the name holds other content, swap it for this "
                                                             "(sessions that opened the old one keep it)")
@@ -166,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     unpublish = command("unpublish", "remove a published name (one published by your user; any, as the "
                                      "daemon's user)")
     unpublish.add_argument("name", metavar="NAME", help="the name, as 'cuctx shared' lists it")
+    unpublish.add_argument("--device", type=_ordinal, default=None, metavar="N",
+                           help="remove only the name's copy on device N (default: every copy)")
     kill = command("kill", "close a session as its own goodbye would (your user's sessions; any, as the "
                            "daemon's user)")
     kill.add_argument("session", metavar="SESSION", type=_ordinal, help="the session's id, as 'cuctx status' "
@@ -238,8 +245,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 version = client.wait_version(args.name, args.after, args.wait)
                 _say(args, {"name": args.name, "version": version}, f"{args.name!r} version {version}")
             elif args.command == "unpublish":
-                client.unpublish(args.name)
-                _say(args, {"unpublished": args.name}, f"unpublished {args.name!r}")
+                client.unpublish(args.name, device=args.device)
+                where = "" if args.device is None else f" on device {args.device}"
+                _say(args, {"unpublished": args.name, "device": args.device}, f"unpublished {args.name!r}{where}")
             elif args.command == "kill":
                 client.close_session(args.session)
                 _say(args, {"closed": args.session}, f"closed session {args.session}")
@@ -289,8 +297,12 @@ def _wait_for_exit(args: argparse.Namespace, endpoint: str, pid: int) -> int:
 
 
 def load_file(client: Client, args: argparse.Namespace) -> int:
-    """``cuctx load``: the checkpoint's tensors published as ``--name``, with one progress line for all its
-    files on a terminal; the same content already there is said and left as it is."""
+    """``cuctx load``: the checkpoint's tensors published as ``--name`` (a directory of tensor-parallel ranks: one
+    layout per rank, ``NAME/rank-R``, on the device given for it), with one progress line for all its files on a
+    terminal; the same content already there is said and left as it is."""
+    from cuctxd.client.tensors.checkpoints import tensor_parallel_ranks
+    from cuctxd.client.tensors.copies import parse_devices
+    from cuctxd.client.tensors.ranks import load_ranks, rank_name
     from cuctxd.client.tensors.safetensors_load import load_safetensors
 
     shown = False
@@ -302,31 +314,53 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
             print(f"\rloading {args.path}: {100 * done // max(total, 1):3d}% ({human_size(done)} of "
                   f"{human_size(total)})", end="", file=sys.stderr, flush=True)
 
+    devices = None if args.device is None else parse_devices(args.device, len(client.devices()))
     started = time.perf_counter()
     try:
-        loaded = load_safetensors(client, args.path, args.name, device=args.device, progress=progress,
-                                  read_only=args.read_only, replace=args.replace,
-                                  version=args.version)
+        if tensor_parallel_ranks(args.path) and args.version:
+            raise BadArgument("--version: a checkpoint of tensor-parallel ranks is one layout per rank, each its own "
+                             "name; load each rank's files as a version of its own name")
+        if tensor_parallel_ranks(args.path):
+            ranks = load_ranks(client, args.path, args.name, devices=devices, progress=progress,
+                               read_only=args.read_only, replace=args.replace)
+            each: list[tuple[str, Loaded, list[int] | None]] = [
+                (rank_name(args.name, rank), loaded, [loaded.descriptor.device]) for rank, loaded in enumerate(ranks)]
+        else:
+            each = [(args.name, load_safetensors(client, args.path, args.name, device=devices, progress=progress,
+                                                 read_only=args.read_only, replace=args.replace,
+                                                 version=args.version), devices)]
     finally:
         if shown:  # the progress line ends, so that what follows (an error too) starts a line of its own
             print(file=sys.stderr)
     took = time.perf_counter() - started
+    for name, loaded, where in each:
+        _say_loaded(args, name, loaded, where, took)
+    return 0
+
+
+def _say_loaded(args: argparse.Namespace, name: str, loaded: Loaded, devices: list[int] | None, took: float) -> None:
+    """What ``cuctx load`` did with one layout (:class:`~cuctxd.client.tensors.safetensors_load.Loaded`)."""
     descriptor = loaded.descriptor
     if args.json:
-        print(json.dumps({"name": args.name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,
-                          "replaced": loaded.replaced, "version": descriptor.version,
+        print(json.dumps({"name": name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,
+                          "replaced": loaded.replaced, "devices": devices, "copied": list(loaded.copied),
+                          "version": descriptor.version,
                           "share_id": descriptor.share_id, "digest": loaded.digest}))
     elif not loaded.loaded:
         done = ("the copy just read was freed and the name left as it was" if args.replace
                 else "nothing was read onto the device")
-        print(f"already loaded: same content, digest {loaded.digest} ({args.name!r}, "
+        if loaded.copied:
+            done = (f"copied to device{'s' if len(loaded.copied) > 1 else ''} "
+                    f"{', '.join(map(str, loaded.copied))} from device {descriptor.device} on the GPU")
+        print(f"already loaded: same content, digest {loaded.digest} ({name!r}, "
               f"{human_size(descriptor.size)} on device {descriptor.device}); {done}")
     else:
         said = f", digest {digests.short(loaded.digest)}" if loaded.digest else ""
+        where = (f"device {descriptor.device}" if not devices or len(devices) == 1
+                 else f"devices {', '.join(map(str, devices))} (a copy on each)")
         as_version = f" version {descriptor.version}" if descriptor.version else ""
-        print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {args.name!r}{as_version}: "
-              f"{human_size(descriptor.size)} on device {descriptor.device} in {human_duration(took)}{said}")
-    return 0
+        print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {name!r}{as_version}: "
+              f"{human_size(descriptor.size)} on {where} in {human_duration(took)}{said}")
 
 
 def show_help(parser: argparse.ArgumentParser, topic: str | None) -> int:

@@ -190,11 +190,22 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
         return "no published buffers"
     return table(
         ["NAME", "DEVICE", "SIZE", "TENSORS", "MODE", "OWNER", "PUBLISHER", "HOLDERS", "DIGEST", "SHARE"],
-        [[_named(s), s["device"], human_size(s["size"]), s.get("tensors") or "-", "ro" if s.get("read_only") else "rw",
-          s["owner"] if s["owner_present"] else f"{s['owner']} (gone)", _publisher(s.get("publisher")),
-          s["holders"], _digest(s), s["share_id"]]
-         for s in shared],
+        [[_named(s), _device(copy), human_size(copy["size"]), s.get("tensors") or "-",
+          "ro" if s.get("read_only") else "rw", s["owner"] if s["owner_present"] else f"{s['owner']} (gone)",
+          _publisher(s.get("publisher")), copy["holders"], _digest(s), copy["share_id"]]
+         for s in shared for copy in _copies(s)],
     )
+
+
+def _copies(shared: dict[str, Any]) -> list[dict[str, Any]]:
+    """A name's copies, one row each (a daemon before copies lists the name's one share)."""
+    return shared.get("copies") or [shared]
+
+
+def _device(copy: dict[str, Any]) -> str:
+    """A copy's device and the start of its UUID (ordinals differ between processes, UUIDs do not)."""
+    uuid = copy.get("uuid")
+    return str(copy["device"]) if not uuid else f"{copy['device']} {uuid[:12]}"
 
 
 def _named(shared: dict[str, Any]) -> str:

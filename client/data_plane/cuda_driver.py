@@ -88,6 +88,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "cuCtxPushCurrent_v2": [_CUcontext],
     "cuCtxPopCurrent_v2": [ctypes.POINTER(_CUcontext)],
     "cuCtxSynchronize": [],
+    "cuCtxGetDevice": [ctypes.POINTER(_CUdevice)],
+    "cuMemcpyPeer": [_CUdeviceptr, _CUcontext, _CUdeviceptr, _CUcontext, ctypes.c_size_t],
     "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_CUdeviceptr), IpcMemHandle, ctypes.c_uint],
     "cuIpcCloseMemHandle": [_CUdeviceptr],
     "cuMemPoolImportFromShareableHandle": [ctypes.POINTER(_CUmemoryPool), ctypes.c_void_p, ctypes.c_int,
@@ -139,13 +141,32 @@ class Driver:
         count = ctypes.c_int()
         self.call("cuDeviceGetCount", ctypes.byref(count))
         for ordinal in range(count.value):
-            device, raw = _CUdevice(), _Uuid()
-            self.call("cuDeviceGet", ctypes.byref(device), ordinal)
-            self.call("cuDeviceGetUuid_v2", ctypes.byref(raw), device)
-            h = ctypes.string_at(ctypes.addressof(raw), 16).hex()  # the field itself stops at a NUL
-            if f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}" == uuid:
-                return device.value
+            if self.device_uuid(ordinal) == uuid:
+                return ordinal
         raise NotShareable(f"GPU {uuid} is not visible to this process (check CUDA_VISIBLE_DEVICES)")
+
+    def device_uuid(self, ordinal: int) -> str:
+        """The UUID (``GPU-...``, as ``nvidia-smi -L`` and the daemon's ``devices`` say) of this process's GPU
+        ``ordinal``."""
+        device, raw = _CUdevice(), _Uuid()
+        self.call("cuDeviceGet", ctypes.byref(device), ordinal)
+        self.call("cuDeviceGetUuid_v2", ctypes.byref(raw), device)
+        h = ctypes.string_at(ctypes.addressof(raw), 16).hex()  # the field itself stops at a NUL
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+    def current_device(self) -> int:
+        """This thread's current context's GPU (``cuCtxGetDevice``), or ordinal 0 without a current context (the
+        runtime's default device, the first ``CUDA_VISIBLE_DEVICES`` names)."""
+        device = _CUdevice()
+        result = self._lib.cuCtxGetDevice(ctypes.byref(device))
+        return device.value if result == 0 else 0
+
+    def copy_peer(self, dst: int, dst_context: int, src: int, src_context: int, size: int) -> None:
+        """``cuMemcpyPeer`` from ``src`` in ``src_context`` to ``dst`` in ``dst_context`` (two GPUs), then the
+        current context synchronized."""
+        self.call("cuMemcpyPeer", _CUdeviceptr(dst), _CUcontext(dst_context), _CUdeviceptr(src),
+                  _CUcontext(src_context), size)
+        self.call("cuCtxSynchronize")
 
     def retain_primary(self, device: int) -> int:
         context = _CUcontext()

@@ -10,10 +10,17 @@ driver calls go through :mod:`cuctxd.client.data_plane.cuda_driver` (ctypes on l
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from cuctxd.client.data_plane.cuda_driver import Driver, driver
+from cuctxd.protos.errors import CudaError
+from cuctxd.protos.host import buffer_address
 from cuctxd.protos.records import ShareDescriptor
+
+log = logging.getLogger(__name__)
+#: Bytes staged through host memory at a time where two GPUs refuse a peer copy.
+_STAGE_BYTES = 64 << 20
 
 
 class _Primary:
@@ -141,6 +148,50 @@ def copy_with_host(device_uuid: str, device_ptr: int, host: int, size: int, *, t
                 primary.cu.copy_from_host(device_ptr, host, size)
     finally:
         primary.release()
+
+
+def copy_between_devices(dst_uuid: str, dst: int, src_uuid: str, src: int, size: int) -> None:
+    """``cuMemcpyPeer`` from a share mapped on one GPU to one mapped on another, in this process's primary contexts
+    of both, finished before it returns (a layout's copy filled from its copy on another device)."""
+    cu = driver("copy between GPUs")
+    dst_primary = _Primary(cu, dst_uuid)
+    try:
+        src_primary = _Primary(cu, src_uuid)
+        try:
+            try:
+                with cu.current(dst_primary.context):
+                    cu.copy_peer(dst, dst_primary.context, src, src_primary.context, size)
+            except CudaError as error:
+                log.info("cuMemcpyPeer from %s to %s refused (%s): the copy is staged through host memory",
+                         src_uuid, dst_uuid, error.name)
+                _copy_through_host(cu, dst_primary.context, dst, src_primary.context, src, size)
+        finally:
+            src_primary.release()
+    finally:
+        dst_primary.release()
+
+
+def _copy_through_host(cu: Driver, dst_context: int, dst: int, src_context: int, src: int, size: int) -> None:
+    """``size`` bytes from one GPU to another through a host buffer, :data:`_STAGE_BYTES` at a time."""
+    staged = bytearray(min(size, _STAGE_BYTES))
+    with buffer_address(memoryview(staged)) as host:
+        for start in range(0, size, _STAGE_BYTES):
+            count = min(_STAGE_BYTES, size - start)
+            with cu.current(src_context):
+                cu.copy_to_host(host, src + start, count)
+            with cu.current(dst_context):
+                cu.copy_from_host(dst + start, host, count)
+
+
+def current_device_uuid() -> str:
+    """The UUID of the GPU this thread's current context is on (ordinal 0's without one): the caller's GPU."""
+    cu = driver("find this process's GPU")
+    return cu.device_uuid(cu.current_device())
+
+
+def device_uuid(ordinal: int) -> str:
+    """The UUID of this process's GPU ``ordinal`` (torch's and CuPy's numbering, which is the driver's)."""
+    return driver("find a GPU").device_uuid(ordinal)
 
 
 def ordinal_of(device_uuid: str) -> int:

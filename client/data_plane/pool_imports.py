@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from cuctxd.client.data_plane.openings import Opening
 from cuctxd.protos.errors import NotShareable
 from cuctxd.protos.records import ShareDescriptor
 
@@ -33,32 +34,6 @@ def _import_pool(descriptor: ShareDescriptor, fd: int) -> Any:
     raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")
 
 
-class PoolMapping:
-    """One opening of a buffer of an imported pool: ``ptr`` (cuda) or ``view`` (sim), and :meth:`close`.
-    Openings of the same buffer in this process share one import of it (CUDA maps a pointer once per
-    process), which goes with the last of them."""
-
-    def __init__(self, imports: PoolImports, key: tuple[str, bytes], mapping: Any) -> None:
-        self._imports = imports
-        self._key = key
-        self._mapping = mapping
-        self.closed = False
-
-    @property
-    def ptr(self) -> int:
-        return int(self._mapping.ptr)
-
-    @property
-    def view(self) -> memoryview:
-        view: memoryview = self._mapping.view
-        return view
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._imports.unmap(self._key)
-
-
 class PoolImports:
     """Imported pools by pool id, with how many mapped buffers use each; see the module docstring."""
 
@@ -75,7 +50,7 @@ class PoolImports:
         with self._lock:
             return pool_id in self._pools
 
-    def map(self, descriptor: ShareDescriptor, fd: int | None) -> PoolMapping:
+    def map(self, descriptor: ShareDescriptor, fd: int | None) -> Opening:
         """Map the share's buffer, importing its pool from ``fd`` (closed here) unless already imported."""
         pool_id = descriptor.pool_id
         key = (pool_id, descriptor.export_data)
@@ -85,7 +60,7 @@ class PoolImports:
                 shared[1] += 1
                 if fd is not None:
                     os.close(fd)
-                return PoolMapping(self, key, shared[0])
+                return Opening(self, key, shared[0])
             pool = self._pools.get(pool_id)
             try:
                 if pool is None:
@@ -105,7 +80,7 @@ class PoolImports:
                     idle.close()
                 raise
             self._buffers[key] = [mapping, 1]
-        return PoolMapping(self, key, mapping)
+        return Opening(self, key, mapping)
 
     def unmap(self, key: tuple[str, bytes]) -> None:
         """One opening of a buffer fewer; the last one frees its import and releases the pool."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -85,6 +86,9 @@ def read_checkpoint(path: str) -> Checkpoint:
         index = os.path.join(path, INDEX_NAME)
         if os.path.exists(index):
             return _from_index(path, index)
+        if tensor_parallel_ranks(path):
+            raise BadArgument(f"{path}: a directory of tensor-parallel ranks (model-rank-R-part-P.safetensors): "
+                              "each rank is a layout of its own (cuctx load publishes NAME/rank-R; load_ranks)")
         files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
         if not files:
             raise BadArgument(f"{path}: a directory without {INDEX_NAME} or any *.safetensors file")
@@ -92,6 +96,32 @@ def read_checkpoint(path: str) -> Checkpoint:
     if path.endswith(".json"):
         return _from_index(path, path)
     return _from_shards(path, [path], None)
+
+
+#: vLLM's ``sharded_state`` files: the parts of each tensor-parallel rank's weights.
+RANK_PART = re.compile(r"model-rank-(\d+)-part-(\d+)\.safetensors")
+
+
+def tensor_parallel_ranks(path: str) -> dict[int, list[str]]:
+    """For a directory of vLLM ``sharded_state`` files (``model-rank-{r}-part-{p}.safetensors``, no index), each
+    rank's part files in part order, by rank; ``{}`` for anything else. :class:`BadArgument` where the ranks are
+    not 0..n-1."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, INDEX_NAME)):
+        return {}
+    parts: dict[int, list[tuple[int, str]]] = {}
+    for file in sorted(os.listdir(path)):
+        found = RANK_PART.fullmatch(file)
+        if found is not None:
+            parts.setdefault(int(found[1]), []).append((int(found[2]), os.path.join(path, file)))
+    if parts and sorted(parts) != list(range(len(parts))):
+        raise BadArgument(f"{path}: tensor-parallel ranks {sorted(parts)}, not 0..{len(parts) - 1}: a rank's "
+                          "files are missing")
+    return {rank: [file for _, file in sorted(found)] for rank, found in sorted(parts.items())}
+
+
+def read_rank(path: str, files: list[str]) -> Checkpoint:
+    """One tensor-parallel rank's parts (:func:`tensor_parallel_ranks`) as one checkpoint, every header checked."""
+    return _from_shards(path, files, None)
 
 
 def _from_index(path: str, index: str) -> Checkpoint:
@@ -245,4 +275,5 @@ def _tensor(path: str, shard: int, entry: HeaderTensor, start: int, data_bytes: 
     return CheckpointTensor(name, dtype, shape, shard, start + begin, nbytes)
 
 
-__all__ = ["INDEX_NAME", "Checkpoint", "CheckpointTensor", "Shard", "open_regular", "read_checkpoint"]
+__all__ = ["INDEX_NAME", "Checkpoint", "CheckpointTensor", "Shard", "open_regular", "read_checkpoint", "read_rank",
+           "tensor_parallel_ranks"]

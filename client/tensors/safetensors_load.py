@@ -16,6 +16,7 @@ published or allocated after a failure. Which thread may call: the client's call
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,7 @@ from typing import Any, cast
 from cuctxd.client.api.objects import Buffer
 from cuctxd.client.data_plane.file_reads import FileRange, load_into_new_buffer
 from cuctxd.client.tensors.checkpoints import Checkpoint, open_regular, read_checkpoint
+from cuctxd.client.tensors.copies import Devices, ensure_copy, first_and_copies
 from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.tensor_sets import layout_offsets, no_room, publish_filled
 from cuctxd.client.wire import build
@@ -35,6 +37,7 @@ from cuctxd.protos.errors import (
     CudaError,
     DigestMismatch,
     NameExists,
+    NoCopy,
     NoDaemon,
     NotFound,
     SessionLost,
@@ -48,52 +51,65 @@ from cuctxd.protos.records import ShareDescriptor
 class Loaded:
     """What :func:`load_safetensors` did: the layout's ``descriptor`` (with its manifest), its ``digest``
     (None when loaded with ``digest=False``), whether it ``loaded`` (False: the name already held this
-    content, and nothing was allocated) and whether it ``replaced`` other content under the name."""
+    content, and nothing was read), whether it ``replaced`` other content under the name, and the devices it
+    ``copied`` the name's content to from a copy it had already (on the GPU, not from the files)."""
 
     descriptor: ShareDescriptor
     digest: str | None
     loaded: bool
     replaced: bool = False
+    copied: tuple[int, ...] = ()
 
 
-def load_safetensors(client: Any, path: str, name: str, *, device: int | None = None,
+def load_safetensors(client: Any, path: str, name: str, *, device: Devices = None,
                      progress: Callable[[int, int], None] | None = None, read_only: bool = False,
                      replace: bool = False, digest: bool = True, version: bool = False) -> Loaded:
     """Publish the checkpoint at ``path`` (a ``.safetensors`` file, a directory, or an index JSON) as
-    ``name`` on ``device``; ``progress(done, total)`` in bytes, once for the whole checkpoint;
-    ``read_only``: consumers may open it only read-only. A name in use: the same content is a no-op
+    ``name`` on ``device`` (several: a copy on each, the checkpoint read onto the first and the others filled
+    from it on the GPU, all published in one step; a name present elsewhere with this content gets copies on
+    the devices it lacks, filled from its first copy); ``progress(done, total)`` in bytes, once for the whole
+    checkpoint; ``read_only``: consumers may open it only read-only. A name in use: the same content is a no-op
     (``loaded`` False, with or without ``replace``), other content :class:`NameExists` unless ``replace``
     (allowed to whoever may unpublish the name). ``digest=False`` leaves the digests out of the manifest
     (for measuring). ``version``: publish it as the name's next version, whatever the name holds (the same
     content too). Raises :class:`BadArgument` for a checkpoint that cannot load (nothing allocated then),
     ``CudaError`` ``CUDA_ERROR_OUT_OF_MEMORY`` for a device without room."""
-    checkpoint = read_checkpoint(path)
+    return load_checkpoint(client, read_checkpoint(path), name, device=device, progress=progress,
+                           read_only=read_only, replace=replace, digest=digest, version=version)
+
+
+def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: Devices = None,
+                    progress: Callable[[int, int], None] | None = None, read_only: bool = False,
+                    replace: bool = False, digest: bool = True, version: bool = False) -> Loaded:
+    """:func:`load_safetensors` of a checkpoint read already (one tensor-parallel rank's parts, say)."""
+    path = checkpoint.path
     offsets, size = layout_offsets(tensor.nbytes for tensor in checkpoint.tensors)
     manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, t.shape, c_strides(t.shape), offset)
                               for t, offset in zip(checkpoint.tensors, offsets, strict=True)), checkpoint.metadata)
     _check_layout(path, manifest, size)
+    first, copies = first_and_copies(client, device)
     published = _published(client, name)
     if published is not None and not (replace or version):
-        return _same_content(client, checkpoint, manifest, name, published)
+        return _with_copies(client, name, _same_content(client, checkpoint, manifest, name, published), device)
     known = _manifest_of(published)
     theirs = None if known is None else known.digest
     with _opened(checkpoint) as fds:
         ranges = [FileRange(fds[t.shard], t.offset, t.nbytes, offset)
                   for t, offset in zip(checkpoint.tensors, offsets, strict=True)]
 
-        device = client.get_device() if device is None else device
+        first = client.get_device() if first is None else first
         try:  # the buffer is made while the first chunks are read
-            with load_into_new_buffer(client, build.alloc(client, Buffer, size, device, True), device, ranges,
+            with load_into_new_buffer(client, build.alloc(client, Buffer, size, first, True), first, ranges,
                                       digest=digest, progress=progress) as (buffer, found):
                 if (published is not None and theirs is not None and digest and not version
                         and _layout_digest(checkpoint, cast(list[str], found)) == theirs
                         and _vouched(client, name, published, theirs)):
                     buffer.free()  # a replace by the same content: nothing to swap
-                    return Loaded(published, theirs, False)
+                    return _with_copies(client, name, Loaded(published, theirs, False), device)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
-                                            replace=replace and not version, version=version)
+                                            replace=replace and not version, copies=copies, version=version)
         except CudaError as error:
-            raise no_room(client, error, size, device, len(manifest.tensors)) from None
+            raise no_room(client, error, size, first, len(manifest.tensors)) from None
         except SessionLost as lost:
             raise _went_away(client, path, lost) from lost.__cause__
         except CuctxError:  # the daemon's or the client's own (a timeout, a lost connection: OSErrors too)
@@ -102,6 +118,22 @@ def load_safetensors(client: Any, path: str, name: str, *, device: int | None = 
             raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
     return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True,
                   replaced=published is not None)
+
+
+def _with_copies(client: Any, name: str, loaded: Loaded, devices: Devices) -> Loaded:
+    """``loaded`` (the name held the content already), with a copy added on each of ``devices`` that lacks one,
+    filled from the name's first copy on the GPU."""
+    first, others = first_and_copies(client, devices)
+    if first is None:
+        return loaded
+    copied = []
+    for device in [first, *others]:
+        try:
+            client.lookup(name, device=device)
+        except NoCopy:
+            ensure_copy(client, name, device)
+            copied.append(device)
+    return dataclasses.replace(loaded, copied=tuple(copied))
 
 
 def _check_layout(path: str, manifest: Manifest, size: int) -> None:
@@ -234,4 +266,4 @@ def _opened(checkpoint: Checkpoint) -> Iterator[list[int]]:
             os.close(fd)
 
 
-__all__ = ["Loaded", "checkpoint_digest", "load_safetensors"]
+__all__ = ["Loaded", "checkpoint_digest", "load_checkpoint", "load_safetensors"]

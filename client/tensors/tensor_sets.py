@@ -24,6 +24,7 @@ from typing import Any
 from cuctxd.client.api.sharing import OpenedShare, byte_interface
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.tensors import dlpack
+from cuctxd.client.tensors.copies import Devices, caller_device, first_and_copies, stage_copies
 from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.wire import build
 from cuctxd.protos.errors import BadArgument, CudaError, DigestMismatch, WrongBackend
@@ -137,15 +138,17 @@ def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None =
 
 
 def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
-                   fill: Callable[[Any], Sequence[str | None]], *, device: int | None = None,
+                   fill: Callable[[Any], Sequence[str | None]], *, device: Devices = None,
                    persistent: bool = True, read_only: bool = False, replace: bool = False,
                    version: bool = False) -> ShareDescriptor:
-    """Allocate one shareable buffer of ``size`` bytes on ``device``, ``fill(buffer)`` it (it returns each
-    tensor's digest in the manifest's order, None where unknown), and publish it (:func:`publish_filled`).
+    """Allocate one shareable buffer of ``size`` bytes on ``device`` (several: the first; the others get copies
+    of it), ``fill(buffer)`` it (it returns each tensor's digest in the manifest's order, None where unknown),
+    and publish it (:func:`publish_filled`).
     The manifest is checked first, as the daemon will. Nothing stays published or allocated when this
     raises; a device without room raises the allocation's ``CUDA_ERROR_OUT_OF_MEMORY`` with the sizes in
     its message (:func:`no_room`)."""
     check_manifest(manifest.pack(), size)  # what the daemon will check, said before any memory is taken
+    device, copies = first_and_copies(client, device)
     try:
         buffer = client.alloc(size, device, shareable=True)
     except CudaError as error:
@@ -156,22 +159,30 @@ def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
         buffer.free()
         raise
     return publish_filled(client, name, manifest, buffer, found, persistent=persistent, read_only=read_only,
-                          replace=replace, version=version)
+                          replace=replace, copies=copies, version=version)
 
 
 def publish_filled(client: Any, name: str, manifest: Manifest, buffer: Any, found: Sequence[str | None], *,
                    persistent: bool = True, read_only: bool = False, replace: bool = False,
-                   version: bool = False) -> ShareDescriptor:
+                   copies: Sequence[int] = (), version: bool = False) -> ShareDescriptor:
     """Publish ``buffer`` as ``name`` with the manifest and each tensor's digest ``found`` (the layout's
-    digest where every tensor has one); ``replace``: swap a name in use (``publish``'s ``replace``); ``version``:
-    as the name's next version, the buffer handed to the daemon.
-    Returns the share's descriptor with that manifest; frees the buffer when this raises."""
+    digest where every tensor has one); ``replace``: swap a name in use (``publish``'s ``replace``);
+    ``copies``: devices that get a copy of it, filled on the GPU and staged first, so that the publish brings
+    every copy in at once (:mod:`cuctxd.client.tensors.copies`); ``version``: as the name's next version, the
+    buffer handed to the daemon (on one device: a version has no copies). Returns the share's descriptor with that
+    manifest; frees the buffer and the copies when this raises."""
+    staged: list[Any] = []
     try:
+        if version and copies:
+            raise BadArgument(f"a version of {name!r} is published on one device: it has no copies")
         packed = digested(manifest, found)
+        staged = stage_copies(client, name, buffer, copies, packed, persistent=persistent, read_only=read_only)
         published: ShareDescriptor = client.run(build.publish(buffer, name, packed, persistent, read_only,
                                                               replace=replace, version=version))
         return dataclasses.replace(published, manifest=packed)
     except BaseException:
+        for copy in staged:
+            copy.free()
         buffer.free()
         raise
 
@@ -204,11 +215,12 @@ def _size_text(nbytes: int) -> str:
 
 
 def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
-                    *, device: int | None = None, progress: Callable[[int, int], None] | None = None,
+                    *, device: Devices = None, progress: Callable[[int, int], None] | None = None,
                     persistent: bool = True, read_only: bool = False, replace: bool = False,
                     digest: bool = True, version: bool = False) -> ShareDescriptor:
     """Put ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`) in one buffer on ``device``
-    and publish it as ``name`` with their manifest; returns the share's descriptor. ``progress(done,
+    and publish it as ``name`` with their manifest; returns the share's descriptor (of the first copy, where
+    ``device`` lists several devices: each gets a copy, filled from the first on the GPU). ``progress(done,
     total)``: bytes copied so far. ``persistent`` (the default): the layout stays until unpublished, so
     workers can come and go (``False``: freed once its last consumer closes it, as a plain publish).
     ``read_only``: consumers may open it only read-only; ``replace``: swap a name in use; ``version``: publish
@@ -430,13 +442,18 @@ class TensorSet(Mapping[str, SharedTensor]):
         self.close()
 
 
-def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str | None = None) -> TensorSet:
-    """Map the tensors published as ``name`` (read-only views unless ``writable``, which a layout
-    published ``read_only`` refuses; both are advisory: a mapping of device memory cannot be made
-    read-only). ``digest``: the content required (a layout digest, :mod:`cuctxd.protos.digests`); a layout
-    with another one, or none, or whose bytes the daemon finds do not bear it out (``verify_shared``: a layout
-    of another user's), raises :class:`~cuctxd.protos.errors.DigestMismatch` before anything is mapped."""
-    return _open_layout(client, name, client.lookup(name), writable, digest)
+def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str | None = None,
+                 device: int | None = None) -> TensorSet:
+    """Map the tensors published as ``name``: its copy on ``device``, by default on this process's own device
+    (:func:`~cuctxd.client.tensors.copies.caller_device`, matched by UUID; a sim process that names none opens the
+    first copy); :class:`~cuctxd.protos.errors.NoCopy`, listing where copies are, where that device has none.
+    Read-only views unless ``writable``, which a layout published ``read_only`` refuses; both are advisory: a
+    mapping of device memory cannot be made read-only. ``digest``: the content required (a layout digest,
+    :mod:`cuctxd.protos.digests`); a layout with another one, or none, or whose bytes the daemon finds do not bear
+    it out (``verify_shared``: a layout of another user's), raises :class:`~cuctxd.protos.errors.DigestMismatch`
+    before anything is mapped."""
+    return _open_layout(client, name, client.lookup(name, device=caller_device(client) if device is None else device),
+                        writable, digest)
 
 
 def _open_layout(client: Any, name: str, descriptor: ShareDescriptor, writable: bool, digest: str | None

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cuctxd.client.api.sharing import byte_interface
+from cuctxd.client.tensors.copies import Devices
 from cuctxd.client.tensors.tensor_sets import CudaArray, TensorSet, open_tensors, publish_tensors
 from cuctxd.protos.layouts import DTYPES
 from cuctxd.protos.records import ShareDescriptor
@@ -28,8 +29,9 @@ def _torch() -> Any:
 
 
 def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metadata: Mapping[str, Any] | None = None,
-                       *, device: int | None = None) -> ShareDescriptor:
-    """Publish a module's (or a state dict's) tensors as ``name``; ``metadata`` goes with them."""
+                       *, device: Devices = None) -> ShareDescriptor:
+    """Publish a module's (or a state dict's) tensors as ``name``; ``metadata`` goes with them; ``device``: several
+    devices get a copy each (:func:`~cuctxd.client.tensors.tensor_sets.publish_tensors`)."""
     return publish_tensors(client, name, publishable(module_or_state_dict), metadata, device=device)
 
 
@@ -126,10 +128,11 @@ class LoadedState:
         self.close()
 
 
-def load_state_dict(client: Any, name: str, *, writable: bool = False) -> LoadedState:
-    """Map the state dict published as ``name``; ``module.load_state_dict(loaded.state_dict, assign=True)``
-    makes a module use the shared memory itself."""
-    return LoadedState(open_tensors(client, name, writable=writable))
+def load_state_dict(client: Any, name: str, *, writable: bool = False, device: int | None = None) -> LoadedState:
+    """Map the state dict published as ``name``: its copy on ``device``, by default on this process's current GPU
+    (:func:`~cuctxd.client.tensors.tensor_sets.open_tensors`); ``module.load_state_dict(loaded.state_dict,
+    assign=True)`` makes a module use the shared memory itself."""
+    return LoadedState(open_tensors(client, name, writable=writable, device=device))
 
 
 def _named_tensors(module: Any) -> dict[str, Any]:

@@ -466,8 +466,8 @@ def export(buffer: OnDevice) -> Request[ShareDescriptor]:
 
 
 def publish(buffer: OnDevice, name: str, manifest: bytes | None = None, persistent: bool = False,
-            read_only: bool = False, once: bool = False, replace: bool = False,
-            version: bool = False) -> Request[ShareDescriptor]:
+            read_only: bool = False, once: bool = False, replace: bool = False, copy: bool = False,
+            stage: bool = False, version: bool = False) -> Request[ShareDescriptor]:
     """``version``: the name's next version; the daemon takes the buffer over, so it counts as freed here."""
     def convert(result: dict[str, Any], frames: list[Any]) -> ShareDescriptor:
         if version and hasattr(buffer, "freed"):
@@ -476,15 +476,16 @@ def publish(buffer: OnDevice, name: str, manifest: bytes | None = None, persiste
 
     return _request("publish", convert, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest,
                                               persistent=persistent or None, read_only=read_only or None,
-                                              once=once or None, replace=replace or None, version=version or None))
+                                              once=once or None, replace=replace or None, copy=copy or None,
+                                              stage=stage or None, version=version or None))
 
 
-def unpublish(name: str) -> Request[None]:
-    return _request("unpublish", _nothing, name=name)
+def unpublish(name: str, device: int | None = None) -> Request[None]:
+    return _request("unpublish", _nothing, name=name, device=device)
 
 
-def lookup(name: str, version: int | None = None) -> Request[ShareDescriptor]:
-    return _request("lookup", _share, name=name, version=version)
+def lookup(name: str, device: int | None = None, version: int | None = None) -> Request[ShareDescriptor]:
+    return _request("lookup", _share, name=name, device=device, version=version)
 
 
 #: Seconds a ``wait_version`` reply may take beyond the wait the daemon was asked for.
@@ -512,10 +513,10 @@ def verify_shared(name: str, digest: str, device: int) -> Request[dict[str, Any]
     return _request("verify_shared", _result, name=name, digest=digest, device=device)
 
 
-def lookup_verified(name: str, digest: str) -> Plan[ShareDescriptor]:
-    """The descriptor published as ``name``, once the daemon vouched that its layout has ``digest``
-    (:func:`verify_shared`; ``CUCTXD_ERROR_DIGEST_MISMATCH`` otherwise)."""
-    descriptor: ShareDescriptor = yield lookup(name)
+def lookup_verified(name: str, digest: str, device: int | None = None) -> Plan[ShareDescriptor]:
+    """The descriptor published as ``name`` (its copy on ``device``), once the daemon vouched that its layout has
+    ``digest`` (:func:`verify_shared`; ``CUCTXD_ERROR_DIGEST_MISMATCH`` otherwise)."""
+    descriptor: ShareDescriptor = yield lookup(name, device)
     yield verify_shared(name, digest, descriptor.device)
     return descriptor
 

@@ -30,6 +30,8 @@ class FdChannel:
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        #: File descriptors received through this channel since it was made.
+        self.fds_received = 0
 
     def fetch(self, ticket: str) -> tuple[list[int], dict[str, Any]]:
         """The fds a ticket stands for (the caller owns and closes them) and the daemon's ``info`` on them.
@@ -42,7 +44,9 @@ class FdChannel:
                 sock = self._connect()
                 try:
                     sock.sendall(request)
-                    return self._receive(sock)
+                    fds, info = self._receive(sock)
+                    self.fds_received += len(fds)
+                    return fds, info
                 except (BrokenPipeError, ConnectionResetError, EOFError) as lost:
                     refusal = _refusal(sock) if fresh and not isinstance(lost, EOFError) else None
                     self._close()

@@ -71,6 +71,8 @@ class SessionState:
         self.backend: str = hello["backend"]
         self.limits: dict[str, int] = hello["limits"]
         self.lease_ttl: float = hello["lease_ttl"]
+        #: The indices of the devices this session may use (``gpu_limit``: its pod's GPUs); None: every device.
+        self.allowed_devices: list[int] | None = hello.get("allowed_devices")
         if not use_device_endpoints:
             return []
         return device_endpoints(self.endpoint, hello.get("endpoints", ()), hello.get("device_endpoints", ()))

@@ -192,7 +192,7 @@ class DigestChecks:
         caller's own uid published it; ``"daemon"``: checked before), or the check to wait for. Raises
         :class:`NotFound` (no such name on this device) or :class:`DigestMismatch` (another digest, or bytes
         found to differ)."""
-        share_id, naming, owner, vouched = self.registry.relied_on(name)
+        share_id, naming, owner, vouched = self.registry.relied_on(name, self.device)
         if naming.digest != digest:
             raise DigestMismatch(f"{name!r} holds {naming.digest or 'a layout without a digest'}, not the "
                                  f"required {digest}")

@@ -9,14 +9,18 @@ session-scoped, so a session can only ever name its own records.
 from __future__ import annotations
 
 import mmap
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from cuctxd.daemon.backends.base import Ctx, Event, Stream
+from cuctxd.daemon.device.shm_lanes import DEFAULT_MAX_SHM_LANES
+from cuctxd.daemon.registry.daemon_state import PayloadLimit
 from cuctxd.daemon.registry.fd_budget import FdCharge
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.sorted_names import SortedNames
+from cuctxd.daemon.settings import count, seconds, size
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import CuctxError, CudaError, LimitExceeded, OutOfRange, UnknownHandle
 from cuctxd.protos.limits import MAX_DEFERRED_ERRORS, MAX_HANDLE, MAX_ISSUED_HANDLE
@@ -30,33 +34,76 @@ def new_handle() -> int:
     return secrets.randbelow(MAX_ISSUED_HANDLE) + 1
 
 
-@dataclass(frozen=True)
-class DeviceLimits:
-    """Per-device limits from the daemon's configuration (0 means none)."""
+#: Object limits that protect a shared machine (PROTOCOL.md, "Limits"); 0 in the configuration means none.
+DEFAULT_MAX_OBJECTS_PER_SESSION = 16384
+DEFAULT_MAX_CONTEXTS_PER_SESSION = 64
+DEFAULT_MAX_SHARES_PER_SESSION = 1024
+DEFAULT_MAX_ORPHANED_SHARES = 4096
+#: Bytes of host buffers (``host_alloc``, staging rings) one session may have on each device.
+DEFAULT_HOST_MEMORY_PER_SESSION = 4 << 30
+#: Seconds a device's primary context is kept after its last user let go: making one again took 120-180 ms on
+#: the H200 (every new client process's first op paid it when the daemon was otherwise idle).
+DEFAULT_PRIMARY_KEEP = 60.0
+DEFAULT_KEPT_HOST_MEMORY = 256 << 20
 
-    max_payload: int
-    session_quota: int = 0
-    device_reserve: int = 0
+
+def _quarter_of_memory() -> int:
+    """A quarter of the host's physical memory: what host buffers of all sessions may pin per device."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (OSError, ValueError):
+        return 16 << 30
+
+
+DEFAULT_MAX_HOST_MEMORY = _quarter_of_memory()
+
+
+@dataclass(frozen=True)
+class DeviceLimits(PayloadLimit):
+    """Per-device limits (0 means none), each a setting of the daemon (:mod:`cuctxd.daemon.settings`); one
+    object shared by every device's worker, read only."""
+
+    session_quota: int = size(0, "most memory one session may hold on each device", zero="no quota", limit=True,
+                              user=True)
+    device_reserve: int = size(0, "memory of each device that allocations must leave free", limit=True, user=True)
     #: Most contexts created + buffers + streams + events + shares held one session may have here.
-    max_objects_per_session: int = 0
+    max_objects_per_session: int = count(
+        DEFAULT_MAX_OBJECTS_PER_SESSION, "most contexts, buffers, streams, events and share holds one session may "
+        "have on each device", zero="no limit", security=True, limit=True)
     #: Most contexts one session may have created here (the primary does not count).
-    max_contexts_per_session: int = 0
+    max_contexts_per_session: int = count(DEFAULT_MAX_CONTEXTS_PER_SESSION, "most contexts one session may create "
+                                          "on each device", zero="no limit", security=True, limit=True)
     #: Most shares one session may have exported (alive) plus held open here.
-    max_shares_per_session: int = 0
+    max_shares_per_session: int = count(DEFAULT_MAX_SHARES_PER_SESSION, "most shares one session may have exported "
+                                        "plus held open on each device", zero="no limit", security=True, limit=True)
     #: Most published shares whose owner is gone and nobody holds, daemon-wide (oldest freed first).
-    max_orphaned_shares: int = 0
+    max_orphaned_shares: int = count(DEFAULT_MAX_ORPHANED_SHARES, "most published buffers whose owner left and "
+                                     "nobody holds, daemon-wide; beyond it the oldest are freed", zero="no limit",
+                                     security=True, limit=True)
     #: Most bytes of host buffers one session may have here, and all sessions together.
-    host_memory_per_session: int = 0
-    max_host_memory: int = 0
+    host_memory_per_session: int = size(DEFAULT_HOST_MEMORY_PER_SESSION, "bytes of host buffers (host_alloc, "
+                                        "staging rings) one session may have on each device", zero="no limit",
+                                        security=True, limit=True)
+    max_host_memory: int = size(DEFAULT_MAX_HOST_MEMORY, "bytes of host buffers of all sessions on each device, "
+                                "pinned memory", shown="a quarter of the host's memory", zero="no limit",
+                                security=True, limit=True)
     #: Most shm lanes open to this device at once.
-    max_shm_lanes: int = 0
+    max_shm_lanes: int = count(DEFAULT_MAX_SHM_LANES, "shm lanes open to each device at once; beyond, sessions use "
+                               "the socket", zero="no limit", security=True, limit=True)
     #: Most bytes of published shares whose owner is gone and nobody holds, of one owner uid here
     #: (0: half the device's memory; never none).
-    max_orphaned_bytes_per_uid: int = 0
+    max_orphaned_bytes_per_uid: int = size(0, "bytes of published buffers whose owner left and nobody holds, per "
+                                           "user and device; publish is refused beyond it",
+                                           shown="0: half the device's memory", security=True, limit=True)
     #: Seconds the primary context is kept after its last reference went (0: released at once); freed host
     #: buffers are kept as long, within ``kept_host_memory`` bytes (0: none).
-    primary_keep: float = 0.0
-    kept_host_memory: int = 0
+    primary_keep: float = seconds(DEFAULT_PRIMARY_KEEP, "keep a device's primary context this long after its last "
+                                  "session or share let go, so that the next session need not wait for a new one "
+                                  "(its memory stays held meanwhile)", zero="release it at once", limit=True, user=True)
+    kept_host_memory: int = size(DEFAULT_KEPT_HOST_MEMORY, "bytes of freed host buffers (of 1 MiB or more, at most "
+                                 "4) kept page-locked on each device for primary_keep seconds, for the next "
+                                 "host_alloc of the same size and user that accepts reused memory (cuctx load's "
+                                 "ring)", zero="none kept", limit=True)
 
 
 class HandleTable(dict[int, T], Generic[T]):

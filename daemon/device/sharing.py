@@ -39,7 +39,7 @@ from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionOnDevice, Share, check_limit
 from cuctxd.daemon.registry.shares import Naming, ShareRegistry
-from cuctxd.protos.errors import CuctxError, LimitExceeded, NotFound, NotOwner, NotShareable, Revoked
+from cuctxd.protos.errors import CuctxError, LimitExceeded, NameExists, NotFound, NotOwner, NotShareable, Revoked
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
@@ -207,6 +207,8 @@ class Sharing:
         share.opened_since_orphaned = bool(share.holders)
         if unpublish:
             self.registry.drop_names(share)
+        else:
+            self.registry.unstage(share)  # a copy staged for a publish that will not come now
         self.settle(share)  # kept by its names alone from now on: counted as an orphan there
 
     def _orphan(self, share: Share) -> None:
@@ -285,7 +287,10 @@ class Sharing:
                     self.registry.restore_version(name, share, naming, number, current)
                     share.retained = share.retained or not current
                 else:
-                    self.registry.publish(name, share, naming)
+                    try:
+                        self.registry.publish(name, share, naming)
+                    except NameExists:  # another device adopted the name's first copy: this is its copy here
+                        self.registry.publish(name, share, naming, copy=True)
                 restored.append(name)
             except CuctxError as exc:
                 log.warning("device %d: the parked name %r is not restored: %s", self.device, name, exc)

@@ -4,9 +4,11 @@ Requests enter here (:meth:`Front.serve`), are decoded and checked against
 ``protos`` (:meth:`Front._handle`), and either answered on this thread (front
 ops) or queued to the device's worker as a :class:`~cuctxd.daemon.intake.jobs.Job`. Workers
 send their replies over inproc to the PULL socket polled here, and they leave
-through the ROUTER. (Device ops a client sends to a device's own endpoint never
-pass here: :mod:`cuctxd.daemon.worker.lane`.) Garbage gets an error reply, or is dropped and logged when
-it cannot even be addressed; nothing a client sends can stop this loop.
+through the ROUTER. A front op that must wait on a service outside the daemon (``gpu_limit``'s
+lookups at ``hello``) is answered once the lookup pool (:mod:`cuctxd.daemon.front.lookups`) rings.
+(Device ops a client sends to a device's own endpoint never pass here: :mod:`cuctxd.daemon.worker.lane`.)
+Garbage gets an error reply, or is dropped and logged when it cannot even be addressed;
+nothing a client sends can stop this loop.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any, cast
 import zmq
 
 from cuctxd.daemon.device.state import DeviceState
+from cuctxd.daemon.front.lookups import LookupPool, Waiting
 from cuctxd.daemon.handlers import FRONT_HANDLERS
-from cuctxd.daemon.handlers.replies import FanOut, Forward, Gather, Reply
+from cuctxd.daemon.handlers.replies import Deferred, FanOut, Forward, Gather, Reply
 from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, device_job, refusal
 from cuctxd.daemon.intake.jobs import Job, payload_bytes
 from cuctxd.daemon.intake.observe import RequestObserver
@@ -31,6 +34,7 @@ from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_p
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.worker.loop import DeviceWorker
 from cuctxd.daemon.worker.queues import check_sent
+from cuctxd.protos.errors import ShuttingDown
 from cuctxd.protos.messages import encode_error, encode_result, parse_request, unpack
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,8 @@ class Front:
 
     #: Told about every request handled and every worker reply forwarded (logs, metrics); optional.
     observer: RequestObserver | None = None
+    #: Runs the lookups a front op waits on (``gpu_limit``); set by the daemon where there are any.
+    lookups: LookupPool | None = None
 
     def __init__(
         self,
@@ -60,6 +66,9 @@ class Front:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.replies, zmq.POLLIN)
         poller.register(stop_fd, zmq.POLLIN)
+        doorbell = self.lookups.doorbell if self.lookups is not None else None
+        if doorbell is not None:
+            poller.register(doorbell, zmq.POLLIN)
         ttl = self.state.config.lease_ttl
         reap_every = min(1.0, ttl / 4)
         next_reap = time.monotonic() + reap_every
@@ -70,6 +79,8 @@ class Front:
                     self._forward_replies()
                 elif ready is router:
                     self._take_requests()
+                elif ready == doorbell:
+                    self._answer_looked_up()
                 else:
                     return  # the stop pipe
             now = time.monotonic()
@@ -145,7 +156,8 @@ class Front:
             admitted = admit(self.state, request, payload, FRONT_RECEIVER)
             if request.spec.target == "front":
                 peer = peer_of(header_frame) if header_frame is not None and op_name == "hello" else None
-                self._answer(identity, admitted, peer)
+                if not self._answer(identity, admitted, peer, started):
+                    return  # answered once its lookup is done, and observed then
             else:
                 job = device_job(admitted, identity, payload, len(self.workers), started)
                 if job.backlog is not None:
@@ -158,21 +170,47 @@ class Front:
         if self.observer is not None:
             self.observer.handled(identity, request_id, op_name, outcome, started)
 
-    def _answer(self, identity: bytes, admitted: Admitted, peer: str | None) -> None:
+    def _answer(self, identity: bytes, admitted: Admitted, peer: str | None, started: float) -> bool:
         """Run a front op here and reply (a fan-out replies from the last worker to finish, a forward from the
-        worker it goes to)."""
+        worker it goes to); False when it waits on a lookup (:meth:`_answer_looked_up` replies)."""
         request = admitted.request
         outcome = FRONT_HANDLERS[request.spec.name](self.state, admitted.session, admitted.args, peer)
         if isinstance(outcome, FanOut):
             self._fan_out(identity, request.id, outcome)
-            return
-        if isinstance(outcome, Forward):  # the device's worker replies, through the replies socket
+        elif isinstance(outcome, Forward):  # the device's worker replies, through the replies socket
             assert admitted.session is not None
             job = Job(identity, request.id, request.spec, admitted.args, admitted.session.ref, outcome.device)
             self.workers[outcome.device].forward(job, outcome)
-            return
-        assert isinstance(outcome, Reply)
-        send_parts(self.router, identity, encode_result(request.id, outcome.result), outcome.frames)
+        elif isinstance(outcome, Deferred):
+            assert self.lookups is not None, "a handler deferred its reply, and the daemon runs no lookup pool"
+            self.lookups.submit(outcome, Waiting(identity, request.id, request.spec.name, outcome.then, started))
+            return False
+        else:
+            assert isinstance(outcome, Reply)
+            send_parts(self.router, identity, encode_result(request.id, outcome.result), outcome.frames)
+        return True
+
+    def _answer_looked_up(self) -> None:
+        """The lookup pool rang: answer each request whose lookup is done (unless the daemon began to drain
+        meanwhile, and takes no new session)."""
+        assert self.lookups is not None
+        for looked in self.lookups.finished():
+            for waiting in looked.waiting:
+                outcome = "ok"
+                try:
+                    if looked.error is not None:
+                        raise looked.error
+                    if self.state.draining:
+                        raise ShuttingDown("cuctxd is shutting down and takes no new requests; retry once it is back")
+                    reply = waiting.then(looked.result)
+                    send_parts(self.router, waiting.identity, encode_result(waiting.request_id, reply.result),
+                               reply.frames)
+                except Exception as exc:
+                    request_id, error = refusal({"id": waiting.request_id}, waiting.op, exc)
+                    outcome = error.name
+                    send_parts(self.router, waiting.identity, encode_error(request_id, error))
+                if self.observer is not None:
+                    self.observer.handled(waiting.identity, waiting.request_id, waiting.op, outcome, waiting.started)
 
     def _fan_out(self, identity: bytes, request_id: int, fan_out: FanOut) -> None:
         if not self.workers:

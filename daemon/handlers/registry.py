@@ -1,6 +1,6 @@
 """Op name -> handler, registered explicitly with a decorator per op.
 
-Front handlers run on the front thread: ``(front, session, args, peer) -> Reply | FanOut``
+Front handlers run on the front thread: ``(front, session, args, peer) -> Reply | FanOut | Forward | Deferred``
 (``peer``: who sent the request, when its frames say; :mod:`cuctxd.daemon.intake.peers`).
 Device handlers run on the op's device worker thread:
 ``(state, job) -> Reply | Pending | Forward``. A test checks that every op in

@@ -5,7 +5,9 @@ Handlers never touch sockets. They return :class:`Reply` (sent at once),
 is true, so a synchronize never blocks the worker), :class:`Forward` (a device
 worker passes the job on to another device's worker, e.g. the second half of a
 cross-device copy) or, from the front, :class:`FanOut` (every worker
-contributes, the last one to finish sends the reply).
+contributes, the last one to finish sends the reply) and :class:`Deferred` (the
+front answers once a lookup that waits on a service outside the daemon has run
+beside it).
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ class FanOut:
     each: Callable[[DeviceState], Any]
     finish: Callable[[list[Any]], Reply]
     after: Session | None = None
+
+
+@dataclass
+class Deferred:
+    """From a front handler: answer with ``then(result)`` (on the front thread) once ``look_up()`` has run on
+    the front's lookup pool (:mod:`cuctxd.daemon.front.lookups`), because it waits on a service outside the
+    daemon, which the front thread never does. An error ``look_up`` raises is the reply. Requests whose
+    ``key`` is the same wait on one ``look_up``."""
+
+    key: str
+    look_up: Callable[[], Any]
+    then: Callable[[Any], Reply]
 
 
 class Gather:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from typing import Any
 
 from cuctxd.daemon import __version__
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.device.status import device_status, first, fit_status
 from cuctxd.daemon.handlers.registry import front_handler
-from cuctxd.daemon.handlers.replies import FanOut, Reply
+from cuctxd.daemon.handlers.replies import Deferred, FanOut, Reply
 from cuctxd.daemon.intake.peers import peer_or_pid, pid_of, uid_of
 from cuctxd.daemon.registry.backlogs import backlog_status
 from cuctxd.daemon.registry.daemon_state import DaemonState
@@ -24,13 +25,22 @@ from cuctxd.protos.version import PROTOCOL_VERSION
 
 
 @front_handler(ops.Hello)
-def hello(front: DaemonState, session: Session | None, args: ops.Hello, peer: str | None) -> Reply:
+def hello(front: DaemonState, session: Session | None, args: ops.Hello, peer: str | None) -> Reply | Deferred:
+    """Under ``gpu_limit`` a pod's first hello waits for its lookup (:class:`Deferred`), off the front thread."""
     if args.protocol != PROTOCOL_VERSION:
         raise VersionMismatch(
             f"client speaks protocol {args.protocol}, this daemon speaks {PROTOCOL_VERSION}"
         )
     uid, pid = uid_of(peer), pid_of(peer)
     peer = peer_or_pid(peer, args.pid)
+    _check_session_limits(front, peer, uid)
+    devices = front.device_limit(pid) if front.device_limit is not None else None
+    if devices is None or isinstance(devices, frozenset):
+        return _open(front, args, peer, uid, pid, devices)
+    return Deferred(devices.key, devices, partial(_open, front, args, peer, uid, pid))
+
+
+def _check_session_limits(front: DaemonState, peer: str, uid: int | None) -> None:
     limit = front.config.max_sessions_per_peer
     if limit and front.sessions.count_peer(peer) >= limit:
         raise LimitExceeded(f"max_sessions_per_peer: {peer} already holds {limit} open session(s); "
@@ -39,7 +49,12 @@ def hello(front: DaemonState, session: Session | None, args: ops.Hello, peer: st
     if limit and uid is not None and front.sessions.count_uid(uid) >= limit:
         raise LimitExceeded(f"max_sessions_per_uid: the processes of uid {uid} already hold {limit} open "
                             "session(s) together; close one (or let its lease run out) first")
-    devices = front.device_limit(pid) if front.device_limit is not None else None
+
+
+def _open(front: DaemonState, args: ops.Hello, peer: str, uid: int | None, pid: int | None,
+          devices: frozenset[int] | None) -> Reply:
+    """Open the session (front thread; after a lookup, the limits are checked again: others may have opened)."""
+    _check_session_limits(front, peer, uid)
     opened = front.sessions.open(args.client, args.pid, peer, uid, fd_peer(uid, pid, peer), devices)
     return Reply({
         "session": opened.ref.token,
@@ -49,6 +64,7 @@ def hello(front: DaemonState, session: Session | None, args: ops.Hello, peer: st
         "protocol": PROTOCOL_VERSION,
         "backend": front.backend,
         "devices": [d.to_wire() for d in front.devices],
+        "allowed_devices": _allowed(devices),
         "lease_ttl": front.config.lease_ttl,
         "endpoints": front.endpoints,
         "device_endpoints": front.device_endpoints,
@@ -60,6 +76,11 @@ def hello(front: DaemonState, session: Session | None, args: ops.Hello, peer: st
             "max_payload_frames": MAX_PAYLOAD_FRAMES,
         },
     })
+
+
+def _allowed(devices: frozenset[int] | None) -> list[int] | None:
+    """``allowed_devices``: the indices of the devices the session may use (``gpu_limit``), None for all."""
+    return None if devices is None else sorted(devices)
 
 
 @front_handler(ops.Goodbye)
@@ -83,12 +104,14 @@ def ping(front: DaemonState, session: Session | None, args: ops.Ping, peer: str 
 
 @front_handler(ops.DeviceCount)
 def device_count(front: DaemonState, session: Session | None, args: ops.DeviceCount, peer: str | None) -> Reply:
-    return Reply({"count": len(front.devices)})
+    assert session is not None
+    return Reply({"count": len(front.devices), "allowed_devices": _allowed(session.ref.devices)})
 
 
 @front_handler(ops.Devices)
 def devices(front: DaemonState, session: Session | None, args: ops.Devices, peer: str | None) -> Reply:
-    return Reply({"devices": [d.to_wire() for d in front.devices]})
+    assert session is not None
+    return Reply({"devices": [d.to_wire() for d in front.devices], "allowed_devices": _allowed(session.ref.devices)})
 
 
 @front_handler(ops.GetDevice)
@@ -120,9 +143,9 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
             "max_queued_bytes": limits.max_queued_bytes,
             "max_reply_bytes": limits.max_reply_bytes,
             "max_reply_bytes_per_peer": limits.max_reply_bytes_per_peer,
-            "max_manifest_bytes_per_session": front.shares.max_manifest_bytes_per_session,
-            "max_manifest_bytes_per_uid": front.shares.max_manifest_bytes_per_uid,
-            "max_names_per_uid": front.shares.max_names_per_uid,
+            "max_manifest_bytes_per_session": front.shares.limits.max_manifest_bytes_per_session,
+            "max_manifest_bytes_per_uid": front.shares.limits.max_manifest_bytes_per_uid,
+            "max_names_per_uid": front.shares.limits.max_names_per_uid,
         },
         "names": front.shares.names_status(),
     }
@@ -134,6 +157,8 @@ def status(front: DaemonState, session: Session | None, args: ops.Status, peer: 
         daemon_part["fd_budget"] = front.fd_budget.to_status()
     if front.shares.parking is not None:
         daemon_part["parking"] = front.shares.parking.to_status()
+    if front.lookup_status is not None:
+        daemon_part["pod_lookups"] = front.lookup_status()
 
     def each(state: DeviceState) -> dict[str, Any]:
         part = device_status(state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cuctxd.daemon.device.entries import SessionContext
@@ -46,16 +47,21 @@ def export(state: DeviceState, job: Job) -> Reply | Pending:
 
 @device_handler(ops.Publish)
 def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
-    """Name the buffer; with ``replace`` (or ``version``), the name's old share forgets it on its own device's
-    worker (here, or forwarded there and back) before the reply, as after ``unpublish``. A ``persistent`` name
-    is parked (PROTOCOL.md, "Parking") before the reply, or the publish fails with ``NotParked`` and names
-    nothing. A version is persistent and handed to its name: the session lets go of the buffer as a ``free``
-    that keeps its names."""
+    """Name the buffer (or, ``copy``/``stage``, make it a copy of the name on this device); with ``replace``,
+    the name's old shares (its copies on other devices too) forget it each on its own device's worker (here,
+    or forwarded there, one device after the other, and back) before the reply, as after ``unpublish``. A
+    ``persistent`` name is parked (PROTOCOL.md, "Parking") before the reply, or the publish fails with
+    ``NotParked`` and names nothing on this device. A ``version`` is persistent and handed to its name: the
+    session lets go of the buffer as a ``free`` that keeps its names."""
     name = job.args.name
     if not name:
         raise BadArgument("publish needs a non-empty name")
     if job.args.once and (job.args.persistent or job.args.version):
         raise BadArgument("a name published once (consume-once) cannot be persistent or versioned")
+    if job.args.version and (job.args.copy or job.args.stage):
+        raise BadArgument("a version of a name has no copies on other devices: publish it without copy or stage")
+    if (job.args.copy or job.args.stage) and (job.args.once or job.args.replace):
+        raise BadArgument("a copy of a name is published neither once nor with replace (replace the name itself)")
     session = state.session(job.session)
     buffer = session.buffers[job.args.buffer]
     naming = Naming(read_only=job.args.read_only)
@@ -67,20 +73,22 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
     persistent = share.persistent or job.args.persistent or job.args.version
     park_fd = state.parking.ready(share) if persistent else None
     try:
-        replaced = state.registry.publish(name, share, naming, replace=job.args.replace, version=job.args.version)
+        replaced = state.registry.publish(name, share, naming, replace=job.args.replace, copy=job.args.copy,
+                                          stage=job.args.stage, version=job.args.version)
     except BaseException:
         if park_fd is not None:
             os.close(park_fd)
         raise
     was_persistent, share.persistent = share.persistent, persistent
     share.once = share.once or job.args.once
-    if replaced is not None and replaced[1] == state.device:
-        state.sharing.forget_name(name, replaced[0])  # unparked (or updated) before the new share is parked
+    for old_share, old_device in replaced:
+        if old_device == state.device:
+            state.sharing.forget_name(name, old_share)  # unparked (or updated) before the new share is parked
     try:
         state.parking.sync_published(share, park_fd)
     except NotParked:
         share.persistent = was_persistent
-        state.registry.unpublish(name, session.ref)
+        state.registry.withdraw(name, share)
         state.sharing.forget_name(name, share.share_id)
         raise
     version = state.registry.version_of(name, share.share_id) if job.args.version else 0
@@ -88,16 +96,24 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
                                                                 "read_only": job.args.read_only, "version": version}))
     if job.args.version:
         state.memory.free(session, buffer, unpublish=False)  # the name keeps it now
-    if replaced is None or replaced[1] == state.device:
+    elsewhere = [(old_share, old_device) for old_share, old_device in replaced if old_device != state.device]
+    if not elsewhere:
         return written
-    old_share, old_device = replaced
     here = state.device
+    return _forget_each(name, elsewhere, lambda _: Forward(here, lambda _: written))
 
-    def on_old_device(other: DeviceState) -> Forward:
-        other.sharing.forget_name(name, old_share)
-        return Forward(here, lambda _: written)
 
-    return Forward(old_device, on_old_device)
+def _forget_each(name: str, left: list[tuple[str, int]],
+                 last: Callable[[DeviceState], Reply | Pending | Forward]) -> Forward:
+    """Each (share, device) of ``left`` in turn forgets ``name`` on its device's worker; then ``last`` runs on the
+    last of them."""
+    (share_id, device), rest = left[0], left[1:]
+
+    def on_device(state: DeviceState) -> Reply | Pending | Forward:
+        state.sharing.forget_name(name, share_id)
+        return _forget_each(name, rest, last) if rest else last(state)
+
+    return Forward(device, on_device)
 
 
 @device_handler(ops.OpenShared)
@@ -188,22 +204,17 @@ def heartbeat(front: DaemonState, session: Session | None, args: ops.Heartbeat, 
 
 @front_handler(ops.Unpublish)
 def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, peer: str | None) -> Forward:
-    """The name goes here; its share forgets it on its device's worker, which replies once that is done (and
-    the share unparked, or its parked record updated: a restart after the reply never finds the name)."""
+    """The name goes here (every copy of it, or with ``device`` its copy there); each copy's share forgets it on
+    its device's worker, one after the other, and the last replies once that is done (and the shares unparked,
+    or their parked records updated: a restart after the reply never finds the name)."""
     assert session is not None
-    share_id = front.shares.unpublish(args.name, session.ref)
-    name = args.name
-
-    def on_device(state: DeviceState) -> Reply:
-        state.sharing.forget_name(name, share_id)
-        return Reply()
-
-    return Forward(front.shares.device_of(share_id), on_device)
+    left = front.shares.unpublish(args.name, session.ref, args.device)
+    return _forget_each(args.name, left, lambda _: Reply())
 
 
 @front_handler(ops.Lookup)
 def lookup(front: DaemonState, session: Session | None, args: ops.Lookup, peer: str | None) -> Reply:
-    return _share_reply(front.shares.lookup(args.name, args.version).to_wire())
+    return _share_reply(front.shares.lookup(args.name, args.device, args.version).to_wire())
 
 
 @front_handler(ops.ListShared)

@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from cuctxd.daemon.intake.listeners import IpcListener, Listener, TcpListener
 from cuctxd.daemon.registry.connection_budget import ConnectionBudget
-from cuctxd.daemon.registry.fd_budget import FdPlan, fd_reserve
+from cuctxd.daemon.registry.fd_budget import FdLimits, FdPlan, fd_reserve
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def listen_backlog(open_files: int) -> int:
 def connection_cap(open_files: int, configured: int) -> int:
     """The cap: ``configured`` (``max_connections``; 0: none given), as :class:`FdPlan` sizes it out of the
     open-file limit beside the reserve and the fds held for clients."""
-    return FdPlan.derive(open_files, configured).connections
+    return FdPlan.derive(open_files, FdLimits(max_connections=configured)).connections
 
 
 class ListenerGuard:

@@ -9,7 +9,7 @@ daemon's PID namespace whatever namespace the client runs in):
    kubelet's PodResources API does not carry UIDs). RBAC: ``list`` on ``pods``, nothing more.
 3. The kubelet's PodResources API (``List``, v1) says which devices of ``gpu_resource`` each container
    of that pod holds (:class:`PodResources`); the NVIDIA device plugin's ids are GPU UUIDs.
-4. The daemon's devices whose UUID is one of them are the session's (:meth:`GpuLimit.devices_for`).
+4. The daemon's devices whose UUID is one of them are the session's (:meth:`GpuLimit.look_up`).
 
 The pid is the one the kernel recorded when the client connected; were that process gone and its pid
 reused by a process of another pod before ``hello``, the lookup would find the other pod (the peer's
@@ -17,10 +17,12 @@ pidfd, which would close that gap, is not something libzmq reports).
 
 A process in the daemon's own cgroup (its probes, its preload, ``kubectl exec`` into its container)
 may use every device. Anything the chain cannot resolve is refused with
-``CUCTXD_ERROR_DEVICE_NOT_ALLOWED`` naming the step. Called on the front thread, at ``hello``;
-a pod's answer is cached (its devices do not change while it lives), so only a pod's first session
-waits for the two lookups (each bounded by ``timeout``), and a pod that could not be resolved is
-refused again without them for :data:`REFUSAL_TTL`.
+``CUCTXD_ERROR_DEVICE_NOT_ALLOWED`` naming the step. :meth:`GpuLimit.devices_for` runs on the front
+thread, at ``hello``, and answers from what it knows (step 1 reads only ``/proc``); steps 2 and 3 ask
+services outside the daemon (each bounded by ``timeout``), so they are a :class:`PodLookup` the front
+runs on its lookup pool (:mod:`cuctxd.daemon.front.lookups`), never on its own thread. A pod's answer
+is cached (its devices do not change while it lives), so only a pod's first session waits for the two
+lookups, and a pod that could not be resolved is refused again without them for :data:`REFUSAL_TTL`.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import logging
 import os
 import re
 import ssl
+import threading
 import time
 import urllib.parse
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -51,7 +55,7 @@ LOOKUP_TIMEOUT = 5.0
 #: Pods whose devices are remembered (the oldest forgotten first; a forgotten pod is looked up again).
 CACHED_PODS = 4096
 #: Seconds a pod that could not be resolved is refused again without a lookup, so that a pod repeating its
-#: hello cannot keep the front thread waiting on the API server or the kubelet.
+#: hello cannot keep the lookup pool asking the API server or the kubelet.
 REFUSAL_TTL = 5.0
 
 _POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
@@ -70,7 +74,7 @@ def read_cgroup(pid: int) -> str:
 
 
 class PodDirectory:
-    """Pod UIDs of this node to ``(namespace, name)``, from the API server (front thread)."""
+    """Pod UIDs of this node to ``(namespace, name)``, from the API server (a lookup pool thread)."""
 
     def __init__(self, api_url: str, node_name: str, *, timeout: float = LOOKUP_TIMEOUT,
                  service_account: str = SERVICE_ACCOUNT) -> None:
@@ -106,7 +110,7 @@ class PodDirectory:
 
 
 class PodResources:
-    """The kubelet's PodResources ``List``, over its Unix socket (front thread)."""
+    """The kubelet's PodResources ``List``, over its Unix socket (a lookup pool thread)."""
 
     def __init__(self, socket_path: str, *, timeout: float = LOOKUP_TIMEOUT) -> None:
         self.socket_path = socket_path
@@ -124,8 +128,23 @@ class PodResources:
         return None
 
 
+@dataclass(frozen=True)
+class PodLookup:
+    """What :meth:`GpuLimit.devices_for` cannot answer at once: pod ``key``'s devices, asked of the API server
+    and the kubelet when called (on a lookup pool thread; the answer is cached before it returns). Raises
+    DeviceNotAllowed. Hellos of one pod share one lookup: its ``key`` is the pod's UID."""
+
+    limit: GpuLimit
+    key: str
+    pid: int
+
+    def __call__(self) -> frozenset[int]:
+        return self.limit.look_up(self.pid, self.key)
+
+
 class GpuLimit:
-    """The devices each client process may use (front thread: :meth:`devices_for` at ``hello``)."""
+    """The devices each client process may use: :meth:`devices_for` on the front thread at ``hello``,
+    :meth:`look_up` on a lookup pool thread; its caches are shared by both, under one lock."""
 
     def __init__(self, device_uuids: Sequence[str], pods: PodDirectory, resources: PodResources,
                  resource: str = "nvidia.com/gpu", own_cgroup: str | None = None) -> None:
@@ -136,14 +155,16 @@ class GpuLimit:
         self.resources = resources
         self.resource = resource
         self.own_cgroup = read_cgroup(os.getpid()) if own_cgroup is None else own_cgroup
+        self._lock = threading.Lock()
         self._cache: OrderedDict[str, frozenset[int]] = OrderedDict()
         #: Pods refused lately: when the refusal stops being repeated, and its message.
         self._refused: dict[str, tuple[float, str]] = {}
 
-    def devices_for(self, pid: int | None) -> frozenset[int] | None:
-        """The indices of the devices process ``pid`` may use, None for all of them (the daemon's own cgroup).
-        Raises DeviceNotAllowed when it cannot be told: no pid, no pod, no answer from the API server or
-        the kubelet."""
+    def devices_for(self, pid: int | None) -> frozenset[int] | PodLookup | None:
+        """The indices of the devices process ``pid`` may use, None for all of them (the daemon's own cgroup),
+        or, for a pod not known yet, the :class:`PodLookup` that asks. Raises DeviceNotAllowed when it cannot
+        be told: no pid, no pod, or a pod refused less than :data:`REFUSAL_TTL` ago. Front thread; reads
+        only ``/proc`` and the caches."""
         if pid is None:
             raise DeviceNotAllowed("gpu_limit: the connection does not say which process it is (only ipc:// "
                                    "endpoints do), so the daemon cannot tell its pod's GPUs")
@@ -157,24 +178,32 @@ class GpuLimit:
         if uid is None:
             raise DeviceNotAllowed(f"gpu_limit: process {pid} is in no Kubernetes pod (its cgroup: "
                                    f"{cgroup.strip().splitlines()[-1] if cgroup.strip() else 'none'})")
-        cached = self._cache.get(uid)
-        if cached is not None:
-            self._cache.move_to_end(uid)
-            return cached
-        refused = self._refused.get(uid)
+        with self._lock:
+            cached = self._cache.get(uid)
+            if cached is not None:
+                self._cache.move_to_end(uid)
+                return cached
+            refused = self._refused.get(uid)
         if refused is not None and refused[0] > time.monotonic():
             raise DeviceNotAllowed(refused[1])
+        return PodLookup(self, uid, pid)
+
+    def look_up(self, pid: int, uid: str) -> frozenset[int]:
+        """Pod ``uid``'s devices, asked of the API server and the kubelet (process ``pid`` is in it), and
+        remembered; raises DeviceNotAllowed, remembered for :data:`REFUSAL_TTL`. A lookup pool thread."""
         try:
             allowed = self._look_up(pid, uid)
         except DeviceNotAllowed as error:
-            self._refused[uid] = (time.monotonic() + REFUSAL_TTL, error.message)
-            if len(self._refused) > CACHED_PODS:
-                self._refused.pop(next(iter(self._refused)))
+            with self._lock:
+                self._refused[uid] = (time.monotonic() + REFUSAL_TTL, error.message)
+                if len(self._refused) > CACHED_PODS:
+                    self._refused.pop(next(iter(self._refused)))
             raise
-        self._refused.pop(uid, None)
-        self._cache[uid] = allowed
-        if len(self._cache) > CACHED_PODS:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._refused.pop(uid, None)
+            self._cache[uid] = allowed
+            if len(self._cache) > CACHED_PODS:
+                self._cache.popitem(last=False)
         return allowed
 
     def _look_up(self, pid: int, uid: str) -> frozenset[int]:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from cuctxd.daemon.registry.sessions import DeviceBacklog
+from cuctxd.daemon.settings import count, size
 
 #: Default of ``max_queued_requests``: twice the Python client's in-flight window (256 per socket), so a
 #: client that pipelines through both the main and a device endpoint never meets it.
@@ -27,13 +28,21 @@ DEFAULT_MAX_REPLY_BYTES_PER_PEER = 512 << 20
 
 @dataclass(frozen=True)
 class QueueLimits:
-    """Per session and device; 0: no limit."""
+    """Per session and device; 0: no limit (:mod:`cuctxd.daemon.settings`)."""
 
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES
-    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    #: Per session and device (:mod:`cuctxd.daemon.worker.queues`): requests queued, their payload bytes,
+    #: and reply payload bytes its client has not taken.
+    max_queued_requests: int = count(DEFAULT_MAX_QUEUED_REQUESTS, "most requests one session may have queued on "
+                                     "each device", zero="no limit", security=True, limit=True)
+    max_queued_bytes: int = size(DEFAULT_MAX_QUEUED_BYTES, "most payload bytes one session may have queued on each "
+                                 "device, beyond its first request", zero="no limit", security=True, limit=True)
+    max_reply_bytes: int = size(DEFAULT_MAX_REPLY_BYTES, "read results one session's client may leave untaken on "
+                                "each device before its reads are refused", zero="no limit", security=True,
+                                limit=True)
     #: Of all one peer's sessions together (:class:`~cuctxd.daemon.worker.queues.HeldReplies`).
-    max_reply_bytes_per_peer: int = DEFAULT_MAX_REPLY_BYTES_PER_PEER
+    max_reply_bytes_per_peer: int = size(DEFAULT_MAX_REPLY_BYTES_PER_PEER, "read results one peer's clients may "
+                                         "leave untaken on each device, all its sessions together, before their "
+                                         "reads are refused", zero="no limit", security=True, limit=True)
 
 
 def reply_bytes(backlog: DeviceBacklog, limit: int = 0) -> int:

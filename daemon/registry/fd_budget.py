@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from cuctxd.daemon.settings import count
 from cuctxd.protos.errors import LimitExceeded
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,29 @@ def fd_peer(uid: int | None, pid: int | None, other: str = "") -> str:
 
 
 @dataclass(frozen=True)
+class FdLimits:
+    """The configured split of the open-file limit (0: derived from it, :meth:`FdPlan.derive`;
+    :mod:`cuctxd.daemon.settings`)."""
+
+    #: Most client connections on all sockets together (0: what the open-file limit leaves,
+    #: :func:`cuctxd.daemon.intake.connections.connection_cap`).
+    max_connections: int = count(0, "most client connections at once; beyond it new ones are refused until some "
+                                 "close", shown="0: half of what the open-file limit leaves once a quarter of it is "
+                                 "kept for the daemon; the other half is max_client_fds", security=True, limit=True)
+    #: Fds the daemon may hold for clients (tickets, shm lanes, host buffers, fd channel connections): in all,
+    #: per peer, per session; 0: derived from the open-file limit
+    #: (:class:`cuctxd.daemon.registry.fd_budget.FdPlan`). And fd channel connections of one peer.
+    max_client_fds: int = count(0, "most fds the daemon holds for clients (tickets, shm lanes, host buffers, fd "
+                                "channel connections)", shown="0: the open-file limit N less the daemon's reserve "
+                                "max(N/4, min(128, N/2)) less max_connections", security=True, limit=True)
+    max_client_fds_per_peer: int = count(0, "of those, most held for one peer: a process, or a group member's uid",
+                                         shown="0: a quarter of max_client_fds", security=True, limit=True)
+    max_client_fds_per_session: int = count(0, "of those, most held for one session",
+                                            shown="0: an eighth of max_client_fds (at most the peer's share)",
+                                            security=True, limit=True)
+
+
+@dataclass(frozen=True)
 class FdPlan:
     """How the open-file limit is split; :meth:`derive` makes it from the limit and the settings."""
 
@@ -70,23 +94,22 @@ class FdPlan:
     per_session: int
 
     @classmethod
-    def derive(cls, open_files: int, max_connections: int = 0, max_client_fds: int = 0,
-               per_peer: int = 0, per_session: int = 0) -> FdPlan:
+    def derive(cls, open_files: int, limits: FdLimits = FdLimits()) -> FdPlan:
         """The plan at ``open_files``. Of what the reserve leaves (the room), connections take
         ``max_connections`` (0: half the room; never more than three quarters of it) and client fds the
-        rest (``max_client_fds`` lowers it); a peer's share is ``per_peer`` (0: a quarter of the client
-        fds), a session's ``per_session`` (0: an eighth), neither above the one that contains it. A
-        configured value the limit does not allow is lowered, with a warning."""
+        rest (``max_client_fds`` lowers it); a peer's share is ``max_client_fds_per_peer`` (0: a quarter of
+        the client fds), a session's ``max_client_fds_per_session`` (0: an eighth), neither above the one
+        that contains it. A configured value the limit does not allow is lowered, with a warning."""
         reserve = fd_reserve(open_files)
         room = max(2, open_files - reserve)
         most = max(1, room - room // 4)
-        connections = _lowered("max_connections", max_connections, most, open_files) or room // 2
-        client_fds = _lowered("max_client_fds", max_client_fds, room - connections, open_files) \
+        connections = _lowered("max_connections", limits.max_connections, most, open_files) or room // 2
+        client_fds = _lowered("max_client_fds", limits.max_client_fds, room - connections, open_files) \
             or room - connections
-        per_peer = _lowered("max_client_fds_per_peer", per_peer, client_fds, open_files) \
+        per_peer = _lowered("max_client_fds_per_peer", limits.max_client_fds_per_peer, client_fds, open_files) \
             or max(1, client_fds // 4)
-        per_session = _lowered("max_client_fds_per_session", per_session, per_peer, open_files) \
-            or max(1, min(per_peer, client_fds // 8))
+        per_session = _lowered("max_client_fds_per_session", limits.max_client_fds_per_session, per_peer,
+                               open_files) or max(1, min(per_peer, client_fds // 8))
         return cls(open_files, reserve, connections, client_fds, per_peer, per_session)
 
 

@@ -49,6 +49,7 @@ from cuctxd.daemon.registry.parked_records import (
     record_of,
     registry_generation,
 )
+from cuctxd.daemon.settings import count
 from cuctxd.protos.errors import LimitExceeded, NotParked
 from cuctxd.protos.memfd import sealed_memfd
 
@@ -96,14 +97,23 @@ class Recovered:
     skipped: int = 0
 
 
+@dataclass(frozen=True)
+class ParkingLimits:
+    """The fd store's share of one uid (:mod:`cuctxd.daemon.settings`)."""
+
+    #: fds of the service manager's fd store one uid's parked shares may hold (two each; 0: a quarter of the store).
+    max_parked_fds_per_uid: int = count(0, "most fds of the service manager's fd store one user's parked "
+                                        "(persistent) shares may hold, two each", shown="0: a quarter of the "
+                                        "store ($FDSTORE)", security=True, limit=True)
+
+
 class ParkingLot:
     """The daemon's parked shares and their records in the service manager's fd store (module docstring)."""
 
-    def __init__(self, store: FdStore, budget: FdBudget | None = None, per_uid: int = 0) -> None:
-        """``per_uid``: ``max_parked_fds_per_uid`` as configured (0: a quarter of the store)."""
+    def __init__(self, store: FdStore, budget: FdBudget | None = None, limits: ParkingLimits = ParkingLimits()) -> None:
         self.store = store
         self.budget = budget
-        self.per_uid = per_uid_share(store.limit, per_uid)
+        self.per_uid = per_uid_share(store.limit, limits.max_parked_fds_per_uid)
         self._lock = threading.Lock()
         self._parked: dict[str, ParkedShare] = {}
         #: Each parked share's record in the store, by share id.
@@ -344,13 +354,14 @@ class ParkingLot:
 
     @staticmethod
     def _unclaimed(share: ParkedShare, claimed: set[Any]) -> ParkedShare:
-        """``share`` without the names a newer record claimed (each name goes to the newest record naming it; an
-        older version of a name, not current, claims only its own number)."""
-        names = tuple(n for n in share.names if _claim(n) not in claimed)
+        """``share`` without the names a newer record claimed on its device (each name's copy on a device goes to
+        the newest record naming it there: a name holds one copy per device; an older version of a name, not
+        current, claims only its own number)."""
+        names = tuple(n for n in share.names if (_claim(n), share.device_uuid) not in claimed)
         if len(names) != len(share.names):
             log.warning("parked share %s…: names %s go to newer records", share.share_id[:8],
                         sorted({n.name for n in share.names} - {n.name for n in names}))
-        claimed.update(_claim(n) for n in names)
+        claimed.update((_claim(n), share.device_uuid) for n in names)
         return share if len(names) == len(share.names) else ParkedShare(**{**share.__dict__, "names": names})
 
     def adopted(self, share: ParkedShare, fd: int) -> None:

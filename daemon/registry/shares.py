@@ -27,6 +27,10 @@ published it (``max_manifest_bytes_per_session``) and its uid (``max_manifest_by
 uid the kernel does not tell, tcp://, are one uid, None) until the name goes, and a uid has at most
 ``max_names_per_uid`` names. A name that outlives its publisher stays charged to the uid.
 
+A name may hold one copy per device (:mod:`cuctxd.daemon.registry.copies`): each a share of its own, the
+name's first copy the one it points at here, the others in the :class:`CopyBook`; every copy has the
+name's manifest, so one digest vouches for each.
+
 Listing is paged (:meth:`ShareRegistry.page`): the names are kept sorted, daemon-wide and by owner
 (:mod:`cuctxd.daemon.registry.name_index`), so no front op costs more than a page however many there are.
 """
@@ -41,11 +45,13 @@ from collections.abc import MutableSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cuctxd.daemon.registry.copies import Copy, CopyBook
 from cuctxd.daemon.registry.name_index import NameFilter, NameIndex
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.versions import VersionBook
-from cuctxd.protos.errors import BadArgument, LimitExceeded, NameExists, NotFound, NotOwner
+from cuctxd.daemon.settings import count, size
+from cuctxd.protos.errors import BadArgument, LimitExceeded, NameExists, NoCopy, NotFound, NotOwner
 from cuctxd.protos.limits import NAME_OVERHEAD_BYTES
 from cuctxd.protos.records import ShareDescriptor
 
@@ -55,6 +61,24 @@ DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION = 16 << 20
 DEFAULT_MAX_MANIFEST_BYTES_PER_UID = 64 << 20
 #: Default of ``max_names_per_uid``: names one uid's sessions have published, ended ones' included.
 DEFAULT_MAX_NAMES_PER_UID = 16384
+
+
+@dataclass(frozen=True)
+class ShareLimits:
+    """The bytes and the number of published names (0: no limit; :mod:`cuctxd.daemon.settings`)."""
+
+    #: Bytes of published names (manifests included), per publishing session and per uid, daemon-wide.
+    max_manifest_bytes_per_session: int = size(DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, "bytes of the names "
+                                               "(manifests included) one session may have published",
+                                               zero="no limit", security=True, limit=True)
+    max_manifest_bytes_per_uid: int = size(DEFAULT_MAX_MANIFEST_BYTES_PER_UID, "bytes of the names (manifests "
+                                           "included) one user's sessions may have published, ended ones included",
+                                           zero="no limit", security=True, limit=True)
+    #: Published names of one uid's sessions, ended ones included, daemon-wide.
+    max_names_per_uid: int = count(DEFAULT_MAX_NAMES_PER_UID, "names one user's sessions may have published, "
+                                   "ended ones included", zero="no limit", security=True, limit=True)
+
+
 #: How many uids ``status`` lists by the bytes of their names.
 _TOP_UIDS = 8
 #: Most names one hold of the lock forgets when all of a share's names go (its free, revoke or end).
@@ -87,6 +111,11 @@ class _Listing:
     owner: SessionRef
     holders: int = 0
     owner_present: bool = True
+
+    def copy_record(self, share_id: str) -> dict[str, Any]:
+        """The share as one of its name's ``copies`` in ``list_shared``."""
+        return {"device": self.descriptor.device, "uuid": self.descriptor.device_uuid, "share_id": share_id,
+                "size": self.descriptor.size, "holders": self.holders, "owner_present": self.owner_present}
 
     def publisher(self) -> dict[str, Any]:
         """Who exported the buffer: session id, client name, pid and uid (None where unknown)."""
@@ -166,13 +195,9 @@ class ShareRegistry:
     no method calls out while holding it.
     """
 
-    def __init__(self, max_manifest_bytes_per_session: int = DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION,
-                 max_manifest_bytes_per_uid: int = DEFAULT_MAX_MANIFEST_BYTES_PER_UID,
-                 max_names_per_uid: int = DEFAULT_MAX_NAMES_PER_UID) -> None:
+    def __init__(self, limits: ShareLimits = ShareLimits()) -> None:
         """The limits on the bytes of published names and on their number (0: none; module docstring)."""
-        self.max_manifest_bytes_per_session = max_manifest_bytes_per_session
-        self.max_manifest_bytes_per_uid = max_manifest_bytes_per_uid
-        self.max_names_per_uid = max_names_per_uid
+        self.limits = limits
         self._lock = threading.Lock()
         self._shares: dict[str, _Listing] = {}
         self._names: dict[str, str] = {}
@@ -180,9 +205,12 @@ class ShareRegistry:
         self._index = NameIndex()
         #: What each name was published with (absent: a plain name, :class:`Naming`'s defaults).
         self._namings: dict[str, Naming] = {}
-        #: Names whose layout digest the daemon checked against their bytes: True where they bore it out, False
-        #: where they did not (:mod:`cuctxd.daemon.device.digest_checks`); gone with the name or its naming.
-        self._vouched: dict[str, bool] = {}
+        #: Copies of names whose layout digest the daemon checked against their bytes, by (name, share id): True
+        #: where they bore it out, False where they did not (:mod:`cuctxd.daemon.device.digest_checks`); gone with
+        #: the copy or the name's naming.
+        self._vouched: dict[tuple[str, str], bool] = {}
+        #: Each name's copies on other devices than its first's, and the copies staged for a next publish.
+        self._copies = CopyBook()
         #: The live versions of versioned names (PROTOCOL.md, section 9, "Versions").
         self.versions: VersionBook[Naming] = VersionBook()
         #: Ids of published shares kept alive by their names alone, on every device.
@@ -199,21 +227,27 @@ class ShareRegistry:
             self._shares[share.share_id] = _Listing(share.descriptor, share.owner)
 
     def publish(self, name: str, share: ShareRecord, naming: Naming = PLAIN, *, replace: bool = False,
-                version: bool = False) -> tuple[str, int] | None:
+                copy: bool = False, stage: bool = False, version: bool = False) -> list[tuple[str, int]]:
         """Name ``share`` (:func:`check_scope` first), with its layout (checked by the caller) and
         flags. A name in use is :class:`NameExists`, unless ``replace``: then it moves to ``share`` in
-        one step if the share's owner may unpublish it (:class:`NotOwner` otherwise), and the share id
-        and device it left are returned (its device's worker then forgets the name there,
-        :meth:`cuctxd.daemon.device.sharing.Sharing.forget_name`). :class:`LimitExceeded` naming
+        one step if the share's owner may unpublish it (:class:`NotOwner` otherwise), and the share ids
+        and devices it left, its copies' included, are returned (each device's worker then forgets the name there,
+        :meth:`cuctxd.daemon.device.sharing.Sharing.forget_name`); the copies this session staged for the name
+        come in with it. ``copy``/``stage``: :meth:`_add_copy`. :class:`LimitExceeded` naming
         ``max_manifest_bytes_per_session`` or ``max_manifest_bytes_per_uid`` if the name's bytes would
         pass either, or ``max_names_per_uid`` if the uid has that many names (nothing is published or
         replaced then). ``version``: ``share`` becomes the name's next version (:meth:`version_of`), replacing its
-        current one as ``replace`` does; a versioned name is replaced only so (:class:`BadArgument` otherwise)."""
+        current one as ``replace`` does; a versioned name is replaced only so, and has no copies
+        (:class:`BadArgument` otherwise)."""
+        if copy or stage:
+            self._add_copy(name, share, naming, stage)
+            return []
         check_scope(name, share.owner.uid)
         owner = share.owner
         size = naming.charged(name)
         with self._lock:
             share_id = self._names.get(name)
+            self._check_staged(name, share, naming)
             credit = (0, 0)  # what the replaced name gives back to this session and this uid
             names_back = 0  # the replaced name, if it was this uid's
             if share_id is not None:
@@ -233,20 +267,20 @@ class ShareRegistry:
                 names_back = int(who.uid == owner.uid)
             by_session = self._name_bytes_by_session.get(owner.token, 0) - credit[0]
             by_uid = self._name_bytes_by_uid.get(owner.uid, 0) - credit[1]
-            _check_name_room("max_manifest_bytes_per_session", self.max_manifest_bytes_per_session, by_session,
+            _check_name_room("max_manifest_bytes_per_session", self.limits.max_manifest_bytes_per_session, by_session,
                              size, "this session has published")
             user = "peers whose uid is unknown (tcp://)" if owner.uid is None else f"uid {owner.uid}"
-            _check_name_room("max_manifest_bytes_per_uid", self.max_manifest_bytes_per_uid, by_uid, size,
+            _check_name_room("max_manifest_bytes_per_uid", self.limits.max_manifest_bytes_per_uid, by_uid, size,
                              f"the sessions of {user} have published (ended ones included)")
             count = self._index.count_of_uid(owner.uid) - names_back
-            if self.max_names_per_uid and count >= self.max_names_per_uid:
+            if self.limits.max_names_per_uid and count >= self.limits.max_names_per_uid:
                 raise LimitExceeded(f"max_names_per_uid: the sessions of {user} have published {count} names that "
                                     f"are still published (ended ones included), the limit; unpublish some first")
-            replaced = None
+            replaced = []
             if share_id is not None:
-                self._forget_name(name)
+                replaced = [(c.share_id, c.device) for c in self._forget_name(name) if c.share_id != share.share_id]
                 if share_id != share.share_id:
-                    replaced = share_id, self._shares[share_id].descriptor.device
+                    replaced.append((share_id, self._shares[share_id].descriptor.device))
             self._name_bytes_by_session[owner.token] = self._name_bytes_by_session.get(owner.token, 0) + size
             self._name_bytes_by_uid[owner.uid] = self._name_bytes_by_uid.get(owner.uid, 0) + size
             self._names[name] = share.share_id
@@ -255,12 +289,86 @@ class ShareRegistry:
                 self._namings[name] = naming
             if version:
                 self.versions.add(name, share.share_id, naming)
+            for staged in self._copies.take_staged(owner.token, name):
+                self._copies.add(Copy(name, staged.device, staged.share_id))
         share.names.add(name)
         return replaced
 
-    def unpublish(self, name: str, caller: SessionRef) -> str:
+    def _check_staged(self, name: str, share: ShareRecord, naming: Naming) -> None:
+        """Before a publish (under the lock): :class:`BadArgument` where a copy the publisher staged for the name is
+        on the new first copy's device or holds another layout."""
+        for staged in self._copies.staged(share.owner.token, name).values():
+            if staged.device == share.descriptor.device:
+                raise BadArgument(f"a copy of {name!r} is staged on device {staged.device}, the device of the buffer "
+                                  "published now: a name holds one copy per device")
+            if staged.naming != naming:
+                raise BadArgument(f"the copy of {name!r} staged on device {staged.device} holds another layout "
+                                  f"(digest {_digest_of(staged.naming)}) than the one published now "
+                                  f"({naming.digest}): every copy of a name holds the same content")
+
+    def _add_copy(self, name: str, share: ShareRecord, naming: Naming, staged: bool) -> None:
+        """``share`` becomes the copy on its device of ``name``, published already (:class:`NotFound` otherwise)
+        with the same naming (:class:`BadArgument` otherwise); ``staged``: the copy waits for this session's next
+        publish of the name, which brings it in. Allowed to whoever may unpublish the name (:class:`NotOwner`);
+        :class:`NameExists` where the device holds another copy (or staged one) already. A copy is not charged
+        as a name: its memory counts on its device."""
+        check_scope(name, share.owner.uid)
+        device = share.descriptor.device
+        with self._lock:
+            if self.versions.current(name):
+                raise BadArgument(f"{name!r} is a versioned name: a version has no copies on other devices")
+            first = self._names.get(name)
+            if first is not None:
+                who = self._shares[first].owner
+                if not may_unpublish(who, share.owner):
+                    raise NotOwner(f"{name!r} was published by session {who.public_id} ({who.client!r}, "
+                                   f"{_uid_text(who.uid)}); only {_who_may_unpublish(who)} may add copies of it")
+            elif not staged:
+                raise NotFound(f"no buffer is published as {name!r}: publish it before adding copies of it")
+            known = self._copies.of_share(share.share_id)
+            if known is not None and known.name != name:
+                raise BadArgument(f"this buffer is a copy of {known.name!r} already; a buffer copies one name")
+            if staged:
+                held = self._copies.staged(share.owner.token, name).get(device)
+                held_id = None if held is None else held.share_id
+            else:
+                if naming != self._namings.get(name, PLAIN):
+                    raise BadArgument(f"a copy of {name!r} holds its layout (digest "
+                                      f"{self._namings.get(name, PLAIN).digest}); this one has digest {naming.digest}")
+                held_id = self._copy_on(name, device)
+            if held_id == share.share_id:
+                return
+            if held_id is not None:
+                raise NameExists(f"{name!r} has a copy {'staged ' if staged else ''}on device {device} already "
+                                 f"(share {held_id[:8]}…); unpublish it there first (cuctx unpublish {name} "
+                                 f"--device {device})")
+            self._copies.add(Copy(name, device, share.share_id, share.owner.token if staged else None,
+                                  naming if staged else None))
+        share.names.add(name)
+
+    def _copy_on(self, name: str, device: int) -> str | None:
+        """The share id of ``name``'s copy on ``device`` (under the lock; the name is published)."""
+        first = self._names[name]
+        if self._shares[first].descriptor.device == device:
+            return first
+        copy = self._copies.live(name).get(device)
+        return None if copy is None else copy.share_id
+
+    def _copies_of(self, name: str) -> list[str]:
+        """The share ids of every copy of ``name``, by device (under the lock; the name is published)."""
+        ids = [self._names[name], *(copy.share_id for copy in self._copies.live(name).values())]
+        return sorted(ids, key=lambda share_id: self._shares[share_id].descriptor.device)
+
+    def _no_copy(self, name: str, device: int) -> NoCopy:
+        where = ", ".join(f"{self._shares[i].descriptor.device} ({self._shares[i].descriptor.device_uuid})"
+                          for i in self._copies_of(name))
+        return NoCopy(f"{name!r} has no copy on device {device}; it has copies on device {where}. Its publisher "
+                      f"may add one (cuctx load CHECKPOINT --name {name} --device {device}, or ensure_copy)")
+
+    def unpublish(self, name: str, caller: SessionRef, device: int | None = None) -> list[tuple[str, int]]:
         """Remove ``name`` if ``caller`` may (module docstring: a session of the publisher's uid, or of the
-        daemon's); returns its share id."""
+        daemon's), every copy of it, or with ``device`` only its copy there (:class:`NoCopy` where it has none);
+        returns the share id and device of each copy it left."""
         with self._lock:
             share_id = self._names.get(name)
             if share_id is None:
@@ -269,8 +377,29 @@ class ShareRegistry:
             if not may_unpublish(owner, caller):
                 raise NotOwner(f"{name!r} was published by session {owner.public_id} ({owner.client!r}, "
                                f"{_uid_text(owner.uid)}); only {_who_may_unpublish(owner)} may unpublish it")
-            self._forget_name(name)
-            return share_id
+            if device is not None:
+                held = self._copy_on(name, device)
+                if held is None:
+                    raise self._no_copy(name, device)
+                self._forget_name(name, held)
+                return [(held, device)]
+            first = share_id, self._shares[share_id].descriptor.device
+            return [first, *((copy.share_id, copy.device) for copy in self._forget_name(name))]
+
+    def withdraw(self, name: str, share: ShareRecord) -> None:
+        """``share`` is no copy of ``name`` any more (a publish that failed after naming it): its entry goes (the
+        name with it where it was the name's only copy; else another copy takes its place as the first)."""
+        with self._lock:
+            self._forget_name(name, share.share_id)
+
+    def unstage(self, share: ShareRecord) -> None:
+        """``share``'s owner let go of it while it was a staged copy (:meth:`_add_copy`): it is no copy any more."""
+        with self._lock:
+            copy = self._copies.of_share(share.share_id)
+            if copy is None or copy.staged_by is None:
+                return
+            self._copies.drop(share.share_id)
+        share.names.discard(copy.name)
 
     def count_orphan(self, share_id: str, orphaned: bool) -> None:
         """A device's share became (or stopped being) kept alive by its names alone."""
@@ -313,23 +442,54 @@ class ShareRegistry:
                 for name in names[start:start + NAMES_PER_HOLD]:
                     self._forget_name(name, share.share_id)
 
-    def _forget_name(self, name: str, of_share: str | None = None) -> None:
-        """The name and what it was published with go, and its bytes are given back (under the lock); with
-        ``of_share``, only while the name is that share's (a replaced name its old share still lists until
-        its worker forgets it is another share's now)."""
-        if of_share is not None and self._names.get(name) != of_share:
-            return
+    def _forget_name(self, name: str, of_share: str | None = None) -> list[Copy]:
+        """The name and what it was published with go, and its bytes are given back (under the lock); returns
+        its other copies, forgotten here, whose workers the caller tells. With ``of_share``, only that copy goes:
+        a copy other than the first, or the first, whose place another copy takes (the name goes with its last);
+        nothing while the name is another share's (a replaced name its old share still lists until its worker
+        forgets it is another share's now)."""
+        if of_share is not None:
+            copy = self._copies.of_share(of_share)
+            if copy is not None and copy.name == name:
+                self._copies.drop(of_share)
+                self._vouched.pop((name, of_share), None)
+                return []
+            if self._names.get(name) != of_share:
+                return []
+            promoted = self._copies.promote(name)
+            if promoted is not None:
+                self._move_first(name, of_share, promoted.share_id)
+                return []
         share_id = self._names.pop(name, None)
         naming = self._namings.pop(name, PLAIN)
         self.versions.uncurrent(name)
-        self._vouched.pop(name, None)
+        copies = self._copies.take_live(name)
+        for gone in (share_id, *(copy.share_id for copy in copies)):
+            self._vouched.pop((name, gone or ""), None)
         listing = None if share_id is None else self._shares.get(share_id)
         if listing is None:
-            return
+            return copies
         self._index.discard(name, listing.owner)
         size = naming.charged(name)
         _give_back(self._name_bytes_by_session, listing.owner.token, size)
         _give_back(self._name_bytes_by_uid, listing.owner.uid, size)
+        return copies
+
+    def _move_first(self, name: str, old: str, new: str) -> None:
+        """``name``'s first copy went: ``new`` is its first now, and the name's index entry and bytes move to its
+        owner (under the lock)."""
+        self._names[name] = new
+        self._vouched.pop((name, old), None)
+        was, now = self._shares[old].owner, self._shares[new].owner
+        if was.token == now.token:
+            return
+        self._index.discard(name, was)
+        self._index.add(name, now)
+        size = self._namings.get(name, PLAIN).charged(name)
+        _give_back(self._name_bytes_by_session, was.token, size)
+        _give_back(self._name_bytes_by_uid, was.uid, size)
+        self._name_bytes_by_session[now.token] = self._name_bytes_by_session.get(now.token, 0) + size
+        self._name_bytes_by_uid[now.uid] = self._name_bytes_by_uid.get(now.uid, 0) + size
 
     def names_status(self) -> dict[str, Any]:
         """For ``status``: published names, their bytes, and the uids whose names hold the most (with how many
@@ -341,14 +501,21 @@ class ShareRegistry:
                                  for uid, size in top]}
 
     def namings(self, share: ShareRecord) -> dict[str, Naming]:
-        """Each name of ``share`` with what it was published with."""
+        """Each name of ``share`` with what it was published with (a copy's name included; a staged copy's with what
+        it was staged with: restored after a restart, it comes back as a copy where the name has that content)."""
         with self._lock:
-            return {name: self._namings.get(name, PLAIN) for name in share.names
-                    if self._names.get(name) == share.share_id}
+            copy = self._copies.of_share(share.share_id)
+            namings = {name: self._namings.get(name, PLAIN) for name in share.names
+                       if self._names.get(name) == share.share_id}
+            if copy is not None and copy.name in share.names:
+                staged = copy.naming if isinstance(copy.naming, Naming) else PLAIN
+                namings[copy.name] = self._namings.get(copy.name, PLAIN) if copy.staged_by is None else staged
+            return namings
 
-    def lookup(self, name: str, version: int | None = None) -> ShareDescriptor:
-        """The descriptor published as ``name`` (with ``version``: that live version of it), with its
-        ``publisher`` and its version's number (0: not versioned)."""
+    def lookup(self, name: str, device: int | None = None, version: int | None = None) -> ShareDescriptor:
+        """The descriptor published as ``name``, with its ``publisher``: its copy on ``device`` (:class:`NoCopy`
+        where it has none), else its first; with ``version``, that live version of a versioned name. Its version's
+        number goes with it (0: not versioned)."""
         with self._lock:
             if version is not None:
                 found = self.versions.find(name, version)
@@ -357,10 +524,8 @@ class ShareRegistry:
                                    f"{self.versions.current(name) or 'none'})")
                 share_id, naming = found
             else:
-                current = self._names.get(name)
-                if current is None:
-                    raise NotFound(f"no buffer is published as {name!r}")
-                share_id, naming = current, self._namings.get(name, PLAIN)
+                share_id = self._find(name, device)
+                naming = self._namings.get(name, PLAIN)
             listing = self._shares[share_id]
             number = version or self.versions.current(name)
         return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher(),
@@ -389,28 +554,35 @@ class ShareRegistry:
         with self._lock:
             self.versions.add(name, share.share_id, naming, number, current=current)
 
-    def relied_on(self, name: str) -> tuple[str, Naming, SessionRef, bool | None]:
-        """For a reliance on ``name``'s digest: its share id, what it was published with, its publisher, and
-        whether the daemon found its bytes bear the digest out (None: not checked)."""
+    def _find(self, name: str, device: int | None) -> str:
+        """The share id of ``name``'s copy on ``device`` (None: its first), under the lock."""
+        share_id = self._names.get(name)
+        if share_id is None:
+            raise NotFound(f"no buffer is published as {name!r}")
+        if device is None:
+            return share_id
+        held = self._copy_on(name, device)
+        if held is None:
+            raise self._no_copy(name, device)
+        return held
+
+    def relied_on(self, name: str, device: int | None = None) -> tuple[str, Naming, SessionRef, bool | None]:
+        """For a reliance on ``name``'s digest (its copy on ``device``): its share id, what it was published with,
+        its publisher, and whether the daemon found its bytes bear the digest out (None: not checked)."""
         with self._lock:
-            share_id = self._names.get(name)
-            if share_id is None:
-                raise NotFound(f"no buffer is published as {name!r}")
-            return share_id, self._namings.get(name, PLAIN), self._shares[share_id].owner, self._vouched.get(name)
+            share_id = self._find(name, device)
+            return (share_id, self._namings.get(name, PLAIN), self._shares[share_id].owner,
+                    self._vouched.get((name, share_id)))
 
     def vouch(self, name: str, share_id: str, naming: Naming, matched: bool) -> None:
         """The daemon checked ``naming``'s digest against ``share_id``'s bytes: remembered with the name while it
         still names that share with that naming (``list_shared``'s ``verified``)."""
         with self._lock:
-            if self._names.get(name) == share_id and self._namings.get(name, PLAIN) == naming:
-                self._vouched[name] = matched
-
-    def device_of(self, share_id: str) -> int:
-        with self._lock:
-            listing = self._shares.get(share_id)
-            if listing is None:
-                raise NotFound("no such shared buffer (never exported, or already freed)")
-            return listing.descriptor.device
+            copy = self._copies.of_share(share_id)
+            is_copy = self._names.get(name) == share_id or (copy is not None and copy.name == name
+                                                            and copy.staged_by is None)
+            if is_copy and self._namings.get(name, PLAIN) == naming:
+                self._vouched[(name, share_id)] = matched
 
     def page(self, which: NameFilter, limit: int) -> tuple[list[dict[str, Any]], bool, int]:
         """Up to ``limit`` of the names ``which`` selects, in code point order, as ``list_shared`` lists them;
@@ -432,7 +604,7 @@ class ShareRegistry:
         listing = self._shares[share_id]
         return {
             **self._namings.get(name, PLAIN).listed(),
-            "verified": _VERIFIED.get(self._vouched.get(name)),
+            "verified": _VERIFIED.get(self._vouched.get((name, share_id))),
             "name": name,
             "share_id": share_id,
             "device": listing.descriptor.device,
@@ -441,6 +613,7 @@ class ShareRegistry:
             "owner_present": listing.owner_present,
             "holders": listing.holders,
             "publisher": listing.publisher(),
+            "copies": [self._shares[copy].copy_record(copy) for copy in self._copies_of(name)],
             "version": self.versions.current(name),
         }
 
@@ -461,3 +634,7 @@ def _give_back(tally: dict[Any, int], key: Any, size: int) -> None:
         tally[key] = left
     else:
         tally.pop(key, None)
+
+
+def _digest_of(naming: object) -> str | None:
+    return naming.digest if isinstance(naming, Naming) else None

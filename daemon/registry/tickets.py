@@ -24,12 +24,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
+from cuctxd.daemon.settings import count, seconds
 from cuctxd.protos.errors import LimitExceeded, NotFound
 from cuctxd.protos.fd_channel import TICKET_ID_BYTES
 
 #: Defaults of ``fd_ticket_ttl`` (seconds) and ``max_tickets_per_session``.
 DEFAULT_TICKET_TTL = 30.0
 DEFAULT_MAX_TICKETS_PER_SESSION = 64
+
+
+@dataclass(frozen=True)
+class TicketLimits:
+    """A ticket's life and the tickets one session may have waiting (:mod:`cuctxd.daemon.settings`)."""
+
+    fd_ticket_ttl: float = seconds(DEFAULT_TICKET_TTL, "how long a ticket for the fd channel stays redeemable",
+                                   security=True, limit=True)
+    max_tickets_per_session: int = count(DEFAULT_MAX_TICKETS_PER_SESSION, "fd channel tickets one session may have "
+                                         "waiting", zero="no limit", security=True, limit=True)
 
 
 @dataclass
@@ -52,12 +63,10 @@ def _close(fds: Iterable[int]) -> None:
 class TicketBook:
     """Outstanding tickets by public id; see the module docstring."""
 
-    def __init__(self, ttl: float = DEFAULT_TICKET_TTL, max_per_session: int = DEFAULT_MAX_TICKETS_PER_SESSION,
-                 budget: FdBudget | None = None) -> None:
+    def __init__(self, limits: TicketLimits = TicketLimits(), budget: FdBudget | None = None) -> None:
         """``budget``: the daemon's, which the device workers also charge for the fds they hold for
         clients (None: one of its own that never refuses)."""
-        self.ttl = ttl
-        self.max_per_session = max_per_session
+        self.limits = limits
         self.budget = budget if budget is not None else FdBudget()
         self._lock = threading.Lock()
         self._tickets: dict[bytes, _Ticket] = {}
@@ -73,14 +82,14 @@ class TicketBook:
         try:
             with self._lock:
                 held = self._per_session.get(session, 0)
-                if self.max_per_session and held >= self.max_per_session:
+                if self.limits.max_tickets_per_session and held >= self.limits.max_tickets_per_session:
                     raise LimitExceeded(f"max_tickets_per_session: the session has {held} fd channel tickets not "
                                         "redeemed yet; redeem them (or let them expire) first")
                 charge = self.budget.charge(len(fds), "a ticket", peer or session, session)
                 public = secrets.token_bytes(TICKET_ID_BYTES)
                 secret = secrets.token_bytes(32)
                 self._tickets[public] = _Ticket(session, uid, list(fds), dict(info), secret,
-                                                time.monotonic() + self.ttl, charge)
+                                                time.monotonic() + self.limits.fd_ticket_ttl, charge)
                 self._per_session[session] = held + 1
         except BaseException:
             if charge is not None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from cuctxd.daemon.device.state import DeviceState
 from cuctxd.daemon.registry.fd_budget import FdBudget
 from cuctxd.daemon.registry.parked_records import ParkedShare
-from cuctxd.daemon.registry.parking import ParkingLot
+from cuctxd.daemon.registry.parking import ParkingLimits, ParkingLot
 from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.service.fdstore import ServiceFdStore, listen_fds
 from cuctxd.daemon.worker.loop import DeviceWorker
@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 ADOPT_TIMEOUT = 60.0
 
 
-def open_parking(shares: ShareRegistry, budget: FdBudget | None = None,
-                 per_uid: int = 0) -> tuple[ParkingLot | None, list[tuple[str, int]]]:
+def open_parking(shares: ShareRegistry, budget: FdBudget | None,
+                 limits: ParkingLimits) -> tuple[ParkingLot | None, list[tuple[str, int]]]:
     """The parking lot (set on ``shares``) where a service manager keeps fds, and the fds it passed us; parked
-    fds count against ``budget``, ``per_uid`` is ``max_parked_fds_per_uid``."""
+    fds count against ``budget``."""
     passed = listen_fds()
     store = ServiceFdStore.from_environment()
     if store is None:
@@ -42,7 +42,7 @@ def open_parking(shares: ShareRegistry, budget: FdBudget | None = None,
         log.info("no service manager keeps fds for this daemon (NOTIFY_SOCKET unset, or FDSTORE=0): a restart "
                  "forgets every published name, persistent ones included")
         return None, []
-    lot = ParkingLot(store, budget, per_uid)
+    lot = ParkingLot(store, budget, limits)
     shares.parking = lot
     limit = "no limit given" if store.limit is None else f"at most {store.limit} fds"
     share = f"{lot.per_uid} per uid" if lot.per_uid else "no share per uid"

@@ -31,7 +31,7 @@ from cuctxd.daemon.service.endpoint import EndpointInUse
 from cuctxd.daemon.service.logs import flush_logs, setup_logging
 from cuctxd.daemon.service.metrics import MetricsUnavailable
 from cuctxd.daemon.service.server import Daemon
-from cuctxd.daemon.service.settings import SIZE_HELP, Setting
+from cuctxd.daemon.settings import SIZE_HELP, Setting
 from cuctxd.daemon.worker.loop import WorkerStartError
 from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.endpoints import default_endpoint
@@ -81,32 +81,51 @@ def _flag_type(declared: Setting) -> Callable[[str], Any]:
     return convert
 
 
-def _add_flag(group: argparse._ActionsContainer, declared: Setting) -> None:
-    """The setting's flag, made from its declaration (:mod:`cuctxd.daemon.service.settings`)."""
+def _add_flag(group: argparse._ActionsContainer, declared: Setting, shown: bool) -> None:
+    """The setting's flag, made from its declaration (:mod:`cuctxd.daemon.settings`); ``shown``: listed in
+    this parser's help (every flag is accepted either way)."""
+    text = declared.help_text() if shown else argparse.SUPPRESS
     if declared.metavar is None:
-        group.add_argument(declared.flag, action=argparse.BooleanOptionalAction, help=declared.help_text())
+        group.add_argument(declared.flag, action=argparse.BooleanOptionalAction, help=text)
     else:
         group.add_argument(declared.flag, dest=declared.name, metavar=declared.metavar, type=_flag_type(declared),
-                           action="append" if declared.repeat else "store", help=declared.help_text())
+                           action="append" if declared.repeat else "store", help=text)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _HelpAll(argparse.Action):
+    """``--help-all``: the help of every setting, the advanced ones too (limits, fd internals, tuning, testing
+    aids), then exit."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **{**kwargs, "default": argparse.SUPPRESS})
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        build_parser(every=True).print_help()
+        parser.exit()
+
+
+def build_parser(every: bool = False) -> argparse.ArgumentParser:
+    """The command line; its help lists the settings a user sets (``user=True``), or ``every`` one (what
+    ``--help-all`` prints)."""
+    hidden = sum(1 for declared in SETTINGS.values() if not declared.user)
     parser = _Parser(
         prog="cuctxd",
         description="CUDA context daemon: serves the machine's GPUs to client processes over ZeroMQ. "
                     "'cuctxd keygen DIR [--name NAME]' writes a CURVE key pair.",
-        epilog=SIZE_HELP + ".",
+        epilog=SIZE_HELP + "." + ("" if every else f" {hidden} more settings (limits, fd internals, tuning, "
+                                                   "testing aids): cuctxd --help-all."),
         argument_default=argparse.SUPPRESS,
     )
     add = parser.add_argument
     add("--version", action="version", version=f"cuctxd {__version__}")
+    add("--help-all", action=_HelpAll, help="show the help of every setting and exit")
     add("--config", metavar="FILE", help="TOML file of settings (keys: the long options in snake_case); "
                                          "options given here override it")
     add("--print-config", action="store_true", default=False,
         help="print the effective configuration as TOML and exit")
     security = parser.add_argument_group("security and limits")
     for declared in SETTINGS.values():
-        _add_flag(security if declared.security else parser, declared)
+        _add_flag(security if declared.security else parser, declared, every or declared.user)
     return parser
 
 

@@ -1,7 +1,7 @@
 """The ``--config`` TOML file: its keys, how each value is checked, and ``--print-config``.
 
 Keys mirror the long command-line flags in snake_case (``--sim-memory`` is
-``sim_memory``): one per field of :class:`~cuctxd.daemon.service.config.DaemonConfig`,
+``sim_memory``): one per setting of :class:`~cuctxd.daemon.service.config.DaemonConfig`,
 whose declaration (:data:`~cuctxd.daemon.service.config.SETTINGS`) holds the check that
 both the file and the command line go through, so a value means the same wherever it
 comes from. Precedence: built-in defaults, then the file, then flags.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 import tomllib
 from collections.abc import Mapping
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +57,12 @@ def build_config(from_file: Mapping[str, Any], from_flags: Mapping[str, Any], de
 def render_toml(config: DaemonConfig) -> str:
     """``config`` as a TOML file that ``--config`` reads back to the same configuration."""
     lines = ["# cuctxd effective configuration (defaults, then --config, then flags)"]
-    for field in fields(DaemonConfig):
-        value = getattr(config, field.name)
+    for name, declared in SETTINGS.items():
+        value = getattr(config, name)
         if value is None:
-            lines.append(f"# {field.name} is not set")
+            lines.append(f"# {name} is not set")
             continue
-        lines.append(f"{field.name} = {_toml_value(SETTINGS[field.name].render(value))}")
+        lines.append(f"{name} = {_toml_value(declared.render(value))}")
     return "\n".join(lines) + "\n"
 
 

@@ -57,17 +57,18 @@ import zmq.auth.thread
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.backends.subset import DeviceSubset
 from cuctxd.daemon.device.entries import DeviceLimits
+from cuctxd.daemon.front.lookups import LookupLimits, LookupPool
 from cuctxd.daemon.front.loop import Front
 from cuctxd.daemon.intake.connections import ConnectionWatch, ListenerGuard, listen_backlog
 from cuctxd.daemon.intake.observe import ObservedSessions, RequestObserver
 from cuctxd.daemon.intake.router_io import REPLY_LINGER_MS
 from cuctxd.daemon.registry.backlogs import QueueLimits
 from cuctxd.daemon.registry.connection_budget import ConnectionBudget
-from cuctxd.daemon.registry.daemon_state import AdmissionConfig, DaemonState
-from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
-from cuctxd.daemon.registry.parking import ParkingLot
-from cuctxd.daemon.registry.shares import ShareRegistry
-from cuctxd.daemon.registry.tickets import TicketBook
+from cuctxd.daemon.registry.daemon_state import AdmissionConfig, AdmissionLimits, DaemonState
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdLimits, FdPlan
+from cuctxd.daemon.registry.parking import ParkingLimits, ParkingLot
+from cuctxd.daemon.registry.shares import ShareLimits, ShareRegistry
+from cuctxd.daemon.registry.tickets import TicketBook, TicketLimits
 from cuctxd.daemon.service.adoption import adopt_parked, open_parking
 from cuctxd.daemon.service.config import ConfigError, DaemonConfig, check_config
 from cuctxd.daemon.service.endpoint import (
@@ -85,7 +86,8 @@ from cuctxd.daemon.service.metrics import DaemonMetrics
 from cuctxd.daemon.service.notify import Notifier
 from cuctxd.daemon.service.preload import Preloader
 from cuctxd.daemon.service.rlimits import NOFILE_CAP, raise_open_file_limit
-from cuctxd.daemon.side_channel.server import SideChannel
+from cuctxd.daemon.settings import part_of
+from cuctxd.daemon.side_channel.server import FdChannelLimits, SideChannel
 from cuctxd.daemon.worker.lane import DeviceLane
 from cuctxd.daemon.worker.loop import DeviceWorker
 from cuctxd.daemon.worker.runner import JobRunner
@@ -157,8 +159,7 @@ class Daemon:
             log.info("open-file limit raised from %d to %d", old, new)
         files = NOFILE_CAP if new == resource.RLIM_INFINITY else new
         config = self.config
-        plan = FdPlan.derive(files, config.max_connections, config.max_client_fds, config.max_client_fds_per_peer,
-                             config.max_client_fds_per_session)
+        plan = FdPlan.derive(files, part_of(config, FdLimits))
         self.connections = ConnectionBudget(plan.connections)
         self.fd_budget = FdBudget(plan)
         self._backlog = listen_backlog(files)
@@ -169,20 +170,12 @@ class Daemon:
         replies = self._zmq.socket(zmq.PULL)
         replies.bind(_REPLY_ENDPOINT)
         count = self.driver.device_count()
-        limits = DeviceLimits(self.config.max_payload, self.config.session_quota, self.config.device_reserve,
-                              self.config.max_objects_per_session, self.config.max_contexts_per_session,
-                              self.config.max_shares_per_session, self.config.max_orphaned_shares,
-                              self.config.host_memory_per_session, self.config.max_host_memory,
-                              self.config.max_shm_lanes,
-                              max_orphaned_bytes_per_uid=self.config.max_orphaned_bytes_per_uid,
-                              primary_keep=self.config.primary_keep,
-                              kept_host_memory=self.config.kept_host_memory)
-        shares = ShareRegistry(self.config.max_manifest_bytes_per_session, self.config.max_manifest_bytes_per_uid,
-                               self.config.max_names_per_uid)
-        parking, passed = open_parking(shares, self.fd_budget, config.max_parked_fds_per_uid)
+        limits = part_of(config, DeviceLimits)
+        shares = ShareRegistry(part_of(config, ShareLimits))
+        parking, passed = open_parking(shares, self.fd_budget, part_of(config, ParkingLimits))
         self._parking = parking
-        self._tickets = TicketBook(self.config.fd_ticket_ttl, self.config.max_tickets_per_session, self.fd_budget)
-        queue_limits = self._queue_limits()
+        self._tickets = TicketBook(part_of(config, TicketLimits), self.fd_budget)
+        queue_limits = part_of(config, QueueLimits)
         self._workers = [
             DeviceWorker(self.driver, n, self._zmq, _REPLY_ENDPOINT, limits, shares, self._tickets, queue_limits,
                          self.config.busy_poll_us / 1e6)
@@ -208,6 +201,9 @@ class Daemon:
         if config.gpu_limit:
             state.device_limit = gpu_limit(config, devices)
         self._front = Front(state, self._workers, router, replies)
+        if config.gpu_limit:
+            self._front.lookups = lookups = LookupPool(part_of(config, LookupLimits))
+            state.lookup_status = lookups.to_status
         self._front.observer = RequestObserver(self.metrics)
         state.device_endpoints = self._open_lanes(state, self._front.observer)
         self._watch.start()
@@ -239,8 +235,7 @@ class Daemon:
         for file in files:
             clear_stale_socket(file)
         channel = SideChannel(paths, self._tickets, handshake_timeout=self.config.handshake_timeout,
-                              max_connections=self.config.max_fd_connections,
-                              max_connections_per_peer=self.config.max_fd_connections_per_peer)
+                              limits=part_of(self.config, FdChannelLimits))
         channel.start()
         for file in files:
             open_ipc_socket(file, self.config.group)
@@ -248,17 +243,10 @@ class Daemon:
         return channel
 
     def _front_config(self) -> AdmissionConfig:
+        """The front's admission: its own settings, and what the assembly knows besides."""
         config = self.config
-        return AdmissionConfig(lease_ttl=config.lease_ttl, orphan_ttl=config.orphan_ttl, max_payload=config.max_payload,
-                           max_sessions_per_peer=config.max_sessions_per_peer,
-                           max_sessions_per_uid=config.max_sessions_per_uid, endpoints=tuple(config.endpoints),
-                           device_ordinals=self.ordinals, queue_limits=self._queue_limits(),
-                           node_name=config.node_name)
-
-    def _queue_limits(self) -> QueueLimits:
-        config = self.config
-        return QueueLimits(config.max_queued_requests, config.max_queued_bytes, config.max_reply_bytes,
-                           config.max_reply_bytes_per_peer)
+        return AdmissionConfig(**vars(part_of(config, AdmissionLimits)), endpoints=tuple(config.endpoints),
+                               device_ordinals=self.ordinals, queue_limits=part_of(config, QueueLimits))
 
     def _bind_router(self) -> zmq.Socket[Any]:
         """The front's ROUTER, bound to every endpoint (and the liveness probe's)."""
@@ -531,6 +519,8 @@ class Daemon:
                 self._front.router.setsockopt(zmq.LINGER, REPLY_LINGER_MS)
             self._front.router.close()
             self._front.replies.close()
+            if self._front.lookups is not None:
+                self._front.lookups.stop()
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None

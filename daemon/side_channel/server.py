@@ -31,6 +31,7 @@ from typing import Any
 
 from cuctxd.daemon.registry.fd_budget import FdCharge, fd_peer
 from cuctxd.daemon.registry.tickets import TicketBook
+from cuctxd.daemon.settings import count
 from cuctxd.protos.errors import CuctxError, LimitExceeded
 from cuctxd.protos.fd_channel import REQUEST_BYTES, encode_reply, parse_request, socket_address
 
@@ -41,6 +42,17 @@ IDLE_TIMEOUT = 60.0
 #: Defaults of ``max_fd_connections`` and ``max_fd_connections_per_peer``.
 DEFAULT_MAX_FD_CONNECTIONS = 256
 DEFAULT_MAX_FD_CONNECTIONS_PER_PEER = 32
+
+
+@dataclass(frozen=True)
+class FdChannelLimits:
+    """Connections to the fd channel at once, in all and of one peer (:mod:`cuctxd.daemon.settings`)."""
+
+    max_fd_connections: int = count(DEFAULT_MAX_FD_CONNECTIONS, "most connections to the fd channel at once",
+                                    security=True, limit=True)
+    max_fd_connections_per_peer: int = count(DEFAULT_MAX_FD_CONNECTIONS_PER_PEER, "most fd channel connections of "
+                                             "one peer at once", zero="no limit", security=True, limit=True)
+
 #: Connections the kernel queues for the channel's thread to accept, and how many it accepts (or refuses)
 #: at most per wake-up: enough that one peer re-filling its refused connections cannot keep the queue full.
 LISTEN_BACKLOG = 256
@@ -67,16 +79,14 @@ class SideChannel:
     """The fd channel's listening sockets and thread; :meth:`start` binds and starts, :meth:`stop` ends both."""
 
     def __init__(self, paths: list[str], tickets: TicketBook, *, handshake_timeout: float,
-                 max_connections: int = DEFAULT_MAX_FD_CONNECTIONS,
-                 max_connections_per_peer: int = DEFAULT_MAX_FD_CONNECTIONS_PER_PEER) -> None:
+                 limits: FdChannelLimits = FdChannelLimits()) -> None:
         """``paths``: one socket per ipc:// endpoint, in its directory; whoever assembles the daemon clears
         stale files there before :meth:`start` and sets the modes after (as for the endpoint itself).
         Connections count in ``tickets``' fd budget."""
         self.paths = paths
         self.tickets = tickets
         self.handshake_timeout = handshake_timeout
-        self.max_connections = max_connections
-        self.max_connections_per_peer = max_connections_per_peer
+        self.limits = limits
         self._selector = selectors.DefaultSelector()
         self._listeners: list[socket.socket] = []
         self._connections: dict[int, _Connection] = {}
@@ -124,8 +134,8 @@ class SideChannel:
 
     def stats(self) -> dict[str, Any]:
         """For ``status``: open connections, their caps, those refused, and the tickets waiting (any thread)."""
-        return {"connections": len(self._connections), "max_connections": self.max_connections,
-                "max_connections_per_peer": self.max_connections_per_peer, "refused": self.refused,
+        return {"connections": len(self._connections), "max_connections": self.limits.max_fd_connections,
+                "max_connections_per_peer": self.limits.max_fd_connections_per_peer, "refused": self.refused,
                 **self.tickets.stats()}
 
     # --- the channel's thread -------------------------------------------------------------
@@ -175,10 +185,10 @@ class SideChannel:
             pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             peer = fd_peer(uid, pid)
             mine = self._per_peer.get(peer, 0)
-            if self.max_connections and len(self._connections) >= self.max_connections:
+            if self.limits.max_fd_connections and len(self._connections) >= self.limits.max_fd_connections:
                 raise LimitExceeded(f"max_fd_connections: {len(self._connections)} fd channel connections are "
                                     "open; try again later")
-            if self.max_connections_per_peer and mine >= self.max_connections_per_peer:
+            if self.limits.max_fd_connections_per_peer and mine >= self.limits.max_fd_connections_per_peer:
                 raise LimitExceeded(f"max_fd_connections_per_peer: this client ({peer}) has {mine} fd channel "
                                     "connections open; use (or close) those")
             charge = self.tickets.budget.charge(1, "an fd channel connection", peer)

@@ -1,7 +1,8 @@
 """``gpu_limit`` end to end: a real daemon asks a fake kubelet (PodResources v1 over grpcio) and a fake API
 server which GPUs a client's pod holds, the client being a real process placed in a pod's cgroup made here, in
 a PID namespace of its own (``unshare --pid --fork``: no hostPID, nothing shared with the daemon's), served over
-the socket and the fd channel, its preloaded weights included, and refused, by name, on the GPU its pod lacks.
+the socket and the fd channel, its preloaded weights included, and refused, by name, on the GPU its pod lacks;
+and, while the API server holds its answer, the daemon's other sessions served as promptly as ever.
 Where this machine cannot make cgroups the test is skipped (the cgroup parsing is unit-tested on both drivers'
 paths in tests/unit/daemon/kubelet/test_pod_gpus.py)."""
 
@@ -11,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from tests.helpers import (
 )
 
 pytest.importorskip("grpc", reason="grpcio is not installed (the kubernetes extra, in the test extra)")
-from tests.kubelet_fakes import Cgroups, Pod, cgroup_root, kubelet, placed
+from tests.kubelet_fakes import HOLD_LIMIT, Cgroups, FakeApiServer, Pod, cgroup_root, kubelet, placed
 
 NODE = "node-a"
 WEIGHTS = np.arange(4096, dtype=np.float32)
@@ -138,3 +140,150 @@ def test_a_pod_is_served_on_its_gpus_and_refused_the_others(cgroups: Cgroups, tm
         if daemon is not None:
             stop_and_check(daemon)
         remove_tempdir(sockets)
+
+
+#: A client that imports first and says hello only once told to (a line on its stdin), so that its start-up
+#: is paid before the test starts timing; it reports what its session may use, or why it has none.
+ON_CUE = """
+import json, sys
+from cuctxd import Client
+from cuctxd.client.wire.build import Request
+from cuctxd.protos.errors import CuctxError
+print("ready", flush=True)
+sys.stdin.readline()
+said = {}
+try:
+    with Client(ENDPOINT) as client:
+        said["allowed"] = client.allowed_devices
+        said["listed"] = client.run(Request("devices", {}, lambda result, _: result["allowed_devices"]))
+        said["count"] = client.run(Request("device_count", {}, lambda result, _: result["allowed_devices"]))
+        client.free(client.alloc(4096, device=client.allowed_devices[0]))
+except CuctxError as error:
+    said["error"] = f"{error.name} {error.message}"
+print(json.dumps(said))
+"""
+
+
+class OnCue:
+    """A client process in ``cgroup`` running :data:`ON_CUE`: started, ready, and told to say hello."""
+
+    def __init__(self, cgroup: Path, endpoint: str) -> None:
+        argv = placed(cgroup, [sys.executable, "-c", f"ENDPOINT = {endpoint!r}\n{ON_CUE}"])
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env=client_env(), cwd=REPO)
+        assert self.process.stdout is not None and self.process.stdin is not None
+        ready = self.process.stdout.readline()
+        assert ready.strip() == "ready", ready + self.process.communicate(timeout=30)[1]
+
+    def hello(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def said(self) -> dict[str, object]:
+        out, err = self.process.communicate(timeout=60)
+        assert self.process.returncode == 0, err
+        return dict(json.loads(out.splitlines()[-1]))
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate(timeout=30)
+
+
+def worst_latency(client: Client, seconds: float) -> float:
+    """The slowest of ``client``'s front ops (ping, status) and device ops through the main socket (alloc, free)
+    over ``seconds``."""
+    worst = 0.0
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        for call in (client.ping, client.status, lambda: client.free(client.alloc(4096, device=0))):
+            started = time.perf_counter()
+            call()
+            worst = max(worst, time.perf_counter() - started)
+    return worst
+
+
+def pod_lookups(client: Client) -> dict[str, int]:
+    return dict(client.status()["pod_lookups"])
+
+
+@pytest.fixture
+def sockets() -> Iterator[Path]:
+    made = short_tempdir()
+    try:
+        yield made
+    finally:
+        remove_tempdir(made)
+
+
+def gpu_limited(sockets: Path, apiserver: FakeApiServer, *extra: str) -> DaemonProcess:
+    return start_daemon("--gpu-limit", "--pod-resources-socket", str(sockets / "kubelet.sock"),
+                        "--kubernetes-api", apiserver.url, "--node-name", NODE, "--no-device-endpoints", *extra)
+
+
+def test_a_pods_lookup_holds_up_no_other_session(cgroups: Cgroups, sockets: Path) -> None:
+    """While the API server holds its answer for a new pod's first hellos (two at once: one lookup), the
+    daemon's own session is served on the main socket without waiting for it; then both hellos are answered."""
+    pod_a = Pod("team-a", "client-a", {"main": {"nvidia.com/gpu": []}})
+    clients: list[OnCue] = []
+    with kubelet(sockets / "kubelet.sock", NODE, [pod_a]) as (resources, apiserver):
+        daemon = gpu_limited(sockets, apiserver)
+        try:
+            with Client(daemon.endpoint) as bystander:
+                pod_a.containers["main"]["nvidia.com/gpu"] = [bystander.devices()[1].uuid]
+                clients = [OnCue(cgroups.pod(pod_a), daemon.endpoint) for _ in range(2)]
+                apiserver.hold()
+                clients[0].hello()
+                assert wait_until(lambda: apiserver.waiting == 1, 30), daemon.log()
+                worst = worst_latency(bystander, 1.0)
+                still_held = apiserver.waiting == 1
+                assert worst < HOLD_LIMIT / 4, f"a bystander's request waited {worst:.3f} s on a pod's lookup"
+                assert still_held, "the lookup ended before the bystander's requests did: nothing was measured"
+                clients[1].hello()
+                assert wait_until(lambda: pod_lookups(bystander)["waiting"] == 2, 30), daemon.log()
+                assert apiserver.waiting == 1 and pod_lookups(bystander)["lookups"] == 1
+                apiserver.release()
+                for client in clients:
+                    assert client.said() == {"allowed": [1], "listed": [1], "count": [1]}
+                assert apiserver.requests == 1 and resources.calls == 1, "one lookup for the pod's two hellos"
+                assert pod_lookups(bystander)["waiting"] == 0
+                assert bystander.allowed_devices is None, "the daemon's own cgroup may use every device"
+        finally:
+            for client in clients:
+                client.kill()
+            stop_and_check(daemon)
+
+
+def test_hellos_past_max_pending_hellos_are_refused_by_name(cgroups: Cgroups, sockets: Path) -> None:
+    """One lookup at a time and two hellos waiting: a third pod's hello is refused at once, naming the limit,
+    the bystander is served meanwhile, and the two waiting are answered once the API server answers."""
+    pods = [Pod("team", f"pod-{n}", {"main": {"nvidia.com/gpu": []}}) for n in range(3)]
+    clients: list[OnCue] = []
+    with kubelet(sockets / "kubelet.sock", NODE, pods) as (_, apiserver):
+        daemon = gpu_limited(sockets, apiserver, "--max-pod-lookups", "1", "--max-pending-hellos", "2")
+        try:
+            with Client(daemon.endpoint) as bystander:
+                for pod in pods:
+                    pod.containers["main"]["nvidia.com/gpu"] = [bystander.devices()[0].uuid]
+                clients = [OnCue(cgroups.pod(pod), daemon.endpoint) for pod in pods]
+                apiserver.hold()
+                clients[0].hello()
+                clients[1].hello()
+                assert wait_until(lambda: pod_lookups(bystander)["waiting"] == 2, 30), daemon.log()
+                assert pod_lookups(bystander) == {"waiting": 2, "lookups": 2, "max_pod_lookups": 1,
+                                                  "max_pending_hellos": 2}
+                assert wait_until(lambda: apiserver.waiting >= 1, 30), daemon.log()
+                assert apiserver.waiting == 1, "one lookup at a time: the second pod's waits its turn"
+                clients[2].hello()
+                refused = clients[2].said()
+                worst = worst_latency(bystander, 0.5)
+                apiserver.release()
+                assert str(refused["error"]).startswith("CUCTXD_ERROR_LIMIT_EXCEEDED max_pending_hellos"), refused
+                assert worst < HOLD_LIMIT / 4, f"a bystander's request waited {worst:.3f} s on a pod's lookup"
+                for client in clients[:2]:
+                    assert client.said() == {"allowed": [0], "listed": [0], "count": [0]}
+        finally:
+            for client in clients:
+                client.kill()
+            stop_and_check(daemon)

@@ -2,7 +2,7 @@
 the Kubernetes API schemas of three versions (``kubernetes-validate``, strict: no field the API does not know),
 the kustomization lists them all, the DaemonSet's daemon and device plugin arguments are ones they accept, its
 probe commands answer a real daemon (and fail without one), the RBAC grants listing pods and nothing more, the
-paths agree with each other, with cuctxd.ray and with the image, and the example client passes Pod Security
+paths agree with each other, with cuctxd.client.ray_nodes and with the image, and the example client passes Pod Security
 "baseline" (its rules, checked here) with neither hostPID nor a hostPath."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cuctxd.ray import NODE_SOCKET
+from cuctxd.client.ray_nodes import NODE_SOCKET
 from tests.helpers import REPO, DaemonProcess, client_env, cuctxd, short_tempdir
 
 kubernetes_validate = pytest.importorskip(

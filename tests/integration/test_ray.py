@@ -1,8 +1,8 @@
-"""cuctxd.ray on a Ray cluster of several nodes on this machine (``ray.cluster_utils.Cluster``), each
+"""cuctxd.client.ray_nodes on a Ray cluster of several nodes on this machine (``ray.cluster_utils.Cluster``), each
 with its own sim daemon, one of them with none.
 
 Each Ray node is started with ``CUCTXD_ENDPOINT`` in its environment (``env_vars``), which its raylet
-hands to every worker it starts: the convention cuctxd.ray documents. On a real cluster that is one
+hands to every worker it starts: the convention cuctxd.client.ray_nodes documents. On a real cluster that is one
 socket path on every node (the DaemonSet's); here the nodes share one host, so each gets its own.
 """
 
@@ -25,9 +25,11 @@ save_file = pytest.importorskip("safetensors.numpy").save_file
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-import cuctxd.ray as cuctxd_ray  # noqa: E402
+import cuctxd.client.ray_nodes as cuctxd_ray  # noqa: E402
 from cuctxd import Client, NotFound  # noqa: E402
+from cuctxd.client.tensors.copies import SIM_VISIBLE_DEVICES  # noqa: E402
 from cuctxd.protos.endpoints import ENDPOINT_ENV  # noqa: E402
+from tests.checkpoint_files import write_index  # noqa: E402
 from tests.helpers import DaemonProcess, remove_tempdir, short_tempdir, start_daemon  # noqa: E402
 
 
@@ -45,8 +47,9 @@ class RayNodes:
 
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[RayNodes]:
-    """Three Ray nodes: the head and one more with a daemon each, a third whose socket has none."""
-    daemons = [start_daemon("--sim-devices", "1", "--sim-memory", "64MiB") for _ in range(2)]
+    """Three Ray nodes: the head and one more with a daemon of two sim devices each, a third whose socket has
+    none."""
+    daemons = [start_daemon("--sim-devices", "2", "--sim-memory", "64MiB") for _ in range(2)]
     empty = short_tempdir()
     endpoints = [daemons[0].endpoint, daemons[1].endpoint, f"ipc://{empty}/none.sock"]
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -92,7 +95,8 @@ def test_publish_on_every_node_reports_each_node(nodes: RayNodes, tmp_path: Path
             assert result.ok and result.layouts == ("ray-file",) and result.nbytes >= path.stat().st_size - 200
     for node in nodes.with_daemon():
         with Client(nodes.endpoints[node], timeout=10) as client:
-            assert {entry["name"] for entry in client.list_shared()} >= {"ray-file"}
+            listed = {entry["name"]: entry for entry in client.list_shared()}
+            assert [copy["device"] for copy in listed["ray-file"]["copies"]] == [0, 1]  # every GPU of the node
     removed = by_node(cuctxd_ray.unpublish_on_every_node(["ray-file"], timeout=30))
     for node in nodes.with_daemon():
         assert removed[node].layouts == ("ray-file",)
@@ -102,48 +106,56 @@ def test_publish_on_every_node_reports_each_node(nodes: RayNodes, tmp_path: Path
 
 @ray.remote(num_cpus=0)
 class Reader:
-    """An actor that opens the node's layouts locally and reports what it sees."""
+    """An actor that opens the node's layouts locally (each the copy on its own device) and reports what it sees."""
 
     def __init__(self, layouts: list[str]) -> None:
         self.local = cuctxd_ray.LocalLayouts(layouts)
 
-    def read(self) -> tuple[str, dict[str, tuple[tuple[int, ...], bytes]]]:
-        return (self.local.client.endpoint,
+    def read(self) -> tuple[str, list[int], dict[str, tuple[tuple[int, ...], bytes]]]:
+        return (self.local.client.endpoint, [opened.share.device for opened in self.local.layouts.values()],
                 {key: (tensor.shape, bytes(np.asarray(tensor).tobytes())) for key, tensor in self.local.items()})
 
     def close(self) -> None:
         self.local.close()
 
 
-def test_a_directory_is_published_per_file_and_actors_open_it_locally(nodes: RayNodes, tmp_path: Path) -> None:
+def test_a_directory_is_one_layout_through_its_index_and_actors_open_their_gpus_copy(nodes: RayNodes,
+                                                                                     tmp_path: Path) -> None:
+    """As ``cuctx load``: a sharded directory is one layout through its index, on every GPU of each node; an actor
+    that sees one device (``CUCTXD_SIM_VISIBLE_DEVICES``, the sim's ``CUDA_VISIBLE_DEVICES``) opens its copy."""
     for shard in (1, 2):
         save_file(weights(shard), str(tmp_path / f"model-0000{shard}-of-00002.safetensors"))
+    write_index(tmp_path / "model.safetensors.index.json",
+                {key: f"model-0000{shard}-of-00002.safetensors" for shard in (1, 2) for key in weights(shard)})
     (tmp_path / "config.json").write_text("{}")
     names = cuctxd_ray.layout_names(tmp_path, "ray-dir")
-    assert names == ["ray-dir/model-00001-of-00002.safetensors", "ray-dir/model-00002-of-00002.safetensors"]
+    assert names == ["ray-dir"]
     results = by_node(cuctxd_ray.publish_on_every_node(tmp_path, "ray-dir", read_only=True, timeout=45))
     expected = {key: (value.shape, value.tobytes()) for shard in (1, 2) for key, value in weights(shard).items()}
     for node in nodes.with_daemon():
         assert results[node].layouts == tuple(names)
-        reader = Reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(names)
-        endpoint, seen = ray.get(reader.read.remote(), timeout=30)
-        assert endpoint == nodes.endpoints[node]
+        reader = Reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                                runtime_env={"env_vars": {SIM_VISIBLE_DEVICES: "1"}}).remote(names)
+        endpoint, devices, seen = ray.get(reader.read.remote(), timeout=60)
+        assert endpoint == nodes.endpoints[node] and devices == [1]
         assert seen == expected
         ray.get(reader.close.remote(), timeout=30)
         ray.kill(reader)
     assert all(r.ok for r in cuctxd_ray.unpublish_on_every_node(names, node_ids=nodes.with_daemon(), timeout=30))
 
 
-def test_a_node_holds_all_layouts_or_none(nodes: RayNodes, tmp_path: Path) -> None:
-    save_file(weights(1), str(tmp_path / "a.safetensors"))
-    (tmp_path / "b.safetensors").write_bytes((tmp_path / "a.safetensors").read_bytes()[:-8])  # truncated
+def test_a_node_holds_all_ranks_or_none(nodes: RayNodes, tmp_path: Path) -> None:
+    save_file(weights(1), str(tmp_path / "model-rank-0-part-0.safetensors"))
+    (tmp_path / "model-rank-1-part-0.safetensors").write_bytes(
+        (tmp_path / "model-rank-0-part-0.safetensors").read_bytes()[:-8])  # truncated
+    assert cuctxd_ray.layout_names(tmp_path, "ray-half") == ["ray-half/rank-0", "ray-half/rank-1"]
     results = by_node(cuctxd_ray.publish_on_every_node(tmp_path, "ray-half", node_ids=nodes.with_daemon(),
                                                        timeout=45))
     assert set(results) == set(nodes.with_daemon())
     for node, result in results.items():
         assert (result.error_type, result.layouts) == ("BadArgument", ()), result
         with Client(nodes.endpoints[node], timeout=10) as client, pytest.raises(NotFound):
-            client.lookup("ray-half/a.safetensors")  # published, then unpublished when b failed
+            client.lookup("ray-half/rank-0")
 
 
 def test_other_content_under_an_existing_name_fails_its_node_unless_replaced(nodes: RayNodes, tmp_path: Path) -> None:

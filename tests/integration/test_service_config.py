@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cuctxd.client import Client
+from cuctxd.daemon.service.config import SETTINGS
 from tests.helpers import (
     DaemonProcess,
     cuctxd,
@@ -176,6 +177,26 @@ def test_help_says_what_a_size_suffix_means() -> None:
     assert done.returncode == 0
     text = " ".join(done.stdout.split())
     assert "powers of 1024" in text and "powers of 1000" in text
+
+
+def test_help_lists_at_most_20_settings_and_help_all_lists_every_one() -> None:
+    """``cuctxd --help`` is for the settings a user sets; ``--help-all`` adds the limits, fd internals,
+    tuning knobs and testing aids, and every one of them parses whichever help lists it."""
+
+    def settings_in(text: str) -> set[str]:
+        words = set(text.replace(",", " ").split())
+        return {name for name, each in SETTINGS.items() if each.flag in words}
+
+    short = cuctxd("--help")
+    assert short.returncode == 0, short.stderr
+    listed = settings_in(short.stdout)
+    assert 0 < len(listed) <= 20, sorted(listed)
+    assert "--help-all" in short.stdout and "--max-client-fds" not in short.stdout
+    full = cuctxd("--help-all")
+    assert full.returncode == 0, full.stderr
+    assert settings_in(full.stdout) == set(SETTINGS)
+    hidden = cuctxd("--max-client-fds-per-session", "5", "--sim-vmm", "--print-config")
+    assert hidden.returncode == 0 and "max_client_fds_per_session = 5" in hidden.stdout, hidden.stderr
 
 
 @pytest.mark.parametrize(("endpoint", "says"), [

@@ -24,6 +24,13 @@ def test_the_root_is_the_cuctxd_package() -> None:
     assert (REPO / "__init__.py").is_file()
 
 
+def test_the_root_holds_no_module_but_the_package_itself() -> None:
+    """pytest, ``python -m`` and a checkout's shell put the root on ``sys.path``: a module there would be
+    importable at the top level under its own name, shadowing any installed package it is named after (a
+    ``ray.py`` did so to Ray). Modules live in the shipped folders, never beside ``__init__.py``."""
+    assert sorted(path.name for path in REPO.glob("*.py")) == ["__init__.py"]
+
+
 def test_every_subpackage_of_the_tree_is_listed_and_nothing_else() -> None:
     in_tree = {"cuctxd"} | {
         "cuctxd." + ".".join(init.parent.relative_to(REPO).parts)

@@ -15,7 +15,7 @@ record field or a limit, or bumps the version, has to write it down:
 * a field table for every record in ``cuctxd.protos.records``;
 * a table row ``| `NAME` | value |`` for every constant in ``cuctxd.protos.limits``;
 * under ``### Daemon limits``, one row per limit setting of ``DaemonConfig`` (declared ``limit=True``),
-  in the config's order, with its flag and default as the declaration makes them.
+  with its flag and default as the declaration makes them.
 """
 
 from __future__ import annotations
@@ -248,16 +248,19 @@ def test_every_limit_is_documented(doc: str, name: str) -> None:
     assert row[1] == str(_LIMITS[name]), f"{name}: PROTOCOL.md says {row[1]}, protos/limits.py says {_LIMITS[name]}"
 
 
-def test_the_daemon_limits_table_lists_every_limit_setting_in_config_order(doc: str) -> None:
-    """Key, flag and default of each row are made from the settings' declarations (DaemonConfig's fields,
-    :func:`cuctxd.daemon.service.settings.limit_rows`); what a limit bounds and what a client gets is the spec's."""
+def test_the_daemon_limits_table_lists_every_limit_setting_once(doc: str) -> None:
+    """Key, flag and default of each row are made from the settings' declarations (the parts' limits objects
+    that DaemonConfig unites, :func:`cuctxd.daemon.settings.limit_rows`); what a limit bounds and what a
+    client gets is the spec's. The rows keep the order they were added in (new limits at the end), which
+    is not the declarations' (those are grouped by the part that reads them)."""
     from cuctxd.daemon.service.config import SETTINGS
-    from cuctxd.daemon.service.settings import limit_rows
+    from cuctxd.daemon.settings import limit_rows
 
     expected = limit_rows(SETTINGS)
     rows = _table_rows(_section(doc, "### Daemon limits").splitlines())
     documented = [tuple(row[:3]) for row in rows]
-    assert documented == expected, "PROTOCOL.md's daemon limits table should start its rows with:\n" + "\n".join(
-        f"| {key} | {flag} | {default} |" for key, flag, default in expected)
+    assert len(documented) == len(set(documented)), "PROTOCOL.md's daemon limits table lists a row twice"
+    assert sorted(documented) == sorted(expected), "PROTOCOL.md's daemon limits table should start its rows with:\n" \
+        + "\n".join(f"| {key} | {flag} | {default} |" for key, flag, default in expected)
     for row in rows:
         assert row[3] and row[4], f"{row[0]}: what it bounds and what happens when it is reached must be given"

@@ -18,7 +18,8 @@ from cuctxd.daemon.registry.tickets import TicketBook
 def _state_with_contexts(count: int) -> tuple[DeviceState, SessionRef]:
     driver = SimDriver(device_count=1, memory_per_device=1 << 20)
     driver.init()
-    state = DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=4096), ShareRegistry(), TicketBook())
+    limits = DeviceLimits(max_payload=4096, max_contexts_per_session=0)  # thousands of contexts, on purpose
+    state = DeviceState(driver, 0, driver.device_info(0), limits, ShareRegistry(), TicketBook())
     ref = SessionRef("token", 1, "unit", 1)
     session = state.session(ref)
     for _ in range(count):

@@ -48,8 +48,8 @@ def driver() -> Iterator[SimDriver]:
 
 @pytest.fixture
 def state(driver: SimDriver) -> DeviceState:
-    return DeviceState(driver, 0, driver.device_info(0), DeviceLimits(max_payload=MAX_PAYLOAD), ShareRegistry(),
-                       TicketBook())
+    limits = DeviceLimits(max_payload=MAX_PAYLOAD, primary_keep=0.0)  # the primary goes with its last user
+    return DeviceState(driver, 0, driver.device_info(0), limits, ShareRegistry(), TicketBook())
 
 
 def run(state: DeviceState, ref: SessionRef, op: str, payload: tuple[Any, ...] = (), **args: Any) -> Any:

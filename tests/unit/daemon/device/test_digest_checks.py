@@ -150,7 +150,7 @@ def test_a_check_keeps_its_share_until_it_ends(state: DeviceState) -> None:
     handle = publish(state, publisher, "going", data, manifest)
     pending = start(state, new_ref(uid=2000), "verify_shared", name="going", digest=manifest.digest)
     assert isinstance(pending, Pending) and not pending.done()  # the check runs (planned on a helper)
-    share_id = state.registry.unpublish("going", publisher)
+    ((share_id, _),) = state.registry.unpublish("going", publisher)
     state.sharing.forget_name("going", share_id)
     finish(start(state, publisher, "free", buffer=handle))
     assert share_id in state.sharing.shares, "freed under the check's copies"

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan, fd_peer, fd_reserve
+from cuctxd.daemon.registry.fd_budget import FdBudget, FdLimits, FdPlan, fd_peer, fd_reserve
 from cuctxd.daemon.registry.tickets import TicketBook
 from cuctxd.protos.errors import LimitExceeded
 
@@ -27,9 +27,11 @@ def test_the_plan_at_1024_open_files() -> None:
 
 
 def test_configured_values_are_kept_or_lowered_to_what_the_limit_allows() -> None:
-    plan = FdPlan.derive(1024, max_connections=100, max_client_fds=200, per_peer=50, per_session=10)
+    plan = FdPlan.derive(1024, FdLimits(max_connections=100, max_client_fds=200, max_client_fds_per_peer=50,
+                                         max_client_fds_per_session=10))
     assert (plan.connections, plan.client_fds, plan.per_peer, plan.per_session) == (100, 200, 50, 10)
-    plan = FdPlan.derive(1024, max_connections=5000, max_client_fds=5000, per_peer=5000, per_session=5000)
+    plan = FdPlan.derive(1024, FdLimits(max_connections=5000, max_client_fds=5000, max_client_fds_per_peer=5000,
+                                         max_client_fds_per_session=5000))
     assert plan.connections == 576 and plan.client_fds == 192  # connections never take all the room
     assert plan.per_peer == plan.client_fds and plan.per_session == plan.per_peer
     assert plan.reserve + plan.connections + plan.client_fds == 1024

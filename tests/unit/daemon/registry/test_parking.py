@@ -22,7 +22,7 @@ from cuctxd.daemon.registry.parked_records import (
     encode_registry,
     record_fdname,
 )
-from cuctxd.daemon.registry.parking import ParkingLot
+from cuctxd.daemon.registry.parking import ParkingLimits, ParkingLot
 from cuctxd.protos.errors import NotParked
 from cuctxd.protos.memfd import sealed_memfd
 
@@ -151,7 +151,7 @@ def test_each_uid_gets_its_share_of_the_store_and_status_says_so(store: Recordin
 
 def test_a_full_store_refuses_and_keeps_a_slot_for_a_records_next_generation(store: RecordingStore) -> None:
     store.limit = 7
-    lot = ParkingLot(store, per_uid=7)
+    lot = ParkingLot(store, limits=ParkingLimits(max_parked_fds_per_uid=7))
     for index in range(3):
         park(lot, share(index))
     with pytest.raises(NotParked, match="fd store is full: 6 of its 7"):
@@ -204,6 +204,19 @@ def test_a_name_two_records_claim_goes_to_the_newer(store: RecordingStore) -> No
     recovered = ParkingLot(store).recover(store.passed())
     by_id = {s.share_id: [n.name for n in s.names] for s, _ in recovered.shares}
     assert by_id == {share(0).share_id: ["other"], share(1).share_id: ["model"]}
+    for _, fd in recovered.shares:
+        os.close(fd)
+
+
+def test_a_names_copies_on_other_devices_do_not_compete(store: RecordingStore) -> None:
+    """A name holds one copy per device: each device's newest record keeps the name there."""
+    first = ParkingLot(store)
+    park(first, replace(share(0, 1000, "model"), device=0, device_uuid="GPU-a"))
+    park(first, replace(share(1, 1000, "model"), device=1, device_uuid="GPU-b"))
+    park(first, replace(share(2, 1000, "model", "b-too"), device=1, device_uuid="GPU-b"))
+    recovered = ParkingLot(store).recover(store.passed())
+    by_id = {s.share_id: [n.name for n in s.names] for s, _ in recovered.shares}
+    assert by_id == {share(0).share_id: ["model"], share(2).share_id: ["model", "b-too"]}
     for _, fd in recovered.shares:
         os.close(fd)
 

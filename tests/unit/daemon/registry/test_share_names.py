@@ -11,7 +11,7 @@ import pytest
 from cuctxd.daemon.intake.peers import uid_of
 from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.shares import Naming, ShareRegistry, check_scope
+from cuctxd.daemon.registry.shares import Naming, ShareLimits, ShareRegistry, check_scope
 from cuctxd.protos.errors import LimitExceeded, NameExists, NotOwner
 from cuctxd.protos.limits import NAME_OVERHEAD_BYTES as EACH
 from tests.unit.daemon.registry.plain_shares import PlainShare
@@ -50,7 +50,8 @@ def test_the_uid_comes_from_an_ipc_peer_only() -> None:
 
 def test_names_are_charged_to_their_session_and_uid_until_they_go() -> None:
     """Each name costs its manifest, its own bytes and NAME_OVERHEAD_BYTES (EACH below)."""
-    registry = ShareRegistry(max_manifest_bytes_per_session=1000 + 2 * EACH, max_manifest_bytes_per_uid=1500 + 2 * EACH)
+    registry = ShareRegistry(ShareLimits(max_manifest_bytes_per_session=1000 + 2 * EACH,
+                                         max_manifest_bytes_per_uid=1500 + 2 * EACH))
     first, second = SessionRef("t1", 1, "a", 1, uid=7), SessionRef("t2", 2, "b", 2, uid=7)
     shares = [PlainShare("s1", first), PlainShare("s2", second)]
     for share in shares:
@@ -70,7 +71,8 @@ def test_names_are_charged_to_their_session_and_uid_until_they_go() -> None:
 
 
 def test_replace_moves_a_name_in_one_step_for_whoever_may_unpublish_it() -> None:
-    registry = ShareRegistry(max_manifest_bytes_per_session=1000 + EACH, max_manifest_bytes_per_uid=1000 + EACH)
+    registry = ShareRegistry(ShareLimits(max_manifest_bytes_per_session=1000 + EACH,
+                                         max_manifest_bytes_per_uid=1000 + EACH))
     first, again, stranger = (SessionRef("t1", 1, "a", 1, uid=7), SessionRef("t2", 2, "a", 2, uid=7),
                               SessionRef("t3", 3, "b", 3, uid=_someone_else()))
     old, new, theirs = PlainShare("s1", first), PlainShare("s2", again), PlainShare("s3", stranger)
@@ -83,10 +85,10 @@ def test_replace_moves_a_name_in_one_step_for_whoever_may_unpublish_it() -> None
         registry.publish("model", theirs, Naming(), replace=True)
     # the uid's bytes: the old name's 900 + EACH are given back as the new one's 900 + EACH are charged
     assert registry.publish("model", new, Naming(b"m" * 895, 1, digest="xxh3-128:" + "1" * 32), replace=True) \
-        == ("s1", 0)
+        == [("s1", 0)]
     assert registry.lookup("model").share_id == "s2" and registry.names_status()["bytes"] == 900 + EACH
     assert [(s["name"], s["share_id"], s["digest"]) for s in registry.page(NameFilter(), 10)[0]] == [
         ("model", "s2", "xxh3-128:" + "1" * 32)]
     registry.drop_names(old)  # the old share still lists the name until its worker forgets it: not the new one's
     assert registry.lookup("model").share_id == "s2"
-    assert registry.publish("model", new, Naming(), replace=True) is None  # its own name: nothing left behind
+    assert registry.publish("model", new, Naming(), replace=True) == []  # its own name: nothing left behind

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.shares import NAMES_PER_HOLD, Naming, ShareRegistry
+from cuctxd.daemon.registry.shares import NAMES_PER_HOLD, Naming, ShareLimits, ShareRegistry
 from cuctxd.protos.errors import LimitExceeded
 from tests.unit.daemon.registry.plain_shares import PlainShare
 
@@ -24,7 +24,7 @@ PREFIXES = ["", "a", "a-", "b", "b-9", "z"]
 
 def _crowd() -> tuple[ShareRegistry, dict[str, SessionRef]]:
     """A registry with 600 names over four publishers, and each name's owner."""
-    registry = ShareRegistry(0, 0, 0)
+    registry = ShareRegistry(ShareLimits(0, 0, 0))
     shares = [PlainShare(f"s{owner.public_id}", owner) for owner in OWNERS]
     owner_of = {}
     for share in shares:
@@ -65,7 +65,7 @@ def test_paging_with_filters_lists_each_selected_name_once_in_order(prefix: str,
 
 
 def test_a_uid_may_publish_max_names_per_uid_names_and_other_uids_are_unaffected() -> None:
-    registry = ShareRegistry(0, 0, max_names_per_uid=3)
+    registry = ShareRegistry(ShareLimits(0, 0, max_names_per_uid=3))
     mine, again, theirs, unknown = (PlainShare(f"s{n}", owner) for n, owner in enumerate(OWNERS, 1))
     for share in (mine, again, theirs, unknown):
         registry.add(share)
@@ -74,7 +74,7 @@ def test_a_uid_may_publish_max_names_per_uid_names_and_other_uids_are_unaffected
     registry.publish("c", again)  # the uid's third, from another of its sessions
     with pytest.raises(LimitExceeded, match=r"^.*\): max_names_per_uid: the sessions of uid 7 have published 3 "):
         registry.publish("d", again)
-    assert registry.publish("c", mine, replace=True) == ("s2", 0)  # a name of the same uid moving: not one more
+    assert registry.publish("c", mine, replace=True) == [("s2", 0)]  # a name of the same uid moving: not one more
     for n in range(3):
         registry.publish(f"theirs-{n}", theirs)
         registry.publish(f"unknown-{n}", unknown)
@@ -93,7 +93,7 @@ def test_a_name_is_charged_at_least_what_the_registry_keeps_of_it(manifest: bool
     the memory the registry and the share keep for it, the name's own string (decoded from the request)
     included: measured with tracemalloc over many names, as the issue measured RSS (150,000 names charged
     0.9 MB that grew the daemon by 16.9 MB)."""
-    registry = ShareRegistry(0, 0, 0)
+    registry = ShareRegistry(ShareLimits(0, 0, 0))
     shares = [PlainShare(f"s{owner.public_id}", owner) for owner in OWNERS]
     for share in shares:
         registry.add(share)
@@ -122,7 +122,7 @@ def test_a_name_is_charged_at_least_what_the_registry_keeps_of_it(manifest: bool
 def test_a_share_with_thousands_of_names_gives_them_up_a_few_hundred_per_hold_of_the_lock() -> None:
     """Freeing a buffer with 16,384 names held the registry's lock, which every lookup and page on the front
     takes, for about 0.1 s; now each hold forgets at most NAMES_PER_HOLD of them."""
-    registry = ShareRegistry(0, 0, 0)
+    registry = ShareRegistry(ShareLimits(0, 0, 0))
     forgotten_per_hold: list[int] = []
 
     class CountingLock:
@@ -156,7 +156,7 @@ def test_a_share_with_thousands_of_names_gives_them_up_a_few_hundred_per_hold_of
 
 def test_a_session_id_of_an_adopted_share_and_a_new_session_are_told_apart_by_uid() -> None:
     """A parked share adopted after a restart keeps its old publisher's public id; a new session may have it too."""
-    registry = ShareRegistry(0, 0, 0)
+    registry = ShareRegistry(ShareLimits(0, 0, 0))
     adopted, new = PlainShare("s1", SessionRef("parked-x", 5, "old", 1, uid=7)), PlainShare(
         "s2", SessionRef("t5", 5, "new", 2, uid=8))
     for share in (adopted, new):

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from cuctxd.daemon.registry.fd_budget import FdBudget, FdPlan
-from cuctxd.daemon.registry.tickets import TicketBook
+from cuctxd.daemon.registry.tickets import TicketBook, TicketLimits
 from cuctxd.protos.errors import LimitExceeded, NotFound
 
 
@@ -58,7 +58,7 @@ def test_a_wrong_secret_for_a_real_id_is_refused_like_an_unknown_ticket() -> Non
 
 
 def test_expired_and_dropped_tickets_close_their_fds() -> None:
-    book = TicketBook(ttl=0.0)
+    book = TicketBook(TicketLimits(fd_ticket_ttl=0.0))
     late = pipe_fd()
     book.issue("s", None, [late], {})
     assert book.expire() == 1 and not is_open(late)
@@ -73,7 +73,8 @@ def test_expired_and_dropped_tickets_close_their_fds() -> None:
 
 
 def test_bounds_per_session_and_in_all_close_what_they_refuse() -> None:
-    book = TicketBook(max_per_session=2, budget=FdBudget(FdPlan(0, 0, 0, client_fds=3, per_peer=3, per_session=3)))
+    budget = FdBudget(FdPlan(0, 0, 0, client_fds=3, per_peer=3, per_session=3))
+    book = TicketBook(TicketLimits(max_tickets_per_session=2), budget=budget)
     for _ in range(2):
         book.issue("a", None, [pipe_fd()], {})
     refused = pipe_fd()

@@ -36,13 +36,13 @@ def test_each_version_gets_the_next_number_and_becomes_current_in_one_step() -> 
     assert [registry.version_of("policy", share.share_id) for share in shares] == [1, 2, 3]
     assert registry.current_version("policy") == 3 and registry.lookup("policy").share_id == "s3"
     assert registry.lookup("policy").version == 3
-    assert registry.lookup("policy", 1).share_id == "s1"  # its share lives on (a holder keeps it)
+    assert registry.lookup("policy", version=1).share_id == "s1"  # its share lives on (a holder keeps it)
     assert [entry["version"] for entry in registry.page(NameFilter(), 10)[0]] == [3]
     assert registry.versions_of(shares[0]) == [("policy", 1, Naming(b"m", 1), False)]
     assert registry.versions_of(shares[2]) == [("policy", 3, Naming(b"m", 1), True)]
     registry.remove(shares[0])  # its last holder let go
     with pytest.raises(NotFound, match="no live version 1"):
-        registry.lookup("policy", 1)
+        registry.lookup("policy", version=1)
 
 
 def test_a_versioned_name_is_replaced_only_by_its_next_version() -> None:
@@ -82,7 +82,7 @@ def test_versions_are_restored_with_their_numbers_and_the_current_one_named() ->
     registry.restore_version("policy", current, Naming(b"m", 1), 9, True)
     registry.restore_version("policy", older, Naming(b"m", 1), 8, False)
     assert registry.lookup("policy").share_id == "s9" and registry.lookup("policy").version == 9
-    assert registry.lookup("policy", 8).share_id == "s8" and older.names == set()
+    assert registry.lookup("policy", version=8).share_id == "s8" and older.names == set()
     nxt = _Share("s10", TRAINER)
     registry.add(nxt)
     registry.publish("policy", nxt, version=True)

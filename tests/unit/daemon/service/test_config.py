@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import grp
 import os
@@ -10,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from cuctxd.daemon.device.entries import DeviceLimits
+from cuctxd.daemon.registry.backlogs import QueueLimits
+from cuctxd.daemon.registry.daemon_state import AdmissionLimits
 from cuctxd.daemon.service.cli import build_parser, parse_config
 from cuctxd.daemon.service.config import SETTINGS, ConfigError, DaemonConfig, check_config
 from cuctxd.daemon.service.config_file import load_file, render_toml
-from cuctxd.daemon.service.settings import count, declared, format_size, parse_size
+from cuctxd.daemon.settings import count, declared, format_size, parse_size, part_of
 
 MiB = 1 << 20
 
@@ -221,11 +225,14 @@ def test_a_size_prints_back_as_it_was_given() -> None:
 def test_every_setting_is_one_declaration_with_its_key_flag_and_default_in_help() -> None:
     parser = build_parser()
     flags = {option: action for action in parser._actions for option in action.option_strings}
-    assert list(SETTINGS) == [field.name for field in dataclasses.fields(DaemonConfig)]
+    assert sorted(SETTINGS) == sorted(field.name for field in dataclasses.fields(DaemonConfig))
     for name, declared_setting in SETTINGS.items():
         action = flags[declared_setting.flag]
         assert action.dest == name
         shown = declared_setting.shown_default()
+        if not declared_setting.user:
+            assert action.help == argparse.SUPPRESS, f"{name} is no user setting: only --help-all lists it"
+            continue
         assert action.help is not None and (shown is None or f"(default {shown}" in action.help), name
     assert SETTINGS["max_payload"].help_text().endswith("(default 1GiB)")
     assert SETTINGS["max_queued_requests"].help_text().endswith("(default 512; 0: no limit)")
@@ -245,3 +252,53 @@ def test_a_field_without_a_declaration_is_refused() -> None:
 
     with pytest.raises(TypeError, match=r"Partial\.plain"):
         declared(Partial)
+
+
+def test_a_setting_declared_by_two_parts_is_refused() -> None:
+    """The union of the parts' limits objects has each key once: a second declaration is an error, not a
+    silent override."""
+    @dataclasses.dataclass(frozen=True)
+    class Widgets:
+        max_widgets: int = count(1, "a count")
+
+    @dataclasses.dataclass(frozen=True)
+    class MoreWidgets:
+        max_widgets: int = count(2, "the same key again")
+
+    @dataclasses.dataclass(frozen=True)
+    class Both(Widgets, MoreWidgets):
+        pass
+
+    with pytest.raises(TypeError, match=r"max_widgets.*Widgets and MoreWidgets"):
+        declared(Both)
+
+
+def test_each_part_gets_its_own_limits_object_with_the_configured_values() -> None:
+    config, _ = parse_config(["--max-payload", "4M", "--primary-keep", "0", "--max-queued-requests", "7",
+                              "--lease-ttl", "2"])
+    device = part_of(config, DeviceLimits)
+    assert type(device) is DeviceLimits and device.max_payload == 4 << 20 and device.primary_keep == 0
+    assert part_of(config, QueueLimits) == QueueLimits(max_queued_requests=7)
+    admission = part_of(config, AdmissionLimits)
+    assert (admission.max_payload, admission.lease_ttl) == (4 << 20, 2.0)
+
+
+def _settings_listed(help_text: str) -> set[str]:
+    words = set(help_text.replace(",", " ").split())
+    return {name for name, each in SETTINGS.items() if each.flag in words}
+
+
+def test_help_lists_the_user_settings_and_help_all_every_one() -> None:
+    """``--help`` is for the settings a user sets (at most 20); the limits, fd internals, tuning knobs and
+    testing aids are in ``--help-all``, which lists every setting with its help and default."""
+    short = build_parser().format_help()
+    listed = _settings_listed(short)
+    assert listed == {name for name, each in SETTINGS.items() if each.user}
+    assert 10 <= len(listed) <= 20
+    assert {"endpoints", "backend", "session_quota", "lease_ttl", "server_key"} <= listed
+    assert not {"max_client_fds_per_session", "sim_fault", "sim_vmm", "busy_poll_us"} & listed
+    assert f"{len(SETTINGS) - len(listed)} more settings" in " ".join(short.split())
+    everything = build_parser(every=True)
+    assert _settings_listed(everything.format_help()) == set(SETTINGS)
+    helps = {action.dest: action.help for action in everything._actions}
+    assert all(helps[name] == each.help_text() for name, each in SETTINGS.items())

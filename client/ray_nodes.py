@@ -11,20 +11,22 @@ On a real cluster that is one socket path, the same on every node; several Ray n
 (``ray.cluster_utils.Cluster``, as the tests do) each need their own, given per node.
 
 **Publishing everywhere** (:func:`publish_on_every_node`): one task per alive node, pinned there
-with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, loads a ``.safetensors`` file (or
-every one of a directory) into that node's daemon as persistent layouts. The path must be readable
+with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, loads a checkpoint into that node's daemon as
+``cuctx load`` does: a ``.safetensors`` file, or a directory (through its index, else every shard) as one
+persistent layout with a copy on every GPU of the node (or the devices given); a directory of
+tensor-parallel ranks (vLLM's ``sharded_state``) as one layout per rank. The path must be readable
 on every node (a shared file system, or the same path baked into each node's image). Each node's
 outcome comes back as a :class:`NodeResult`; a node without a daemon reports ``NoDaemon``, one
 that does not finish within ``timeout`` reports ``Timeout`` and its task is cancelled: the call
 never hangs.
 
 **Opening locally** (:class:`LocalLayouts`): in a task or actor, the layouts of the node's own
-daemon as one mapping of zero-copy tensors, held open while the object lives.
+daemon as one mapping of zero-copy tensors, held open while the object lives: each the copy on the actor's own
+GPU (the one Ray gave it, matched by UUID whatever ``CUDA_VISIBLE_DEVICES`` renumbers).
 
-Only the client library's public names are used, and the two tensor functions named in
-:func:`_tensor_io`. When the repository's root itself is on ``sys.path`` (a checkout's current
-directory, pytest's ``pythonpath``), ``import ray`` finds this file: it then hands over to the real
-Ray at once (the end of this file).
+Only the client library's public names are used, and the tensor functions named in :func:`_tensor_io`
+and :func:`layout_names`. Formerly ``cuctxd.ray``: a ``ray.py`` at the repository's root, which
+shadowed the real Ray wherever that root was on ``sys.path`` (the sessions it opens keep that name).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from cuctxd import BadArgument, Client, CuctxError, NotFound
@@ -48,24 +49,23 @@ __all__ = [
 NODE_SOCKET = "/run/cuctxd/cuctxd.sock"
 #: Seconds :func:`publish_on_every_node` waits for all nodes together by default.
 DEFAULT_TIMEOUT = 600.0
-#: The suffix of the files a directory contributes.
-SUFFIX = ".safetensors"
 
 
-def _tensor_io() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``load_safetensors`` and ``open_tensors``, imported on first use (a task that only reaches its node's
-    daemon need not load the tensor adapters)."""
+def _tensor_io() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``load_safetensors``, ``load_ranks`` and ``open_tensors``, imported on first use (a task that only reaches
+    its node's daemon need not load the tensor adapters)."""
     from cuctxd.client.tensors import open_tensors
+    from cuctxd.client.tensors.ranks import load_ranks
     from cuctxd.client.tensors.safetensors_load import load_safetensors
 
-    return load_safetensors, open_tensors
+    return load_safetensors, load_ranks, open_tensors
 
 
 def _ray() -> Any:
     try:
         import ray
     except ImportError as missing:
-        raise ImportError(f"cuctxd.ray needs Ray: pip install 'cuctxd[ray]' ({missing})") from None
+        raise ImportError(f"cuctxd.client.ray_nodes needs Ray: pip install 'cuctxd[ray]' ({missing})") from None
     return ray
 
 
@@ -92,18 +92,13 @@ def node_client(**options: Any) -> Client:
 
 
 def layout_names(path: str | os.PathLike[str], name: str) -> list[str]:
-    """The layouts :func:`publish_on_every_node` makes of ``path``: ``name`` for a file; for a directory,
-    ``name/FILE`` for each ``*.safetensors`` file in it, sorted (BadArgument when it holds none)."""
-    return [layout for layout, _ in _sources(Path(path), name)]
+    """The layouts :func:`publish_on_every_node` makes of ``path``: ``name`` for a file or a directory (its index,
+    else every shard, as one layout); ``name/rank-R`` for each rank of a directory of tensor-parallel ranks."""
+    from cuctxd.client.tensors.checkpoints import tensor_parallel_ranks
+    from cuctxd.client.tensors.ranks import rank_name
 
-
-def _sources(path: Path, name: str) -> list[tuple[str, Path]]:
-    if not path.is_dir():
-        return [(name, path)]
-    files = sorted(p for p in path.iterdir() if p.name.endswith(SUFFIX) and p.is_file())
-    if not files:
-        raise BadArgument(f"{path} holds no {SUFFIX} file")
-    return [(f"{name}/{file.name}", file) for file in files]
+    ranks = tensor_parallel_ranks(os.fspath(path))
+    return [rank_name(name, rank) for rank in ranks] if ranks else [name]
 
 
 # --- per-node outcomes ---------------------------------------------------------------------------
@@ -133,31 +128,24 @@ def _failure(error: BaseException) -> dict[str, Any]:
     return {"error_type": type(error).__name__, "error": str(error)}
 
 
-def _publish_here(path: str, name: str, device: int | None, read_only: bool, replace: bool,
+def _publish_here(path: str, name: str, device: int | Sequence[int] | str | None, read_only: bool, replace: bool,
                   timeout: float) -> dict[str, Any]:
-    """On one node: every layout of ``path`` into the node's daemon, or none (those made are unpublished
-    again when a later one fails)."""
-    load_safetensors, _ = _tensor_io()
+    """On one node: every layout of ``path`` into the node's daemon, on ``device`` (``"all"``: a copy on each of
+    its GPUs), or none (a node's ranks are all loaded or none)."""
+    load_safetensors, load_ranks, _ = _tensor_io()
     endpoint = node_endpoint()
-    done: list[str] = []
-    nbytes = 0
     try:
-        sources = _sources(Path(path), name)
+        layouts = layout_names(path, name)
         with Client(endpoint, timeout=timeout, name="cuctxd.ray publish") as client:
-            try:
-                for layout, file in sources:
-                    loaded = load_safetensors(client, str(file), layout, device=device, read_only=read_only,
-                                              replace=replace)
-                    done.append(layout)
-                    nbytes += loaded.descriptor.size
-            except BaseException:
-                for layout in done:
-                    _unpublish_quietly(client, layout)
-                done.clear()
-                raise
+            devices = list(range(len(client.devices()))) if device == "all" else device
+            if layouts == [name]:
+                loaded = [load_safetensors(client, path, name, device=devices, read_only=read_only, replace=replace)]
+            else:
+                loaded = load_ranks(client, path, name, devices=None if device == "all" else devices,
+                                    read_only=read_only, replace=replace)
     except (CuctxError, OSError) as error:
         return {"endpoint": endpoint, **_failure(error)}
-    return {"endpoint": endpoint, "layouts": tuple(done), "nbytes": nbytes}
+    return {"endpoint": endpoint, "layouts": tuple(layouts), "nbytes": sum(one.descriptor.size for one in loaded)}
 
 
 def _unpublish_here(names: Sequence[str], timeout: float) -> dict[str, Any]:
@@ -226,12 +214,14 @@ def _on_every_node(task: Callable[..., dict[str, Any]], args: tuple[Any, ...], t
     return results
 
 
-def publish_on_every_node(path: str | os.PathLike[str], name: str, *, device: int | None = None,
+def publish_on_every_node(path: str | os.PathLike[str], name: str, *, device: int | Sequence[int] | str = "all",
                           read_only: bool = False, replace: bool = False, timeout: float = DEFAULT_TIMEOUT,
                           node_ids: Sequence[str] | None = None) -> list[NodeResult]:
-    """Load ``path`` (a ``.safetensors`` file, or a directory of them) into the daemon of every alive
-    node of the connected Ray cluster (``ray.init`` first), as the persistent layouts
-    :func:`layout_names` gives, on ``device`` (default 0), ``read_only`` for consumers.
+    """Load ``path`` (a ``.safetensors`` file, a directory through its index, or of tensor-parallel ranks) into the
+    daemon of every alive node of the connected Ray cluster (``ray.init`` first), as the persistent layouts
+    :func:`layout_names` gives: with a copy on ``device`` (``"all"``, the default: every GPU of the node, filled
+    from the first on the GPU; a device or a list of them; ranks: rank R on device R), ``read_only`` for
+    consumers.
 
     One task per node, pinned with ``NodeAffinitySchedulingStrategy(soft=False)``; ``path`` is read on
     each node. Returns one :class:`NodeResult` per node: a node either holds all the layouts or none.
@@ -258,7 +248,8 @@ class LocalLayouts(Mapping[str, Any]):
     """Layouts of this node's daemon, opened in a task or actor: one mapping, tensor name -> zero-copy
     tensor (``__cuda_array_interface__`` on a GPU, numpy's array interface on the sim), over all of them.
 
-    ``names``: a layout name, or several (:attr:`NodeResult.layouts` for a directory). One session with
+    ``names``: a layout name, or several (:attr:`NodeResult.layouts`). Each is opened on the actor's GPU (or
+    ``device``, the daemon's ordinal): :class:`~cuctxd.NoCopy` where it has no copy there. One session with
     the node's daemon holds them open until :meth:`close` (or the end of a ``with`` block): keep the
     object as long as the tensors are used. ``writable``: map them for writing (refused for read-only
     names). Raises :class:`~cuctxd.NoDaemon` without a daemon on the node, :class:`~cuctxd.NotFound`
@@ -267,14 +258,14 @@ class LocalLayouts(Mapping[str, Any]):
     """
 
     def __init__(self, names: str | Sequence[str], *, writable: bool = False, endpoint: str | None = None,
-                 timeout: float = 30.0) -> None:
-        _, open_tensors = _tensor_io()
+                 timeout: float = 30.0, device: int | None = None) -> None:
+        _, _, open_tensors = _tensor_io()
         self.client = Client(endpoint or node_endpoint(), timeout=timeout, name="cuctxd.ray layouts")
         self.layouts: dict[str, Any] = {}
         self._tensors: dict[str, Any] = {}
         try:
             for layout in [names] if isinstance(names, str) else names:
-                opened = self.layouts[layout] = open_tensors(self.client, layout, writable=writable)
+                opened = self.layouts[layout] = open_tensors(self.client, layout, writable=writable, device=device)
                 for key in opened:
                     if key in self._tensors:
                         raise BadArgument(f"tensor {key!r} is in more than one of the layouts {list(self.layouts)}")
@@ -306,24 +297,3 @@ class LocalLayouts(Mapping[str, Any]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _hand_over_to_ray() -> None:
-    """Imported as the top-level ``ray`` (the repository's root on ``sys.path`` ahead of site-packages):
-    load the real Ray under that name instead, so that ``import ray`` works from a checkout too."""
-    import importlib.machinery
-    import importlib.util
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
-    spec = importlib.machinery.PathFinder.find_spec("ray", path)
-    if spec is None or spec.loader is None:
-        raise ImportError("Ray is not installed (this is cuctxd.ray, found because the cuctxd checkout is on "
-                          "sys.path): pip install 'cuctxd[ray]'")
-    real = importlib.util.module_from_spec(spec)
-    sys.modules["ray"] = real
-    spec.loader.exec_module(real)
-
-
-if __name__ == "ray":
-    _hand_over_to_ray()

@@ -1,25 +1,36 @@
-"""How a daemon setting is declared, once: on its :class:`~cuctxd.daemon.service.config.DaemonConfig` field.
+"""How a daemon setting is declared, once: as a field of the limits object of the part of the daemon that uses it.
 
-Each field of ``DaemonConfig`` is made by one of the declarations below
-(:func:`size`, :func:`count`, :func:`seconds`, :func:`switch`, :func:`choice`,
-or the general :func:`setting`), which holds everything the setting means
-outside the daemon's code: its default, the check every value goes through (the
-configuration file's and the command line's alike), how a command-line string
-becomes a value, how ``--print-config`` writes it back, its ``--help`` text, and
-whether it is a row of PROTOCOL.md's "Daemon limits" table. From that:
+Each part's settings are a frozen dataclass next to the code they bound: :class:`DeviceLimits`
+(``daemon/device/entries.py``), :class:`QueueLimits` (``daemon/registry/backlogs.py``),
+:class:`AdmissionLimits` (``daemon/registry/daemon_state.py``), :class:`ShareLimits`, :class:`TicketLimits`,
+:class:`FdLimits`, :class:`ParkingLimits` (``daemon/registry/``), :class:`FdChannelLimits`
+(``daemon/side_channel/server.py``), and the service's own settings on
+:class:`~cuctxd.daemon.service.config.DaemonConfig`, which inherits every part's class: the daemon's
+configuration is their union, one flat set of keys, and no key may be declared twice (:func:`declared`
+refuses it). The assembly hands each part its own object (:func:`part_of`), never a copy of single values.
+
+Each field is made by one of the declarations below (:func:`size`, :func:`count`, :func:`seconds`,
+:func:`switch`, :func:`choice`, or the general :func:`setting`), which holds everything the setting means
+outside the daemon's code: its default, the check every value goes through (the configuration file's and
+the command line's alike), how a command-line string becomes a value, how ``--print-config`` writes it
+back, its ``--help`` text, whether a user sets it (``user=True``: listed by ``--help``; every other one only
+by ``--help-all``), and whether it is a row of PROTOCOL.md's "Daemon limits" table. From that:
 
 * the configuration-file key is the field's name (:mod:`cuctxd.daemon.service.config_file`);
 * the flag is the name in kebab case, ``--max-queued-bytes`` (:mod:`cuctxd.daemon.service.cli`);
-* ``--help`` says the default, as :meth:`Setting.shown_default` writes it;
-* PROTOCOL.md's limits table lists every ``limit=True`` setting in field order with that flag and default
+* ``--help`` and ``--help-all`` say the default, as :meth:`Setting.shown_default` writes it;
+* PROTOCOL.md's limits table lists every ``limit=True`` setting once, with that flag and default
   (tests/unit/protos/test_protocol_doc.py holds the table to :func:`limit_rows`).
 
-A new setting is one field, e.g.::
+A new setting is one field of the limits object of the code it bounds, e.g. in ``ShareLimits``::
 
     max_widgets_per_uid: int = count(DEFAULT_MAX_WIDGETS_PER_UID, "most widgets one uid may hold",
                                      security=True, limit=True)
 
-plus its row in PROTOCOL.md's table (what it bounds, what a client gets when it is reached).
+read there as ``self.limits.max_widgets_per_uid``, plus its row in PROTOCOL.md's table (what it bounds,
+what a client gets when it is reached). A setting only the service layer reads is a field at the end of
+``DaemonConfig`` itself. A new part's limits object is a frozen dataclass of such fields, added to
+``DaemonConfig``'s bases and handed to the part by the assembly as ``part_of(config, NewLimits)``.
 """
 
 from __future__ import annotations
@@ -33,10 +44,12 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cuctxd.protos import endpoints
 from cuctxd.protos.cuda_results import CUresult
+
+T = TypeVar("T")
 
 # --- sizes ------------------------------------------------------------------------------
 
@@ -232,7 +245,7 @@ NO_DEFAULT: Any = _NoDefault()
 
 @dataclass(frozen=True)
 class Setting:
-    """One daemon setting as declared on its ``DaemonConfig`` field; :func:`declared` fills in ``name`` and
+    """One daemon setting as declared on its field (module docstring); :func:`declared` fills in ``name`` and
     ``default``."""
 
     #: A TOML-typed value in, the stored value out; ValueError saying what is wrong.
@@ -254,6 +267,8 @@ class Setting:
     repeat: bool = False
     #: Listed under "security and limits" in ``--help``.
     security: bool = False
+    #: A setting users set: ``--help`` lists it (at most 20 do); the others only ``--help-all``.
+    user: bool = False
     #: A row of PROTOCOL.md's "Daemon limits" table.
     limit: bool = False
     name: str = ""
@@ -287,10 +302,10 @@ class Setting:
 
 
 def setting(default: Any, check: Callable[[Any], Any], help: str, metavar: str | None, **more: Any) -> Any:
-    """A ``DaemonConfig`` field declaring a setting (``more``: the other :class:`Setting` fields)."""
+    """A dataclass field declaring a setting (``more``: the other :class:`Setting` fields)."""
     declaration = Setting(check, help, metavar, **more)
-    if default is NO_DEFAULT:
-        return field(metadata={"setting": declaration})
+    if default is NO_DEFAULT:  # keyword-only: it may follow the inherited parts' fields, which have defaults
+        return field(metadata={"setting": declaration}, kw_only=True)
     return field(default=default, metadata={"setting": declaration})
 
 
@@ -321,9 +336,20 @@ def choice(default: str, help: str, *choices: str, fold: Callable[[str], str] = 
 
 
 def declared(config_class: type) -> dict[str, Setting]:
-    """The settings of ``config_class``'s fields, by name, in field order, with their names and defaults."""
+    """The settings of ``config_class``'s fields, by name, with their names and defaults: its own fields first,
+    then each class it inherits, in the order it names them (its method resolution order).
+
+    TypeError for a field without a setting, or for one name declared by two classes (dataclasses would
+    silently keep one of them)."""
+    owners: dict[str, type] = {}
+    for cls in config_class.__mro__:
+        for name in vars(cls).get("__annotations__", {}):
+            if name in owners and owners[name] is not cls and dataclasses.is_dataclass(cls):
+                raise TypeError(f"setting {name!r} is declared by both {owners[name].__name__} and {cls.__name__}")
+            owners.setdefault(name, cls)
+    order = {cls: index for index, cls in enumerate(config_class.__mro__)}
     found: dict[str, Setting] = {}
-    for each in dataclasses.fields(config_class):
+    for each in sorted(dataclasses.fields(config_class), key=lambda f: order[owners[f.name]]):
         declaration = each.metadata.get("setting")
         if declaration is None:
             raise TypeError(f"{config_class.__name__}.{each.name} is declared without a setting")
@@ -333,6 +359,12 @@ def declared(config_class: type) -> dict[str, Setting]:
             default = NO_DEFAULT if each.default_factory is MISSING else each.default_factory()
         found[each.name] = dataclasses.replace(declaration, name=each.name, default=default)
     return found
+
+
+def part_of(config: Any, part: type[T]) -> T:
+    """``part``'s own limits object, from a configuration that inherits its class: what the assembly hands
+    the part (its fields, nothing else of the configuration)."""
+    return part(**{each.name: getattr(config, each.name) for each in dataclasses.fields(part)})  # type: ignore[arg-type]
 
 
 def limit_rows(settings: Mapping[str, Setting]) -> list[tuple[str, str, str]]:
