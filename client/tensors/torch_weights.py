@@ -12,6 +12,7 @@ torch is imported only when these are called.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,23 +46,39 @@ def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metada
     return publish_tensors(client, name, tensors, metadata, device=device)
 
 
+@functools.cache
+def _keeping_array() -> type:
+    import numpy
+
+    class KeepingArray(numpy.ndarray):
+        """A numpy array that can hold one more reference (``keep``) for as long as it lives."""
+
+        keep: object = None
+
+    return KeepingArray
+
+
 class LoadedState:
     """The tensors published as one name, as torch tensors aliasing the daemon's memory: views of one
     uint8 tensor over the whole buffer (one ``torch.as_tensor``, then a slice and a view per tensor,
     which costs a fraction of an array-interface import each)."""
 
-    def __init__(self, tensors: TensorSet) -> None:
+    def __init__(self, tensors: TensorSet, keep: object = None) -> None:
         torch = _torch()
         self.tensors = tensors
         self.metadata = tensors.metadata
         share = tensors.share
         if share.backend == "cuda":
             # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
-            base = torch.as_tensor(CudaArray(byte_interface(share.ptr, share.size, False)), device="cuda")
+            array = CudaArray(byte_interface(share.ptr, share.size, False))
+            array.keep = keep  # torch holds the array until the last tensor over it is freed
+            base = torch.as_tensor(array, device="cuda")
         else:
             import numpy
 
-            base = torch.from_numpy(numpy.frombuffer(share.host_view(), numpy.uint8, share.size))
+            host = numpy.frombuffer(share.host_view(), numpy.uint8, share.size).view(_keeping_array())
+            host.keep = keep  # torch holds the array until the last tensor over it is freed
+            base = torch.from_numpy(host)
         self.state_dict: dict[str, Any] = {}
         for key, shared in tensors.items():
             spec = shared.spec
@@ -80,8 +97,10 @@ class LoadedState:
         self.close()
 
 
-def load_state_dict(client: Any, name: str, *, writable: bool = False, device: int | None = None) -> LoadedState:
+def load_state_dict(client: Any, name: str, *, writable: bool = False, device: int | None = None,
+                    keep: object = None) -> LoadedState:
     """Map the state dict published as ``name``: its copy on ``device``, by default on this process's current GPU
     (:func:`~cuctxd.client.tensors.tensor_sets.open_tensors`); ``module.load_state_dict(loaded.state_dict,
-    assign=True)`` makes a module use the shared memory itself."""
-    return LoadedState(open_tensors(client, name, writable=writable, device=device))
+    assign=True)`` makes a module use the shared memory itself. ``keep``: an object that lives as long as the
+    last tensor over the mapping (its finalizer can end what the tensors need, once none is left)."""
+    return LoadedState(open_tensors(client, name, writable=writable, device=device), keep)
