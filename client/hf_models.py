@@ -19,8 +19,10 @@ tests, so a root module named ``transformers.py`` would shadow the real ``transf
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
+import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from typing import Any
 
 from cuctxd.client.api.client import Client
 from cuctxd.client.tensors.safetensors_load import load_safetensors
-from cuctxd.client.tensors.torch_weights import LoadedState, load_state_dict
+from cuctxd.client.tensors.torch_weights import load_state_dict
 from cuctxd.protos.errors import BadArgument
 
 #: Prefix of the name a checkpoint is published under when ``name`` is not given.
@@ -77,7 +79,8 @@ def from_pretrained(pretrained_model_name_or_path: str, *, name: str | None = No
     own_client = client is None
     session = Client() if client is None else client
     try:
-        load_safetensors(session, path, name, device=device)
+        with _one_load_at_a_time(name):
+            load_safetensors(session, path, name, device=device)
         loaded = load_state_dict(session, name, device=device, keep=_Holder(session if own_client else None))
     except BaseException:
         if own_client:
@@ -90,9 +93,25 @@ def from_pretrained(pretrained_model_name_or_path: str, *, name: str | None = No
     with torch.device(target), _parameters_on_meta():
         model = (auto_class or transformers.AutoModelForCausalLM).from_config(config, torch_dtype=dtype,
                                                                               **model_kwargs)
+    if target.type == "cuda":
+        torch.cuda.empty_cache()  # each parameter was made on the GPU before it went to meta: give the cache back
     _assign(model, state, dtype)
     model._cuctxd_layout = loaded  # the model keeps the mapping: it goes with the model and its last tensor
     return model.eval()
+
+
+@contextlib.contextmanager
+def _one_load_at_a_time(name: str) -> Iterator[None]:
+    """Workers of this host starting together: the first loads the checkpoint, the others wait for it here, then
+    find the name holding the same content and attach (instead of each loading a copy, all but one refused)."""
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    lock_path = os.path.join(tempfile.gettempdir(), f"cuctxd-{os.getuid()}-load-{digest}.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class _Holder:
