@@ -79,6 +79,8 @@ def test_a_daemon_that_went_away_is_a_lost_session_and_reconnect_starts_a_new_on
         assert time.monotonic() - started < 3.0, "waited the full timeout"
         assert lone_daemon.endpoint in str(info.value) and "sock-dev" not in str(info.value)
         assert "gone" in str(info.value)
+        assert f"the daemon at {lone_daemon.endpoint} stopped: nothing listens there any more (start it again with " \
+            "`cuctxd`)" in str(info.value)  # a sentence, not "start it with `cuctxd` any more"
         with pytest.raises(SessionLost):
             client.device_count()  # at once, without a round trip
         restart(lone_daemon, request)
