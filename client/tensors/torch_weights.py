@@ -71,12 +71,12 @@ class LoadedState:
         if share.backend == "cuda":
             # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
             array = CudaArray(byte_interface(share.ptr, share.size, False))
-            array.keep = keep  # torch holds the array until the last tensor over it is freed
+            array.keep = keep  # type: ignore[attr-defined]  # torch holds the array until the last tensor over it is freed
             base = torch.as_tensor(array, device="cuda")
         else:
             import numpy
 
-            host = numpy.frombuffer(share.host_view(), numpy.uint8, share.size).view(_keeping_array())
+            host: Any = numpy.frombuffer(share.host_view(), numpy.uint8, share.size).view(_keeping_array())
             host.keep = keep  # torch holds the array until the last tensor over it is freed
             base = torch.from_numpy(host)
         self.state_dict: dict[str, Any] = {}
