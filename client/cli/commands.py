@@ -112,7 +112,7 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
     group = parser.add_argument_group("global options (before or after the command)")
     group.add_argument("--endpoint", default=default(None),
                        help=f"daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: ${ENDPOINT_ENV}, "
-                            "else the per-user socket)")
+                            "else the per-user socket where it exists, else /run/cuctxd/cuctxd.sock where it exists)")
     group.add_argument("--timeout", type=_seconds, default=default(10.0),
                        help="seconds to wait for the daemon, connecting included (default 10)")
     group.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
