@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 
@@ -48,6 +49,18 @@ def test_no_daemon_fails_at_once_and_says_how_to_start_one() -> None:
             assert "(0)" not in str(info.value) and "CUCTXD_NO_DAEMON" in str(info.value)
     finally:
         remove_tempdir(directory)
+
+
+def test_a_tcp_endpoint_with_nothing_listening_fails_at_once_not_after_the_timeout() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bound:
+        bound.bind(("127.0.0.1", 0))  # bound, never listening: the port refuses connections, and no one takes it
+        endpoint = f"tcp://127.0.0.1:{bound.getsockname()[1]}"
+        for make in (lambda: Client(endpoint, timeout=30),
+                     lambda: asyncio.run(AsyncClient(endpoint, timeout=30).open())):
+            started = time.monotonic()
+            with pytest.raises(NoDaemon, match=f"no cuctxd is listening at {endpoint}"):
+                make()
+            assert time.monotonic() - started < 3.0, "waited the timeout"
 
 
 def test_client_side_errors_print_their_name_without_a_code() -> None:
