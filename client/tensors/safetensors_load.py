@@ -183,7 +183,8 @@ def _same_content(client: Any, checkpoint: Checkpoint, manifest: Manifest, name:
         raise NameExists(f"{name!r} is published already by {_holder(published)}, without a content digest to "
                          "compare this checkpoint with: load with --replace (replace=True) to swap it, or choose "
                          "another name")
-    if [(t.name, t.dtype, t.shape) for t in known.tensors] != [(t.name, t.dtype, t.shape) for t in manifest.tensors]:
+    if sorted((t.name, t.dtype, t.shape) for t in known.tensors) != sorted(
+            (t.name, t.dtype, t.shape) for t in manifest.tensors):  # in any order: one file and its shards alike
         differs = "this checkpoint has other tensors"
     else:
         ours = checkpoint_digest(checkpoint)

@@ -19,6 +19,7 @@ from typing import Any
 from cuctxd.client.api.sharing import byte_interface
 from cuctxd.client.tensors.copies import Devices
 from cuctxd.client.tensors.tensor_sets import CudaArray, TensorSet, open_tensors, publish_tensors
+from cuctxd.protos.layouts import DTYPES
 from cuctxd.protos.records import ShareDescriptor
 
 
@@ -37,8 +38,9 @@ def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metada
     tensors: dict[str, Any] = {}
     for key, tensor in state.items():
         tensor = tensor.detach().contiguous()
-        if tensor.dtype == torch.bfloat16:  # no array interface names it: publish its bytes as bfloat16
-            tensors[key] = (tensor.view(torch.int16), "bfloat16")
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype in DTYPES and DTYPES[dtype].typestr is None:  # no array interface names it (bfloat16, float8):
+            tensors[key] = (tensor.view(torch.int16 if DTYPES[dtype].itemsize == 2 else torch.uint8), dtype)
         elif tensor.is_cuda:
             tensors[key] = tensor
         else:

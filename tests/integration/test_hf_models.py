@@ -129,3 +129,41 @@ def test_the_mapping_lives_as_long_as_the_model(daemon: DaemonProcess, endpoint:
         del weight
         gc.collect()
         assert holders() == []  # no BufferError on the way, and no hold left behind
+
+
+def test_fp8_checkpoints_map_as_torch_float8(endpoint: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from cuctxd import load_state_dict
+    from cuctxd.client.tensors.safetensors_load import load_safetensors
+
+    torch.manual_seed(0)
+    written = {"e4m3": torch.randn(4, 16).to(torch.float8_e4m3fn), "e5m2": torch.randn(8).to(torch.float8_e5m2),
+               "scale": torch.ones(1, dtype=torch.float32)}
+    save_file(written, tmp_path / "fp8.safetensors")
+    expected = load_file(tmp_path / "fp8.safetensors")
+    with Client(endpoint) as c:
+        load_safetensors(c, str(tmp_path / "fp8.safetensors"), "fp8-test")
+        with load_state_dict(c, "fp8-test") as loaded:
+            for key, tensor in expected.items():
+                mapped = loaded.state_dict[key]
+                assert mapped.dtype == tensor.dtype
+                assert torch.equal(mapped.view(torch.uint8), tensor.view(torch.uint8)), key
+            del mapped
+        c.unpublish("fp8-test")
+
+
+def test_one_file_and_its_shards_are_the_same_content(endpoint: str, tmp_path: Path) -> None:
+    from cuctxd.client.tensors.safetensors_load import load_safetensors
+
+    config = transformers.LlamaConfig(**SMALL)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "shards", max_shard_size="40KB")
+    assert (tmp_path / "shards" / "model.safetensors.index.json").exists()
+    with Client(endpoint) as c:
+        assert load_safetensors(c, str(tmp_path / "one"), "same-content-test").loaded
+        again = load_safetensors(c, str(tmp_path / "shards"), "same-content-test")
+        assert not again.loaded  # attached: the same tensors, in another order
+        c.unpublish("same-content-test")
