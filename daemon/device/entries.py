@@ -51,7 +51,7 @@ class DeviceLimits:
     #: Most shm lanes open to this device at once.
     max_shm_lanes: int = 0
     #: Most bytes of published shares whose owner is gone and nobody holds, of one owner uid here
-    #: (0: half the device's memory; never none).
+    #: (0: the device's memory; never none).
     max_orphaned_bytes_per_uid: int = 0
     #: Seconds the primary context is kept after its last reference went (0: released at once); freed host
     #: buffers are kept as long, within ``kept_host_memory`` bytes (0: none).

@@ -246,10 +246,10 @@ class DaemonConfig:
                                       "the kernel tells the user (ipc://)", zero="no limit", security=True,
                                       limit=True)
     #: Bytes of published buffers whose owner is gone and nobody holds, per owner uid and device
-    #: (0: half the device's memory).
+    #: (0: the device's memory).
     max_orphaned_bytes_per_uid: int = size(0, "bytes of published buffers whose owner left and nobody holds, per "
                                            "user and device; publish is refused beyond it",
-                                           shown="0: half the device's memory", security=True, limit=True)
+                                           shown="0: the device's memory", security=True, limit=True)
     #: Bytes of published names (manifests included), per publishing session and per uid, daemon-wide.
     max_manifest_bytes_per_session: int = size(DEFAULT_MAX_MANIFEST_BYTES_PER_SESSION, "bytes of the names "
                                                "(manifests included) one session may have published",
