@@ -30,6 +30,7 @@ from typing import Any
 
 from cuctxd.client.api.client import Client
 from cuctxd.client.tensors.safetensors_load import load_safetensors
+from cuctxd.client.tensors.tensor_sets import TensorSet
 from cuctxd.client.tensors.torch_weights import load_state_dict
 from cuctxd.protos.errors import BadArgument
 
@@ -81,7 +82,9 @@ def from_pretrained(pretrained_model_name_or_path: str, *, name: str | None = No
     try:
         with _one_load_at_a_time(name):
             load_safetensors(session, path, name, device=device)
-        loaded = load_state_dict(session, name, device=device, keep=_Holder(session if own_client else None))
+        holder = _Holder(session if own_client else None)
+        loaded = load_state_dict(session, name, device=device, keep=holder)
+        holder.tensors = loaded.tensors
     except BaseException:
         if own_client:
             session.close()
@@ -115,16 +118,21 @@ def _one_load_at_a_time(name: str) -> Iterator[None]:
 
 
 class _Holder:
-    """What the base tensor keeps alive: the model's own client, closed (its session ends, and the daemon drops
-    its hold on the layout) when the last tensor over the mapping is gone. The mapping itself is unmapped by
-    its own objects then, once nothing exports it."""
+    """What the model's tensors keep alive: its finalizer, run once the last tensor over the mapping is gone,
+    unmaps it and drops the daemon's hold (``tensors``), then closes the model's own client (``client``; None
+    where the caller gave one). Which thread runs it: whichever frees the last tensor."""
 
     def __init__(self, client: Client | None) -> None:
         self.client = client
+        self.tensors: TensorSet | None = None
 
     def __del__(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        try:
+            if self.tensors is not None:
+                self.tensors.close()
+        finally:
+            if self.client is not None:
+                self.client.close()
 
 
 def _checkpoint_dtype(state: dict[str, Any]) -> Any:

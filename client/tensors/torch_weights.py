@@ -12,7 +12,7 @@ torch is imported only when these are called.
 
 from __future__ import annotations
 
-import functools
+import ctypes
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,16 +48,21 @@ def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metada
     return publish_tensors(client, name, tensors, metadata, device=device)
 
 
-@functools.cache
-def _keeping_array() -> type:
+def _host_base(share: Any, keep: object) -> Any:
+    """A uint8 numpy array over the sim share's bytes. Without ``keep``, it exports the mapping (closing the share
+    while a tensor over it lives is a ``BufferError``). With ``keep``, it holds no export: it is made at the
+    mapping's address and holds ``keep``, whose finalizer closes the share once the array, and so the last
+    tensor over it, is gone (a finalizer that ran while an export lived would fail to unmap)."""
     import numpy
 
-    class KeepingArray(numpy.ndarray):
-        """A numpy array that can hold one more reference (``keep``) for as long as it lives."""
-
-        keep: object = None
-
-    return KeepingArray
+    exported = numpy.frombuffer(share.host_view(), numpy.uint8, share.size)
+    if keep is None:
+        return exported
+    address = exported.ctypes.data
+    del exported  # no export of the mapping is left
+    raw = (ctypes.c_uint8 * share.size).from_address(address)
+    raw.keep = keep  # type: ignore[attr-defined]  # freed after the numpy array over it
+    return numpy.ctypeslib.as_array(raw)
 
 
 class LoadedState:
@@ -66,6 +71,7 @@ class LoadedState:
     which costs a fraction of an array-interface import each)."""
 
     def __init__(self, tensors: TensorSet, keep: object = None) -> None:
+        """``keep``: an object the tensors keep alive, freed once the last of them is (see :func:`load_state_dict`)."""
         torch = _torch()
         self.tensors = tensors
         self.metadata = tensors.metadata
@@ -76,11 +82,7 @@ class LoadedState:
             array.keep = keep  # type: ignore[attr-defined]  # torch holds the array until the last tensor over it is freed
             base = torch.as_tensor(array, device="cuda")
         else:
-            import numpy
-
-            host: Any = numpy.frombuffer(share.host_view(), numpy.uint8, share.size).view(_keeping_array())
-            host.keep = keep  # torch holds the array until the last tensor over it is freed
-            base = torch.from_numpy(host)
+            base = torch.from_numpy(_host_base(share, keep))  # torch holds the array until its last tensor goes
         self.state_dict: dict[str, Any] = {}
         for key, shared in tensors.items():
             spec = shared.spec
@@ -103,6 +105,7 @@ def load_state_dict(client: Any, name: str, *, writable: bool = False, device: i
                     keep: object = None) -> LoadedState:
     """Map the state dict published as ``name``: its copy on ``device``, by default on this process's current GPU
     (:func:`~cuctxd.client.tensors.tensor_sets.open_tensors`); ``module.load_state_dict(loaded.state_dict,
-    assign=True)`` makes a module use the shared memory itself. ``keep``: an object that lives as long as the
-    last tensor over the mapping (its finalizer can end what the tensors need, once none is left)."""
+    assign=True)`` makes a module use the shared memory itself. ``keep``: an object that lives exactly as long as
+    the last tensor over the mapping; its finalizer may close the tensors then (no tensor is left to use them,
+    and on the sim no export of the mapping is held)."""
     return LoadedState(open_tensors(client, name, writable=writable, device=device), keep)

@@ -111,16 +111,17 @@ def test_a_conversion_is_a_private_copy_and_says_so(endpoint: str, tmp_path: Pat
     assert torch.equal(logits(model), expected)
 
 
-def test_the_mapping_lives_as_long_as_the_model(daemon: DaemonProcess, endpoint: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("own_client", [True, False], ids=["its own client", "the caller's client"])
+def test_the_mapping_lives_as_long_as_the_model(own_client: bool, endpoint: str, tmp_path: Path) -> None:
     folder = save_model(tmp_path / "model", transformers.LlamaConfig(**SMALL), torch.float32)
-    name = "lifetime-test"
-    model = hf_models.from_pretrained(str(folder), name=name)
-    weight = model.lm_head.weight
+    name = f"lifetime-test-{own_client}"
     with Client(endpoint) as observer:
         def holders() -> list[int]:
             shares = observer.status()["devices"][0]["shares"]
             return [h for share in shares if name in share["names"] for h in share["holders"]]
 
+        model = hf_models.from_pretrained(str(folder), name=name, client=None if own_client else observer)
+        weight = model.lm_head.weight
         assert len(holders()) == 1
         del model
         gc.collect()
@@ -129,6 +130,7 @@ def test_the_mapping_lives_as_long_as_the_model(daemon: DaemonProcess, endpoint:
         del weight
         gc.collect()
         assert holders() == []  # no BufferError on the way, and no hold left behind
+        observer.unpublish(name)
 
 
 def test_fp8_checkpoints_map_as_torch_float8(endpoint: str, tmp_path: Path) -> None:
