@@ -58,7 +58,8 @@ def from_pretrained(pretrained_model_name_or_path: str, *, name: str | None = No
     ``pretrained_model_name_or_path``, its parameters views of the layout published as ``name`` (default:
     :func:`default_name`), published first if it is not. ``device``: the GPU whose copy is used (default: the
     daemon's choice, the current device); on the sim the tensors are CPU tensors over the shared memory.
-    ``client``: the endpoint to use (default: a ``Client()`` of the model's own, closed with it).
+    ``client``: a client of the caller's to open the layout with (its session holds the layout until the model's
+    last tensor is gone); default: a ``Client()`` of the model's own, closed then.
     ``auto_class``: the transformers auto class (default ``AutoModelForCausalLM``). ``torch_dtype`` (or ``dtype``):
     the checkpoint's dtype unless said; a tensor converted to another dtype is a private copy
     (:class:`PrivateCopyWarning` says how many bytes). ``attn_implementation`` goes to the model; other keyword
@@ -72,7 +73,8 @@ def from_pretrained(pretrained_model_name_or_path: str, *, name: str | None = No
         raise BadArgument(f"{path}: not a directory: from_pretrained reads a local directory written by "
                           "save_pretrained (download it first, e.g. with huggingface_hub.snapshot_download)")
     name = name or default_name(path)
-    dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None)
+    said = kwargs.pop("torch_dtype", None), kwargs.pop("dtype", None)
+    dtype = said[0] or said[1]
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     model_kwargs = {key: kwargs.pop(key) for key in ("attn_implementation",) if key in kwargs}
@@ -93,8 +95,9 @@ def from_pretrained(pretrained_model_name_or_path: str, *, name: str | None = No
     if dtype in (None, "auto"):
         dtype = _checkpoint_dtype(state) or torch.float32
     target = next(iter(state.values())).device if state else torch.device("cpu")
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"  # 5 renamed it
     with torch.device(target), _parameters_on_meta():
-        model = (auto_class or transformers.AutoModelForCausalLM).from_config(config, torch_dtype=dtype,
+        model = (auto_class or transformers.AutoModelForCausalLM).from_config(config, **{dtype_key: dtype},
                                                                               **model_kwargs)
     if target.type == "cuda":
         torch.cuda.empty_cache()  # each parameter was made on the GPU before it went to meta: give the cache back

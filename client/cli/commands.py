@@ -29,7 +29,7 @@ from cuctxd.client.cli.tables import (
     watch_frame,
 )
 from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys
-from cuctxd.client.wire.transport import listening
+from cuctxd.client.wire.transport import listening, someone_listens
 from cuctxd.protos import digests
 from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
 from cuctxd.protos.errors import CuctxError
@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ping = command("ping", "round-trip time to the daemon")
     ping.add_argument("-c", "--count", type=_count, default=1, help="number of pings")
+    ping.add_argument("--wait", type=_seconds, default=None, metavar="S",
+                      help="wait up to S seconds for a daemon to listen (one just started), instead of failing at "
+                           "once when nothing listens")
     ping.add_argument("--ready", action="store_true", help="then exit 1 while the daemon is still preloading its "
                                                            "checkpoints (a readiness probe)")
     command("devices", "the devices the daemon serves")
@@ -214,6 +217,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return doctor(args, endpoint, curve)
     if args.command == "status" and args.watch:
         return watch_status(args, endpoint, curve)
+    if args.command == "ping" and args.wait is not None:
+        _wait_for_listener(endpoint, args.wait)
     try:
         with _client(endpoint, args, curve) as client:
             if args.command == "ping":
@@ -284,6 +289,14 @@ def unknown_option(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str 
             hint = f"; did you mean '{close[0]}'?" if close else ""
             return f"unrecognized option '{given}'{hint}"
     return None
+
+
+def _wait_for_listener(endpoint: str, seconds: float) -> None:
+    """``ping --wait``: until something listens at ``endpoint`` or ``seconds`` pass (then ping says why not).
+    A poll every 50 ms: a daemon starting elsewhere tells this process nothing."""
+    deadline = time.monotonic() + seconds
+    while not someone_listens(endpoint) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _client(endpoint: str, args: argparse.Namespace, curve: CurveKeys | None) -> Client:
