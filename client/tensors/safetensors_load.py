@@ -135,7 +135,7 @@ def _refuse_before_reading(client: Any, path: str, size: int, device: int, tenso
                                         f"{setting}"), size, device, tensors)
     if not orphans:
         return
-    state = next((d for d in client.status().get("devices", []) if d.get("device") == device), {})
+    state: dict[str, Any] = next((d for d in client.status().get("devices", []) if d.get("device") == device), {})
     limit = state.get("limits", {}).get("max_orphaned_bytes_per_uid")
     uid = os.getuid() if client.endpoint.startswith("ipc://") else None
     left = next((u["bytes"] for u in state.get("orphaned", {}).get("top_uids", []) if u["uid"] == uid), 0)
