@@ -2,7 +2,7 @@
 ``cuctxd.client.hf_models.from_pretrained``, in one run (``python -m bench.hf_workers``; needs a GPU, torch and
 transformers).
 
-A random-weight Llama (hidden 2048, 16 layers, vocab 32000: about 1.1B parameters, bfloat16) is written with
+A random-weight Llama (hidden 2048, MLP 8192, 16 layers, vocab 32000, untied: 1.1B parameters, bfloat16) is written with
 ``save_pretrained`` (shards plus an index) into a temporary folder. Then, for each way in turn, ``--workers``
 spawned processes start together; each loads the model onto GPU 0 and runs one forward pass over the same prompt.
 Printed: each way's time to the first token (from the processes' common start to each worker's first logits;
@@ -34,7 +34,7 @@ def write_model(folder: str, hidden: int, layers: int, vocab: int) -> int:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
                                       num_attention_heads=hidden // 128, num_key_value_heads=hidden // 512 or 1,
                                       vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=False,
                                       torch_dtype="bfloat16")

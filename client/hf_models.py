@@ -4,8 +4,8 @@
 on a local directory written by ``save_pretrained``. It publishes the checkpoint's safetensors as one layout (as
 ``cuctx load`` does; the same content already published is attached to, other content under the name is refused
 with :class:`~cuctxd.protos.errors.NameExists`), builds the model from its config with every parameter on the
-``meta`` device and every buffer on the model's device (so the buffers transformers computes in ``__init__``,
-non-persistent ones like ``rotary_emb.inv_freq`` included, are computed there, as transformers computes them),
+``meta`` device and every buffer computed as transformers computes it (on the CPU, then moved to the model's
+device: the buffers of ``__init__``, non-persistent ones like ``rotary_emb.inv_freq`` included, bit for bit),
 assigns the mapped tensors as its parameters, and ties the weights transformers ties (a tied ``lm_head`` is absent
 from the checkpoint). The model owns the mapping: the daemon's hold and the mapping end when the model and the last
 of its tensors are gone, not before (no ``BufferError``), and not after (no leak).
@@ -96,11 +96,13 @@ def from_pretrained(pretrained_model_name_or_path: str, *, name: str | None = No
         dtype = _checkpoint_dtype(state) or torch.float32
     target = next(iter(state.values())).device if state else torch.device("cpu")
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"  # 5 renamed it
-    with torch.device(target), _parameters_on_meta():
+    with torch.device("cpu"), _parameters_on_meta():  # buffers computed where transformers computes them
         model = (auto_class or transformers.AutoModelForCausalLM).from_config(config, **{dtype_key: dtype},
                                                                               **model_kwargs)
-    if target.type == "cuda":
-        torch.cuda.empty_cache()  # each parameter was made on the GPU before it went to meta: give the cache back
+    for module in model.modules():  # then moved to the model's device, as its from_pretrained does
+        for key, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta:
+                module._buffers[key] = buffer.to(target)
     _assign(model, state, dtype)
     model._cuctxd_layout = loaded  # the model keeps the mapping: it goes with the model and its last tensor
     return model.eval()
@@ -149,8 +151,8 @@ def _checkpoint_dtype(state: dict[str, Any]) -> Any:
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """While the model is built: each parameter goes to ``meta`` as it is registered (after its module made it,
-    before it is initialized), while buffers stay on the device they were made on (as accelerate's
+    """While the model is built: each parameter goes to ``meta`` as it is registered (after its module made it on
+    the CPU, one at a time, before it is initialized), while buffers stay where they were made (as accelerate's
     ``init_empty_weights(include_buffers=False)``)."""
     import torch
 
