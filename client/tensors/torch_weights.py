@@ -12,12 +12,14 @@ torch is imported only when these are called.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from typing import Any
 
 from cuctxd.client.api.sharing import byte_interface
 from cuctxd.client.tensors.copies import Devices
 from cuctxd.client.tensors.tensor_sets import CudaArray, TensorSet, open_tensors, publish_tensors
+from cuctxd.protos.layouts import DTYPES
 from cuctxd.protos.records import ShareDescriptor
 
 
@@ -36,8 +38,9 @@ def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metada
     tensors: dict[str, Any] = {}
     for key, tensor in state.items():
         tensor = tensor.detach().contiguous()
-        if tensor.dtype == torch.bfloat16:  # no array interface names it: publish its bytes as bfloat16
-            tensors[key] = (tensor.view(torch.int16), "bfloat16")
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype in DTYPES and DTYPES[dtype].typestr is None:  # no array interface names it (bfloat16, float8):
+            tensors[key] = (tensor.view(torch.int16 if DTYPES[dtype].itemsize == 2 else torch.uint8), dtype)
         elif tensor.is_cuda:
             tensors[key] = tensor
         else:
@@ -45,23 +48,41 @@ def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metada
     return publish_tensors(client, name, tensors, metadata, device=device)
 
 
+def _host_base(share: Any, keep: object) -> Any:
+    """A uint8 numpy array over the sim share's bytes. Without ``keep``, it exports the mapping (closing the share
+    while a tensor over it lives is a ``BufferError``). With ``keep``, it holds no export: it is made at the
+    mapping's address and holds ``keep``, whose finalizer closes the share once the array, and so the last
+    tensor over it, is gone (a finalizer that ran while an export lived would fail to unmap)."""
+    import numpy
+
+    exported = numpy.frombuffer(share.host_view(), numpy.uint8, share.size)
+    if keep is None:
+        return exported
+    address = exported.ctypes.data
+    del exported  # no export of the mapping is left
+    raw = (ctypes.c_uint8 * share.size).from_address(address)
+    raw.keep = keep  # type: ignore[attr-defined]  # freed after the numpy array over it
+    return numpy.ctypeslib.as_array(raw)
+
+
 class LoadedState:
     """The tensors published as one name, as torch tensors aliasing the daemon's memory: views of one
     uint8 tensor over the whole buffer (one ``torch.as_tensor``, then a slice and a view per tensor,
     which costs a fraction of an array-interface import each)."""
 
-    def __init__(self, tensors: TensorSet) -> None:
+    def __init__(self, tensors: TensorSet, keep: object = None) -> None:
+        """``keep``: an object the tensors keep alive, freed once the last of them is (see :func:`load_state_dict`)."""
         torch = _torch()
         self.tensors = tensors
         self.metadata = tensors.metadata
         share = tensors.share
         if share.backend == "cuda":
             # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
-            base = torch.as_tensor(CudaArray(byte_interface(share.ptr, share.size, False)), device="cuda")
+            array = CudaArray(byte_interface(share.ptr, share.size, False))
+            array.keep = keep  # type: ignore[attr-defined]  # torch holds the array until the last tensor over it is freed
+            base = torch.as_tensor(array, device="cuda")
         else:
-            import numpy
-
-            base = torch.from_numpy(numpy.frombuffer(share.host_view(), numpy.uint8, share.size))
+            base = torch.from_numpy(_host_base(share, keep))  # torch holds the array until its last tensor goes
         self.state_dict: dict[str, Any] = {}
         for key, shared in tensors.items():
             spec = shared.spec
@@ -80,8 +101,11 @@ class LoadedState:
         self.close()
 
 
-def load_state_dict(client: Any, name: str, *, writable: bool = False, device: int | None = None) -> LoadedState:
+def load_state_dict(client: Any, name: str, *, writable: bool = False, device: int | None = None,
+                    keep: object = None) -> LoadedState:
     """Map the state dict published as ``name``: its copy on ``device``, by default on this process's current GPU
     (:func:`~cuctxd.client.tensors.tensor_sets.open_tensors`); ``module.load_state_dict(loaded.state_dict,
-    assign=True)`` makes a module use the shared memory itself."""
-    return LoadedState(open_tensors(client, name, writable=writable, device=device))
+    assign=True)`` makes a module use the shared memory itself. ``keep``: an object that lives exactly as long as
+    the last tensor over the mapping; its finalizer may close the tensors then (no tensor is left to use them,
+    and on the sim no export of the mapping is held)."""
+    return LoadedState(open_tensors(client, name, writable=writable, device=device), keep)
