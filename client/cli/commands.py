@@ -167,9 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "model.safetensors.index.json, else every *.safetensors in it) "
                                                    "or an index .json")
     load.add_argument("--name", required=True, help="the name to publish the layout under")
-    load.add_argument("--device", type=_devices, default=None, metavar="N", help="the device (default: 0); N,M,... or 'all': a "
-                      "copy on each, read onto the first and filled from it on the GPU; a name present elsewhere "
-                      "with this content gets a copy here")
+    load.add_argument("--device", type=_devices, default=None, metavar="N",
+                      help="the device (default: 0); N,M,... or 'all': a copy on each, read onto the first and "
+                           "filled from it on the GPU; a name present elsewhere with this content gets a copy here")
     load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
     load.add_argument("--replace", action="store_true", help="if the name holds other content, swap it for this "
                                                             "(sessions that opened the old one keep it)")
