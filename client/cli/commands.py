@@ -32,7 +32,7 @@ from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys
 from cuctxd.client.wire.transport import listening, someone_listens
 from cuctxd.protos import digests
 from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
-from cuctxd.protos.errors import CuctxError
+from cuctxd.protos.errors import BadArgument, CuctxError
 from cuctxd.protos.sizes import human_size
 from cuctxd.protos.version import __version__
 
@@ -102,6 +102,18 @@ def _ordinal(text: str) -> int:
     return value
 
 
+def _devices(text: str) -> str:
+    """``cuctx load --device``: ``all``, ``N`` or ``N,M,...`` (each 0 or more, each once), checked before any daemon
+    is asked; the devices the daemon serves are checked when it is (``CUDA_ERROR_INVALID_DEVICE``)."""
+    from cuctxd.client.tensors.copies import parse_devices
+
+    try:
+        parse_devices(text)
+    except BadArgument as error:
+        raise argparse.ArgumentTypeError(error.message) from None
+    return text
+
+
 def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     """The options every command takes; on a command's parser (``defaults=False``) an option left out
     keeps what was given before the command, or the main parser's default."""
@@ -159,9 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "model.safetensors.index.json, else every *.safetensors in it) "
                                                    "or an index .json")
     load.add_argument("--name", required=True, help="the name to publish the layout under")
-    load.add_argument("--device", default=None, metavar="N", help="the device (default: 0); N,M,... or 'all': a "
-                      "copy on each, read onto the first and filled from it on the GPU; a name present elsewhere "
-                      "with this content gets a copy here")
+    load.add_argument("--device", type=_devices, default=None, metavar="N",
+                      help="the device (default: 0); N,M,... or 'all': a copy on each, read onto the first and "
+                           "filled from it on the GPU; a name present elsewhere with this content gets a copy here")
     load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
     load.add_argument("--replace", action="store_true", help="if the name holds other content, swap it for this "
                                                             "(sessions that opened the old one keep it)")
@@ -338,7 +350,7 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
     layout per rank, ``NAME/rank-R``, on the device given for it), with one progress line for all its files on a
     terminal; the same content already there is said and left as it is."""
     from cuctxd.client.tensors.checkpoints import tensor_parallel_ranks
-    from cuctxd.client.tensors.copies import parse_devices
+    from cuctxd.client.tensors.copies import parse_devices, served_devices
     from cuctxd.client.tensors.ranks import load_ranks, rank_name
     from cuctxd.client.tensors.safetensors_load import load_safetensors
 
@@ -351,7 +363,7 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
             print(f"\rloading {args.path}: {100 * done // max(total, 1):3d}% ({human_size(done)} of "
                   f"{human_size(total)})", end="", file=sys.stderr, flush=True)
 
-    devices = None if args.device is None else parse_devices(args.device, len(client.devices()))
+    devices = None if args.device is None else served_devices(parse_devices(args.device), len(client.devices()))
     started = time.perf_counter()
     try:
         if tensor_parallel_ranks(args.path):
