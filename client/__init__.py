@@ -8,6 +8,7 @@ from cuctxd.client.api.sharing import AsyncOpenedShare, OpenedShare
 from cuctxd.client.api.streams import AsyncEvent, AsyncStream, Event, Stream
 from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer, HostBuffer
 from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors, publish_tensors
+from cuctxd.client.tensors.torch_weights import LoadedState, load_state_dict, publish_state_dict
 from cuctxd.client.tensors.versions import publish_version, wait_version
 from cuctxd.protos.errors import (
     BadArgument,
@@ -45,8 +46,9 @@ __all__ = [
     "AsyncBuffer", "AsyncClient", "AsyncContext", "AsyncEvent", "AsyncHostBuffer", "AsyncOpenedShare", "AsyncPipeline",
     "AsyncStream", "BadArgument", "BadOp", "BadRequest", "Buffer", "Client", "ConnectionLost", "Context", "CuctxError",
     "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "DigestMismatch", "Event", "HostBuffer", "LimitExceeded",
-    "NameExists", "NoAccess", "NoDaemon", "NotFound", "NotOwner", "NotParked", "NotShareable", "OpenedShare",
-    "OutOfRange", "Pipeline", "Revoked", "SessionClosed", "SessionExpired", "SessionLost", "ShareDescriptor", "Stream",
-    "TensorSet", "TimedOut", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch", "WrongBackend",
-    "open_tensors", "publish_tensors", "publish_version", "wait_version",
+    "LoadedState", "NameExists", "NoAccess", "NoDaemon", "NotFound", "NotOwner", "NotParked", "NotShareable",
+    "OpenedShare", "OutOfRange", "Pipeline", "Revoked", "SessionClosed", "SessionExpired", "SessionLost",
+    "ShareDescriptor", "Stream", "TensorSet", "TimedOut", "TooLarge", "UnknownHandle", "UnknownSession",
+    "VersionMismatch", "WrongBackend", "load_state_dict", "open_tensors", "publish_state_dict", "publish_tensors",
+    "publish_version", "wait_version",
 ]

@@ -24,9 +24,20 @@ def default_endpoint() -> str:
     return f"ipc://{default_socket_dir() / SOCKET_NAME}"
 
 
-def client_endpoint(explicit: str | None = None) -> str:
-    """What a client connects to: the argument, else ``$CUCTXD_ENDPOINT``, else the default."""
-    return explicit or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+#: The system daemon's socket: where the shipped systemd unit and the Kubernetes DaemonSet listen.
+SYSTEM_SOCKET = "/run/cuctxd/cuctxd.sock"
+
+
+def client_endpoint(explicit: str | None = None, *, system_socket: str = SYSTEM_SOCKET) -> str:
+    """What a client connects to, in this order: the argument; ``$CUCTXD_ENDPOINT``; the per-user socket
+    (:func:`default_endpoint`) where it exists; the system socket (``system_socket``) where it exists; else the
+    per-user socket (what the error then names, as the one ``cuctxd`` started by this user listens on)."""
+    if explicit or os.environ.get(ENDPOINT_ENV):
+        return explicit or os.environ[ENDPOINT_ENV]
+    own = default_socket_dir() / SOCKET_NAME
+    if not own.exists() and os.path.exists(system_socket):
+        return f"ipc://{system_socket}"
+    return f"ipc://{own}"
 
 
 #: Longest ipc:// path the kernel takes (``sun_path`` is 108 bytes with its NUL).

@@ -43,7 +43,8 @@ class DType:
     dlpack: tuple[int, int]
 
 
-#: The element types a manifest may name (DLPack codes: 0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool).
+#: The element types a manifest may name (DLPack codes: 0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool,
+#: 10 float8_e4m3fn, 12 float8_e5m2, 14 float8_e8m0fnu; names as torch spells them).
 DTYPES: dict[str, DType] = {
     "bool": DType(1, "|b1", (6, 8)),
     "int8": DType(1, "|i1", (0, 8)), "int16": DType(2, "<i2", (0, 16)),
@@ -52,6 +53,8 @@ DTYPES: dict[str, DType] = {
     "uint32": DType(4, "<u4", (1, 32)), "uint64": DType(8, "<u8", (1, 64)),
     "float16": DType(2, "<f2", (2, 16)), "float32": DType(4, "<f4", (2, 32)), "float64": DType(8, "<f8", (2, 64)),
     "bfloat16": DType(2, None, (4, 16)),
+    "float8_e4m3fn": DType(1, None, (10, 8)), "float8_e5m2": DType(1, None, (12, 8)),
+    "float8_e8m0fnu": DType(1, None, (14, 8)),
     "complex64": DType(8, "<c8", (5, 64)), "complex128": DType(16, "<c16", (5, 128)),
 }
 #: numpy/array-interface ``typestr`` -> dtype name (``=`` and ``<`` alike: little-endian hosts).

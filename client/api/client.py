@@ -30,7 +30,7 @@ from cuctxd.client.wire.routes import Router
 from cuctxd.client.wire.session import SessionState
 from cuctxd.client.wire.shm_lane import ShmTransport
 from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, Transport, curve_keys, daemon_watch
-from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, Call, DaemonWatch, listening, no_access, no_daemon
+from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, Call, DaemonWatch, no_access, no_daemon, someone_listens
 from cuctxd.protos.endpoints import client_endpoint
 from cuctxd.protos.errors import CuctxError, NoDaemon, SessionClosed, UnknownSession
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
@@ -117,7 +117,7 @@ class Client(SessionState):
         denied = no_access(self.endpoint, "hello")
         if denied is not None:
             raise denied
-        if not listening(self.endpoint):
+        if not someone_listens(self.endpoint):
             raise no_daemon(self.endpoint, "hello")
         self._watch = watch = daemon_watch(self.endpoint, self.curve)
         main = Transport(self.endpoint, self.timeout, self.curve, watch=watch)

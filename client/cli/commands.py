@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from cuctxd.client.api.client import Client
 from cuctxd.client.cli.doctor import FAIL, run_checks
+from cuctxd.client.cli.layouts import inspect_layout, inspect_text
 from cuctxd.client.cli.tables import (
     devices_table,
     doctor_text,
@@ -28,7 +29,7 @@ from cuctxd.client.cli.tables import (
     watch_frame,
 )
 from cuctxd.client.wire.socket_transport import CurveKeys, curve_keys
-from cuctxd.client.wire.transport import listening
+from cuctxd.client.wire.transport import listening, someone_listens
 from cuctxd.protos import digests
 from cuctxd.protos.endpoints import ENDPOINT_ENV, BadEndpoint, check_endpoint, client_endpoint
 from cuctxd.protos.errors import BadArgument, CuctxError
@@ -101,6 +102,18 @@ def _ordinal(text: str) -> int:
     return value
 
 
+def _devices(text: str) -> str:
+    """``cuctx load --device``: ``all``, ``N`` or ``N,M,...`` (each 0 or more, each once), checked before any daemon
+    is asked; the devices the daemon serves are checked when it is (``CUDA_ERROR_INVALID_DEVICE``)."""
+    from cuctxd.client.tensors.copies import parse_devices
+
+    try:
+        parse_devices(text)
+    except BadArgument as error:
+        raise argparse.ArgumentTypeError(error.message) from None
+    return text
+
+
 def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     """The options every command takes; on a command's parser (``defaults=False``) an option left out
     keeps what was given before the command, or the main parser's default."""
@@ -111,7 +124,7 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
     group = parser.add_argument_group("global options (before or after the command)")
     group.add_argument("--endpoint", default=default(None),
                        help=f"daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: ${ENDPOINT_ENV}, "
-                            "else the per-user socket)")
+                            "else the per-user socket where it exists, else /run/cuctxd/cuctxd.sock where it exists)")
     group.add_argument("--timeout", type=_seconds, default=default(10.0),
                        help="seconds to wait for the daemon, connecting included (default 10)")
     group.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
@@ -124,18 +137,21 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cuctx", description="Query and manage a running cuctxd daemon.",
-                     epilog="'cuctx help COMMAND' shows the options of one command.")
+                     epilog="'cuctx help COMMAND' shows the options of one command.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"cuctx {__version__}")
     _add_global_options(parser, defaults=True)
-    globals_ = _Parser(add_help=False)
+    globals_ = _Parser(add_help=False, allow_abbrev=False)
     _add_global_options(globals_, defaults=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=help, description=help, parents=[globals_])
+        return commands.add_parser(name, help=help, description=help, parents=[globals_], allow_abbrev=False)
 
     ping = command("ping", "round-trip time to the daemon")
     ping.add_argument("-c", "--count", type=_count, default=1, help="number of pings")
+    ping.add_argument("--wait", type=_seconds, default=None, metavar="S",
+                      help="wait up to S seconds for a daemon to listen (one just started), instead of failing at "
+                           "once when nothing listens")
     ping.add_argument("--ready", action="store_true", help="then exit 1 while the daemon is still preloading its "
                                                            "checkpoints (a readiness probe)")
     command("devices", "the devices the daemon serves")
@@ -155,9 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "model.safetensors.index.json, else every *.safetensors in it) "
                                                    "or an index .json")
     load.add_argument("--name", required=True, help="the name to publish the layout under")
-    load.add_argument("--device", default=None, metavar="N", help="the device (default: 0); N,M,... or 'all': a "
-                      "copy on each, read onto the first and filled from it on the GPU; a name present elsewhere "
-                      "with this content gets a copy here")
+    load.add_argument("--device", type=_devices, default=None, metavar="N",
+                      help="the device (default: 0); N,M,... or 'all': a copy on each, read onto the first and "
+                           "filled from it on the GPU; a name present elsewhere with this content gets a copy here")
     load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
     load.add_argument("--replace", action="store_true", help="if the name holds other content, swap it for this "
                                                             "(sessions that opened the old one keep it)")
@@ -168,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     wait.add_argument("--after", type=_ordinal, default=0, metavar="N", help="the version you have (default 0)")
     wait.add_argument("--wait", type=_seconds, default=None, metavar="S",
                       help="give up after S seconds (exit 1; default: wait until it comes)")
+    inspect = command("inspect", "one layout: its tensors (dtype, shape, offset, bytes), digest, copies and holders")
+    inspect.add_argument("name", metavar="NAME", help="the layout's name, as 'cuctx shared' lists it")
     unpublish = command("unpublish", "remove a published name (one published by your user; any, as the "
                                      "daemon's user)")
     unpublish.add_argument("name", metavar="NAME", help="the name, as 'cuctx shared' lists it")
@@ -198,6 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(argv: Sequence[str] | None = None) -> int:
     """:func:`main` without the broken-pipe handling: parse, then run one command; the exit status."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    misspelled = unknown_option(parser, argv)
+    if misspelled is not None:
+        print(f"cuctx: {misspelled} (try 'cuctx --help')", file=sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     if args.command == "help":
         return show_help(parser, args.topic)
@@ -213,6 +236,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return doctor(args, endpoint, curve)
     if args.command == "status" and args.watch:
         return watch_status(args, endpoint, curve)
+    if args.command == "ping" and args.wait is not None:
+        _wait_for_listener(endpoint, args.wait)
     try:
         with _client(endpoint, args, curve) as client:
             if args.command == "ping":
@@ -244,6 +269,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             elif args.command == "wait-version":
                 version = client.wait_version(args.name, args.after, args.wait)
                 _say(args, {"name": args.name, "version": version}, f"{args.name!r} version {version}")
+            elif args.command == "inspect":
+                layout = inspect_layout(client, args.name)
+                print(json.dumps(layout) if args.json else inspect_text(layout))
             elif args.command == "unpublish":
                 client.unpublish(args.name, device=args.device)
                 where = "" if args.device is None else f" on device {args.device}"
@@ -257,9 +285,40 @@ def run(argv: Sequence[str] | None = None) -> int:
                 client.close()  # before the drain ends it
                 return _wait_for_exit(args, endpoint, pid)
     except CuctxError as exc:
-        print(f"cuctx: {exc}", file=sys.stderr)
+        if args.json:  # a script reading --json gets an error it can parse too
+            print(json.dumps({"error": exc.name, "code": exc.code,
+                              "message": str(exc)}), file=sys.stderr)
+        else:
+            print(f"cuctx: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def unknown_option(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """The first ``--option`` neither ``cuctx`` nor its command knows, named with the closest known one, before
+    argparse would report something else first (a required ``--name`` for ``load --nmae``)."""
+    choices: dict[str, argparse.ArgumentParser] = parser.get_default("command_parsers")
+    command = next((arg for arg in argv if arg in choices), None)
+    known = {option for action in parser._actions for option in action.option_strings}
+    if command is not None:
+        known |= {option for action in choices[command]._actions for option in action.option_strings}
+    for arg in argv:
+        if arg == "--":
+            break
+        given = arg.split("=", 1)[0]
+        if given.startswith("--") and given not in known:
+            close = difflib.get_close_matches(given, sorted(known), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            return f"unrecognized option '{given}'{hint}"
+    return None
+
+
+def _wait_for_listener(endpoint: str, seconds: float) -> None:
+    """``ping --wait``: until something listens at ``endpoint`` or ``seconds`` pass (then ping says why not).
+    A poll every 50 ms: a daemon starting elsewhere tells this process nothing."""
+    deadline = time.monotonic() + seconds
+    while not someone_listens(endpoint) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _client(endpoint: str, args: argparse.Namespace, curve: CurveKeys | None) -> Client:
@@ -301,7 +360,7 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
     layout per rank, ``NAME/rank-R``, on the device given for it), with one progress line for all its files on a
     terminal; the same content already there is said and left as it is."""
     from cuctxd.client.tensors.checkpoints import tensor_parallel_ranks
-    from cuctxd.client.tensors.copies import parse_devices
+    from cuctxd.client.tensors.copies import parse_devices, served_devices
     from cuctxd.client.tensors.ranks import load_ranks, rank_name
     from cuctxd.client.tensors.safetensors_load import load_safetensors
 
@@ -314,7 +373,7 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
             print(f"\rloading {args.path}: {100 * done // max(total, 1):3d}% ({human_size(done)} of "
                   f"{human_size(total)})", end="", file=sys.stderr, flush=True)
 
-    devices = None if args.device is None else parse_devices(args.device, len(client.devices()))
+    devices = None if args.device is None else served_devices(parse_devices(args.device), len(client.devices()))
     started = time.perf_counter()
     try:
         if tensor_parallel_ranks(args.path) and args.version:

@@ -42,7 +42,8 @@ MAX_INDEX_BYTES = 64 << 20
 #: safetensors dtype names -> layout dtype names.
 SAFETENSORS_DTYPES = {"BOOL": "bool", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
                       "U16": "uint16", "U32": "uint32", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-                      "F32": "float32", "F64": "float64", "C64": "complex64"}
+                      "F32": "float32", "F64": "float64", "C64": "complex64",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 
 
 @dataclass(frozen=True)

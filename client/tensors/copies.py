@@ -23,6 +23,7 @@ from typing import Any
 
 from cuctxd.client.api.objects import Buffer
 from cuctxd.client.wire import build
+from cuctxd.protos.cuda_results import CUresult
 from cuctxd.protos.errors import BadArgument, CudaError, NoCopy, NotShareable
 from cuctxd.protos.records import ShareDescriptor
 from cuctxd.protos.sizes import human_size
@@ -68,27 +69,48 @@ Devices = int | Sequence[int] | str | None
 
 
 def first_and_copies(client: Any, device: Devices) -> tuple[int | None, list[int]]:
-    """``device`` as the device a layout is filled on and those that get copies of it."""
+    """``device`` as the device a layout is filled on and those that get copies of it, checked before anything is
+    read (:func:`served_devices`)."""
     if device is None or isinstance(device, int):
         return device, []
-    devices = parse_devices(device, len(client.devices())) if isinstance(device, str) else list(device)
+    wanted = parse_devices(device) if isinstance(device, str) else _each_once(device, f"device={device!r}")
+    devices = served_devices(wanted, len(client.devices()))
     if not devices:
         raise BadArgument("a layout is published on at least one device")
     return devices[0], devices[1:]
 
 
-def parse_devices(text: str, count: int) -> list[int]:
-    """``--device``'s value: ``all`` (every device of the daemon's ``count``), ``N`` or ``N,M,...`` (in that order,
-    the first the one the checkpoint is read onto); :class:`BadArgument` otherwise."""
+def parse_devices(text: str) -> list[int] | None:
+    """``--device``'s value as written: None for ``all`` (every device the daemon has), else the numbers of ``N`` or
+    ``N,M,...`` in that order (the first the one the checkpoint is read onto); :class:`BadArgument` for anything
+    else. It asks no daemon, so that cuctx checks it while parsing its arguments."""
     if text == "all":
-        return list(range(count))
+        return None
     try:
         devices = [int(part) for part in text.split(",")]
     except ValueError:
-        raise BadArgument(f"--device {text!r}: a device number, several separated by commas, or 'all'") from None
-    wrong = [device for device in devices if not 0 <= device < count]
-    if wrong or len(set(devices)) != len(devices):
-        raise BadArgument(f"--device {text!r}: each device once, each of 0..{count - 1} (the daemon has {count})")
+        raise BadArgument(f"devices {text!r}: a device number, several separated by commas, or 'all'") from None
+    return _each_once(devices, f"devices {text!r}")
+
+
+def _each_once(devices: Sequence[int], said: str) -> list[int]:
+    """``devices`` as a list; :class:`BadArgument` naming ``said`` where one is negative or named twice."""
+    if any(device < 0 for device in devices):
+        raise BadArgument(f"{said}: each device number must be 0 or more")
+    if len(set(devices)) != len(devices):
+        raise BadArgument(f"{said}: each device once")
+    return list(devices)
+
+
+def served_devices(devices: list[int] | None, count: int) -> list[int]:
+    """``devices`` (None: each of the daemon's ``count``) where the daemon serves each; one it does not raises
+    ``CUDA_ERROR_INVALID_DEVICE`` as the daemon would, before a byte is read for the others."""
+    if devices is None:
+        return list(range(count))
+    for device in devices:
+        if device >= count:
+            raise CudaError.of(CUresult.CUDA_ERROR_INVALID_DEVICE,
+                               f"device {device}; this daemon serves {count} device(s)")
     return devices
 
 
@@ -169,4 +191,4 @@ def _copy_mapped(target: Any, source: Any, size: int) -> None:
 
 
 __all__ = ["SIM_VISIBLE_DEVICES", "Devices", "caller_device", "ensure_copy", "first_and_copies", "parse_devices",
-           "stage_copies"]
+           "served_devices", "stage_copies"]

@@ -36,6 +36,7 @@ from cuctxd.protos.errors import (
     CuctxError,
     CudaError,
     DigestMismatch,
+    LimitExceeded,
     NameExists,
     NoCopy,
     NoDaemon,
@@ -93,11 +94,12 @@ def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: D
         return _with_copies(client, name, _same_content(client, checkpoint, manifest, name, published), device)
     known = _manifest_of(published)
     theirs = None if known is None else known.digest
+    first = client.get_device() if first is None else first
+    _refuse_before_reading(client, path, size, first, len(manifest.tensors), orphans=published is None)
     with _opened(checkpoint) as fds:
         ranges = [FileRange(fds[t.shard], t.offset, t.nbytes, offset)
                   for t, offset in zip(checkpoint.tensors, offsets, strict=True)]
 
-        first = client.get_device() if first is None else first
         try:  # the buffer is made while the first chunks are read
             with load_into_new_buffer(client, build.alloc(client, Buffer, size, first, True), first, ranges,
                                       digest=digest, progress=progress) as (buffer, found):
@@ -118,6 +120,31 @@ def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: D
             raise BadArgument(f"{path}: reading the checkpoint failed: {exc}") from None
     return Loaded(descriptor, check_manifest(descriptor.manifest, descriptor.size).digest, True,
                   replaced=published is not None)
+
+
+def _refuse_before_reading(client: Any, path: str, size: int, device: int, tensors: int, *, orphans: bool) -> None:
+    """A load that would pass a limit, refused before a byte of the checkpoint is read, naming the setting to
+    raise: the memory this session may take on ``device`` (``session_quota``, else the device's free memory
+    less ``device_reserve``), and, for a new name (``orphans``), ``max_orphaned_bytes_per_uid`` (the layout
+    outlives this session). The daemon
+    still enforces both; this only saves reading a checkpoint that cannot stay."""
+    memory = client.memory_info(device)
+    if size > memory["free"]:
+        setting = ("the daemon's session_quota (--session-quota)" if memory.get("limited_by") == "quota"
+                   else "free memory on the device, or lower the daemon's device_reserve (--device-reserve)")
+        raise no_room(client, CudaError(2, "CUDA_ERROR_OUT_OF_MEMORY", f"refused before reading {path}: raise "
+                                        f"{setting}"), size, device, tensors)
+    if not orphans:
+        return
+    state: dict[str, Any] = next((d for d in client.status().get("devices", []) if d.get("device") == device), {})
+    limit = state.get("limits", {}).get("max_orphaned_bytes_per_uid")
+    uid = os.getuid() if client.endpoint.startswith("ipc://") else None
+    left = next((u["bytes"] for u in state.get("orphaned", {}).get("top_uids", []) if u["uid"] == uid), 0)
+    if limit and left + size > limit:
+        raise LimitExceeded(f"max_orphaned_bytes_per_uid: {path} needs {size} bytes on device {device}, and this "
+                            f"user already leaves {left} of at most {limit} there in names whose owner is gone: "
+                            "raise the daemon's max_orphaned_bytes_per_uid (--max-orphaned-bytes-per-uid), or "
+                            "unpublish some first; nothing was read", "publish")
 
 
 def _with_copies(client: Any, name: str, loaded: Loaded, devices: Devices) -> Loaded:
@@ -184,7 +211,8 @@ def _same_content(client: Any, checkpoint: Checkpoint, manifest: Manifest, name:
         raise NameExists(f"{name!r} is published already by {_holder(published)}, without a content digest to "
                          "compare this checkpoint with: load with --replace (replace=True) to swap it, or choose "
                          "another name")
-    if [(t.name, t.dtype, t.shape) for t in known.tensors] != [(t.name, t.dtype, t.shape) for t in manifest.tensors]:
+    if sorted((t.name, t.dtype, t.shape) for t in known.tensors) != sorted(
+            (t.name, t.dtype, t.shape) for t in manifest.tensors):  # in any order: one file and its shards alike
         differs = "this checkpoint has other tensors"
     else:
         ours = checkpoint_digest(checkpoint)

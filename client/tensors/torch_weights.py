@@ -12,6 +12,7 @@ torch is imported only when these are called.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,8 +41,8 @@ def publishable(module_or_state_dict: Any) -> dict[str, Any]:
     (copied device to device), host ones as numpy arrays, bfloat16 as its bytes named bfloat16."""
     torch = _torch()
     state = module_or_state_dict.state_dict() if hasattr(module_or_state_dict, "state_dict") else module_or_state_dict
-    typestrs = {getattr(torch, name): (spec.typestr or "<i2", name) for name, spec in DTYPES.items()
-                if hasattr(torch, name) and spec.itemsize in (1, 2, 4, 8)}
+    typestrs = {getattr(torch, name): (spec.typestr or ("<i2" if spec.itemsize == 2 else "|u1"), name)
+                for name, spec in DTYPES.items() if hasattr(torch, name) and spec.itemsize in (1, 2, 4, 8)}
     tensors: dict[str, Any] = {}
     for key, tensor in state.items():
         tensor = tensor.detach().contiguous()
@@ -51,8 +52,9 @@ def publishable(module_or_state_dict: Any) -> dict[str, Any]:
             interface = {"shape": tuple(tensor.shape), "typestr": typestr, "data": (tensor.data_ptr(), False),
                          "version": 3, "strides": None}
             tensors[key] = (CudaArray(interface, tensor), name)  # the tensor (a contiguous copy) lives as long
-        elif tensor.dtype == torch.bfloat16:  # no array interface names it: publish its bytes as bfloat16
-            tensors[key] = (tensor.view(torch.int16), "bfloat16")
+        elif (dtype := str(tensor.dtype).removeprefix("torch.")) in DTYPES and DTYPES[dtype].typestr is None:
+            # no array interface names it (bfloat16, float8): its bytes as an integer of its size
+            tensors[key] = (tensor.view(torch.int16 if DTYPES[dtype].itemsize == 2 else torch.uint8), dtype)
         elif tensor.is_cuda:
             tensors[key] = tensor
         else:
@@ -60,12 +62,30 @@ def publishable(module_or_state_dict: Any) -> dict[str, Any]:
     return tensors
 
 
+def _host_base(share: Any, keep: object) -> Any:
+    """A uint8 numpy array over the sim share's bytes. Without ``keep``, it exports the mapping (closing the share
+    while a tensor over it lives is a ``BufferError``). With ``keep``, it holds no export: it is made at the
+    mapping's address and holds ``keep``, whose finalizer closes the share once the array, and so the last
+    tensor over it, is gone (a finalizer that ran while an export lived would fail to unmap)."""
+    import numpy
+
+    exported = numpy.frombuffer(share.host_view(), numpy.uint8, share.size)
+    if keep is None:
+        return exported
+    address = exported.ctypes.data
+    del exported  # no export of the mapping is left
+    raw = (ctypes.c_uint8 * share.size).from_address(address)
+    raw.keep = keep  # type: ignore[attr-defined]  # freed after the numpy array over it
+    return numpy.ctypeslib.as_array(raw)
+
+
 class LoadedState:
     """The tensors published as one name, as torch tensors aliasing the daemon's memory: views of one
     uint8 tensor over the whole buffer (one ``torch.as_tensor``, then a slice and a view per tensor,
     which costs a fraction of an array-interface import each). ``version``: the name's version it is."""
 
-    def __init__(self, tensors: TensorSet) -> None:
+    def __init__(self, tensors: TensorSet, keep: object = None) -> None:
+        """``keep``: an object the tensors keep alive, freed once the last of them is (see :func:`load_state_dict`)."""
         torch = _torch()
         self.tensors = tensors
         self.metadata = tensors.metadata
@@ -73,11 +93,11 @@ class LoadedState:
         share = tensors.share
         if share.backend == "cuda":
             # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
-            base = torch.as_tensor(CudaArray(byte_interface(share.ptr, share.size, False)), device="cuda")
+            array = CudaArray(byte_interface(share.ptr, share.size, False))
+            array.keep = keep  # type: ignore[attr-defined]  # torch holds the array until the last tensor over it is freed
+            base = torch.as_tensor(array, device="cuda")
         else:
-            import numpy
-
-            base = torch.from_numpy(numpy.frombuffer(share.host_view(), numpy.uint8, share.size))
+            base = torch.from_numpy(_host_base(share, keep))  # torch holds the array until its last tensor goes
         self.state_dict: dict[str, Any] = {}
         whole: dict[str, Any] = {}  # the buffer viewed as each dtype: one as_strided a tensor then
         for key, shared in tensors.items():
@@ -128,11 +148,14 @@ class LoadedState:
         self.close()
 
 
-def load_state_dict(client: Any, name: str, *, writable: bool = False, device: int | None = None) -> LoadedState:
+def load_state_dict(client: Any, name: str, *, writable: bool = False, device: int | None = None,
+                    keep: object = None) -> LoadedState:
     """Map the state dict published as ``name``: its copy on ``device``, by default on this process's current GPU
     (:func:`~cuctxd.client.tensors.tensor_sets.open_tensors`); ``module.load_state_dict(loaded.state_dict,
-    assign=True)`` makes a module use the shared memory itself."""
-    return LoadedState(open_tensors(client, name, writable=writable, device=device))
+    assign=True)`` makes a module use the shared memory itself. ``keep``: an object that lives exactly as long as
+    the last tensor over the mapping; its finalizer may close the tensors then (no tensor is left to use them,
+    and on the sim no export of the mapping is held)."""
+    return LoadedState(open_tensors(client, name, writable=writable, device=device), keep)
 
 
 def _named_tensors(module: Any) -> dict[str, Any]:

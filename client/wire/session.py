@@ -18,7 +18,6 @@ from typing import Any, Protocol, TypeVar
 from cuctxd.client.wire.build import Plan, Request
 from cuctxd.client.wire.routes import device_endpoints
 from cuctxd.client.wire.stream_ordered import Outbox
-from cuctxd.client.wire.transport import not_listening
 from cuctxd.protos.errors import ConnectionLost, CuctxError, DaemonRestarted, NoDaemon, SessionClosed, SessionLost
 
 T = TypeVar("T")
@@ -92,7 +91,8 @@ class SessionState:
         """The session is gone (the daemon stopped, or restarted and forgot it): remember it, so later
         calls fail at once (or reconnect), and return the error to raise."""
         if isinstance(error, NoDaemon) and not isinstance(error, DaemonRestarted):
-            why = f"{not_listening(self.endpoint)} any more"
+            why = (f"the daemon at {self.endpoint} stopped: nothing listens there any more "
+                   "(start it again with `cuctxd`)")
         elif isinstance(error, SessionClosed):
             why = f"the daemon at {self.endpoint} says {error.message}"
         else:

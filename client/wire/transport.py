@@ -167,8 +167,11 @@ def _tcp_refused(endpoint: str) -> bool:
         return False
 
 
-def _someone_listens(endpoint: str) -> bool:
-    """Whether anyone listens at ``endpoint`` now: :func:`listening` for ipc://, a plain connection for tcp://."""
+def someone_listens(endpoint: str) -> bool:
+    """Whether anyone listens at ``endpoint`` now: :func:`listening` for ipc://, a plain connection for tcp://
+    (a refused one: nobody; a host that does not answer within :data:`PROBE_TIMEOUT` cannot be told, True).
+    A client asks before ``hello``, so that a tcp:// endpoint with nothing there fails at once, not after the
+    whole timeout."""
     if endpoint.startswith("tcp://"):
         return not _tcp_refused(endpoint)
     return listening(endpoint)
@@ -280,7 +283,7 @@ class DaemonWatch:
         with self._lock:
             if self._pidfd is not None:
                 return self._after_exit() if _exited(self._pidfd) else None
-        if not _someone_listens(self.endpoint):
+        if not someone_listens(self.endpoint):
             return no_daemon(self.endpoint)
         if self.instance is None or self._dealer is None:
             return None
@@ -290,7 +293,7 @@ class DaemonWatch:
         return None
 
     def _after_exit(self) -> NoDaemon:
-        return daemon_restarted(self.endpoint) if _someone_listens(self.endpoint) else no_daemon(self.endpoint)
+        return daemon_restarted(self.endpoint) if someone_listens(self.endpoint) else no_daemon(self.endpoint)
 
     def _ping(self) -> dict[str, Any] | None:
         """``ping``'s result on a new socket, or None without one within :data:`PROBE_TIMEOUT`."""

@@ -91,10 +91,10 @@ class DeviceLimits(PayloadLimit):
     max_shm_lanes: int = count(DEFAULT_MAX_SHM_LANES, "shm lanes open to each device at once; beyond, sessions use "
                                "the socket", zero="no limit", security=True, limit=True)
     #: Most bytes of published shares whose owner is gone and nobody holds, of one owner uid here
-    #: (0: half the device's memory; never none).
+    #: (0: the device's memory; never none).
     max_orphaned_bytes_per_uid: int = size(0, "bytes of published buffers whose owner left and nobody holds, per "
                                            "user and device; publish is refused beyond it",
-                                           shown="0: half the device's memory", security=True, limit=True)
+                                           shown="0: the device's memory", security=True, limit=True)
     #: Seconds the primary context is kept after its last reference went (0: released at once); freed host
     #: buffers are kept as long, within ``kept_host_memory`` bytes (0: none).
     primary_keep: float = seconds(DEFAULT_PRIMARY_KEEP, "keep a device's primary context this long after its last "

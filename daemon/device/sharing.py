@@ -76,8 +76,8 @@ class Sharing:
         self.orphaned: dict[str, Share] = {}
         #: Their bytes by owner uid (None: unknown, tcp://), what ``max_orphaned_bytes_per_uid`` counts.
         self.orphaned_bytes: defaultdict[int | None, int] = defaultdict(int)
-        #: ``max_orphaned_bytes_per_uid`` in effect here (0 in the configuration: half the device's memory).
-        self.orphan_bytes_limit = limits.max_orphaned_bytes_per_uid or info.total_memory // 2
+        #: ``max_orphaned_bytes_per_uid`` in effect here (0 in the configuration: the device's memory).
+        self.orphan_bytes_limit = limits.max_orphaned_bytes_per_uid or info.total_memory
         #: Told of every change to a share, where persistent shares are parked (set by DeviceState).
         self.parking: ParkingHooks | None = None
         #: The daemon is stopping (:meth:`stop`): no share is scrubbed or freed from now on.

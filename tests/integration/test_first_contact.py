@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 
@@ -50,6 +51,18 @@ def test_no_daemon_fails_at_once_and_says_how_to_start_one() -> None:
         remove_tempdir(directory)
 
 
+def test_a_tcp_endpoint_with_nothing_listening_fails_at_once_not_after_the_timeout() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bound:
+        bound.bind(("127.0.0.1", 0))  # bound, never listening: the port refuses connections, and no one takes it
+        endpoint = f"tcp://127.0.0.1:{bound.getsockname()[1]}"
+        for make in (lambda: Client(endpoint, timeout=30),
+                     lambda: asyncio.run(AsyncClient(endpoint, timeout=30).open())):
+            started = time.monotonic()
+            with pytest.raises(NoDaemon, match=f"no cuctxd is listening at {endpoint}"):
+                make()
+            assert time.monotonic() - started < 3.0, "waited the timeout"
+
+
 def test_client_side_errors_print_their_name_without_a_code() -> None:
     assert str(DaemonTimeout("no reply", "ping")) == "ping: CUCTXD_TIMEOUT: no reply"
     assert str(UnknownHandle("no buffer 0x1f", "free")) == "free: CUCTXD_ERROR_UNKNOWN_HANDLE (10004): no buffer 0x1f"
@@ -79,6 +92,8 @@ def test_a_daemon_that_went_away_is_a_lost_session_and_reconnect_starts_a_new_on
         assert time.monotonic() - started < 3.0, "waited the full timeout"
         assert lone_daemon.endpoint in str(info.value) and "sock-dev" not in str(info.value)
         assert "gone" in str(info.value)
+        assert f"the daemon at {lone_daemon.endpoint} stopped: nothing listens there any more (start it again with " \
+            "`cuctxd`)" in str(info.value)  # a sentence, not "start it with `cuctxd` any more"
         with pytest.raises(SessionLost):
             client.device_count()  # at once, without a round trip
         restart(lone_daemon, request)

@@ -43,6 +43,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cuctxd.client import Buffer, Client, Event, Stream
+from cuctxd.protos.errors import ErrorCode
 from cuctxd.protos.limits import MAX_LISTED
 from cuctxd.protos.schema import OPS
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon
@@ -111,6 +112,8 @@ class Bystander:
     stream: Stream
     event: Event
     share_id: str
+    #: The device of the share's one copy: a ``lookup`` or ``verify_shared`` of the name on another is NO_COPY.
+    share_device: int
     usage: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
     device_free: list[int] = field(default_factory=list)
 
@@ -162,7 +165,7 @@ def bystander(fuzz_daemon: DaemonProcess) -> Iterator[Bystander]:
             {"buffer": [(b.handle, b.device) for b in (on_one, on_zero, shared)],
              "context": [(context.handle, 0), (primary.handle, 1)],
              "stream": [(stream.handle, 0)], "event": [(event.handle, 0)]},
-            stream, event, share.share_id,
+            stream, event, share.share_id, shared.device,
         )
         who.usage = who._usage()
         who.device_free = [int(client.memory_info(d)["device_free"]) for d in range(DEVICES)]
@@ -406,8 +409,11 @@ class FuzzSession:
             assert header["result"]["device"] == device_now, what
         if name == "device_count":
             assert header["result"]["count"] == DEVICES
-        if name == "lookup" and args.get("name") == SHARE_NAME and args.get("version") is None:  # it has none
-            assert ok and header["result"]["share"]["share_id"] == self.h.bystander.share_id, what
+        if name == "lookup" and args.get("name") == SHARE_NAME and args.get("version") is not None:
+            assert not ok and header["error"]["name"] == ErrorCode.CUCTXD_ERROR_NOT_FOUND.name, what  # no versions
+        elif name in ("lookup", "verify_shared") and args.get("name") == SHARE_NAME:
+            self._check_bystanders_name(name, expected.device if name == "verify_shared" else args.get("device"),
+                                        header, what)
         if ok and spec.payload_out:
             assert len(payload) == 1 and len(payload[0]) == header["result"]["size"], what
         elif ok:
@@ -416,6 +422,14 @@ class FuzzSession:
             assert header["result"]["size"] == len(frames[1]), what
         if ok:
             self._record(name, expected.device, args, header["result"], what)
+
+    def _check_bystanders_name(self, name: str, device: int | None, header: dict[str, Any], what: str) -> None:
+        """A ``lookup`` or ``verify_shared`` of the bystander's name: on a device without its copy (a name has one
+        copy per device), NO_COPY; a ``lookup`` with no device, or with the copy's, finds the bystander's share."""
+        if device is not None and device != self.h.bystander.share_device:
+            assert not header["ok"] and header["error"]["name"] == ErrorCode.CUCTXD_ERROR_NO_COPY.name, what
+        elif name == "lookup":
+            assert header["ok"] and header["result"]["share"]["share_id"] == self.h.bystander.share_id, what
 
     def _record(self, name: str, device: int | None, args: Any, result: dict[str, Any], what: str) -> None:
         if name == "alloc":
@@ -579,10 +593,10 @@ def crowd(harness: Harness) -> Iterator[Crowd]:
         publishers.update(dict.fromkeys(names, hello["session_id"]))
     try:
         yield Crowd(publishers)
-    finally:
+    finally:  # on the harness's peer of now: a failed example closed the one set up with (Harness.reset)
         for token, handle, device in sessions:
-            peer.call("free", {"buffer": handle, "device": device}, token)
-            peer.call("goodbye", {}, token)
+            harness.peer.call("free", {"buffer": handle, "device": device}, token)
+            harness.peer.call("goodbye", {}, token)
 
 
 def test_a_pipelined_burst_of_registry_requests_over_a_crowd_of_names_gets_prompt_replies(

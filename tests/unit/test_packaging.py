@@ -8,6 +8,8 @@ subpackage that is not listed would be missing from installs: this test fails fi
 from __future__ import annotations
 
 import importlib
+import re
+import subprocess
 import tomllib
 
 from tests.helpers import REPO
@@ -70,3 +72,28 @@ def test_the_entry_points_resolve() -> None:
     for target in scripts.values():
         module, _, name = target.partition(":")
         assert callable(getattr(importlib.import_module(module), name)), target
+
+
+def extras() -> dict[str, list[str]]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def test_the_extras_that_publish_checkpoints_bring_safetensors() -> None:
+    for extra in ("ray", "transformers"):
+        assert any(requirement.startswith("safetensors") for requirement in extras()[extra]), extra
+
+
+def test_the_readme_curve_example_keys_are_ignored_by_git() -> None:
+    secret = "keys/server.key_secret"  # what `cuctxd keygen keys` writes, as the README's CURVE example runs it
+    assert secret in (REPO / "README.md").read_text() or "keygen keys" in (REPO / "README.md").read_text()
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", "-q", secret], cwd=REPO, check=False)
+    assert ignored.returncode == 0, f"{secret} would be committed: .gitignore does not cover it"
+
+
+def test_the_readme_sample_config_needs_nothing_the_quick_start_does_not_install() -> None:
+    """The sample config runs on the quick start's install (``pip install -e .``): no setting that needs an extra
+    (metrics_port needs ``metrics``) is on in it."""
+    readme = (REPO / "README.md").read_text()
+    (sample,) = re.findall(r"^```toml\n(.*?)^```$", readme, re.MULTILINE | re.DOTALL)
+    assert tomllib.loads(sample).get("metrics_port", 0) == 0
+    assert "pip install -q -e . &&" in readme  # the quick start: no extras

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from cuctxd.protos.endpoints import MAX_IPC_PATH, BadEndpoint, check_endpoint
+from cuctxd.protos.endpoints import (
+    ENDPOINT_ENV,
+    MAX_IPC_PATH,
+    SOCKET_NAME,
+    BadEndpoint,
+    check_endpoint,
+    client_endpoint,
+)
 
 
 @pytest.mark.parametrize("url", ["ipc:///tmp/x/d.sock", "ipc://@abstract", "tcp://127.0.0.1:5555",
@@ -41,3 +50,22 @@ def test_bad_endpoints_say_what_to_write(url: str, says: str) -> None:
             check_endpoint(url, bind=bind)
         assert says in str(error.value)
     assert isinstance(error.value, ValueError)  # the config checks catch ValueError
+
+
+def test_a_client_tries_the_argument_the_environment_its_own_socket_then_the_system_socket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime, system = tmp_path / "runtime", tmp_path / "run" / SOCKET_NAME
+    runtime.mkdir()
+    system.parent.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv(ENDPOINT_ENV, raising=False)
+    own = f"ipc://{runtime / 'cuctxd' / SOCKET_NAME}"
+    assert client_endpoint(system_socket=str(system)) == own  # neither exists: the user's, named in the error
+    system.touch()
+    assert client_endpoint(system_socket=str(system)) == f"ipc://{system}"  # the shipped unit's socket
+    (runtime / "cuctxd").mkdir()
+    (runtime / "cuctxd" / SOCKET_NAME).touch()
+    assert client_endpoint(system_socket=str(system)) == own  # the user's own daemon first
+    monkeypatch.setenv(ENDPOINT_ENV, "tcp://127.0.0.1:5555")
+    assert client_endpoint(system_socket=str(system)) == "tcp://127.0.0.1:5555"
+    assert client_endpoint("ipc:///tmp/x.sock", system_socket=str(system)) == "ipc:///tmp/x.sock"
