@@ -9,6 +9,7 @@ from cuctxd.client.api.streams import AsyncEvent, AsyncStream, Event, Stream
 from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer, HostBuffer
 from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors, publish_tensors
 from cuctxd.client.tensors.torch_weights import LoadedState, load_state_dict, publish_state_dict
+from cuctxd.client.tensors.versions import publish_version, wait_version
 from cuctxd.protos.errors import (
     BadArgument,
     BadOp,
@@ -32,6 +33,7 @@ from cuctxd.protos.errors import (
     SessionClosed,
     SessionExpired,
     SessionLost,
+    TimedOut,
     TooLarge,
     UnknownHandle,
     UnknownSession,
@@ -46,6 +48,7 @@ __all__ = [
     "CudaError", "DaemonError", "DaemonTimeout", "DeviceInfo", "DigestMismatch", "Event", "HostBuffer", "LimitExceeded",
     "LoadedState", "NameExists", "NoAccess", "NoDaemon", "NotFound", "NotOwner", "NotParked", "NotShareable",
     "OpenedShare", "OutOfRange", "Pipeline", "Revoked", "SessionClosed", "SessionExpired", "SessionLost",
-    "ShareDescriptor", "Stream", "TensorSet", "TooLarge", "UnknownHandle", "UnknownSession", "VersionMismatch",
-    "WrongBackend", "load_state_dict", "open_tensors", "publish_state_dict", "publish_tensors",
+    "ShareDescriptor", "Stream", "TensorSet", "TimedOut", "TooLarge", "UnknownHandle", "UnknownSession",
+    "VersionMismatch", "WrongBackend", "load_state_dict", "open_tensors", "publish_state_dict", "publish_tensors",
+    "publish_version", "wait_version",
 ]

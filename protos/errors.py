@@ -37,6 +37,7 @@ class ErrorCode(IntEnum):
     CUCTXD_ERROR_SESSION_CLOSED = 10017
     CUCTXD_ERROR_DIGEST_MISMATCH = 10018
     CUCTXD_ERROR_NOT_PARKED = 10019
+    CUCTXD_ERROR_TIMED_OUT = 10020
     CUCTXD_ERROR_NO_COPY = 10022
     CUCTXD_ERROR_DEVICE_NOT_ALLOWED = 10024
     CUCTXD_ERROR_INTERNAL = 10099
@@ -220,6 +221,12 @@ class DeviceNotAllowed(DaemonError):
     code_enum = ErrorCode.CUCTXD_ERROR_DEVICE_NOT_ALLOWED
 
 
+class TimedOut(DaemonError, TimeoutError):
+    """A wait the daemon bounds passed its timeout: ``wait_version`` saw no newer version in time."""
+
+    code_enum = ErrorCode.CUCTXD_ERROR_TIMED_OUT
+
+
 class InternalError(DaemonError):
     """A daemon bug; the daemon logged the traceback and goes on serving."""
 
@@ -293,7 +300,7 @@ _DAEMON_ERRORS: dict[int, type[DaemonError]] = {
         BadRequest, BadOp, BadArgument, UnknownHandle, UnknownSession, VersionMismatch,
         TooLarge, OutOfRange, SessionExpired, ShuttingDown, NotShareable, LimitExceeded,
         NameExists, NotFound, NotOwner, Revoked, SessionClosed, DigestMismatch, NotParked, NoCopy,
-        DeviceNotAllowed, InternalError,
+        DeviceNotAllowed, TimedOut, InternalError,
     )
 }
 

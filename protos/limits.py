@@ -51,3 +51,9 @@ DIGEST_CHECK_SLOTS = 8
 #: ``max_manifest_bytes_per_*``: what it keeps of any name (its entries in the name table, the sorted
 #: indexes ``list_shared`` pages through, the share's own set), measured with tracemalloc, rounded up.
 NAME_OVERHEAD_BYTES = 512
+
+#: Most ``wait_version`` requests one session may have waiting on one device at a time (section 9, "Versions").
+MAX_VERSION_WAITERS = 16
+#: Longest wait one ``wait_version`` may ask for, in milliseconds (one hour); the Python client asks again after
+#: one that passed without a new version when it was told to wait without a timeout.
+MAX_VERSION_WAIT_MS = 3_600_000

@@ -90,6 +90,8 @@ class ShareDescriptor(_Record):
     ``publisher`` (from ``lookup``): who exported it, a map of ``session``, ``client``,
     ``pid`` and ``uid`` (None where the daemon does not know).
     ``read_only`` (from ``lookup``): the name was published read-only: map it without write access.
+    ``version`` (from ``publish`` and ``lookup`` of a versioned name): the version's number, 1 for the first;
+    0 where the name has no versions.
     """
 
     share_id: str
@@ -107,3 +109,4 @@ class ShareDescriptor(_Record):
     name: str | None = None
     publisher: dict[str, Any] | None = None
     read_only: bool = False
+    version: int = 0

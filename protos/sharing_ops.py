@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cuctxd.protos.limits import MAX_LISTED
+from cuctxd.protos.limits import MAX_LISTED, MAX_VERSION_WAIT_MS
 from cuctxd.protos.schema import count_field, handle_field, name_field, op
 
 
@@ -43,7 +43,9 @@ class Publish:
     other devices go with it, and the buffers published ``stage`` for it come in with it); ``copy``: the
     buffer becomes the copy on its device of a name already published elsewhere, with the same manifest
     (PROTOCOL.md, section 9, "Copies on several devices"); ``stage``: that copy is held for the next
-    ``replace`` of the name, not published before it. Result: ``share``."""
+    ``replace`` of the name, not published before it; ``version``: publish the name's next version
+    (PROTOCOL.md, section 9, "Versions"): persistent, replacing the current one, and the buffer handed to the
+    name (this session's handle goes); not with ``copy`` or ``stage``. Result: ``share`` (with ``version``)."""
 
     buffer: int = handle_field()
     name: str = name_field()
@@ -55,6 +57,7 @@ class Publish:
     replace: bool = False
     copy: bool = False
     stage: bool = False
+    version: bool = False
 
 
 @op("unpublish", target="front")
@@ -70,10 +73,24 @@ class Unpublish:
 @op("lookup", target="front")
 class Lookup:
     """The share descriptor published under ``name``, with its ``publisher`` (session, client,
-    pid, uid): its copy on ``device`` (``CUCTXD_ERROR_NO_COPY`` where it has none), else its first copy.
-    Result: ``share``."""
+    pid, uid): its copy on ``device`` (``CUCTXD_ERROR_NO_COPY`` where it has none), else its first copy;
+    ``version``: that live version of a versioned name instead of its current one. Result: ``share``."""
 
     name: str = name_field()
+    device: int | None = count_field()
+    version: int | None = count_field(minimum=1)
+
+
+@op("wait_version", target="device")
+class WaitVersion:
+    """Answer once ``name`` has a current version newer than ``after`` (at once if it has), or fail with
+    ``CUCTXD_ERROR_TIMED_OUT`` after ``timeout_ms`` (at most ``MAX_VERSION_WAIT_MS``; nil: that much), or
+    ``CUCTXD_ERROR_SHUTTING_DOWN`` once the daemon drains. At most
+    ``MAX_VERSION_WAITERS`` of a session wait on a device at a time. Result: ``version``."""
+
+    name: str = name_field()
+    after: int = count_field(0)
+    timeout_ms: int | None = count_field(maximum=MAX_VERSION_WAIT_MS)
     device: int | None = count_field()
 
 
@@ -98,8 +115,8 @@ class ListShared:
     """One page of the published names, in code point order: at most ``limit``, those after the name
     ``after`` (the last page's ``next``), starting with ``prefix``, published by the session ``owner``
     (public id) and by ``uid``. Result: ``shared`` (list of maps: name, share_id, device, size, owner,
-    owner_present, holders, publisher, tensors, read_only, digest, verified, copies: one map per device that
-    holds a copy: device, uuid, share_id, size, holders, owner_present), ``next`` (the name to pass as
+    owner_present, holders, publisher, tensors, read_only, digest, verified, version, copies: one map per
+    device that holds a copy: device, uuid, share_id, size, holders, owner_present), ``next`` (the name to pass as
     ``after`` for the next page; nil on the last), ``count`` (names published daemon-wide), ``truncated``
     (``next`` is not nil)."""
 

@@ -20,7 +20,8 @@ from bench.figures import (
     pipelining,
     tensors,
     throughput,
+    weight_sync,
 )
 
 GROUPS: tuple[ModuleType, ...] = (latency, throughput, alloc, bandwidth, ipc_copy, isolation, pipelining, data_plane,
-                                  tensors, checkpoint_load, digest_checks)
+                                  tensors, checkpoint_load, weight_sync, digest_checks)

@@ -1,4 +1,4 @@
-"""Figure 10: verify a layout's digest on the device — what the daemon's first check of another user's digest
+"""Figure 11: verify a layout's digest on the device — what the daemon's first check of another user's digest
 costs (``verify_shared``, PROTOCOL.md section 9, "Digests").
 
 A layout of :data:`TENSORS` tensors (2.5 GiB on cuda, 256 MiB on sim, 32 MiB with ``--quick``) is published
@@ -26,7 +26,7 @@ from cuctxd.client.tensors.tensor_sets import publish_tensors
 from cuctxd.protos.errors import NotFound
 from cuctxd.protos.layouts import check_manifest
 
-FIGURE = 10
+FIGURE = 11
 TITLE = "digest checks on the device"
 TENSORS = 10
 REPEATS = 3

@@ -361,17 +361,22 @@ class AsyncClient(SessionState):
         return await self.run(build.export(buffer))
 
     async def publish(self, buffer: AsyncBuffer, name: str, *, persistent: bool = False, once: bool = False,
-                      read_only: bool = False, replace: bool = False) -> ShareDescriptor:
+                      read_only: bool = False, replace: bool = False, version: bool = False) -> ShareDescriptor:
         return await self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
-                                            replace=replace))
+                                            replace=replace, version=version))
 
     async def unpublish(self, name: str, *, device: int | None = None) -> None:
         await self.run(build.unpublish(name, device))
 
-    async def lookup(self, name: str, *, digest: str | None = None, device: int | None = None) -> ShareDescriptor:
+    async def lookup(self, name: str, *, digest: str | None = None, device: int | None = None,
+                     version: int | None = None) -> ShareDescriptor:
         """As :meth:`cuctxd.client.api.client.Client.lookup`."""
-        return await self.run(build.lookup(name, device) if digest is None
+        return await self.run(build.lookup(name, device, version) if digest is None
                               else build.lookup_verified(name, digest, device))
+
+    async def wait_version(self, name: str, after: int, timeout: float | None = None) -> int:
+        """As :meth:`cuctxd.client.api.client.Client.wait_version`; other calls of this client go on meanwhile."""
+        return await self.run(build.wait_version(name, after, timeout))
 
     async def verify_shared(self, name: str, digest: str, device: int) -> dict[str, Any]:
         """As :meth:`cuctxd.client.api.client.Client.verify_shared`."""

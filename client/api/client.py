@@ -457,7 +457,7 @@ class Client(SessionState):
         return self.run(build.export(buffer))
 
     def publish(self, buffer: Buffer, name: str, *, persistent: bool = False, once: bool = False,
-                read_only: bool = False, replace: bool = False) -> ShareDescriptor:
+                read_only: bool = False, replace: bool = False, version: bool = False) -> ShareDescriptor:
         """Export ``buffer`` and publish it under ``name`` for every session to look up. The name keeps the
         buffer until it is unpublished or, once this session let the buffer go and nobody holds it, the
         daemon's ``orphan_ttl`` passes; ``persistent``: no ``orphan_ttl`` (and the name survives a daemon
@@ -465,21 +465,30 @@ class Client(SessionState):
         buffer once a session opened it after its owner let go (PROTOCOL.md, "Lifetime of shared memory");
         ``read_only``: openers map it without write access (advisory: section 9 of PROTOCOL.md says where
         it holds); ``replace``: a name in use moves to ``buffer`` at once, if this session may unpublish it
-        (sessions holding the old buffer keep it)."""
+        (sessions holding the old buffer keep it); ``version``: the name's next version (its number in the
+        descriptor's ``version``), handed to the name: ``buffer`` counts as freed here (PROTOCOL.md, "Versions")."""
         return self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
-                                      replace=replace))
+                                      replace=replace, version=version))
 
     def unpublish(self, name: str, *, device: int | None = None) -> None:
         """Remove a name published by this user's sessions (any name, as the daemon's own user): every copy of it,
         or with ``device`` only its copy there."""
         self.run(build.unpublish(name, device))
 
-    def lookup(self, name: str, *, digest: str | None = None, device: int | None = None) -> ShareDescriptor:
+    def lookup(self, name: str, *, digest: str | None = None, device: int | None = None,
+               version: int | None = None) -> ShareDescriptor:
         """The descriptor published as ``name`` (its copy on ``device``; else its first); with ``digest``, only once
         the daemon vouches that the name's layout has that digest (:meth:`verify_shared`):
-        :class:`~cuctxd.protos.errors.DigestMismatch` otherwise."""
-        return self.run(build.lookup(name, device) if digest is None
+        :class:`~cuctxd.protos.errors.DigestMismatch` otherwise; ``version``: that live version of a versioned
+        name instead of its current one."""
+        return self.run(build.lookup(name, device, version) if digest is None
                         else build.lookup_verified(name, digest, device))
+
+    def wait_version(self, name: str, after: int, timeout: float | None = None) -> int:
+        """Block until ``name`` has a version newer than ``after`` and return its number: the daemon answers
+        when it is published (no polling here); :class:`~cuctxd.protos.errors.TimedOut` (a TimeoutError) after
+        ``timeout`` seconds. Other calls of this client wait meanwhile: wait on a client of its own."""
+        return self.run(build.wait_version(name, after, timeout))
 
     def verify_shared(self, name: str, digest: str, device: int) -> dict[str, Any]:
         """Have the daemon vouch for ``name``'s layout digest on ``device`` before relying on it: at once for a

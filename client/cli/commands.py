@@ -177,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--read-only", action="store_true", help="consumers may open the layout only read-only")
     load.add_argument("--replace", action="store_true", help="if the name holds other content, swap it for this "
                                                             "(sessions that opened the old one keep it)")
+    load.add_argument("--version", action="store_true", help="publish it as the name's next version (sessions "
+                                                            "holding the previous one keep it)")
+    wait = command("wait-version", "wait until a name has a version newer than --after, and print its number")
+    wait.add_argument("name", metavar="NAME", help="the versioned name")
+    wait.add_argument("--after", type=_ordinal, default=0, metavar="N", help="the version you have (default 0)")
+    wait.add_argument("--wait", type=_seconds, default=None, metavar="S",
+                      help="give up after S seconds (exit 1; default: wait until it comes)")
     inspect = command("inspect", "one layout: its tensors (dtype, shape, offset, bytes), digest, copies and holders")
     inspect.add_argument("name", metavar="NAME", help="the layout's name, as 'cuctx shared' lists it")
     unpublish = command("unpublish", "remove a published name (one published by your user; any, as the "
@@ -259,6 +266,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(shared) if args.json else shared_table(shared))
             elif args.command == "load":
                 return load_file(client, args)
+            elif args.command == "wait-version":
+                version = client.wait_version(args.name, args.after, args.wait)
+                _say(args, {"name": args.name, "version": version}, f"{args.name!r} version {version}")
             elif args.command == "inspect":
                 layout = inspect_layout(client, args.name)
                 print(json.dumps(layout) if args.json else inspect_text(layout))
@@ -366,6 +376,9 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
     devices = None if args.device is None else served_devices(parse_devices(args.device), len(client.devices()))
     started = time.perf_counter()
     try:
+        if tensor_parallel_ranks(args.path) and args.version:
+            raise BadArgument("--version: a checkpoint of tensor-parallel ranks is one layout per rank, each its own "
+                             "name; load each rank's files as a version of its own name")
         if tensor_parallel_ranks(args.path):
             ranks = load_ranks(client, args.path, args.name, devices=devices, progress=progress,
                                read_only=args.read_only, replace=args.replace)
@@ -373,7 +386,8 @@ def load_file(client: Client, args: argparse.Namespace) -> int:
                 (rank_name(args.name, rank), loaded, [loaded.descriptor.device]) for rank, loaded in enumerate(ranks)]
         else:
             each = [(args.name, load_safetensors(client, args.path, args.name, device=devices, progress=progress,
-                                                 read_only=args.read_only, replace=args.replace), devices)]
+                                                 read_only=args.read_only, replace=args.replace,
+                                                 version=args.version), devices)]
     finally:
         if shown:  # the progress line ends, so that what follows (an error too) starts a line of its own
             print(file=sys.stderr)
@@ -389,6 +403,7 @@ def _say_loaded(args: argparse.Namespace, name: str, loaded: Loaded, devices: li
     if args.json:
         print(json.dumps({"name": name, "size": descriptor.size, "seconds": took, "loaded": loaded.loaded,
                           "replaced": loaded.replaced, "devices": devices, "copied": list(loaded.copied),
+                          "version": descriptor.version,
                           "share_id": descriptor.share_id, "digest": loaded.digest}))
     elif not loaded.loaded:
         done = ("the copy just read was freed and the name left as it was" if args.replace
@@ -402,7 +417,8 @@ def _say_loaded(args: argparse.Namespace, name: str, loaded: Loaded, devices: li
         said = f", digest {digests.short(loaded.digest)}" if loaded.digest else ""
         where = (f"device {descriptor.device}" if not devices or len(devices) == 1
                  else f"devices {', '.join(map(str, devices))} (a copy on each)")
-        print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {name!r}: "
+        as_version = f" version {descriptor.version}" if descriptor.version else ""
+        print(f"{'replaced' if loaded.replaced else 'published'} {args.path} as {name!r}{as_version}: "
               f"{human_size(descriptor.size)} on {where} in {human_duration(took)}{said}")
 
 

@@ -190,7 +190,7 @@ def shared_table(shared: Sequence[dict[str, Any]]) -> str:
         return "no published buffers"
     return table(
         ["NAME", "DEVICE", "SIZE", "TENSORS", "MODE", "OWNER", "PUBLISHER", "HOLDERS", "DIGEST", "SHARE"],
-        [[s["name"], _device(copy), human_size(copy["size"]), s.get("tensors") or "-",
+        [[_named(s), _device(copy), human_size(copy["size"]), s.get("tensors") or "-",
           "ro" if s.get("read_only") else "rw", s["owner"] if s["owner_present"] else f"{s['owner']} (gone)",
           _publisher(s.get("publisher")), copy["holders"], _digest(s), copy["share_id"]]
          for s in shared for copy in _copies(s)],
@@ -206,6 +206,11 @@ def _device(copy: dict[str, Any]) -> str:
     """A copy's device and the start of its UUID (ordinals differ between processes, UUIDs do not)."""
     uuid = copy.get("uuid")
     return str(copy["device"]) if not uuid else f"{copy['device']} {uuid[:12]}"
+
+
+def _named(shared: dict[str, Any]) -> str:
+    """A name, with its current version's number where it has versions."""
+    return f"{shared['name']} v{shared['version']}" if shared.get("version") else str(shared["name"])
 
 
 #: What the DIGEST column adds where the daemon hashed the bytes (``list_shared``'s ``verified``).

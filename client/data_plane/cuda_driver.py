@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from cuctxd.protos.errors import CudaError, NotShareable
@@ -256,8 +256,11 @@ class Driver:
         finally:
             self.call("cuMemRelease", _CUmemGenericAllocationHandle(handle))
 
-    def copy_device_to_device(self, dst: int, src: int, size: int) -> None:
-        self.call("cuMemcpyDtoD_v2", _CUdeviceptr(dst), _CUdeviceptr(src), size)
+    def copy_device_to_device(self, pieces: Iterable[tuple[int, int, int]]) -> None:
+        """``cuMemcpyDtoD`` of each ``(dst, src, size)`` (in order on the legacy stream, no host wait between
+        two), then one ``cuCtxSynchronize``: every piece is written when this returns."""
+        for dst, src, size in pieces:
+            self.call("cuMemcpyDtoD_v2", _CUdeviceptr(dst), _CUdeviceptr(src), size)
         self.call("cuCtxSynchronize")
 
     def copy_to_host(self, host: int, src: int, size: int) -> None:

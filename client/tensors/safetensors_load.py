@@ -64,7 +64,7 @@ class Loaded:
 
 def load_safetensors(client: Any, path: str, name: str, *, device: Devices = None,
                      progress: Callable[[int, int], None] | None = None, read_only: bool = False,
-                     replace: bool = False, digest: bool = True) -> Loaded:
+                     replace: bool = False, digest: bool = True, version: bool = False) -> Loaded:
     """Publish the checkpoint at ``path`` (a ``.safetensors`` file, a directory, or an index JSON) as
     ``name`` on ``device`` (several: a copy on each, the checkpoint read onto the first and the others filled
     from it on the GPU, all published in one step; a name present elsewhere with this content gets copies on
@@ -72,15 +72,16 @@ def load_safetensors(client: Any, path: str, name: str, *, device: Devices = Non
     checkpoint; ``read_only``: consumers may open it only read-only. A name in use: the same content is a no-op
     (``loaded`` False, with or without ``replace``), other content :class:`NameExists` unless ``replace``
     (allowed to whoever may unpublish the name). ``digest=False`` leaves the digests out of the manifest
-    (for measuring). Raises :class:`BadArgument` for a checkpoint that cannot load (nothing allocated then),
+    (for measuring). ``version``: publish it as the name's next version, whatever the name holds (the same
+    content too). Raises :class:`BadArgument` for a checkpoint that cannot load (nothing allocated then),
     ``CudaError`` ``CUDA_ERROR_OUT_OF_MEMORY`` for a device without room."""
     return load_checkpoint(client, read_checkpoint(path), name, device=device, progress=progress,
-                           read_only=read_only, replace=replace, digest=digest)
+                           read_only=read_only, replace=replace, digest=digest, version=version)
 
 
 def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: Devices = None,
                     progress: Callable[[int, int], None] | None = None, read_only: bool = False,
-                    replace: bool = False, digest: bool = True) -> Loaded:
+                    replace: bool = False, digest: bool = True, version: bool = False) -> Loaded:
     """:func:`load_safetensors` of a checkpoint read already (one tensor-parallel rank's parts, say)."""
     path = checkpoint.path
     offsets, size = layout_offsets(tensor.nbytes for tensor in checkpoint.tensors)
@@ -89,7 +90,7 @@ def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: D
     _check_layout(path, manifest, size)
     first, copies = first_and_copies(client, device)
     published = _published(client, name)
-    if published is not None and not replace:
+    if published is not None and not (replace or version):
         return _with_copies(client, name, _same_content(client, checkpoint, manifest, name, published), device)
     known = _manifest_of(published)
     theirs = None if known is None else known.digest
@@ -102,13 +103,13 @@ def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: D
         try:  # the buffer is made while the first chunks are read
             with load_into_new_buffer(client, build.alloc(client, Buffer, size, first, True), first, ranges,
                                       digest=digest, progress=progress) as (buffer, found):
-                if (published is not None and theirs is not None and digest
+                if (published is not None and theirs is not None and digest and not version
                         and _layout_digest(checkpoint, cast(list[str], found)) == theirs
                         and _vouched(client, name, published, theirs)):
                     buffer.free()  # a replace by the same content: nothing to swap
                     return _with_copies(client, name, Loaded(published, theirs, False), device)
                 descriptor = publish_filled(client, name, manifest, buffer, found, read_only=read_only,
-                                            replace=replace, copies=copies)
+                                            replace=replace and not version, copies=copies, version=version)
         except CudaError as error:
             raise no_room(client, error, size, first, len(manifest.tensors)) from None
         except SessionLost as lost:

@@ -139,7 +139,8 @@ def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None =
 
 def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
                    fill: Callable[[Any], Sequence[str | None]], *, device: Devices = None,
-                   persistent: bool = True, read_only: bool = False, replace: bool = False) -> ShareDescriptor:
+                   persistent: bool = True, read_only: bool = False, replace: bool = False,
+                   version: bool = False) -> ShareDescriptor:
     """Allocate one shareable buffer of ``size`` bytes on ``device`` (several: the first; the others get copies
     of it), ``fill(buffer)`` it (it returns each tensor's digest in the manifest's order, None where unknown),
     and publish it (:func:`publish_filled`).
@@ -158,31 +159,45 @@ def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
         buffer.free()
         raise
     return publish_filled(client, name, manifest, buffer, found, persistent=persistent, read_only=read_only,
-                          replace=replace, copies=copies)
+                          replace=replace, copies=copies, version=version)
 
 
 def publish_filled(client: Any, name: str, manifest: Manifest, buffer: Any, found: Sequence[str | None], *,
                    persistent: bool = True, read_only: bool = False, replace: bool = False,
-                   copies: Sequence[int] = ()) -> ShareDescriptor:
+                   copies: Sequence[int] = (), version: bool = False) -> ShareDescriptor:
     """Publish ``buffer`` as ``name`` with the manifest and each tensor's digest ``found`` (the layout's
     digest where every tensor has one); ``replace``: swap a name in use (``publish``'s ``replace``);
     ``copies``: devices that get a copy of it, filled on the GPU and staged first, so that the publish brings
-    every copy in at once (:mod:`cuctxd.client.tensors.copies`). Returns the share's descriptor with that
+    every copy in at once (:mod:`cuctxd.client.tensors.copies`); ``version``: as the name's next version, the
+    buffer handed to the daemon (on one device: a version has no copies). Returns the share's descriptor with that
     manifest; frees the buffer and the copies when this raises."""
     staged: list[Any] = []
     try:
-        specs = tuple(dataclasses.replace(spec, digest=digest)
-                      for spec, digest in zip(manifest.tensors, found, strict=True))
-        packed = Manifest.digested(specs, manifest.metadata).pack()
+        if version and copies:
+            raise BadArgument(f"a version of {name!r} is published on one device: it has no copies")
+        packed = digested(manifest, found)
         staged = stage_copies(client, name, buffer, copies, packed, persistent=persistent, read_only=read_only)
         published: ShareDescriptor = client.run(build.publish(buffer, name, packed, persistent, read_only,
-                                                              replace=replace))
+                                                              replace=replace, version=version))
         return dataclasses.replace(published, manifest=packed)
     except BaseException:
         for copy in staged:
             copy.free()
         buffer.free()
         raise
+
+
+def digested(manifest: Manifest, found: Sequence[str | None]) -> bytes:
+    """The manifest packed with each tensor's digest ``found`` (and the layout's, where every tensor has one)."""
+    specs = tuple(dataclasses.replace(spec, digest=digest)
+                  for spec, digest in zip(manifest.tensors, found, strict=True))
+    return Manifest.digested(specs, manifest.metadata).pack()
+
+
+def device_copies(manifest: Manifest, sources: Sequence[_Source], base: int) -> list[tuple[int, int, int]]:
+    """The ``(dst, src, size)`` copy of each tensor that is on the device into a buffer mapped at ``base``."""
+    return [(base + spec.offset, source.device_ptr, source.nbytes)
+            for spec, source in zip(manifest.tensors, sources, strict=True) if source.device_ptr is not None]
 
 
 def no_room(client: Any, error: CudaError, size: int, device: int | None, tensors: int) -> CudaError:
@@ -202,13 +217,14 @@ def _size_text(nbytes: int) -> str:
 def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
                     *, device: Devices = None, progress: Callable[[int, int], None] | None = None,
                     persistent: bool = True, read_only: bool = False, replace: bool = False,
-                    digest: bool = True) -> ShareDescriptor:
+                    digest: bool = True, version: bool = False) -> ShareDescriptor:
     """Put ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`) in one buffer on ``device``
     and publish it as ``name`` with their manifest; returns the share's descriptor (of the first copy, where
     ``device`` lists several devices: each gets a copy, filled from the first on the GPU). ``progress(done,
     total)``: bytes copied so far. ``persistent`` (the default): the layout stays until unpublished, so
     workers can come and go (``False``: freed once its last consumer closes it, as a plain publish).
-    ``read_only``: consumers may open it only read-only; ``replace``: swap a name in use. ``digest``: host
+    ``read_only``: consumers may open it only read-only; ``replace``: swap a name in use; ``version``: publish
+    it as the name's next version (:func:`cuctxd.client.tensors.versions.publish_version`). ``digest``: host
     tensors are hashed while they are copied (the layout has a digest when no tensor came from a device).
     Nothing stays published or allocated when this raises."""
     manifest, sources, size = plan_layout(tensors, metadata)
@@ -216,18 +232,16 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
     def fill(buffer: Any) -> list[str | None]:
         hashed = {index: source.host for index, source in enumerate(sources) if source.host is not None}
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuctxd-digests") as pool:  # waits for it
-            running = pool.submit(hash_views, list(hashed.values())) if digest else None
-            device_sources = [(spec, source) for spec, source in zip(manifest.tensors, sources, strict=True)
-                              if source.device_ptr is not None]
+            running = pool.submit(hash_views, list(hashed.values())) if digest and hashed else None
             host_sources = [(manifest.tensors[index].offset, view) for index, view in hashed.items() if view.nbytes]
             _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
-            if device_sources:
-                _copy_from_device(client, buffer, device_sources)
+            if any(source.device_ptr is not None for source in sources):
+                _copy_from_device(client, buffer, manifest, sources)
             found = dict(zip(hashed, running.result(), strict=True)) if running is not None else {}
         return [found.get(index) for index in range(len(sources))]
 
     return publish_layout(client, name, manifest, size, fill, device=device, persistent=persistent,
-                          read_only=read_only, replace=replace)
+                          read_only=read_only, replace=replace, version=version)
 
 
 #: Bytes written between two progress reports of :func:`publish_tensors`.
@@ -250,17 +264,14 @@ def _write_host_sources(client: Any, buffer: Any, pieces: list[tuple[int, memory
                 progress(done, total)
 
 
-def _copy_from_device(client: Any, buffer: Any, sources: list[tuple[TensorSpec, _Source]]) -> None:
+def _copy_from_device(client: Any, buffer: Any, manifest: Manifest, sources: list[_Source]) -> None:
     """Device-to-device copies into the daemon's buffer, mapped here through its pool."""
     if client.backend != "cuda":
         raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
     from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
 
     with client.open_shared(client.export(buffer)) as mapped:
-        for spec, source in sources:
-            assert source.device_ptr is not None
-            copy_device_to_device(mapped.descriptor.device_uuid, mapped.ptr + spec.offset, source.device_ptr,
-                                  source.nbytes)
+        copy_device_to_device(mapped.descriptor.device_uuid, device_copies(manifest, sources, mapped.ptr))
 
 
 class SharedTensor:
@@ -342,15 +353,18 @@ class SharedTensor:
 
 
 class CudaArray:
-    """An object that carries a CUDA array interface (what ``torch.as_tensor``/``cupy.asarray`` read)."""
+    """An object that carries a CUDA array interface (what ``torch.as_tensor``/``cupy.asarray`` read); ``owner``:
+    what keeps the memory it points at alive while this object lives."""
 
-    def __init__(self, interface: dict[str, Any]) -> None:
+    def __init__(self, interface: dict[str, Any], owner: Any = None) -> None:
         self.__cuda_array_interface__ = interface
+        self.owner = owner
 
 
 class TensorSet(Mapping[str, SharedTensor]):
     """The tensors published under one name, mapped in this process until :meth:`close` (or ``with``);
-    ``digest``: the layout's content digest (None where its publisher gave none)."""
+    ``digest``: the layout's content digest (None where its publisher gave none); ``version``: the number of
+    the name's version it is (0: not versioned), which stays mapped and valid while this set is open."""
 
     def __init__(self, share: OpenedShare, manifest: Manifest, writable: bool) -> None:
         self.share = share
@@ -358,6 +372,7 @@ class TensorSet(Mapping[str, SharedTensor]):
         self.writable = writable
         self.metadata = manifest.metadata
         self.digest = manifest.digest
+        self.version = share.descriptor.version
         self.host_address = 0
         if share.backend == "sim":
             with buffer_address(share.host_view()) as address:
@@ -389,6 +404,33 @@ class TensorSet(Mapping[str, SharedTensor]):
 
         return ordinal_of(self.share.descriptor.device_uuid)
 
+    def refresh(self, *, digest: str | None = None) -> TensorSet | None:
+        """The set of the name's newest version, opened as this one was, or None if there is none newer
+        (:func:`open_tensors`); this set stays open: close it once nothing uses it any more."""
+        client: Any = self.share.client
+        name = self.share.descriptor.name
+        if name is None:
+            return None
+        descriptor = client.lookup(name)
+        if descriptor.version <= self.version:
+            return None
+        return _open_layout(client, name, descriptor, self.writable, digest)
+
+    def copy_into(self, destinations: Mapping[str, Any]) -> int:
+        """Copy each tensor into the array of its name in ``destinations`` (same dtype size and byte count;
+        numpy arrays on the sim, CUDA arrays on the layout's GPU: ``cuMemcpyDtoD`` here, nothing through the
+        daemon); returns the bytes copied. For engines that keep parameters of their own."""
+        missing = [key for key in self._tensors if key not in destinations]
+        if missing:
+            raise BadArgument(f"no destination for {len(missing)} tensors of the layout (first: {missing[0]!r})")
+        pieces = [_copy_tensor(tensor, destinations[key]) for key, tensor in self._tensors.items()]
+        device_pieces = [piece for piece in pieces if piece is not None]
+        if device_pieces:
+            from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
+
+            copy_device_to_device(self.share.descriptor.device_uuid, device_pieces)
+        return sum(tensor.nbytes for tensor in self._tensors.values())
+
     def close(self) -> None:
         """Unmap the layout and drop the hold; views made from it must not be used afterwards."""
         self.share.close()
@@ -410,7 +452,13 @@ def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str 
     :mod:`cuctxd.protos.digests`); a layout with another one, or none, or whose bytes the daemon finds do not bear
     it out (``verify_shared``: a layout of another user's), raises :class:`~cuctxd.protos.errors.DigestMismatch`
     before anything is mapped."""
-    descriptor = client.lookup(name, device=caller_device(client) if device is None else device)
+    return _open_layout(client, name, client.lookup(name, device=caller_device(client) if device is None else device),
+                        writable, digest)
+
+
+def _open_layout(client: Any, name: str, descriptor: ShareDescriptor, writable: bool, digest: str | None
+                 ) -> TensorSet:
+    """:func:`open_tensors` of the descriptor ``name``'s lookup gave."""
     if not descriptor.manifest:
         raise BadArgument(f"{name!r} was published as a plain buffer, without a tensor layout")
     if writable and descriptor.read_only:
@@ -422,6 +470,26 @@ def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str 
                                  f"required {digest}")
         client.verify_shared(name, digest, descriptor.device)  # another uid's word is checked by the daemon
     return TensorSet(client.open_shared(descriptor), manifest, writable)
+
+
+def _copy_tensor(tensor: SharedTensor, destination: Any) -> tuple[int, int, int] | None:
+    """One tensor's bytes into a host ``destination`` now, or the ``(dst, src, size)`` of its device copy
+    (:meth:`TensorSet.copy_into` makes them all at once)."""
+    source = _Source(tensor.name, destination)
+    if source.nbytes != tensor.nbytes or DTYPES[source.dtype].itemsize != DTYPES[tensor.dtype].itemsize:
+        raise BadArgument(f"tensor {tensor.name!r}: {tensor.dtype}{list(tensor.shape)} cannot be copied into "
+                          f"{source.dtype}{list(source.shape)}")
+    share = tensor._set.share
+    if source.device_ptr is not None:
+        if share.backend != "cuda":
+            raise WrongBackend(f"a {share.backend} layout is host memory: copy it into host arrays")
+        return source.device_ptr, share.ptr + tensor.spec.offset, tensor.nbytes
+    if source.host is None or share.backend != "sim":
+        raise WrongBackend(f"a {share.backend} layout is copied into CUDA arrays on its GPU")
+    if source.host.readonly:
+        raise BadArgument(f"tensor {tensor.name!r}: the destination is read-only")
+    source.host.cast("B")[:] = share.host_view()[tensor.spec.offset:tensor.spec.extent()]
+    return None
 
 
 def raw_interface(tensor: SharedTensor, *, readonly: bool | None = None) -> dict[str, Any]:

@@ -33,19 +33,33 @@ def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metada
                        *, device: Devices = None) -> ShareDescriptor:
     """Publish a module's (or a state dict's) tensors as ``name``; ``metadata`` goes with them; ``device``: several
     devices get a copy each (:func:`~cuctxd.client.tensors.tensor_sets.publish_tensors`)."""
+    return publish_tensors(client, name, publishable(module_or_state_dict), metadata, device=device)
+
+
+def publishable(module_or_state_dict: Any) -> dict[str, Any]:
+    """A module's (or a state dict's) tensors as :func:`publish_tensors` takes them: CUDA tensors as they are
+    (copied device to device), host ones as numpy arrays, bfloat16 as its bytes named bfloat16."""
     torch = _torch()
     state = module_or_state_dict.state_dict() if hasattr(module_or_state_dict, "state_dict") else module_or_state_dict
+    typestrs = {getattr(torch, name): (spec.typestr or ("<i2" if spec.itemsize == 2 else "|u1"), name)
+                for name, spec in DTYPES.items() if hasattr(torch, name) and spec.itemsize in (1, 2, 4, 8)}
     tensors: dict[str, Any] = {}
     for key, tensor in state.items():
         tensor = tensor.detach().contiguous()
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype in DTYPES and DTYPES[dtype].typestr is None:  # no array interface names it (bfloat16, float8):
+        if tensor.is_cuda and tensor.dtype in typestrs:
+            # the interface made here from data_ptr(): torch's own costs tens of µs a tensor, and names no bf16
+            typestr, name = typestrs[tensor.dtype]
+            interface = {"shape": tuple(tensor.shape), "typestr": typestr, "data": (tensor.data_ptr(), False),
+                         "version": 3, "strides": None}
+            tensors[key] = (CudaArray(interface, tensor), name)  # the tensor (a contiguous copy) lives as long
+        elif (dtype := str(tensor.dtype).removeprefix("torch.")) in DTYPES and DTYPES[dtype].typestr is None:
+            # no array interface names it (bfloat16, float8): its bytes as an integer of its size
             tensors[key] = (tensor.view(torch.int16 if DTYPES[dtype].itemsize == 2 else torch.uint8), dtype)
         elif tensor.is_cuda:
             tensors[key] = tensor
         else:
             tensors[key] = tensor.numpy()
-    return publish_tensors(client, name, tensors, metadata, device=device)
+    return tensors
 
 
 def _host_base(share: Any, keep: object) -> Any:
@@ -68,13 +82,14 @@ def _host_base(share: Any, keep: object) -> Any:
 class LoadedState:
     """The tensors published as one name, as torch tensors aliasing the daemon's memory: views of one
     uint8 tensor over the whole buffer (one ``torch.as_tensor``, then a slice and a view per tensor,
-    which costs a fraction of an array-interface import each)."""
+    which costs a fraction of an array-interface import each). ``version``: the name's version it is."""
 
     def __init__(self, tensors: TensorSet, keep: object = None) -> None:
         """``keep``: an object the tensors keep alive, freed once the last of them is (see :func:`load_state_dict`)."""
         torch = _torch()
         self.tensors = tensors
         self.metadata = tensors.metadata
+        self.version = tensors.version
         share = tensors.share
         if share.backend == "cuda":
             # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
@@ -84,10 +99,42 @@ class LoadedState:
         else:
             base = torch.from_numpy(_host_base(share, keep))  # torch holds the array until its last tensor goes
         self.state_dict: dict[str, Any] = {}
+        whole: dict[str, Any] = {}  # the buffer viewed as each dtype: one as_strided a tensor then
         for key, shared in tensors.items():
             spec = shared.spec
-            typed = base[spec.offset:spec.extent()].view(getattr(torch, spec.dtype))
-            self.state_dict[key] = typed.as_strided(spec.shape, spec.strides)
+            itemsize = DTYPES[spec.dtype].itemsize
+            if share.size % itemsize == 0 and spec.offset % itemsize == 0:
+                typed = whole.get(spec.dtype)
+                if typed is None:
+                    typed = whole[spec.dtype] = base.view(getattr(torch, spec.dtype))
+                self.state_dict[key] = typed.as_strided(spec.shape, spec.strides, spec.offset // itemsize)
+            else:
+                typed = base[spec.offset:spec.extent()].view(getattr(torch, spec.dtype))
+                self.state_dict[key] = typed.as_strided(spec.shape, spec.strides)
+
+    def refresh(self) -> LoadedState | None:
+        """The state of the name's newest version, or None if there is none newer; close this one once no module
+        uses its tensors any more (after :func:`swap_parameters`, say)."""
+        newer = self.tensors.refresh()
+        return None if newer is None else LoadedState(newer)
+
+    def copy_into(self, module: Any) -> int:
+        """Copy every tensor into ``module``'s own parameters and buffers of the same names (or into a mapping of
+        name to torch tensor), device to device (torch ``copy_``; for engines that keep their own parameters);
+        returns the bytes copied."""
+        torch = _torch()
+        targets = module if isinstance(module, Mapping) else _named_tensors(module)
+        missing = [key for key in self.state_dict if key not in targets]
+        if missing:
+            raise KeyError(f"the module has no parameter or buffer {missing[0]!r} ({len(missing)} missing)")
+        copied = 0
+        with torch.no_grad():
+            for key, tensor in self.state_dict.items():
+                targets[key].copy_(tensor, non_blocking=True)
+                copied += tensor.numel() * tensor.element_size()
+        if self.tensors.backend == "cuda":
+            torch.cuda.synchronize()
+        return copied
 
     def close(self) -> None:
         """Unmap: the tensors in ``state_dict`` must not be used afterwards."""
@@ -109,3 +156,25 @@ def load_state_dict(client: Any, name: str, *, writable: bool = False, device: i
     the last tensor over the mapping; its finalizer may close the tensors then (no tensor is left to use them,
     and on the sim no export of the mapping is held)."""
     return LoadedState(open_tensors(client, name, writable=writable, device=device), keep)
+
+
+def _named_tensors(module: Any) -> dict[str, Any]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def swap_parameters(module: Any, loaded: LoadedState) -> None:
+    """Make ``module``'s parameters and buffers the tensors of ``loaded`` (zero-copy, in place of
+    ``load_state_dict(assign=True)``): each keeps its identity (``param.data`` is swapped), so optimizers,
+    hooks and references to it stay valid. Every tensor of ``loaded`` needs one of its name, shape and dtype
+    (:class:`KeyError`, :class:`ValueError` otherwise, before anything is swapped). The module then uses
+    ``loaded``'s memory: keep ``loaded`` open until the next swap."""
+    targets = _named_tensors(module)
+    for key, tensor in loaded.state_dict.items():
+        target = targets.get(key)
+        if target is None:
+            raise KeyError(f"the module has no parameter or buffer {key!r}")
+        if target.shape != tensor.shape or target.dtype != tensor.dtype:
+            raise ValueError(f"{key!r}: the module has {target.dtype}{list(target.shape)}, the layout "
+                             f"{tensor.dtype}{list(tensor.shape)}")
+    for key, tensor in loaded.state_dict.items():
+        targets[key].data = tensor

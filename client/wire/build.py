@@ -24,7 +24,8 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from cuctxd.protos.errors import TooLarge
+from cuctxd.protos.errors import TimedOut, TooLarge
+from cuctxd.protos.limits import MAX_VERSION_WAIT_MS
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 from cuctxd.protos.version import PROTOCOL_VERSION
 
@@ -466,19 +467,44 @@ def export(buffer: OnDevice) -> Request[ShareDescriptor]:
 
 def publish(buffer: OnDevice, name: str, manifest: bytes | None = None, persistent: bool = False,
             read_only: bool = False, once: bool = False, replace: bool = False, copy: bool = False,
-            stage: bool = False) -> Request[ShareDescriptor]:
-    return _request("publish", _share, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest,
-                                             persistent=persistent or None, read_only=read_only or None,
-                                             once=once or None, replace=replace or None, copy=copy or None,
-                                             stage=stage or None))
+            stage: bool = False, version: bool = False) -> Request[ShareDescriptor]:
+    """``version``: the name's next version; the daemon takes the buffer over, so it counts as freed here."""
+    def convert(result: dict[str, Any], frames: list[Any]) -> ShareDescriptor:
+        if version and hasattr(buffer, "freed"):
+            buffer.freed = True
+        return _share(result, frames)
+
+    return _request("publish", convert, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest,
+                                              persistent=persistent or None, read_only=read_only or None,
+                                              once=once or None, replace=replace or None, copy=copy or None,
+                                              stage=stage or None, version=version or None))
 
 
 def unpublish(name: str, device: int | None = None) -> Request[None]:
     return _request("unpublish", _nothing, name=name, device=device)
 
 
-def lookup(name: str, device: int | None = None) -> Request[ShareDescriptor]:
-    return _request("lookup", _share, name=name, device=device)
+def lookup(name: str, device: int | None = None, version: int | None = None) -> Request[ShareDescriptor]:
+    return _request("lookup", _share, name=name, device=device, version=version)
+
+
+#: Seconds a ``wait_version`` reply may take beyond the wait the daemon was asked for.
+WAIT_SLACK_S = 30.0
+
+
+def wait_version(name: str, after: int, timeout: float | None) -> Plan[int]:
+    """The number of ``name``'s current version once it is newer than ``after``; :class:`TimedOut` after
+    ``timeout`` seconds. The daemon waits (one request); without a timeout, one request per
+    ``MAX_VERSION_WAIT_MS`` that passed without one."""
+    while True:
+        wait_ms = MAX_VERSION_WAIT_MS if timeout is None else min(MAX_VERSION_WAIT_MS, max(0, int(timeout * 1000)))
+        try:
+            found: int = yield _request("wait_version", _field("version", int), timeout=wait_ms / 1000 + WAIT_SLACK_S,
+                                        name=name, after=after, timeout_ms=wait_ms)
+            return found
+        except TimedOut:
+            if timeout is not None:
+                raise
 
 
 def verify_shared(name: str, digest: str, device: int) -> Request[dict[str, Any]]:
@@ -537,7 +563,7 @@ def open_shared(descriptor: ShareDescriptor, pool_fd: bool = False) -> Request[t
     ``pool_fd`` the fd channel ticket of its pool."""
     def convert(result: dict[str, Any], frames: list[Any]) -> tuple[ShareDescriptor, str | None]:
         named = {"name": descriptor.name, "publisher": descriptor.publisher, "manifest": descriptor.manifest,
-                 "read_only": descriptor.read_only}
+                 "read_only": descriptor.read_only, "version": descriptor.version}
         return ShareDescriptor.from_wire({**result["share"], **named}), result.get("ticket")
 
     return _request("open_shared", convert, device=descriptor.device, share_id=descriptor.share_id,

@@ -186,6 +186,9 @@ class Share:
     once: bool = False
     #: Digest checks of its bytes queued or running (:mod:`cuctxd.daemon.device.digest_checks`): they keep it.
     checks: int = 0
+    #: An older version of a versioned name re-adopted at start: kept, as by a name, until a session holds it
+    #: (the processes that mapped it before the restart may hold it again) or ``orphan_ttl`` passes.
+    retained: bool = False
 
     @property
     def share_id(self) -> str:
@@ -199,7 +202,7 @@ class Share:
     def keeps_alive(self) -> bool:
         if self.owner_present or self.holders or self.checks:
             return True
-        return bool(self.names) and not (self.once and self.opened_since_orphaned)
+        return (bool(self.names) or self.retained) and not (self.once and self.opened_since_orphaned)
 
 
 @dataclass(eq=False)
@@ -293,6 +296,8 @@ class SessionOnDevice:
     #: MAX_DEFERRED_ERRORS), and the first one not yet reported by a synchronize.
     deferred: dict[int, CuctxError] = field(default_factory=dict)
     first_deferred: CuctxError | None = None
+    #: Its ``wait_version`` requests waiting here (at most MAX_VERSION_WAITERS).
+    version_waiters: int = 0
 
     def __post_init__(self) -> None:
         self.contexts = HandleTable("context", self.device)

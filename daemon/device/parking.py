@@ -107,22 +107,27 @@ class DeviceParking:
                 return
             parked = lot.parked(share.share_id)
             live = share.share_id in self.sharing.shares
-            if not (live and share.persistent and share.names and not share.revoked):
+            versions = self.registry.versions_of(share) if live else []
+            if not (live and share.persistent and (share.names or versions) and not share.revoked):
                 if parked is not None:
                     lot.unpark(share.share_id)
                 return
             if parked is not None:
-                lot.update(self._record(share))
+                lot.update(self._record(share, versions))
             elif fd is not None:
-                lot.park(self._record(share), fd)
+                lot.park(self._record(share, versions), fd)
         finally:
             if fd is not None:
                 os.close(fd)
 
-    def _record(self, share: Share) -> ParkedShare:
+    def _record(self, share: Share, versions: list[tuple[str, int, Naming, bool]]) -> ParkedShare:
         descriptor = share.descriptor
-        names = tuple(ParkedName(name, naming.manifest, naming.tensors, naming.read_only)
+        numbered = {name: (number, current) for name, number, _, current in versions}
+        names = tuple(ParkedName(name, naming.manifest, naming.tensors, naming.read_only,
+                                 *numbered.pop(name, (0, True)))
                       for name, naming in sorted(self.registry.namings(share).items()))
+        names += tuple(ParkedName(name, naming.manifest, naming.tensors, naming.read_only, number, False)
+                       for name, number, naming, current in versions if not current)
         owner = share.owner
         return ParkedShare(share.share_id, self.device, descriptor.device_uuid, descriptor.size, descriptor.backend,
                            descriptor.mechanism, descriptor.export_data if descriptor.mechanism == "pool" else b"",
@@ -167,7 +172,8 @@ class DeviceParking:
         lot.adopted(adopted, fd)
         restored = self.sharing.adopt(share, [(n.name, Naming(n.manifest, n.tensors, n.read_only,
                                                               stated_digest(n.manifest) if n.manifest else None))
-                                              for n in record.names])
+                                              for n in record.names],
+                                      {n.name: (n.version, n.current) for n in record.names if n.version})
         log.info("device %d: adopted parked share %s… (%d bytes, %s) as %s", self.device, record.share_id[:8],
                  record.size, record.mechanism, restored)
         return bool(restored)

@@ -159,6 +159,7 @@ class Sharing:
                 state.bytes_held += share.footprint
         if not share.owner_present:
             share.opened_since_orphaned = True
+            share.retained = False  # held again: its holders keep it from now on
             self._not_orphaned(share)
         state.holds[share_id] = state.holds.get(share_id, 0) + 1
         share.holders[state.ref.token] = share.holders.get(state.ref.token, 0) + 1
@@ -260,26 +261,36 @@ class Sharing:
         """Unpublish (and so free) the buffers kept by their names alone for ``ttl`` seconds: owner gone,
         nobody holding them since (oldest first: stops at the first younger one); not persistent ones."""
         for share in list(self.orphaned.values()):
-            if share.persistent:
+            if share.persistent and not share.retained:
                 continue  # waits for its unpublish (or eviction beyond max_orphaned_shares)
             if share.orphaned_at is None or now - share.orphaned_at <= ttl:
                 break
-            self.registry.drop_names(share)
+            share.retained = False
+            if not share.persistent:  # a retained older version's own names (current ones) stay
+                self.registry.drop_names(share)
             self.settle(share)
 
-    def adopt(self, share: Share, namings: Iterable[tuple[str, Naming]]) -> list[str]:
+    def adopt(self, share: Share, namings: Iterable[tuple[str, Naming]],
+              versions: Mapping[str, tuple[int, bool]] | None = None) -> list[str]:
         """A share re-adopted at start (its owner gone, persistent): indexed and named again, kept by its names;
-        the names restored (one that cannot be is logged and left out; without any the share is freed)."""
+        the names restored (one that cannot be is logged and left out; without any the share is freed).
+        ``versions``: the (number, current) of each name it is a version of; an older version is kept as
+        :attr:`Share.retained` until a session holds it or ``orphan_ttl`` passes."""
         share.context.shares.add(share.share_id)
         self.shares[share.share_id] = share
         self.registry.add(share)
         restored = []
         for name, naming in namings:
             try:
-                try:
-                    self.registry.publish(name, share, naming)
-                except NameExists:  # another device adopted the name's first copy: this is its copy here
-                    self.registry.publish(name, share, naming, copy=True)
+                if versions and name in versions:
+                    number, current = versions[name]
+                    self.registry.restore_version(name, share, naming, number, current)
+                    share.retained = share.retained or not current
+                else:
+                    try:
+                        self.registry.publish(name, share, naming)
+                    except NameExists:  # another device adopted the name's first copy: this is its copy here
+                        self.registry.publish(name, share, naming, copy=True)
                 restored.append(name)
             except CuctxError as exc:
                 log.warning("device %d: the parked name %r is not restored: %s", self.device, name, exc)

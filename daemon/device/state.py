@@ -89,6 +89,9 @@ class DeviceState:
                                      self.memory.own_pool_memory, self.memory.legacy_memory,
                                      self.memory.vmm_memory)
         self.sharing.parking = self.parking
+        #: The daemon drains (set by a task at its start): a ``wait_version`` that only a new version would
+        #: answer is answered ``SHUTTING_DOWN`` now instead of holding the drain up.
+        self.draining = False
         #: The sticky CUDA error that made this device unusable, if one struck.
         self.failure: CudaError | None = None
         self.worker_thread: threading.Thread | None = None

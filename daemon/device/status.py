@@ -138,6 +138,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "shm_lanes": len(state.shm_lanes),
         "orphaned": orphaned_status(state),
         "digest_checks": state.digest_checks.status(),
+        "version_waiters": sum(session.version_waiters for session in state.sessions.values()),
         "truncated": truncated,
         "limits": {
             "max_objects_per_session": state.limits.max_objects_per_session,

@@ -4,6 +4,7 @@ leases are answered by the front from the daemon-wide :class:`~cuctxd.daemon.reg
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,9 +18,9 @@ from cuctxd.daemon.registry.name_index import NameFilter
 from cuctxd.daemon.registry.sessions import Session
 from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
-from cuctxd.protos.errors import BadArgument, NotParked
+from cuctxd.protos.errors import BadArgument, LimitExceeded, NotParked, ShuttingDown, TimedOut
 from cuctxd.protos.layouts import check_manifest
-from cuctxd.protos.limits import MAX_HEADER_BYTES
+from cuctxd.protos.limits import MAX_HEADER_BYTES, MAX_VERSION_WAIT_MS, MAX_VERSION_WAITERS
 from cuctxd.protos.messages import pack
 
 #: Room in a ``list_shared`` reply header for all but its records: the envelope, ``next`` (a name of at most
@@ -50,12 +51,15 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
     the name's old shares (its copies on other devices too) forget it each on its own device's worker (here,
     or forwarded there, one device after the other, and back) before the reply, as after ``unpublish``. A
     ``persistent`` name is parked (PROTOCOL.md, "Parking") before the reply, or the publish fails with
-    ``NotParked`` and names nothing on this device."""
+    ``NotParked`` and names nothing on this device. A ``version`` is persistent and handed to its name: the
+    session lets go of the buffer as a ``free`` that keeps its names."""
     name = job.args.name
     if not name:
         raise BadArgument("publish needs a non-empty name")
-    if job.args.once and job.args.persistent:
-        raise BadArgument("a name published once (consume-once) cannot be persistent")
+    if job.args.once and (job.args.persistent or job.args.version):
+        raise BadArgument("a name published once (consume-once) cannot be persistent or versioned")
+    if job.args.version and (job.args.copy or job.args.stage):
+        raise BadArgument("a version of a name has no copies on other devices: publish it without copy or stage")
     if (job.args.copy or job.args.stage) and (job.args.once or job.args.replace):
         raise BadArgument("a copy of a name is published neither once nor with replace (replace the name itself)")
     session = state.session(job.session)
@@ -66,11 +70,11 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
         naming = Naming(job.args.manifest, len(manifest.tensors), job.args.read_only, manifest.digest)
     state.sharing.check_orphan_room(session, buffer)
     share = state.sharing.export(session, buffer)
-    persistent = share.persistent or job.args.persistent
+    persistent = share.persistent or job.args.persistent or job.args.version
     park_fd = state.parking.ready(share) if persistent else None
     try:
         replaced = state.registry.publish(name, share, naming, replace=job.args.replace, copy=job.args.copy,
-                                          stage=job.args.stage)
+                                          stage=job.args.stage, version=job.args.version)
     except BaseException:
         if park_fd is not None:
             os.close(park_fd)
@@ -87,8 +91,11 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
         state.registry.withdraw(name, share)
         state.sharing.forget_name(name, share.share_id)
         raise
+    version = state.registry.version_of(name, share.share_id) if job.args.version else 0
     written = _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": name,
-                                                                "read_only": job.args.read_only}))
+                                                                "read_only": job.args.read_only, "version": version}))
+    if job.args.version:
+        state.memory.free(session, buffer, unpublish=False)  # the name keeps it now
     elsewhere = [(old_share, old_device) for old_share, old_device in replaced if old_device != state.device]
     if not elsewhere:
         return written
@@ -127,6 +134,41 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
             state.sharing.close(session, share.share_id)
             raise
     return Reply(result)
+
+
+@device_handler(ops.WaitVersion)
+def wait_version(state: DeviceState, job: Job) -> Reply | Pending:
+    """The name's current version once it is newer than ``after``: at once, or polled between requests (a
+    registry read) until it is, the timeout passes or the session is gone."""
+    session = state.session(job.session)
+    name, after, registry = job.args.name, job.args.after, state.registry
+    found = registry.current_version(name)
+    if found > after:
+        return Reply({"version": found})
+    if session.version_waiters >= MAX_VERSION_WAITERS:
+        raise LimitExceeded(f"MAX_VERSION_WAITERS: this session already has {session.version_waiters} "
+                            f"wait_version requests waiting on device {state.device}")
+    timeout_ms = MAX_VERSION_WAIT_MS if job.args.timeout_ms is None else job.args.timeout_ms
+    deadline = time.monotonic() + timeout_ms / 1000
+    session.version_waiters += 1
+    token = job.session.token
+
+    def done() -> bool:
+        return (registry.current_version(name) > after or time.monotonic() >= deadline
+                or token not in state.sessions or state.draining or state.sharing.stopping)
+
+    def then() -> Reply:
+        session.version_waiters -= 1
+        found = registry.current_version(name)
+        if found > after:
+            return Reply({"version": found})
+        if state.draining or state.sharing.stopping:
+            raise ShuttingDown(f"cuctxd is shutting down: the wait for a version of {name!r} newer than {after} "
+                               "ends unanswered")
+        raise TimedOut(f"{name!r} has no version newer than {after} after {timeout_ms} ms "
+                       f"(current: {found or 'none'})")
+
+    return Pending(done, then)
 
 
 @device_handler(ops.VerifyShared)
@@ -172,7 +214,7 @@ def unpublish(front: DaemonState, session: Session | None, args: ops.Unpublish, 
 
 @front_handler(ops.Lookup)
 def lookup(front: DaemonState, session: Session | None, args: ops.Lookup, peer: str | None) -> Reply:
-    return _share_reply(front.shares.lookup(args.name, args.device).to_wire())
+    return _share_reply(front.shares.lookup(args.name, args.device, args.version).to_wire())
 
 
 @front_handler(ops.ListShared)

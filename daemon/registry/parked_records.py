@@ -44,12 +44,15 @@ class ParkError(ValueError):
 
 @dataclass(frozen=True)
 class ParkedName:
-    """A published name of a parked share, with what it was published with."""
+    """A published name of a parked share, with what it was published with; ``version``: the share is that
+    version of the name (0: not versioned), its current one unless not ``current``."""
 
     name: str
     manifest: bytes = b""
     tensors: int = 0
     read_only: bool = False
+    version: int = 0
+    current: bool = True
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,8 @@ def _share(entry: dict[str, Any], blob: Any) -> ParkedShare:
     if not isinstance(share_id, str) or not _SHARE_ID.match(share_id):
         raise ParkError(f"bad share id {share_id!r}")
     names = tuple(ParkedName(_typed(n["name"], str), blob(n["manifest"]), _typed(n["tensors"], int),
-                             _typed(n["read_only"], bool)) for n in entry["names"])
+                             _typed(n["read_only"], bool), _typed(n.get("version", 0), int),
+                             _typed(n.get("current", True), bool)) for n in entry["names"])
     size = _typed(entry["size"], int)
     if size <= 0:
         raise ParkError(f"share {share_id}: size {size}")

@@ -38,6 +38,7 @@ from cuctxd.daemon.registry.fd_budget import FdBudget, FdCharge
 from cuctxd.daemon.registry.parked_records import (
     REGISTRY_FDNAME,
     SHARE_FDNAME,
+    ParkedName,
     ParkedShare,
     ParkError,
     decode_record,
@@ -312,7 +313,7 @@ class ParkingLot:
                     recovered.skipped += 1
                 elif found.get(share_id, (-1,))[0] < generation:
                     found[share_id] = (generation, share, name)
-        claimed: set[tuple[str, str]] = set()
+        claimed: set[Any] = set()
         for _, share, record in sorted(found.values(), key=lambda entry: -entry[0]):
             share = self._unclaimed(share, claimed)
             fd = memory.pop(share.fdname, -1)
@@ -352,14 +353,15 @@ class ParkingLot:
             os.close(fd)
 
     @staticmethod
-    def _unclaimed(share: ParkedShare, claimed: set[tuple[str, str]]) -> ParkedShare:
+    def _unclaimed(share: ParkedShare, claimed: set[Any]) -> ParkedShare:
         """``share`` without the names a newer record claimed on its device (each name's copy on a device goes to
-        the newest record naming it there: a name holds one copy per device)."""
-        names = tuple(n for n in share.names if (n.name, share.device_uuid) not in claimed)
+        the newest record naming it there: a name holds one copy per device; an older version of a name, not
+        current, claims only its own number)."""
+        names = tuple(n for n in share.names if (_claim(n), share.device_uuid) not in claimed)
         if len(names) != len(share.names):
             log.warning("parked share %s…: names %s go to newer records", share.share_id[:8],
                         sorted({n.name for n in share.names} - {n.name for n in names}))
-        claimed.update((n.name, share.device_uuid) for n in names)
+        claimed.update((_claim(n), share.device_uuid) for n in names)
         return share if len(names) == len(share.names) else ParkedShare(**{**share.__dict__, "names": names})
 
     def adopted(self, share: ParkedShare, fd: int) -> None:
@@ -401,3 +403,8 @@ def _budget_peer(uid: int | None) -> str:
 def _release(charge: FdCharge | None) -> None:
     if charge is not None:
         charge.release()
+
+
+def _claim(name: ParkedName) -> Any:
+    """What a parked name claims at recovery: the name, or an older version's (name, number)."""
+    return name.name if name.current else (name.name, name.version)

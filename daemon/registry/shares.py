@@ -49,6 +49,7 @@ from cuctxd.daemon.registry.copies import Copy, CopyBook
 from cuctxd.daemon.registry.name_index import NameFilter, NameIndex
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
+from cuctxd.daemon.registry.versions import VersionBook
 from cuctxd.daemon.settings import count, size
 from cuctxd.protos.errors import BadArgument, LimitExceeded, NameExists, NoCopy, NotFound, NotOwner
 from cuctxd.protos.limits import NAME_OVERHEAD_BYTES
@@ -210,6 +211,8 @@ class ShareRegistry:
         self._vouched: dict[tuple[str, str], bool] = {}
         #: Each name's copies on other devices than its first's, and the copies staged for a next publish.
         self._copies = CopyBook()
+        #: The live versions of versioned names (PROTOCOL.md, section 9, "Versions").
+        self.versions: VersionBook[Naming] = VersionBook()
         #: Ids of published shares kept alive by their names alone, on every device.
         self._orphaned: set[str] = set()
         #: Bytes of the published names (:meth:`Naming.charged`) by publishing session token, and by uid.
@@ -224,7 +227,7 @@ class ShareRegistry:
             self._shares[share.share_id] = _Listing(share.descriptor, share.owner)
 
     def publish(self, name: str, share: ShareRecord, naming: Naming = PLAIN, *, replace: bool = False,
-                copy: bool = False, stage: bool = False) -> list[tuple[str, int]]:
+                copy: bool = False, stage: bool = False, version: bool = False) -> list[tuple[str, int]]:
         """Name ``share`` (:func:`check_scope` first), with its layout (checked by the caller) and
         flags. A name in use is :class:`NameExists`, unless ``replace``: then it moves to ``share`` in
         one step if the share's owner may unpublish it (:class:`NotOwner` otherwise), and the share ids
@@ -233,7 +236,9 @@ class ShareRegistry:
         come in with it. ``copy``/``stage``: :meth:`_add_copy`. :class:`LimitExceeded` naming
         ``max_manifest_bytes_per_session`` or ``max_manifest_bytes_per_uid`` if the name's bytes would
         pass either, or ``max_names_per_uid`` if the uid has that many names (nothing is published or
-        replaced then)."""
+        replaced then). ``version``: ``share`` becomes the name's next version (:meth:`version_of`), replacing its
+        current one as ``replace`` does; a versioned name is replaced only so, and has no copies
+        (:class:`BadArgument` otherwise)."""
         if copy or stage:
             self._add_copy(name, share, naming, stage)
             return []
@@ -247,10 +252,13 @@ class ShareRegistry:
             names_back = 0  # the replaced name, if it was this uid's
             if share_id is not None:
                 who = self._shares[share_id].owner
-                if not replace:
+                if not (replace or version):
                     raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
                                      f"client {who.client!r}, {_uid_text(who.uid)}); {_who_may_unpublish(who)} may "
                                      f"unpublish it first (cuctx unpublish {name}), or publish with replace")
+                if self.versions.current(name) and not version:
+                    raise BadArgument(f"{name!r} is a versioned name: publish its next version (publish with "
+                                      "version) instead of replacing it")
                 if not may_unpublish(who, owner):
                     raise NotOwner(f"{name!r} was published by session {who.public_id} ({who.client!r}, "
                                    f"{_uid_text(who.uid)}); only {_who_may_unpublish(who)} may replace it")
@@ -279,6 +287,8 @@ class ShareRegistry:
             self._index.add(name, owner)
             if naming != PLAIN:
                 self._namings[name] = naming
+            if version:
+                self.versions.add(name, share.share_id, naming)
             for staged in self._copies.take_staged(owner.token, name):
                 self._copies.add(Copy(name, staged.device, staged.share_id))
         share.names.add(name)
@@ -305,6 +315,8 @@ class ShareRegistry:
         check_scope(name, share.owner.uid)
         device = share.descriptor.device
         with self._lock:
+            if self.versions.current(name):
+                raise BadArgument(f"{name!r} is a versioned name: a version has no copies on other devices")
             first = self._names.get(name)
             if first is not None:
                 who = self._shares[first].owner
@@ -417,6 +429,7 @@ class ShareRegistry:
         self._forget_names(share)
         with self._lock:
             self._shares.pop(share.share_id, None)
+            self.versions.gone(share.share_id)
             self._orphaned.discard(share.share_id)
 
     def _forget_names(self, share: ShareRecord) -> None:
@@ -449,6 +462,7 @@ class ShareRegistry:
                 return []
         share_id = self._names.pop(name, None)
         naming = self._namings.pop(name, PLAIN)
+        self.versions.uncurrent(name)
         copies = self._copies.take_live(name)
         for gone in (share_id, *(copy.share_id for copy in copies)):
             self._vouched.pop((name, gone or ""), None)
@@ -498,15 +512,47 @@ class ShareRegistry:
                 namings[copy.name] = self._namings.get(copy.name, PLAIN) if copy.staged_by is None else staged
             return namings
 
-    def lookup(self, name: str, device: int | None = None) -> ShareDescriptor:
+    def lookup(self, name: str, device: int | None = None, version: int | None = None) -> ShareDescriptor:
         """The descriptor published as ``name``, with its ``publisher``: its copy on ``device`` (:class:`NoCopy`
-        where it has none), else its first."""
+        where it has none), else its first; with ``version``, that live version of a versioned name. Its version's
+        number goes with it (0: not versioned)."""
         with self._lock:
-            share_id = self._find(name, device)
+            if version is not None:
+                found = self.versions.find(name, version)
+                if found is None:
+                    raise NotFound(f"{name!r} has no live version {version} (its current one is "
+                                   f"{self.versions.current(name) or 'none'})")
+                share_id, naming = found
+            else:
+                share_id = self._find(name, device)
+                naming = self._namings.get(name, PLAIN)
             listing = self._shares[share_id]
-            naming = self._namings.get(name, PLAIN)
+            number = version or self.versions.current(name)
         return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher(),
-                                  "manifest": naming.manifest, "read_only": naming.read_only})
+                                  "manifest": naming.manifest, "read_only": naming.read_only, "version": number})
+
+    def current_version(self, name: str) -> int:
+        """The number of ``name``'s current version (0: none), what ``wait_version`` waits on."""
+        with self._lock:
+            return self.versions.current(name)
+
+    def version_of(self, name: str, share_id: str) -> int:
+        """The number of the version of ``name`` that ``share_id`` holds (0: none)."""
+        with self._lock:
+            return next((number for named, number, _, _ in self.versions.of_share(share_id) if named == name), 0)
+
+    def versions_of(self, share: ShareRecord) -> list[tuple[str, int, Naming, bool]]:
+        """Each (name, number, naming, current) version ``share`` holds (what parking keeps of it)."""
+        with self._lock:
+            return self.versions.of_share(share.share_id)
+
+    def restore_version(self, name: str, share: ShareRecord, naming: Naming, number: int, current: bool) -> None:
+        """A version re-adopted at start with its number: recorded, and named again if it was current (as
+        :meth:`publish` names it; :class:`NameExists` where the name is taken)."""
+        if current:
+            self.publish(name, share, naming)
+        with self._lock:
+            self.versions.add(name, share.share_id, naming, number, current=current)
 
     def _find(self, name: str, device: int | None) -> str:
         """The share id of ``name``'s copy on ``device`` (None: its first), under the lock."""
@@ -568,6 +614,7 @@ class ShareRegistry:
             "holders": listing.holders,
             "publisher": listing.publisher(),
             "copies": [self._shares[copy].copy_record(copy) for copy in self._copies_of(name)],
+            "version": self.versions.current(name),
         }
 
     def __len__(self) -> int:

@@ -90,6 +90,7 @@ from cuctxd.daemon.settings import part_of
 from cuctxd.daemon.side_channel.server import FdChannelLimits, SideChannel
 from cuctxd.daemon.worker.lane import DeviceLane
 from cuctxd.daemon.worker.loop import DeviceWorker
+from cuctxd.daemon.worker.runner import JobRunner
 from cuctxd.protos.fd_channel import channel_path
 from cuctxd.protos.limits import MAX_HEADER_BYTES
 
@@ -420,6 +421,8 @@ class Daemon:
         if self._preloader is not None:  # before its loader's requests are refused as the drain's
             self._preloader.stop()
         front.state.draining = True
+        for worker in self._workers:
+            worker.submit_task(_end_waits)
         self.notifier.stopping(self._status_line())
         timeout = self.config.drain_timeout
         in_flight = front.observer.in_flight if front.observer is not None else 0
@@ -561,3 +564,8 @@ def _report(held: list[int], index: int, mark: threading.Event, count: int) -> N
     has run."""
     held[index] = count
     mark.set()
+
+
+def _end_waits(runner: JobRunner) -> None:
+    """A device worker's task at the drain's start: its waits for new versions end (``DeviceState.draining``)."""
+    runner.state.draining = True

@@ -1,4 +1,4 @@
-"""Figure 10 on a real sim daemon: the first reliance of another uid on a layout's digest is hashed by the
+"""Figure 11 on a real sim daemon: the first reliance of another uid on a layout's digest is hashed by the
 daemon, timed against the client's own hash of the same bytes, both measured in the run."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from bench.run import Bench
 from bench.settings import QUICK
 
 
-def test_figure_10_times_a_check_against_the_host_hash_on_the_sim() -> None:
+def test_figure_11_times_a_check_against_the_host_hash_on_the_sim() -> None:
     with Bench(QUICK, "sim", 1) as bench:
         figures = list(digest_checks.run(bench))
         with bench.client() as client:

@@ -336,7 +336,7 @@ class FuzzSession:
                 continue
             args[arg.name] = None if kind == "nil" else rest[0] if kind == "raw" else \
                 self._value(arg.role, rest[0], devices)
-        takes_name = op == "unpublish" or (op == "publish" and args.get("replace") is True)
+        takes_name = op == "unpublish" or (op == "publish" and True in (args.get("replace"), args.get("version")))
         if takes_name and args.get("name") == SHARE_NAME:  # a session of the publisher's uid may unpublish (or
             args["name"] = f"fz-{SHARE_NAME}"  # replace) it (PROTOCOL.md section 9), and the fuzz runs as that uid
         for key, value in extras:
@@ -409,7 +409,9 @@ class FuzzSession:
             assert header["result"]["device"] == device_now, what
         if name == "device_count":
             assert header["result"]["count"] == DEVICES
-        if name in ("lookup", "verify_shared") and args.get("name") == SHARE_NAME:
+        if name == "lookup" and args.get("name") == SHARE_NAME and args.get("version") is not None:
+            assert not ok and header["error"]["name"] == ErrorCode.CUCTXD_ERROR_NOT_FOUND.name, what  # no versions
+        elif name in ("lookup", "verify_shared") and args.get("name") == SHARE_NAME:
             self._check_bystanders_name(name, expected.device if name == "verify_shared" else args.get("device"),
                                         header, what)
         if ok and spec.payload_out:

@@ -31,4 +31,4 @@ def test_a_pool_import_says_why_and_keeps_the_fd_open() -> None:
 
 def test_a_device_copy_says_why() -> None:
     with pytest.raises(NotShareable, match="to copy device memory"):
-        copy_device_to_device("GPU-00000000-0000-0000-0000-000000000000", 0, 0, 1)
+        copy_device_to_device("GPU-00000000-0000-0000-0000-000000000000", [(0, 0, 1)])

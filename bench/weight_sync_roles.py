@@ -1,0 +1,201 @@
+"""The processes of figure 10 (:mod:`bench.figures.weight_sync`): a trainer and its engines, each spawned.
+
+Each role answers the parent's commands on its pipe: ``("setup",)`` makes its weights (the trainer's state dict;
+an engine's own parameters where its way copies), ``("await", after)`` readies an engine for the next version
+(it answers at once, then waits and answers again with the ``time.perf_counter()`` at which it computed with
+the new version), ``("publish", marker)`` has the trainer write ``marker`` (a small integer, exact in bf16) into
+every tensor (its training step, not timed) and then hand the new weights over (timed from its call on; it
+answers that start time),
+``("release",)`` lets an engine drop what it no longer needs, ``("stop",)`` ends it. ``perf_counter`` is
+CLOCK_MONOTONIC on Linux, one clock for every process.
+
+The ways: ``"zero-copy"`` (engines compute on the version they hold, refreshed), ``"copy"`` (engines copy each
+version into parameters of their own, then close it), and the anchors, cuda and torch only: ``"per-tensor"``
+(one CUDA IPC handle per tensor, ``torch.multiprocessing.reductions.reduce_tensor``, rebuilt in each engine and
+copied into its parameters) and ``"buckets"`` (the tensors flattened into 1 GiB buckets sent as one handle
+each, copied out the same way). The trainer talks to the engines directly on pipes of their own in the
+anchors' ways, as those systems do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+NAME = "bench-weights"
+BUCKET_BYTES = 1 << 30
+
+
+def shapes(total: int, count: int) -> list[int]:
+    """Elements (bf16, 2 bytes) of each of ``count`` tensors of ``total`` bytes together."""
+    each = total // count // 2
+    return [each] * count
+
+
+def run_trainer(endpoint: str, backend: str, way: str, total: int, count: int, parent: Connection,
+                engines: list[Connection]) -> None:
+    """The trainer's process (module docstring)."""
+    from cuctxd import Client
+    from cuctxd.client.tensors.versions import publish_version
+
+    torch = _start(backend)
+    params: dict[str, Any] = {}
+    buckets: list[Any] = []
+    with Client(endpoint, timeout=600) as client:
+        for command in _commands(parent):
+            if command[0] == "setup":
+                params = {f"layers.{i}.weight": _tensor(torch, n) for i, n in enumerate(shapes(total, count))}
+                if way == "buckets":
+                    buckets = [torch.empty(size, dtype=torch.uint8, device="cuda") for size in _bucket_sizes(params)]
+                parent.send(("ready",))
+                continue
+            marker = command[1]
+            for tensor in params.values():
+                tensor[0] = marker
+            if torch is not None:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            if way in ("zero-copy", "copy"):
+                publish_version(client, NAME, params)
+            elif way == "per-tensor":
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                handles = [(key, reduce_tensor(tensor)) for key, tensor in params.items()]
+                for engine in engines:
+                    engine.send(handles)
+            else:
+                sent = _fill_buckets(torch, params, buckets)
+                for engine in engines:
+                    engine.send(sent)
+            parent.send(("published", started))
+
+
+def _fill_buckets(torch: Any, params: dict[str, Any], buckets: list[Any]) -> list[tuple[Any, list[Any]]]:
+    """The tensors flattened into the buckets (each tensor whole in one), and each bucket's handle with where
+    each of its tensors lies."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    placed: list[list[tuple[str, int, int]]] = [[] for _ in buckets]
+    index, at = 0, 0
+    for key, tensor in params.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if at + nbytes > buckets[index].numel():
+            index, at = index + 1, 0
+        buckets[index][at:at + nbytes].copy_(tensor.view(-1).view(torch.uint8))
+        placed[index].append((key, at, nbytes))
+        at += nbytes
+    torch.cuda.synchronize()
+    return [(reduce_tensor(bucket), where) for bucket, where in zip(buckets, placed, strict=True)]
+
+
+def _bucket_sizes(params: dict[str, Any]) -> list[int]:
+    sizes, at = [], 0
+    for tensor in params.values():
+        nbytes = tensor.numel() * tensor.element_size()
+        if at + nbytes > BUCKET_BYTES:
+            sizes.append(at)
+            at = 0
+        at += nbytes
+    return [*sizes, at]
+
+
+def run_engine(endpoint: str, backend: str, way: str, total: int, count: int, parent: Connection,
+               trainer: Connection | None) -> None:
+    """An engine's process (module docstring)."""
+    from cuctxd import Client
+    from cuctxd.client.tensors.tensor_sets import open_tensors
+    from cuctxd.client.tensors.torch_weights import load_state_dict
+    from cuctxd.client.tensors.versions import wait_version
+
+    torch = _start(backend)
+    own: dict[str, Any] = {}
+    held: Any = None  # zero-copy: the version it computes with
+    previous: Any = None  # zero-copy: the one before, until the parent says it may go
+    last = f"layers.{count - 1}.weight"
+    with Client(endpoint, timeout=600) as client:
+        for command in _commands(parent):
+            if command[0] == "setup":
+                if way != "zero-copy":
+                    own = {f"layers.{i}.weight": _tensor(torch, n) for i, n in enumerate(shapes(total, count))}
+                if way in ("zero-copy", "copy"):
+                    held = load_state_dict(client, NAME) if torch is not None else open_tensors(client, NAME)
+                    if way == "copy":
+                        held.close()
+                        held = None
+                parent.send(("ready",))
+            elif command[0] == "release":
+                if previous is not None:
+                    previous.close()
+                    previous = None
+                parent.send(("released",))
+            else:
+                parent.send(("waiting",))
+                after = command[1]
+                if way == "zero-copy":
+                    wait_version(client, NAME, after)
+                    previous, held = held, held.refresh()
+                    seen = _first(torch, held.state_dict[last] if torch is not None else held[last])
+                elif way == "copy":
+                    wait_version(client, NAME, after)
+                    with (load_state_dict(client, NAME) if torch is not None else open_tensors(client, NAME)) as got:
+                        got.copy_into(own)
+                    seen = _first(torch, own[last])
+                else:
+                    assert trainer is not None
+                    _copy_handles(torch, trainer.recv(), own, way)
+                    seen = _first(torch, own[last])
+                parent.send(("computed", time.perf_counter(), seen))
+
+
+def _commands(parent: Connection) -> Iterator[tuple[Any, ...]]:
+    """The parent's commands until ``("stop",)``, once this process said it is up."""
+    parent.send(("up",))
+    while (command := parent.recv())[0] != "stop":
+        yield command
+
+
+def _copy_handles(torch: Any, sent: Any, own: dict[str, Any], way: str) -> None:
+    """Rebuild the trainer's tensors (or buckets) from their CUDA IPC handles and copy them into ``own``; the
+    rebuilt ones are let go (their handles closed) only once every copy is done."""
+    rebuilt = []
+    if way == "per-tensor":
+        for key, (rebuild, args) in sent:
+            rebuilt.append(rebuild(*args))
+            own[key].copy_(rebuilt[-1], non_blocking=True)
+    else:
+        for (rebuild, args), where in sent:
+            rebuilt.append(bucket := rebuild(*args))
+            for key, at, nbytes in where:
+                own[key].view(-1).view(torch.uint8).copy_(bucket[at:at + nbytes], non_blocking=True)
+    torch.cuda.synchronize()
+    rebuilt.clear()
+
+
+def _start(backend: str) -> Any:
+    """torch with its CUDA context made (cuda), so no figure counts a process's start; None on the sim."""
+    if backend != "cuda":
+        return None
+    import torch
+
+    torch.zeros(1, device="cuda")
+    return torch
+
+
+def _tensor(torch: Any, elements: int) -> Any:
+    """One bf16 tensor on the GPU (torch), or a uint16 one of the same bytes in host memory (the sim)."""
+    if torch is not None:
+        return torch.zeros(elements, dtype=torch.bfloat16, device="cuda")
+    import numpy
+
+    return numpy.zeros(elements, dtype=numpy.uint16)
+
+
+def _first(torch: Any, tensor: Any) -> float:
+    """The tensor's first element, read back: a computation with what the engine holds now."""
+    if torch is not None:
+        return float(tensor[:1].float().sum().item())
+    import numpy
+
+    return float(numpy.asarray(tensor)[0])

@@ -1,0 +1,82 @@
+"""The versions of versioned names (PROTOCOL.md, section 9, "Versions"): which share holds each live version.
+
+A name published with ``version`` gets the next number (1 for the first); its previous current version
+loses the name but lives on while sessions hold it open (the lifetime rule of
+:mod:`cuctxd.daemon.registry.shares`), and is forgotten here when its share is freed. The numbers of a
+name go on from its highest while any of its versions lives, so a holder of version 3 never sees a
+"newer" version 1. No lock of its own: the :class:`~cuctxd.daemon.registry.shares.ShareRegistry`
+calls every method under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+#: What a version was published with (the registry's Naming), kept as given.
+N = TypeVar("N")
+
+
+@dataclass
+class _Name(Generic[N]):
+    """One versioned name: its highest number, its current one (0: none, it was unpublished) and each live
+    version's share id and naming."""
+
+    latest: int = 0
+    current: int = 0
+    live: dict[int, tuple[str, N]] = field(default_factory=dict)
+
+
+class VersionBook(Generic[N]):
+    """Every versioned name's live versions (called under the share registry's lock)."""
+
+    def __init__(self) -> None:
+        self._names: dict[str, _Name[N]] = {}
+        #: Share id -> the (name, number) versions it holds.
+        self._of_share: dict[str, set[tuple[str, int]]] = {}
+
+    def add(self, name: str, share_id: str, naming: N, number: int | None = None, *, current: bool = True) -> int:
+        """Record ``share_id`` as a version of ``name``: the next number (or ``number``, one re-adopted at
+        start), made current if ``current``; returns its number."""
+        entry = self._names.setdefault(name, _Name())
+        number = entry.latest + 1 if number is None else number
+        entry.latest = max(entry.latest, number)
+        entry.live[number] = (share_id, naming)
+        if current:
+            entry.current = number
+        self._of_share.setdefault(share_id, set()).add((name, number))
+        return number
+
+    def current(self, name: str) -> int:
+        """The number of ``name``'s current version; 0 where it has none (not versioned, or unpublished)."""
+        entry = self._names.get(name)
+        return 0 if entry is None else entry.current
+
+    def uncurrent(self, name: str) -> None:
+        """``name`` no longer names its current version (unpublished, or about to name the next one)."""
+        entry = self._names.get(name)
+        if entry is not None:
+            entry.current = 0
+
+    def find(self, name: str, number: int) -> tuple[str, N] | None:
+        """The share id and naming of version ``number`` of ``name`` while it lives."""
+        entry = self._names.get(name)
+        return None if entry is None else entry.live.get(number)
+
+    def of_share(self, share_id: str) -> list[tuple[str, int, N, bool]]:
+        """Each (name, number, naming, current) version ``share_id`` holds, in name order."""
+        found = []
+        for name, number in sorted(self._of_share.get(share_id, ())):
+            entry = self._names[name]
+            found.append((name, number, entry.live[number][1], entry.current == number))
+        return found
+
+    def gone(self, share_id: str) -> None:
+        """The share was freed: its versions are forgotten (and a name without live versions with them)."""
+        for name, number in self._of_share.pop(share_id, ()):
+            entry = self._names[name]
+            entry.live.pop(number, None)
+            if entry.current == number:
+                entry.current = 0
+            if not entry.live:
+                del self._names[name]
