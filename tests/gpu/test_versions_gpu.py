@@ -56,7 +56,7 @@ def test_an_engine_computes_with_its_version_then_swaps_and_copies_the_newest(cu
         assert wait_for_line(trainer, "published", 300).split() == ["published", "1"]
         holding = wait_for_line(engine, "holding", 300).split()
         assert holding == ["holding", "1", "5.0", "True", "True"]  # 4 inputs * weight 1 + bias 1
-        assert wait_for_line(trainer, "published", 300).split() == ["published", "3"]
+        assert wait_for_line(trainer, "published 3", 300).split() == ["published", "3"]  # after "published 2"
         assert wait_for_line(engine, "still", 300).split() == ["still", "5.0"]
         assert wait_for_line(engine, "swapped", 300).split() == ["swapped", "3", "15.0", "15.0"]
         assert wait_for_line(engine, "copy kept", 300).split()[-1] == "15.0"
