@@ -245,7 +245,9 @@ def test_a_daemon_that_closes_a_lane_under_a_waiting_call_answers_it_on_the_sock
     try:
         buffer = client.alloc(64)
         buffer.read(1)
-        time.sleep(2.5)  # reaped: the daemon closed the lane
+        with Client(daemon.endpoint) as observer:  # reaped: its device's worker closed the lane, then forgot it
+            assert wait_until(lambda: client.session_id not in
+                              {s["session"] for s in observer.status()["devices"][0]["sessions"]}, 10)
         started = time.monotonic()
         with pytest.raises(SessionExpired):
             buffer.read(8)
