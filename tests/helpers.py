@@ -7,6 +7,8 @@ Fixtures live in ``conftest.py``; raw wire-protocol peers in ``tests.helpers_raw
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import multiprocessing.context
 import os
 import re
 import resource
@@ -72,6 +74,15 @@ class DaemonProcess:
 
     def log(self) -> str:
         return "".join(self.stderr_lines)
+
+
+def client_processes() -> multiprocessing.context.ForkServerContext:
+    """The multiprocessing context of a test's client processes: each is forked from a server that imported the
+    client once (``spawn`` imported it again in every child, ~0.3 s of CPU each), never from the test runner,
+    whose threads (ZeroMQ's, the log pumps) a ``fork`` would copy mid-flight."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["cuctxd.client"])  # only until the server has started: the same for every test
+    return context
 
 
 def short_tempdir() -> Path:
@@ -290,8 +301,10 @@ def make_key_files(root: Path, allowed: tuple[str, ...] = ("alice",), others: tu
 
 
 def pattern(size: int, seed: int = 0) -> bytes:
-    """``size`` bytes that differ from a shifted copy of themselves (``seed`` shifts them)."""
-    return bytes((i * 7 + seed) % 251 for i in range(size))
+    """``size`` bytes that differ from a shifted copy of themselves (``seed`` shifts them): ``(i * 7 + seed) % 251``
+    for each ``i``, made as one period of 251 repeated (a byte at a time, 20 MiB took over a second)."""
+    period = bytes((i * 7 + seed) % 251 for i in range(251))
+    return (period * (size // 251 + 1))[:size]
 
 
 def client_env() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The client processes of ``test_load_kills``: module-level so that ``spawn`` can import them (pytest runs
+"""The client processes of ``test_load_kills``: module-level so that a child process can import them (pytest runs
 in importlib mode, so a target defined in a test module could not be found by the child).
 
 Each process opens a session, keeps a host mirror of its own buffers and runs

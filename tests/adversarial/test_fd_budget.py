@@ -9,13 +9,12 @@ connections are taken, the bystander is served and the daemon lives.
 
 Item 6: one process that holds every fd channel connection it can open used to leave new data-plane
 clients with ``ConnectionLost``; now it is refused beyond its own share and everyone else is served.
-Each attacker is a process of its own (a peer), started with ``spawn``; its targets live in
+Each attacker is a process of its own (a peer), started from ``tests.helpers.client_processes``; its targets live in
 :mod:`tests.adversarial.fd_attackers`.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -28,7 +27,7 @@ from cuctxd import Client
 from cuctxd.client.wire import build
 from tests.adversarial.attacks import Bystander, assert_alive, open_bystander
 from tests.adversarial.fd_attackers import data_plane_clients, hoard_tickets, hold_fd_connections
-from tests.helpers import DaemonProcess, running_daemon, wait_until
+from tests.helpers import DaemonProcess, client_processes, running_daemon, wait_until
 
 #: The daemon's RLIMIT_NOFILE (soft and hard: it cannot raise it), as in the report.
 OPEN_FILES = 1024
@@ -39,7 +38,7 @@ FDS_PER_HOST_ALLOC = 2
 #: Seconds an attacker process may take to start, attack and report.
 REPORT_WITHIN = 40.0
 
-spawn = multiprocessing.get_context("spawn")
+forkserver = client_processes()
 
 
 @pytest.fixture
@@ -67,8 +66,8 @@ def attackers(target: Any, *args_per_process: tuple[Any, ...]) -> Iterator[list[
         pipes: list[Connection] = []
         processes = []
         for args in args_per_process:
-            mine, theirs = spawn.Pipe()
-            process = spawn.Process(target=target, args=(*args, theirs), daemon=True)
+            mine, theirs = forkserver.Pipe()
+            process = forkserver.Process(target=target, args=(*args, theirs), daemon=True)
             process.start()
             theirs.close()
             pipes.append(mine)

@@ -1,6 +1,6 @@
 """Load with random SIGKILLs: many client processes doing verified data ops, some killed mid-work.
 
-:data:`PROCESSES` client processes (``spawn``; targets in
+:data:`PROCESSES` client processes (``tests.helpers.client_processes``; targets in
 :mod:`tests.adversarial.load_clients`) each check every read against what they
 wrote. While they run, :data:`KILLS` of them, chosen at random, are SIGKILLed at
 random moments. Asserted: no mismatch in any survivor, the daemon alive, a
@@ -13,7 +13,6 @@ The figures go to the terminal summary (``attacks.FIGURES``).
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import time
 from collections import Counter
@@ -26,7 +25,7 @@ import pytest
 from cuctxd import Client
 from tests.adversarial.attacks import FIGURES, Bystander, assert_alive, rss_bytes, scaled, soak_mode
 from tests.adversarial.load_clients import DEVICES, verified_client
-from tests.helpers import DaemonProcess
+from tests.helpers import DaemonProcess, client_processes
 
 PROCESSES = 64
 KILLS = 16
@@ -58,15 +57,15 @@ def test_killed_clients_leave_nothing_and_survivors_see_only_their_bytes(
     rng = random.Random(14)
     pid = attack_daemon.process.pid
     rss_before = rss_bytes(pid)
-    spawn = multiprocessing.get_context("spawn")
+    forkserver = client_processes()
     with Client(attack_daemon.endpoint, timeout=30, name="observer") as observer:
         baseline = device_free(observer)
         pipes: dict[Connection, int] = {}
         processes: dict[int, BaseProcess] = {}
         for seed in range(PROCESSES):
-            receiver, sender = spawn.Pipe(duplex=False)
-            processes[seed] = spawn.Process(target=verified_client, args=(attack_daemon.endpoint, seed, ops, sender),
-                                            daemon=True)
+            receiver, sender = forkserver.Pipe(duplex=False)
+            processes[seed] = forkserver.Process(target=verified_client,
+                                                 args=(attack_daemon.endpoint, seed, ops, sender), daemon=True)
             processes[seed].start()
             sender.close()
             pipes[receiver] = seed

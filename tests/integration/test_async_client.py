@@ -44,7 +44,15 @@ from cuctxd.client import (
 from cuctxd.client.wire import build
 from cuctxd.client.wire.lease import AsyncHeartbeat
 from cuctxd.protos.version import PROTOCOL_VERSION
-from tests.helpers import DaemonProcess, freeze, pattern, remove_tempdir, start_daemon
+from tests.helpers import (
+    DaemonProcess,
+    freeze,
+    pattern,
+    remove_tempdir,
+    session_ids,
+    start_daemon,
+    wait_until,
+)
 
 T = TypeVar("T")
 MiB = 1 << 20
@@ -482,11 +490,22 @@ def test_open_shared_maps_a_vmm_buffer_through_its_fd(daemon: DaemonProcess) -> 
 # --- leases --------------------------------------------------------------------------------------
 
 
+def reaped(daemon: DaemonProcess, session_id: int) -> bool:
+    """Whether the session ``session_id`` is reaped within the lease and a margin (a blocking wait: run it off the
+    event loop, whose heartbeat task must go on)."""
+    with Client(daemon.endpoint) as observer:
+        return wait_until(lambda: session_id not in session_ids(observer), LEASE_TTL + 3.0)
+
+
 def test_heartbeats_keep_an_idle_session_alive(short_lease: DaemonProcess) -> None:
+    """Idle on purpose until a session started with it but without heartbeats has been reaped: the lease ran
+    out for both, and the heartbeat task covered the idle one."""
     async def body(c: AsyncClient) -> None:
         buffer = await c.alloc(1024)
         await buffer.fill(3)
-        await asyncio.sleep(LEASE_TTL * 2)  # idle on purpose; the heartbeat task must cover it
+        with Client(short_lease.endpoint, heartbeat=False) as quiet:
+            quiet.alloc(1024)
+            assert await asyncio.to_thread(reaped, short_lease, quiet.session_id)
         assert await buffer.read(2) == b"\x03\x03"
 
     run(short_lease, body)
@@ -495,7 +514,7 @@ def test_heartbeats_keep_an_idle_session_alive(short_lease: DaemonProcess) -> No
 def test_without_heartbeats_an_idle_session_expires(short_lease: DaemonProcess) -> None:
     async def body(c: AsyncClient) -> None:
         await c.alloc(1024)
-        await asyncio.sleep(LEASE_TTL + 1.5)
+        assert await asyncio.to_thread(reaped, short_lease, c.session_id)  # silent past the lease, until reaped
         with pytest.raises(SessionExpired):
             await c.alloc(1024)
 

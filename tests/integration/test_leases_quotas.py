@@ -64,7 +64,8 @@ def test_reaped_session_gets_session_expired(daemon: DaemonProcess) -> None:
     quiet = Client(daemon.endpoint, heartbeat=False)
     try:
         quiet.alloc(1024)
-        time.sleep(LEASE_TTL + 1.5)  # deliberately silent past the lease: the thing under test
+        with Client(daemon.endpoint) as observer:  # deliberately silent past the lease, until it is reaped
+            assert wait_until(lambda: quiet.session_id not in session_ids(observer), LEASE_TTL + 3.0)
         with pytest.raises(SessionExpired) as expired:
             quiet.alloc(1024)
         assert expired.value.name == "CUCTXD_ERROR_SESSION_EXPIRED"
@@ -73,10 +74,15 @@ def test_reaped_session_gets_session_expired(daemon: DaemonProcess) -> None:
 
 
 def test_heartbeats_keep_an_idle_session_alive(daemon: DaemonProcess) -> None:
-    with Client(daemon.endpoint) as idle:
+    """Idle on purpose until a session started with it but without heartbeats has been reaped: the
+    lease ran out for both, and the background heartbeat covered the idle one."""
+    with Client(daemon.endpoint) as idle, Client(daemon.endpoint, heartbeat=False) as quiet:
         buf = idle.alloc(1024)
         buf.fill(3)
-        time.sleep(LEASE_TTL * 2)  # idle on purpose; the background heartbeat must cover it
+        quiet.alloc(1024)
+        with Client(daemon.endpoint) as observer:
+            assert wait_until(lambda: quiet.session_id not in session_ids(observer), LEASE_TTL + 3.0)
+            assert idle.session_id in session_ids(observer)
         assert buf.read(2) == b"\x03\x03"
 
 

@@ -30,7 +30,7 @@ from tests.helpers import (
     tcp_endpoint,
 )
 
-KEYGEN_FAST = 2.0  # timeout for clients expected to be turned away
+KEYGEN_FAST = 0.5  # timeout for clients expected to be turned away: they wait all of it
 
 
 @pytest.fixture(scope="module")

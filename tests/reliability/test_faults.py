@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import pytest
 from cuctxd.client import Client, CudaError, DaemonTimeout, SessionExpired, SessionLost
 from tests.helpers import (
     DaemonProcess,
+    client_processes,
     freeze,
     remove_tempdir,
     session_ids,
@@ -72,11 +72,11 @@ def device_free(observer: Client) -> list[int]:
 @pytest.mark.parametrize("mode", ["writes", "reads", "pipelined"])
 def test_a_client_killed_mid_transfer_is_reaped_and_its_memory_returns(lease_daemon: DaemonProcess,
                                                                         mode: str) -> None:
-    spawn = multiprocessing.get_context("spawn")
+    forkserver = client_processes()
     with Client(lease_daemon.endpoint, timeout=10, name="observer") as observer:
         baseline = device_free(observer)
-        parent, child = spawn.Pipe(duplex=False)
-        victim = spawn.Process(target=transfer_forever, args=(lease_daemon.endpoint, mode, child), daemon=True)
+        parent, child = forkserver.Pipe(duplex=False)
+        victim = forkserver.Process(target=transfer_forever, args=(lease_daemon.endpoint, mode, child), daemon=True)
         victim.start()
         try:
             assert parent.poll(30), "the victim never got going"
@@ -245,7 +245,9 @@ def test_a_daemon_that_closes_a_lane_under_a_waiting_call_answers_it_on_the_sock
     try:
         buffer = client.alloc(64)
         buffer.read(1)
-        time.sleep(2.5)  # reaped: the daemon closed the lane
+        with Client(daemon.endpoint) as observer:  # reaped: its device's worker closed the lane, then forgot it
+            assert wait_until(lambda: client.session_id not in
+                              {s["session"] for s in observer.status()["devices"][0]["sessions"]}, 10)
         started = time.monotonic()
         with pytest.raises(SessionExpired):
             buffer.read(8)

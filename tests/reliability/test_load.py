@@ -1,6 +1,6 @@
 """Load: many client processes at once doing mixed work on several sim devices.
 
-:data:`PROCESSES` processes (``multiprocessing`` with ``spawn``) each open a
+:data:`PROCESSES` processes (``multiprocessing``, from ``tests.helpers.client_processes``) each open a
 session and run :data:`OPS` mixed operations, chosen by a seeded generator:
 alloc, write, read, fill, copy within and across devices, free, created
 contexts, streams and events, and pipelines. Each process keeps a host mirror
@@ -16,14 +16,13 @@ none and ``mem_get_info`` is back to its baseline.
 from __future__ import annotations
 
 import json
-import multiprocessing
 from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 
 from cuctxd.client import Client
-from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_until
+from tests.helpers import DaemonProcess, client_processes, remove_tempdir, start_daemon, wait_until
 from tests.reliability.load_session import CALL_TIMEOUT, DEVICES, load_process
 from tests.reliability.strategies import INPUTS, scaled, soak_mode
 
@@ -65,8 +64,8 @@ def test_many_processes_of_mixed_ops_lose_nothing_and_leave_nothing(load_daemon:
     with Client(load_daemon.endpoint, timeout=CALL_TIMEOUT, name="observer", heartbeat=False) as observer:
         baseline = [observer.memory_info(d)["device_free"] for d in range(DEVICES)]
         observer_sent["mem_get_info"] += DEVICES
-        spawn = multiprocessing.get_context("spawn")
-        with spawn.Pool(PROCESSES) as pool:
+        forkserver = client_processes()
+        with forkserver.Pool(PROCESSES) as pool:
             pending = pool.starmap_async(load_process, [(load_daemon.endpoint, seed, ops) for seed in range(PROCESSES)])
             results = pending.get(timeout=None if soak_mode() else 90)
         observer_sent["shm_lane"] += len(observer.shm_lanes)

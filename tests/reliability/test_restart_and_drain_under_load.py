@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.helpers import remove_tempdir, start_daemon
+from tests.helpers import client_processes, remove_tempdir, start_daemon
 from tests.reliability.busy_session import busy_process
 
 PROCESSES = 4
@@ -30,10 +30,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _run_busy(endpoint: str) -> tuple[multiprocessing.pool.Pool, multiprocessing.pool.AsyncResult]:  # type: ignore[type-arg]
-    spawn = multiprocessing.get_context("spawn")
-    manager = spawn.Manager()
+    forkserver = client_processes()
+    manager = forkserver.Manager()
     events = [manager.Event() for _ in range(PROCESSES)]
-    pool = spawn.Pool(PROCESSES)
+    pool = forkserver.Pool(PROCESSES)
     pending = pool.starmap_async(busy_process, [(endpoint, seed, events[seed], DEVICES) for seed in range(PROCESSES)])
     for event in events:
         assert event.wait(60), "a busy process never got going"
