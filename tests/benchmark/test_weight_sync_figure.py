@@ -17,7 +17,7 @@ def test_figure_10_times_both_modes_and_skips_the_cuda_anchors_on_the_sim() -> N
             assert free == total, "every version is freed once its engines are gone"
     assert {figure.figure for figure in figures} == {10}
     assert not any(figure.error for figure in figures), figures
-    timed = [f for f in figures if f.unit == "s"]
+    timed = [f for f in figures if f.unit == "s" and ", stage: " not in f.name]
     assert not any(f.skipped for f in timed) and all(f.value is not None and f.value > 0 for f in timed)
     assert all(f.anchor_value is None and "cuda backend" in (f.note or "") for f in timed[:3])  # anchors not run
     assert timed[3].value is not None and timed[3].value > 0 and timed[3].anchor_value is not None
