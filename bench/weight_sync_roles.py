@@ -32,7 +32,8 @@ from typing import Any
 
 NAME = "bench-weights"
 BUCKET_BYTES = 1 << 30
-#: What each stage's span covers; "(async)" where it times the host's part of GPU work only.
+#: What each stage's span covers. None times GPU work left running: each span's GPU work (copies) is
+#: synchronized inside it by the call itself, the others are host work and requests.
 STAGES = {
     "trainer alloc": "the alloc request: the daemon allocates the new version's buffer (VMM, shareable)",
     "trainer export": "the export request: the buffer's share handle, its fd passed here",
