@@ -9,6 +9,12 @@ answers that start time),
 ``("release",)`` lets an engine drop what it no longer needs, ``("stop",)`` ends it. ``perf_counter`` is
 CLOCK_MONOTONIC on Linux, one clock for every process.
 
+Where the seconds go: the trainer answers ``("published", started, ended, stages)`` and an engine ``("computed",
+at, seen, woken, stages)``, ``stages`` the seconds of each step of the round in that process
+(:data:`STAGES` says what each covers), ``ended`` when the trainer's hand-over returned and ``woken`` when the
+engine learnt of the new version. They are ``time.perf_counter`` spans around calls the round makes anyway,
+no synchronization added: a span covers GPU work only where its call synchronizes.
+
 The ways: ``"zero-copy"`` (engines compute on the version they hold, refreshed), ``"copy"`` (engines copy each
 version into parameters of their own, then close it), and the anchors, cuda and torch only: ``"per-tensor"``
 (one CUDA IPC handle per tensor, ``torch.multiprocessing.reductions.reduce_tensor``, rebuilt in each engine and
@@ -26,6 +32,27 @@ from typing import Any
 
 NAME = "bench-weights"
 BUCKET_BYTES = 1 << 30
+#: What each stage's span covers. None times GPU work left running: each span's GPU work (copies) is
+#: synchronized inside it by the call itself, the others are host work and requests.
+STAGES = {
+    "trainer alloc": "the alloc request: the daemon allocates the new version's buffer (VMM, shareable)",
+    "trainer export": "the export request: the buffer's share handle, its fd passed here",
+    "trainer open_shared": "importing and mapping the buffer in the trainer",
+    "trainer host writes": "the host tensors written through the data plane (the sim only)",
+    "trainer publish request": "the publish request: the version made current, waiting engines answered",
+    "trainer rest": "planning the layout, the device-to-device copies and their synchronize, the unmap",
+    "trainer total": "publish_version's call, whole",
+    "trainer reduce_tensor": "one CUDA IPC handle per tensor (per-tensor)",
+    "trainer fill buckets": "copies into the buckets, synchronized, and one handle each (buckets)",
+    "trainer send": "the handles pickled and sent to every engine",
+    "engine refresh": "lookup of the newest version, import and map of its share, its TensorSet",
+    "engine views": "LoadedState over the new share: one torch tensor per tensor (torch only)",
+    "engine open": "open of the newest version: lookup, import, map and its views",
+    "engine copy_into": "the version copied into the engine's parameters (synchronized on cuda)",
+    "engine close": "the version unmapped and let go",
+    "engine rebuild and copy": "the IPC handles opened and copied from, synchronized",
+    "engine first compute": "reading the marker back (.item(): synchronizes)",
+}
 
 
 def shapes(total: int, count: int) -> list[int]:
@@ -57,19 +84,67 @@ def run_trainer(endpoint: str, backend: str, way: str, total: int, count: int, p
             if torch is not None:
                 torch.cuda.synchronize()
             started = time.perf_counter()
+            stages: dict[str, float] = {}
             if way in ("zero-copy", "copy"):
-                publish_version(client, NAME, params)
-            elif way == "per-tensor":
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                handles = [(key, reduce_tensor(tensor)) for key, tensor in params.items()]
-                for engine in engines:
-                    engine.send(handles)
+                timed = _Timed(client)
+                publish_version(timed, NAME, params)
+                stages = timed.stages(time.perf_counter() - started)
             else:
-                sent = _fill_buckets(torch, params, buckets)
+                if way == "per-tensor":
+                    from torch.multiprocessing.reductions import reduce_tensor
+
+                    sent: Any = [(key, reduce_tensor(tensor)) for key, tensor in params.items()]
+                    stages["trainer reduce_tensor"] = time.perf_counter() - started
+                else:
+                    sent = _fill_buckets(torch, params, buckets)
+                    stages["trainer fill buckets"] = time.perf_counter() - started
                 for engine in engines:
                     engine.send(sent)
-            parent.send(("published", started))
+                stages["trainer send"] = time.perf_counter() - started - sum(stages.values())
+            parent.send(("published", started, time.perf_counter(), stages))
+
+
+class _Timed:
+    """The trainer's client as ``publish_version`` uses it, each method call's seconds noted in order (how the
+    figure sees its stages without touching the library). Which thread: the trainer's only."""
+
+    #: The client's methods timed (its requests): any other attribute is the client's own, untouched.
+    TIMED = frozenset({"alloc", "export", "open_shared", "run"})
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._calls: list[tuple[str, float]] = []
+        self._depth = 0
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._client, name)
+        if name not in self.TIMED:
+            return found
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            began = time.perf_counter()
+            try:
+                return found(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:  # a call made within another is in that one's seconds
+                    self._calls.append((name, time.perf_counter() - began))
+
+        return timed
+
+    def stages(self, total: float) -> dict[str, float]:
+        """The calls' seconds by stage (:data:`STAGES`): the last ``run`` is the publish request, any before it
+        the host writes; what no call covers is ``trainer rest``."""
+        stages: dict[str, float] = {}
+        runs = [index for index, (name, _) in enumerate(self._calls) if name == "run"]
+        for index, (name, seconds) in enumerate(self._calls):
+            stage = ("trainer publish request" if runs and index == runs[-1] else "trainer host writes"
+                     if name == "run" else f"trainer {name}")
+            stages[stage] = stages.get(stage, 0.0) + seconds
+        stages["trainer rest"] = total - sum(stages.values())
+        stages["trainer total"] = total
+        return stages
 
 
 def _fill_buckets(torch: Any, params: dict[str, Any], buckets: list[Any]) -> list[tuple[Any, list[Any]]]:
@@ -106,7 +181,7 @@ def run_engine(endpoint: str, backend: str, way: str, total: int, count: int, pa
     """An engine's process (module docstring)."""
     from cuctxd import Client
     from cuctxd.client.tensors.tensor_sets import open_tensors
-    from cuctxd.client.tensors.torch_weights import load_state_dict
+    from cuctxd.client.tensors.torch_weights import LoadedState, load_state_dict
     from cuctxd.client.tensors.versions import wait_version
 
     torch = _start(backend)
@@ -133,20 +208,53 @@ def run_engine(endpoint: str, backend: str, way: str, total: int, count: int, pa
             else:
                 parent.send(("waiting",))
                 after = command[1]
+                spans = _Spans()
                 if way == "zero-copy":
                     wait_version(client, NAME, after)
-                    previous, held = held, held.refresh()
+                    woken = spans.mark()
+                    newer = held.tensors.refresh() if torch is not None else held.refresh()  # LoadedState.refresh
+                    spans.end("engine refresh")
+                    previous, held = held, LoadedState(newer) if torch is not None else newer
+                    spans.end("engine views")
                     seen = _first(torch, held.state_dict[last] if torch is not None else held[last])
                 elif way == "copy":
                     wait_version(client, NAME, after)
-                    with (load_state_dict(client, NAME) if torch is not None else open_tensors(client, NAME)) as got:
+                    woken = spans.mark()
+                    got = load_state_dict(client, NAME) if torch is not None else open_tensors(client, NAME)
+                    spans.end("engine open")
+                    with got:
                         got.copy_into(own)
+                        spans.end("engine copy_into")
+                    spans.end("engine close")
                     seen = _first(torch, own[last])
                 else:
                     assert trainer is not None
-                    _copy_handles(torch, trainer.recv(), own, way)
+                    sent = trainer.recv()
+                    woken = spans.mark()
+                    _copy_handles(torch, sent, own, way)
+                    spans.end("engine rebuild and copy")
                     seen = _first(torch, own[last])
-                parent.send(("computed", time.perf_counter(), seen))
+                spans.end("engine first compute")
+                parent.send(("computed", spans.at, seen, woken, spans.stages))
+
+
+class _Spans:
+    """Consecutive ``perf_counter`` spans of an engine's round, each named as it ends (:data:`STAGES`)."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+        self.stages: dict[str, float] = {}
+
+    def mark(self) -> float:
+        """Start the next span now and return the time."""
+        self.at = time.perf_counter()
+        return self.at
+
+    def end(self, stage: str) -> None:
+        """End the span begun at the last mark or end as ``stage``."""
+        now = time.perf_counter()
+        self.stages[stage] = now - self.at
+        self.at = now
 
 
 def _commands(parent: Connection) -> Iterator[tuple[Any, ...]]:

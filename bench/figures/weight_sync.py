@@ -17,6 +17,12 @@ Also reported for each way: the GPU memory it holds at its peak (``cuMemGetInfo`
 every engine has computed with the new version and before anything is let go), beyond what the processes held
 before the weights were made, against the state dict's size. On the sim only the daemon's memory is counted
 (the trainer's and engines' arrays are host memory).
+
+Where each way's seconds go, in the same rounds (no targets): a row per stage, the median of the rounds
+after the first, against the way's whole round (:data:`bench.weight_sync_roles.STAGES` says what each covers;
+an engine stage is the slowest engine's of its round), also printed one line each as ``fig10 WAY STAGE``.
+Two more: ``engines woken after publish returned`` (the first engine's ``wait_version`` answer, from the
+trainer's hand-over returning; negative where it came first) and ``last engine woken, from the call``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 
 from bench.records import Figure, measured, skipped
 from bench.run import Bench
-from bench.weight_sync_roles import NAME, run_engine, run_trainer
+from bench.weight_sync_roles import NAME, STAGES, run_engine, run_trainer
 from cuctxd.protos.errors import NotFound
 
 FIGURE = 10
@@ -55,6 +61,7 @@ class Way:
     first: float
     seconds: float
     peak: int
+    stages: dict[str, float]
 
 
 def run(bench: Bench) -> Iterator[Figure]:
@@ -74,6 +81,7 @@ def run(bench: Bench) -> Iterator[Figure]:
         else:
             ways[way] = _measure(bench, way, total, rounds)
     yield from _figures(what, total, rounds, ways)
+    yield from _stage_figures(what, ways)
 
 
 def _figures(what: str, total: int, rounds: int, ways: dict[str, Way | str]) -> Iterator[Figure]:
@@ -105,6 +113,18 @@ def _figures(what: str, total: int, rounds: int, ways: dict[str, Way | str]) -> 
         else:
             yield measured(FIGURE, name, found.peak / GiB, "GiB", "the state dict's size", total / GiB,
                            target=target, note="beyond what the processes held before the weights were made")
+
+
+def _stage_figures(what: str, ways: dict[str, Way | str]) -> Iterator[Figure]:
+    """A row per stage of each way measured (module docstring), printed as it is made."""
+    for way, found in ways.items():
+        if isinstance(found, str):
+            continue
+        for stage, seconds in found.stages.items():
+            share = seconds / found.seconds if found.seconds else 0.0
+            print(f"fig10 {way:<10} {stage:<42} {seconds:8.4f} s {share:6.1%} of {found.seconds:.4f} s", flush=True)
+            yield measured(FIGURE, f"{what}: {way}, stage: {stage}, median seconds", seconds, "s",
+                           f"{way}'s whole round, seconds", found.seconds, note=STAGES.get(stage, stage))
 
 
 def _missing_torch() -> str | None:
@@ -163,6 +183,7 @@ def _rounds(observer: Any, way: str, rounds: int, trainer: Connection, engines: 
         engine.send(("setup",))
         _answer(engine, "ready")
     seconds: list[float] = []
+    stages: list[dict[str, float]] = []
     peak = 0
     for index in range(rounds):
         marker = index + 1
@@ -170,9 +191,10 @@ def _rounds(observer: Any, way: str, rounds: int, trainer: Connection, engines: 
             engine.send(("await", version))
             _answer(engine, "waiting")
         trainer.send(("publish", marker))
-        started = _answer(trainer, "published")[1]
+        published = _answer(trainer, "published")
         done = [_answer(engine, "computed") for engine in engines]
-        seconds.append(max(answer[1] for answer in done) - started)
+        seconds.append(max(answer[1] for answer in done) - published[1])
+        stages.append(_round_stages(published, done))
         if any(answer[2] != marker for answer in done):
             raise RuntimeError(f"{way}: an engine computed with {[a[2] for a in done]}, not the new {marker}")
         peak = max(peak, base - observer.mem_get_info()[0])
@@ -180,7 +202,20 @@ def _rounds(observer: Any, way: str, rounds: int, trainer: Connection, engines: 
             engine.send(("release",))
             _answer(engine, "released")
         version += 1
-    return Way(seconds[0], statistics.median(seconds[1:] or seconds), peak)
+    counted = stages[1:] or stages
+    medians = {stage: statistics.median(round_[stage] for round_ in counted) for stage in counted[0]}
+    return Way(seconds[0], statistics.median(seconds[1:] or seconds), peak, medians)
+
+
+def _round_stages(published: tuple[Any, ...], done: list[tuple[Any, ...]]) -> dict[str, float]:
+    """One round's stages: the trainer's, each engine stage's slowest, and when the engines were woken."""
+    _, started, ended, trainer = published
+    found = dict(trainer)
+    for stage in done[0][4]:
+        found[stage] = max(answer[4][stage] for answer in done)
+    found["engines woken after publish returned"] = min(answer[3] for answer in done) - ended
+    found["last engine woken, from the call"] = max(answer[3] for answer in done) - started
+    return found
 
 
 def _answer(conn: Connection, expected: str) -> tuple[Any, ...]:
