@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 import subprocess
+import sys
 import tomllib
 
 from tests.helpers import REPO
@@ -97,3 +98,18 @@ def test_the_readme_sample_config_needs_nothing_the_quick_start_does_not_install
     (sample,) = re.findall(r"^```toml\n(.*?)^```$", readme, re.MULTILINE | re.DOTALL)
     assert tomllib.loads(sample).get("metrics_port", 0) == 0
     assert "pip install -q -e . &&" in readme  # the quick start: no extras
+
+
+def test_the_daemon_loads_no_client_code_and_the_root_still_offers_the_clients_names() -> None:
+    """The root package imports the client's public names lazily: a daemon (whose modules live beneath it)
+    starts without importing any of ``cuctxd.client``, while ``from cuctxd import Client`` still works."""
+    probe = ("import sys, cuctxd.daemon.service.cli\n"
+             "print(sorted(m for m in sys.modules if m.startswith('cuctxd.client')))\n"
+             "import cuctxd\n"
+             "from cuctxd import Client, CudaError\n"
+             "print(Client.__module__, CudaError.__module__, 'Client' in dir(cuctxd), 'Client' in cuctxd.__all__)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr
+    loaded, names = done.stdout.splitlines()
+    assert loaded == "[]", f"the daemon's start imported client modules: {loaded}"
+    assert names == "cuctxd.client.api.client cuctxd.protos.errors True True", names
