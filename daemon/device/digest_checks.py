@@ -111,6 +111,8 @@ class DigestCheck:
     naming: Naming
     owner: SessionRef
     computes: bool = False
+    #: A reliance waits for it (a check of a version's digest runs at once then, not only while the device idles).
+    waited_on: bool = False
     finished: bool = False
     matched: bool = False
     error: CuctxError | None = None
@@ -215,6 +217,7 @@ class DigestChecks:
         share_id, naming, owner, vouched = self.registry.relied_on(name, self.device)
         computing = self._open.get((share_id, name, naming)) if naming.digest is None else None
         if computing is not None:
+            computing.waited_on = True
             return computing
         if naming.digest != digest:
             raise DigestMismatch(f"{name!r} holds {naming.digest or 'a layout without a digest'}, not the "
@@ -257,18 +260,18 @@ class DigestChecks:
             self.advance()
         return check.finished
 
-    def advance(self) -> None:
-        """One step of the running check, or start the next one: never waits on the device or the helpers."""
-        if self.running is None and self.queued:
+    def advance(self, idle: bool = True) -> None:
+        """One step of the running check, or start the next one: never waits on the device or the helpers.
+        ``idle``: the device has served no request for a while (the worker's loop says); without it a check of a
+        version's digest (:meth:`compute`) holds still, taking nothing from the requests being served, unless a
+        reliance waits for it (:meth:`poll` moves it on). Checks of versions freed meanwhile end either way."""
+        self._give_up_unwanted()
+        if self.running is None and self.queued and (idle or not self.queued[0].computes):
             self._start(self.queued.popleft())
         run = self.running
-        if run is None:
+        if run is None or (run.check.computes and not idle and not run.check.waited_on):
             return
         check = run.check
-        share = check.share
-        if check.computes and not (share.owner_present or share.holders or share.names or share.retained):
-            self._end(run, error=NotFound(f"the version of {check.name!r} was freed before its digest was found"))
-            return  # its last holder let go: nobody can rely on its digest, and it keeps no memory for one
         try:
             if run.manifest is None and not self._planned(run):
                 return
@@ -285,6 +288,16 @@ class DigestChecks:
         except Exception as exc:  # a bug: its waiters get INTERNAL, the device goes on
             log.exception("device %d: checking the digest of %r failed", self.device, check.name)
             self._end(run, error=InternalError(f"checking the digest failed: {type(exc).__name__}"))
+
+    def _give_up_unwanted(self) -> None:
+        """End the checks of versions whose last holder let go (nobody can rely on their digest): they no longer
+        keep the memory."""
+        run = self.running
+        if run is not None and run.check.computes and not _wanted(run.check.share):
+            self._end(run, error=NotFound(f"the version of {run.check.name!r} was freed before its digest was found"))
+        for check in [check for check in self.queued if check.computes and not _wanted(check.share)]:
+            self.queued.remove(check)
+            self._finish(check, error=NotFound(f"the version of {check.name!r} was freed before it was hashed"))
 
     def _helper(self, hashers: ThreadPoolExecutor, work: Callable[..., Any], *args: Any) -> Future[Any]:
         """``work(*args)`` on the running check's helpers; the worker is woken when it is done."""
@@ -397,3 +410,8 @@ class DigestChecks:
                 "bytes_hashed": self.bytes_hashed,
                 "running": None if self.running is None else self.running.check.name, "queued": len(self.queued),
                 "staging_bytes": 0 if self.running is None else len(self.running.slots) * CHUNK_BYTES}
+
+
+def _wanted(share: Share) -> bool:
+    """Whether anything but a check keeps the share: its owner, a holder, a name, or a restart's retention."""
+    return share.owner_present or bool(share.holders) or bool(share.names) or share.retained

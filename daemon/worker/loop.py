@@ -48,6 +48,9 @@ from cuctxd.daemon.worker.lane import DeviceLane
 from cuctxd.daemon.worker.runner import POLL_MAX_S, POLL_MIN_S, JobRunner
 
 _POLLIN = int(zmq.POLLIN)
+#: Seconds without a request before the worker moves on work nobody waits for (a version's digest,
+#: :meth:`~cuctxd.daemon.device.digest_checks.DigestChecks.advance`): it takes nothing from a burst of requests.
+BACKGROUND_IDLE_S = 0.05
 
 #: Work another thread queues for the worker: run on its thread with its job runner.
 Task = Callable[[JobRunner], None]
@@ -212,6 +215,7 @@ class DeviceWorker:
         idle_polls = 0
         queues = runner.queues
         checks = self.state.digest_checks
+        last_request = 0.0
         while True:
             if closing:  # a session's close goes on between requests: look for work, never wait
                 ready = self._poller.poll(0)
@@ -237,14 +241,16 @@ class DeviceWorker:
                 elif isinstance(source, int):
                     runner.take_shm(source)
             idle_polls = 0 if ready else idle_polls + 1
+            if queues or any(source != self._doorbell for source, _ in ready):  # not a helper's ring
+                last_request = time.perf_counter()
             while queues:
                 runner.run_next()
                 if queues and not self._take_arrivals(runner):  # with none left, the poll below takes them
                     return
             if runner.pending:
                 runner.poll_pending()
-            if checks.busy():  # a digest found in the background (a version's), between requests
-                checks.advance()
+            if checks.busy():  # a digest found in the background (a version's), while no request comes
+                checks.advance(idle=time.perf_counter() - last_request >= BACKGROUND_IDLE_S)
             if closing:
                 runner.run_quietly(DeviceState.close_more)
             elif self._busy_poll and any(source != self._doorbell for source, _ in ready):

@@ -218,3 +218,15 @@ def test_a_version_freed_while_it_is_hashed_is_given_up_and_nothing_is_recorded(
     assert share_id in state.sharing.shares, "freed under the running check's copies"
     background(state)
     assert share_id not in state.sharing.shares and state.digest_checks.status()["computed"] == 0
+
+
+def test_a_versions_digest_holds_still_while_the_device_serves_requests_unless_a_reliance_waits(
+        state: DeviceState) -> None:
+    data, manifest = layout([8 * LEAF], seed=6)
+    publish(state, new_ref(uid=1000), "busy", data, undigested(manifest), version=True)
+    for _ in range(200):  # the worker's loop while requests keep coming
+        state.digest_checks.advance(idle=False)
+    assert state.digest_checks.status()["bytes_hashed"] == 0 and state.digest_checks.busy()
+    pending = start(state, new_ref(uid=2000), "verify_shared", name="busy", digest=manifest.digest)
+    assert finish(pending)["verified"] == "daemon"  # the reliance's own polls move it on
+    assert state.digest_checks.status()["bytes_hashed"] == len(data)
