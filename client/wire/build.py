@@ -232,6 +232,7 @@ _DEVICES: Request[list[DeviceInfo]] = Request(
     ops.Devices(), lambda result, _: [DeviceInfo.from_wire(d) for d in result["devices"]])
 _STATUS: Request[dict[str, Any]] = Request(ops.Status(), _result)
 _GET_DEVICE: Request[int] = Request(ops.GetDevice(), _field("device", int))
+_HEARTBEAT: Request[None] = Request(sharing_ops.Heartbeat(), _nothing)
 
 
 def ping() -> Request[None]:
@@ -248,6 +249,10 @@ def devices() -> Request[list[DeviceInfo]]:
 
 def status() -> Request[dict[str, Any]]:
     return _STATUS
+
+
+def heartbeat() -> Request[None]:
+    return _HEARTBEAT
 
 
 def close_session(session_id: int) -> Request[None]:
