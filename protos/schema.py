@@ -1,11 +1,21 @@
 """How an op's arguments are declared and checked: frozen dataclasses with typed fields.
 
 An op is a frozen dataclass registered with :func:`op`; its fields are its wire
-arguments. :func:`decode_args` turns a decoded msgpack map into that dataclass
-or raises :class:`~cuctxd.protos.errors.BadArgument` naming the field, so nothing
-loosely typed travels past the daemon's front door. An unknown argument is an
-error (a misspelt ``ofset`` must not silently become offset 0); unknown header
-fields are ignored.
+arguments. This one declaration serves both ends: the client builds an instance
+(``ops.Alloc(size=..., device=...)``) and sends what :func:`encode_args` makes of it,
+under the name :func:`spec_of` gives; the daemon's :func:`decode_args` turns the
+decoded msgpack map back into that dataclass or raises
+:class:`~cuctxd.protos.errors.BadArgument` naming the field, so nothing loosely typed
+travels past the daemon's front door. An unknown argument is an error (a misspelt
+``ofset`` must not silently become offset 0); unknown header fields are ignored.
+
+The encoding rule: a field whose value is its declared default (None included, for
+optional ones) is left out of the wire map, and the others go in declaration order;
+the daemon fills the defaults back in, so ``decode_args(spec, encode_args(x)) == x``.
+A default is therefore part of the protocol: changing one changes what an old client
+asks for. :func:`op` is a ``dataclass_transform``, so type checkers see each op's
+``__init__`` and check the arguments the client passes (the field helpers below take
+their ``default`` by keyword so that they can tell).
 """
 
 from __future__ import annotations
