@@ -22,7 +22,7 @@ class Hello:
 
     protocol: int = required_count()
     client: str = ""
-    pid: int = count_field(0)
+    pid: int = count_field(default=0)
 
 
 @op("goodbye", target="front")
@@ -64,7 +64,7 @@ class SetDevice:
     """Like ``cudaSetDevice``: make ``device`` current and bind its primary context
     (retained on first use) as the session's current context there. Result: ``context``."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("current_context", target="device")
@@ -72,22 +72,22 @@ class CurrentContext:
     """Like ``cuCtxGetCurrent``; null while the session's stack on ``device`` is empty.
     Result: ``context`` (context record or null)."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("context_stack", target="device")
 class ContextStack:
     """The session's whole context stack on ``device``, bottom first. Result: ``stack``."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("create_context", target="device")
 class CreateContext:
     """Like ``cuCtxCreate``: a new context, pushed and current. Result: ``context``."""
 
-    device: int | None = count_field()
-    flags: int = count_field(0, maximum=0xFFFF_FFFF)
+    device: int | None = count_field(default=None)
+    flags: int = count_field(default=0, maximum=0xFFFF_FFFF)
 
 
 @op("push_context", target="device")
@@ -95,7 +95,7 @@ class PushContext:
     """Like ``cuCtxPushCurrent``. Result: ``context``."""
 
     context: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("pop_context", target="device")
@@ -103,7 +103,7 @@ class PopContext:
     """Like ``cuCtxPopCurrent``; ``CUDA_ERROR_INVALID_CONTEXT`` on an empty stack.
     Result: ``context`` (the popped one)."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("destroy_context", target="device")
@@ -112,7 +112,7 @@ class DestroyContext:
     The primary context cannot be destroyed. Result: ``{}``."""
 
     context: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("context_info", target="device")
@@ -121,7 +121,7 @@ class ContextInfo:
     ``cuCtxGetFlags``, ``cuCtxGetDevice``, ``cuCtxGetId``). Result: ``context``."""
 
     context: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("synchronize", target="device")
@@ -129,14 +129,14 @@ class Synchronize:
     """Like ``cuCtxSynchronize`` on the session's current context (binds the
     primary lazily). Result: ``{}``."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("device_synchronize", target="device")
 class DeviceSynchronize:
     """Synchronize every context alive on ``device``. Result: ``contexts`` (how many)."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 # --- memory -----------------------------------------------------------------------
@@ -147,7 +147,7 @@ class MemGetInfo:
     """Like ``cuMemGetInfo`` in the current context (binds the primary lazily).
     Result: ``free``, ``total``."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("alloc", target="device")
@@ -158,7 +158,7 @@ class Alloc:
     Result: ``buffer`` (buffer record)."""
 
     size: int = required_count()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
     shareable: bool = False
 
 
@@ -167,7 +167,7 @@ class Free:
     """Like ``cuMemFree``; the handle is invalid afterwards. Result: ``{}``."""
 
     buffer: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("fill", target="device")
@@ -176,11 +176,11 @@ class Fill:
     rest of the buffer). Result: ``size`` (bytes filled)."""
 
     buffer: int = handle_field()
-    value: int = count_field(0, maximum=255)
-    offset: int = count_field(0)
-    size: int | None = count_field()
-    device: int | None = count_field()
-    stream: int | None = handle_field(optional=True)
+    value: int = count_field(default=0, maximum=255)
+    offset: int = count_field(default=0)
+    size: int | None = count_field(default=None)
+    device: int | None = count_field(default=None)
+    stream: int | None = handle_field(default=None)
 
 
 @op("write", target="device", payload_in=True)
@@ -189,9 +189,9 @@ class Write:
     Result: ``size`` (bytes written)."""
 
     buffer: int = handle_field()
-    offset: int = count_field(0)
-    device: int | None = count_field()
-    stream: int | None = handle_field(optional=True)
+    offset: int = count_field(default=0)
+    device: int | None = count_field(default=None)
+    stream: int | None = handle_field(default=None)
 
 
 @op("read", target="device", payload_out=True)
@@ -200,10 +200,10 @@ class Read:
     the reply's payload frame. Result: ``size``."""
 
     buffer: int = handle_field()
-    offset: int = count_field(0)
-    size: int | None = count_field()
-    device: int | None = count_field()
-    stream: int | None = handle_field(optional=True)
+    offset: int = count_field(default=0)
+    size: int | None = count_field(default=None)
+    device: int | None = count_field(default=None)
+    stream: int | None = handle_field(default=None)
 
 
 @op("copy", target="device")
@@ -213,12 +213,12 @@ class Copy:
 
     src: int = handle_field()
     dst: int = handle_field()
-    size: int | None = count_field()
-    src_offset: int = count_field(0)
-    dst_offset: int = count_field(0)
-    device: int | None = count_field()
-    dst_device: int | None = count_field()
-    stream: int | None = handle_field(optional=True)
+    size: int | None = count_field(default=None)
+    src_offset: int = count_field(default=0)
+    dst_offset: int = count_field(default=0)
+    device: int | None = count_field(default=None)
+    dst_device: int | None = count_field(default=None)
+    stream: int | None = handle_field(default=None)
 
 
 @op("stream_ordered", target="device")
@@ -231,5 +231,5 @@ class StreamOrdered:
     does its next synchronize on the device. Result: ``done`` (entries run), ``failed``."""
 
     ops: bytes
-    device: int | None = count_field()
-    stream: int | None = handle_field(optional=True)
+    device: int | None = count_field(default=None)
+    stream: int | None = handle_field(default=None)

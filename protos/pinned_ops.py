@@ -25,7 +25,7 @@ class HostAlloc:
     registered may serve, with the bytes its last user left."""
 
     size: int = required_count(minimum=1)
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
     reuse: bool = False
 
 
@@ -35,7 +35,7 @@ class ShmLane:
     session). Result: ``ticket`` (redeem it on the fd channel for three fds: the region's memfd, the
     request eventfd, the reply eventfd) and ``size`` (the region's bytes)."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("host_free", target="device")
@@ -44,7 +44,7 @@ class HostFree:
     that use it have passed; the handle is invalid afterwards. Result: ``{}``."""
 
     host: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("memcpy_htod", target="device")
@@ -56,11 +56,11 @@ class MemcpyHtoD:
 
     buffer: int = handle_field()
     host: int = handle_field()
-    offset: int = count_field(0)
-    host_offset: int = count_field(0)
-    size: int | None = count_field()
-    device: int | None = count_field()
-    stream: int | None = handle_field(optional=True)
+    offset: int = count_field(default=0)
+    host_offset: int = count_field(default=0)
+    size: int | None = count_field(default=None)
+    device: int | None = count_field(default=None)
+    stream: int | None = handle_field(default=None)
 
 
 @op("memcpy_dtoh", target="device")
@@ -71,8 +71,8 @@ class MemcpyDtoH:
 
     buffer: int = handle_field()
     host: int = handle_field()
-    offset: int = count_field(0)
-    host_offset: int = count_field(0)
-    size: int | None = count_field()
-    device: int | None = count_field()
-    stream: int | None = handle_field(optional=True)
+    offset: int = count_field(default=0)
+    host_offset: int = count_field(default=0)
+    size: int | None = count_field(default=None)
+    device: int | None = count_field(default=None)
+    stream: int | None = handle_field(default=None)

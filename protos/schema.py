@@ -1,11 +1,21 @@
 """How an op's arguments are declared and checked: frozen dataclasses with typed fields.
 
 An op is a frozen dataclass registered with :func:`op`; its fields are its wire
-arguments. :func:`decode_args` turns a decoded msgpack map into that dataclass
-or raises :class:`~cuctxd.protos.errors.BadArgument` naming the field, so nothing
-loosely typed travels past the daemon's front door. An unknown argument is an
-error (a misspelt ``ofset`` must not silently become offset 0); unknown header
-fields are ignored.
+arguments. This one declaration serves both ends: the client builds an instance
+(``ops.Alloc(size=..., device=...)``) and sends what :func:`encode_args` makes of it,
+under the name :func:`spec_of` gives; the daemon's :func:`decode_args` turns the
+decoded msgpack map back into that dataclass or raises
+:class:`~cuctxd.protos.errors.BadArgument` naming the field, so nothing loosely typed
+travels past the daemon's front door. An unknown argument is an error (a misspelt
+``ofset`` must not silently become offset 0); unknown header fields are ignored.
+
+The encoding rule: a field whose value is its declared default (None included, for
+optional ones) is left out of the wire map, and the others go in declaration order;
+the daemon fills the defaults back in, so ``decode_args(spec, encode_args(x)) == x``.
+A default is therefore part of the protocol: changing one changes what an old client
+asks for. :func:`op` is a ``dataclass_transform``, so type checkers see each op's
+``__init__`` and check the arguments the client passes (the field helpers below take
+their ``default`` by keyword so that they can tell).
 """
 
 from __future__ import annotations
@@ -45,6 +55,52 @@ class OpSpec:
 OPS: dict[str, OpSpec] = {}
 
 
+class OpArgs(typing.Protocol):
+    """An instance of an op class (what :func:`op` makes), as type checkers see it: any dataclass instance
+    passes statically; :func:`spec_of` checks at run time that it is an op's."""
+
+    __dataclass_fields__: typing.ClassVar[dict[str, Any]]
+
+
+def handle_field(*, default: Any = dataclasses.MISSING) -> Any:
+    """A context or buffer handle: a positive 63-bit int; optional with ``default=None``."""
+    return dataclasses.field(default=default, metadata={"min": 1, "max": MAX_HANDLE})
+
+
+#: Unicode categories a name may not hold: controls (NUL, newlines, escapes, C1), format characters (bidi
+#: overrides, zero-width ones), surrogates, line and paragraph separators. A name is shown in logs, listings
+#: and terminals, and a scoped one is looked up as a user name.
+NAME_FORBIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def name_field(max_len: int = 256, *, default: str | Any | None = dataclasses.MISSING) -> Any:
+    """A name (a share's): at most ``max_len`` characters, none of them in :data:`NAME_FORBIDDEN`; optional
+    with a ``default``."""
+    return dataclasses.field(default=default, metadata={"max_len": max_len, "name": True})
+
+
+def forbidden_in_name(value: str) -> tuple[int, str] | None:
+    """The index and character of the first character a name may not hold, or None."""
+    if value.isprintable():  # the common case: no character of those categories (nor any other non-printable)
+        return None
+    for index, char in enumerate(value):
+        if unicodedata.category(char) in NAME_FORBIDDEN:
+            return index, char
+    return None
+
+
+def count_field(*, default: int | None, minimum: int = 0, maximum: int = MAX_HANDLE) -> Any:
+    """A non-negative size, offset or index, optional: ``default`` (keyword, so that type checkers see it)."""
+    return dataclasses.field(default=default, metadata={"min": minimum, "max": maximum})
+
+
+def required_count(*, minimum: int = 0) -> Any:
+    """A non-negative size, offset or index the op cannot do without."""
+    return dataclasses.field(metadata={"min": minimum, "max": MAX_HANDLE})
+
+
+@typing.dataclass_transform(
+    frozen_default=True, field_specifiers=(dataclasses.field, handle_field, name_field, count_field, required_count))
 def op(
     name: str,
     *,
@@ -72,46 +128,6 @@ def op(
         return frozen
 
     return register
-
-
-def handle_field(*, optional: bool = False) -> Any:
-    """A context or buffer handle: a positive 63-bit int."""
-    meta = {"min": 1, "max": MAX_HANDLE}
-    return dataclasses.field(default=None, metadata=meta) if optional else dataclasses.field(metadata=meta)
-
-
-#: Unicode categories a name may not hold: controls (NUL, newlines, escapes, C1), format characters (bidi
-#: overrides, zero-width ones), surrogates, line and paragraph separators. A name is shown in logs, listings
-#: and terminals, and a scoped one is looked up as a user name.
-NAME_FORBIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
-
-
-def name_field(max_len: int = 256, *, default: str | Any | None = dataclasses.MISSING) -> Any:
-    """A name (a share's): at most ``max_len`` characters, none of them in :data:`NAME_FORBIDDEN`; optional
-    with a ``default``."""
-    return dataclasses.field(default=default, metadata={"max_len": max_len, "name": True})
-
-
-def forbidden_in_name(value: str) -> tuple[int, str] | None:
-    """The index and character of the first character a name may not hold, or None."""
-    if value.isprintable():  # the common case: no character of those categories (nor any other non-printable)
-        return None
-    for index, char in enumerate(value):
-        if unicodedata.category(char) in NAME_FORBIDDEN:
-            return index, char
-    return None
-
-
-def count_field(default: int | None = None, *, minimum: int = 0, maximum: int = MAX_HANDLE) -> Any:
-    """A non-negative size, offset or index."""
-    meta = {"min": minimum, "max": maximum}
-    if default is None:
-        return dataclasses.field(default=None, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def required_count(*, minimum: int = 0) -> Any:
-    return dataclasses.field(metadata={"min": minimum, "max": MAX_HANDLE})
 
 
 def _check_scalar(name: str, value: Any, expected: type, meta: typing.Mapping[str, Any]) -> Any:
@@ -228,11 +244,25 @@ def decode_args(spec: OpSpec, raw: Any) -> Any:
     return _build(spec.args_type, values)
 
 
-def encode_args(args: Any) -> dict[str, Any]:
-    """The wire ``args`` map of an op dataclass, leaving out fields that are None."""
-    return {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+@functools.cache
+def _wire_fields(args_type: type) -> tuple[tuple[str, Any], ...]:
+    """Each field's name and default (``dataclasses.MISSING`` for a required one), in declaration order."""
+    return tuple((f.name, f.default) for f in dataclasses.fields(args_type))
 
 
-def spec_of(args: Any) -> OpSpec:
-    """The spec registered for an op dataclass instance."""
-    return OPS[type(args).op_name]
+def encode_args(args: OpArgs) -> dict[str, Any]:
+    """The wire ``args`` map of an op instance: its fields in declaration order, leaving out each one whose
+    value is its default (None included); :func:`decode_args` gives back an equal instance."""
+    args_type: type = type(args)
+    values = args.__dict__
+    return {name: value for name, default in _wire_fields(args_type)
+            if not ((value := values[name]) is default or (type(value) is type(default) and value == default))}
+
+
+def spec_of(args: OpArgs) -> OpSpec:
+    """The spec of an op instance; TypeError for anything else (an op name, a map of arguments)."""
+    spec = OPS.get(getattr(type(args), "op_name", ""))
+    if spec is None or type(args) is not spec.args_type:
+        raise TypeError(f"expected an instance of an op class (cuctxd.protos.ops and its siblings), "
+                        f"got {type(args).__name__}")
+    return spec

@@ -27,7 +27,7 @@ class Export:
     Result: ``share`` (share descriptor)."""
 
     buffer: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("publish", target="device")
@@ -49,7 +49,7 @@ class Publish:
 
     buffer: int = handle_field()
     name: str = name_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
     manifest: bytes | None = None
     persistent: bool = False
     read_only: bool = False
@@ -67,7 +67,7 @@ class Unpublish:
     Result: ``{}``."""
 
     name: str = name_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("lookup", target="front")
@@ -77,8 +77,8 @@ class Lookup:
     ``version``: that live version of a versioned name instead of its current one. Result: ``share``."""
 
     name: str = name_field()
-    device: int | None = count_field()
-    version: int | None = count_field(minimum=1)
+    device: int | None = count_field(default=None)
+    version: int | None = count_field(default=None, minimum=1)
 
 
 @op("wait_version", target="device")
@@ -89,9 +89,9 @@ class WaitVersion:
     ``MAX_VERSION_WAITERS`` of a session wait on a device at a time. Result: ``version``."""
 
     name: str = name_field()
-    after: int = count_field(0)
-    timeout_ms: int | None = count_field(maximum=MAX_VERSION_WAIT_MS)
-    device: int | None = count_field()
+    after: int = count_field(default=0)
+    timeout_ms: int | None = count_field(default=None, maximum=MAX_VERSION_WAIT_MS)
+    device: int | None = count_field(default=None)
 
 
 @op("verify_shared", target="device")
@@ -107,7 +107,7 @@ class VerifyShared:
 
     name: str = name_field()
     digest: str = dataclasses.field(metadata={"max_len": 64})
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("list_shared", target="front")
@@ -120,11 +120,11 @@ class ListShared:
     ``after`` for the next page; nil on the last), ``count`` (names published daemon-wide), ``truncated``
     (``next`` is not nil)."""
 
-    limit: int = count_field(MAX_LISTED, minimum=1, maximum=MAX_LISTED)
+    limit: int = count_field(default=MAX_LISTED, minimum=1, maximum=MAX_LISTED)
     after: str | None = name_field(default=None)
     prefix: str = name_field(default="")
-    owner: int | None = count_field()
-    uid: int | None = count_field(maximum=0xFFFF_FFFF)
+    owner: int | None = count_field(default=None)
+    uid: int | None = count_field(default=None, maximum=0xFFFF_FFFF)
 
 
 @op("open_shared", target="device")
@@ -136,7 +136,7 @@ class OpenShared:
     ``ticket`` (redeem it on the fd channel) when ``pool_fd`` and the share has an fd."""
 
     share_id: str = dataclasses.field(metadata={"max_len": 64})
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
     pool_fd: bool = False
 
 
@@ -145,7 +145,7 @@ class CloseShared:
     """Drop this session's hold on a share. Result: ``{}``."""
 
     share_id: str = dataclasses.field(metadata={"max_len": 64})
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("revoke", target="device")
@@ -155,4 +155,4 @@ class Revoke:
     ``CUCTXD_ERROR_REVOKED``; the memory is freed once the owner frees the buffer. Result: ``{}``."""
 
     share_id: str = dataclasses.field(metadata={"max_len": 64})
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)

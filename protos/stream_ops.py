@@ -19,7 +19,7 @@ class CreateStream:
     """Like ``cuStreamCreate`` in the session's current context (binds the primary lazily).
     Result: ``stream`` (handle), ``context`` (its context's handle), ``device`` (the device it is on)."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
     non_blocking: bool = False
 
 
@@ -28,7 +28,7 @@ class DestroyStream:
     """Like ``cuStreamDestroy``; queued work still completes. Result: ``{}``."""
 
     stream: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("stream_query", target="device")
@@ -36,7 +36,7 @@ class StreamQuery:
     """Like ``cuStreamQuery``. Result: ``done`` (false where CUDA says NOT_READY)."""
 
     stream: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("stream_synchronize", target="device")
@@ -44,7 +44,7 @@ class StreamSynchronize:
     """Reply once all work queued on the stream so far is done. Result: ``{}``."""
 
     stream: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("create_event", target="device")
@@ -52,7 +52,7 @@ class CreateEvent:
     """Like ``cuEventCreate`` in the session's current context.
     Result: ``event`` (handle), ``context`` (its context's handle), ``device`` (the device it is on)."""
 
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
     timing: bool = True
 
 
@@ -61,7 +61,7 @@ class DestroyEvent:
     """Like ``cuEventDestroy``. Result: ``{}``."""
 
     event: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("record_event", target="device")
@@ -69,8 +69,8 @@ class RecordEvent:
     """Like ``cuEventRecord`` on ``stream`` (default: the legacy default stream). Result: ``{}``."""
 
     event: int = handle_field()
-    stream: int | None = handle_field(optional=True)
-    device: int | None = count_field()
+    stream: int | None = handle_field(default=None)
+    device: int | None = count_field(default=None)
 
 
 @op("event_query", target="device")
@@ -78,7 +78,7 @@ class EventQuery:
     """Like ``cuEventQuery``. Result: ``done``."""
 
     event: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("event_synchronize", target="device")
@@ -86,7 +86,7 @@ class EventSynchronize:
     """Reply once the event's recorded work is done. Result: ``{}``."""
 
     event: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("event_elapsed_time", target="device")
@@ -95,7 +95,7 @@ class EventElapsedTime:
 
     start: int = handle_field()
     end: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)
 
 
 @op("stream_wait_event", target="device")
@@ -104,4 +104,4 @@ class StreamWaitEvent:
 
     stream: int = handle_field()
     event: int = handle_field()
-    device: int | None = count_field()
+    device: int | None = count_field(default=None)

@@ -22,6 +22,7 @@ from typing import Any
 
 from cuctxd.client.api.client import Client
 from cuctxd.client.cli.tables import human_duration
+from cuctxd.client.wire import build
 from cuctxd.client.wire.socket_transport import CurveKeys, Transport
 from cuctxd.client.wire.transport import access_problem
 from cuctxd.protos.errors import CuctxError, VersionMismatch
@@ -151,7 +152,8 @@ def _reachable_check(endpoint: str, timeout: float, curve: CurveKeys | None) -> 
     transport = Transport(endpoint, timeout, curve)
     try:
         start = time.perf_counter()
-        transport.call("ping", {}, None)
+        ping = build.ping()
+        transport.call(ping.op, ping.args, None)
         rtt = time.perf_counter() - start
     except CuctxError as exc:
         return Check("daemon", FAIL, f"no answer from {endpoint}: {exc}")

@@ -1,7 +1,9 @@
 """Every op as data: the request to send and how to read its reply, for both clients.
 
 This module is where the client knows the wire. A builder returns a
-:class:`Request` (op name, wire args, payload frames, result conversion), or a
+:class:`Request` (an instance of the op's class from :mod:`cuctxd.protos.ops` and its siblings, payload
+frames, result conversion: the op's wire name and arguments come from that instance, so an op's name and
+fields are declared once, where the daemon decodes them), or a
 :data:`Plan` when one call takes several requests (chunked transfers, a default
 device to look up): a generator that yields each :class:`Request` or
 :class:`Batch` and receives its result. Nothing here does I/O. :class:`~client.
@@ -21,13 +23,15 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from cuctxd.protos import ops, pinned_ops, sharing_ops, stream_ops, system_ops
 from cuctxd.protos.errors import TimedOut, TooLarge
 from cuctxd.protos.layouts import stated_digest
-from cuctxd.protos.limits import MAX_VERSION_WAIT_MS
+from cuctxd.protos.limits import MAX_LISTED, MAX_VERSION_WAIT_MS
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
+from cuctxd.protos.schema import OpArgs, encode_args, spec_of
 from cuctxd.protos.version import PROTOCOL_VERSION
 
 #: Writes and reads larger than two of these travel as pipelined chunks of this size.
@@ -40,20 +44,29 @@ T_co = TypeVar("T_co", covariant=True)
 Convert = Callable[[dict[str, Any], list[Any]], T]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Request(Generic[T]):
-    """One request: ``args`` holds only the arguments that travel (no ``None`` values).
+    """One request: ``op_args``, an instance of the op's class (``ops.Alloc(size=...)``), and what to do
+    with its reply. ``op`` (the wire name) and ``args`` (the wire arguments: the fields not at their
+    default, :func:`~cuctxd.protos.schema.encode_args`) are derived from it here, once; anything else
+    (an op name, a map of arguments) is a TypeError. Not changed once made (the argument-less ones are
+    shared); not frozen only because a frozen dataclass takes twice as long to make, once per request.
 
     ``into``: a writable buffer that receives the reply's first payload frame
     directly; ``timeout``: seconds to wait instead of the client's default.
     """
 
-    op: str
-    args: dict[str, Any]
+    op_args: OpArgs
     convert: Convert[T]
     payload: tuple[Any, ...] = ()
     into: Any = None
     timeout: float | None = None
+    op: str = field(init=False, repr=False, compare=False)
+    args: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.op = spec_of(self.op_args).name
+        self.args = encode_args(self.op_args)
 
 
 @dataclass(frozen=True)
@@ -168,11 +181,6 @@ class Freeable(OnDevice, Protocol):
 # --- building blocks -----------------------------------------------------------------------
 
 
-def _request(op: str, convert: Convert[T], payload: tuple[Any, ...] = (), into: Any = None,
-             timeout: float | None = None, **args: Any) -> Request[T]:
-    return Request(op, {k: v for k, v in args.items() if v is not None}, convert, payload, into, timeout)
-
-
 def _nothing(result: dict[str, Any], frames: list[Any]) -> None:
     return None
 
@@ -206,29 +214,26 @@ def _handle(stream: OnDevice | None) -> int | None:
     return None if stream is None else stream.handle
 
 
-def _on(thing: OnDevice, **args: Any) -> dict[str, Any]:
-    return {"device": thing.device, **args}
-
-
 # --- session and daemon --------------------------------------------------------------------
 
 
 def hello(name: str | None, timeout: float) -> Request[dict[str, Any]]:
-    return _request("hello", _result, timeout=timeout, protocol=PROTOCOL_VERSION,
-                    client=name or os.path.basename(sys.argv[0] or "python"), pid=os.getpid())
+    return Request(ops.Hello(protocol=PROTOCOL_VERSION, client=name or os.path.basename(sys.argv[0] or "python"),
+                             pid=os.getpid()), _result, timeout=timeout)
 
 
 def goodbye(timeout: float) -> Request[None]:
-    return _request("goodbye", _nothing, timeout=timeout)
+    return Request(ops.Goodbye(), _nothing, timeout=timeout)
 
 
 # Ops without arguments are the same request every time: built once.
-_PING: Request[None] = Request("ping", {}, _nothing)
-_DEVICE_COUNT: Request[int] = Request("device_count", {}, _field("count", int))
+_PING: Request[None] = Request(ops.Ping(), _nothing)
+_DEVICE_COUNT: Request[int] = Request(ops.DeviceCount(), _field("count", int))
 _DEVICES: Request[list[DeviceInfo]] = Request(
-    "devices", {}, lambda result, _: [DeviceInfo.from_wire(d) for d in result["devices"]])
-_STATUS: Request[dict[str, Any]] = Request("status", {}, _result)
-_GET_DEVICE: Request[int] = Request("get_device", {}, _field("device", int))
+    ops.Devices(), lambda result, _: [DeviceInfo.from_wire(d) for d in result["devices"]])
+_STATUS: Request[dict[str, Any]] = Request(ops.Status(), _result)
+_GET_DEVICE: Request[int] = Request(ops.GetDevice(), _field("device", int))
+_HEARTBEAT: Request[None] = Request(sharing_ops.Heartbeat(), _nothing)
 
 
 def ping() -> Request[None]:
@@ -247,12 +252,16 @@ def status() -> Request[dict[str, Any]]:
     return _STATUS
 
 
+def heartbeat() -> Request[None]:
+    return _HEARTBEAT
+
+
 def close_session(session_id: int) -> Request[None]:
-    return _request("close_session", _nothing, session_id=session_id)
+    return Request(system_ops.CloseSession(session_id=session_id), _nothing)
 
 
 def shutdown() -> Request[None]:
-    return _request("shutdown", _nothing)
+    return Request(system_ops.Shutdown(), _nothing)
 
 
 def get_device() -> Request[int]:
@@ -260,7 +269,7 @@ def get_device() -> Request[int]:
 
 
 def set_device(owner: Any, context: FromWire[T], device: int) -> Request[T]:
-    return _request("set_device", _built(owner, context, "context"), device=device)
+    return Request(ops.SetDevice(device=device), _built(owner, context, "context"))
 
 
 # --- contexts ------------------------------------------------------------------------------
@@ -270,55 +279,55 @@ def current_context(owner: Any, context: FromWire[T], device: int | None) -> Req
     def convert(result: dict[str, Any], frames: list[Any]) -> T | None:
         return None if result["context"] is None else context.from_wire(owner, result["context"])
 
-    return _request("current_context", convert, device=device)
+    return Request(ops.CurrentContext(device=device), convert)
 
 
 def context_stack(owner: Any, context: FromWire[T], device: int | None) -> Request[list[T]]:
-    return _request("context_stack", lambda result, _: [context.from_wire(owner, w) for w in result["stack"]],
-                    device=device)
+    return Request(ops.ContextStack(device=device),
+                   lambda result, _: [context.from_wire(owner, w) for w in result["stack"]])
 
 
 def create_context(owner: Any, context: FromWire[T], device: int | None, flags: int) -> Request[T]:
-    return _request("create_context", _built(owner, context, "context"), device=device, flags=flags)
+    return Request(ops.CreateContext(device=device, flags=flags), _built(owner, context, "context"))
 
 
 def push_context(context: OnDevice) -> Request[None]:
-    return _request("push_context", _nothing, **_on(context, context=context.handle))
+    return Request(ops.PushContext(context=context.handle, device=context.device), _nothing)
 
 
 def pop_context(owner: Any, context: FromWire[T], device: int | None) -> Request[T]:
-    return _request("pop_context", _built(owner, context, "context"), device=device)
+    return Request(ops.PopContext(device=device), _built(owner, context, "context"))
 
 
 def destroy_context(context: OnDevice) -> Request[None]:
-    return _request("destroy_context", _nothing, **_on(context, context=context.handle))
+    return Request(ops.DestroyContext(context=context.handle, device=context.device), _nothing)
 
 
 def context_info(owner: Any, kind: FromWire[T], context: OnDevice) -> Request[T]:
-    return _request("context_info", _built(owner, kind, "context"), **_on(context, context=context.handle))
+    return Request(ops.ContextInfo(context=context.handle, device=context.device), _built(owner, kind, "context"))
 
 
 def synchronize(device: int | None) -> Request[None]:
-    return _request("synchronize", _nothing, device=device)
+    return Request(ops.Synchronize(device=device), _nothing)
 
 
 def device_synchronize(device: int | None) -> Request[None]:
-    return _request("device_synchronize", _nothing, device=device)
+    return Request(ops.DeviceSynchronize(device=device), _nothing)
 
 
 # --- memory --------------------------------------------------------------------------------
 
 
 def mem_get_info(device: int | None) -> Request[tuple[int, int]]:
-    return _request("mem_get_info", lambda result, _: (int(result["free"]), int(result["total"])), device=device)
+    return Request(ops.MemGetInfo(device=device), lambda result, _: (int(result["free"]), int(result["total"])))
 
 
 def memory_info(device: int | None) -> Request[dict[str, Any]]:
-    return _request("mem_get_info", _result, device=device)
+    return Request(ops.MemGetInfo(device=device), _result)
 
 
 def alloc(owner: Any, buffer: FromWire[T], size: int, device: int | None, shareable: bool) -> Request[T]:
-    return _request("alloc", _built(owner, buffer, "buffer"), size=size, device=device, shareable=shareable)
+    return Request(ops.Alloc(size=size, device=device, shareable=shareable), _built(owner, buffer, "buffer"))
 
 
 def _already_done() -> Plan[None]:
@@ -335,30 +344,30 @@ def free(buffer: Freeable) -> Request[None] | Plan[None]:
     def freed(result: dict[str, Any], frames: list[Any]) -> None:
         buffer.freed = True
 
-    return _request("free", freed, **_on(buffer, buffer=buffer.handle))
+    return Request(ops.Free(buffer=buffer.handle, device=buffer.device), freed)
 
 
 def fill(buffer: OnDevice, value: int, offset: int, size: int | None, stream: OnDevice | None) -> Request[int]:
-    return _request("fill", _size, **_on(buffer, buffer=buffer.handle, value=value, offset=offset, size=size,
-                                         stream=_handle(stream)))
+    return Request(ops.Fill(buffer=buffer.handle, value=value, offset=offset, size=size, device=buffer.device,
+                            stream=_handle(stream)), _size)
 
 
 def copy(src: OnDevice, dst: OnDevice, size: int | None, src_offset: int, dst_offset: int,
          stream: OnDevice | None) -> Request[int]:
-    return _request("copy", _size, **_on(src, dst_device=dst.device, src=src.handle, dst=dst.handle, size=size,
-                                         src_offset=src_offset, dst_offset=dst_offset, stream=_handle(stream)))
+    return Request(ops.Copy(src=src.handle, dst=dst.handle, size=size, src_offset=src_offset, dst_offset=dst_offset,
+                            device=src.device, dst_device=dst.device, stream=_handle(stream)), _size)
 
 
 def write_frame(buffer: OnDevice, data: Any, offset: int, stream: OnDevice | None) -> Request[int]:
     """One ``write`` request carrying all of ``data`` (see :func:`write` for large data)."""
-    return _request("write", _size, (data,), **_on(buffer, buffer=buffer.handle, offset=offset,
-                                                    stream=_handle(stream)))
+    return Request(ops.Write(buffer=buffer.handle, offset=offset, device=buffer.device, stream=_handle(stream)),
+                   _size, (data,))
 
 
 def read_frame(buffer: OnDevice, size: int | None, offset: int, stream: OnDevice | None) -> Request[bytes]:
     """One ``read`` request, its bytes in one reply frame (see :func:`read` for large reads)."""
-    return _request("read", _bytes, **_on(buffer, buffer=buffer.handle, offset=offset, size=size,
-                                          stream=_handle(stream)))
+    return Request(ops.Read(buffer=buffer.handle, offset=offset, size=size, device=buffer.device,
+                            stream=_handle(stream)), _bytes)
 
 
 def write(buffer: OnDevice, data: Any, offset: int, stream: OnDevice | None, max_payload: int) -> Plan[int]:
@@ -398,8 +407,8 @@ def read_into(buffer: OnDevice, out: Any, offset: int, stream: OnDevice | None) 
 
 
 def _read_chunk(buffer: OnDevice, view: memoryview, offset: int, stream: OnDevice | None) -> Request[int]:
-    return _request("read", _size, into=view, **_on(buffer, buffer=buffer.handle, offset=offset,
-                                                    size=view.nbytes, stream=_handle(stream)))
+    return Request(ops.Read(buffer=buffer.handle, offset=offset, size=view.nbytes, device=buffer.device,
+                            stream=_handle(stream)), _size, into=view)
 
 
 def _read_chunks(buffer: OnDevice, view: memoryview, offset: int, stream: OnDevice | None) -> Plan[int]:
@@ -412,47 +421,48 @@ def _read_chunks(buffer: OnDevice, view: memoryview, offset: int, stream: OnDevi
 
 
 def create_stream(owner: Any, stream: FromWire[T], device: int | None, non_blocking: bool) -> Request[T]:
-    return _request("create_stream", _whole(owner, stream), device=device, non_blocking=non_blocking)
+    return Request(stream_ops.CreateStream(device=device, non_blocking=non_blocking), _whole(owner, stream))
 
 
 def create_event(owner: Any, event: FromWire[T], device: int | None, timing: bool) -> Request[T]:
-    return _request("create_event", _whole(owner, event), device=device, timing=timing)
+    return Request(stream_ops.CreateEvent(device=device, timing=timing), _whole(owner, event))
 
 
 def stream_query(stream: OnDevice) -> Request[bool]:
-    return _request("stream_query", _field("done", bool), **_on(stream, stream=stream.handle))
+    return Request(stream_ops.StreamQuery(stream=stream.handle, device=stream.device), _field("done", bool))
 
 
 def stream_synchronize(stream: OnDevice) -> Request[None]:
-    return _request("stream_synchronize", _nothing, **_on(stream, stream=stream.handle))
+    return Request(stream_ops.StreamSynchronize(stream=stream.handle, device=stream.device), _nothing)
 
 
 def stream_wait_event(stream: OnDevice, event: OnDevice) -> Request[None]:
-    return _request("stream_wait_event", _nothing, **_on(stream, stream=stream.handle, event=event.handle))
+    return Request(stream_ops.StreamWaitEvent(stream=stream.handle, event=event.handle, device=stream.device), _nothing)
 
 
 def destroy_stream(stream: OnDevice) -> Request[None]:
-    return _request("destroy_stream", _nothing, **_on(stream, stream=stream.handle))
+    return Request(stream_ops.DestroyStream(stream=stream.handle, device=stream.device), _nothing)
 
 
 def record_event(event: OnDevice, stream: OnDevice | None) -> Request[None]:
-    return _request("record_event", _nothing, **_on(event, event=event.handle, stream=_handle(stream)))
+    return Request(stream_ops.RecordEvent(event=event.handle, stream=_handle(stream), device=event.device), _nothing)
 
 
 def event_query(event: OnDevice) -> Request[bool]:
-    return _request("event_query", _field("done", bool), **_on(event, event=event.handle))
+    return Request(stream_ops.EventQuery(event=event.handle, device=event.device), _field("done", bool))
 
 
 def event_synchronize(event: OnDevice) -> Request[None]:
-    return _request("event_synchronize", _nothing, **_on(event, event=event.handle))
+    return Request(stream_ops.EventSynchronize(event=event.handle, device=event.device), _nothing)
 
 
 def event_elapsed_time(start: OnDevice, end: OnDevice) -> Request[float]:
-    return _request("event_elapsed_time", _field("ms", float), **_on(start, start=start.handle, end=end.handle))
+    return Request(stream_ops.EventElapsedTime(start=start.handle, end=end.handle, device=start.device),
+                   _field("ms", float))
 
 
 def destroy_event(event: OnDevice) -> Request[None]:
-    return _request("destroy_event", _nothing, **_on(event, event=event.handle))
+    return Request(stream_ops.DestroyEvent(event=event.handle, device=event.device), _nothing)
 
 
 # --- sharing between processes (opening and closing a mapping: cuctxd.client.api.sharing) --------------
@@ -463,7 +473,7 @@ def _share(result: dict[str, Any], frames: list[Any]) -> ShareDescriptor:
 
 
 def export(buffer: OnDevice) -> Request[ShareDescriptor]:
-    return _request("export", _share, **_on(buffer, buffer=buffer.handle))
+    return Request(sharing_ops.Export(buffer=buffer.handle, device=buffer.device), _share)
 
 
 def publish(buffer: OnDevice, name: str, manifest: bytes | None = None, persistent: bool = False,
@@ -475,18 +485,17 @@ def publish(buffer: OnDevice, name: str, manifest: bytes | None = None, persiste
             buffer.freed = True
         return _share(result, frames)
 
-    return _request("publish", convert, **_on(buffer, buffer=buffer.handle, name=name, manifest=manifest,
-                                              persistent=persistent or None, read_only=read_only or None,
-                                              once=once or None, replace=replace or None, copy=copy or None,
-                                              stage=stage or None, version=version or None))
+    return Request(sharing_ops.Publish(buffer=buffer.handle, name=name, device=buffer.device, manifest=manifest,
+                                       persistent=persistent, read_only=read_only, once=once, replace=replace,
+                                       copy=copy, stage=stage, version=version), convert)
 
 
 def unpublish(name: str, device: int | None = None) -> Request[None]:
-    return _request("unpublish", _nothing, name=name, device=device)
+    return Request(sharing_ops.Unpublish(name=name, device=device), _nothing)
 
 
 def lookup(name: str, device: int | None = None, version: int | None = None) -> Request[ShareDescriptor]:
-    return _request("lookup", _share, name=name, device=device, version=version)
+    return Request(sharing_ops.Lookup(name=name, device=device, version=version), _share)
 
 
 #: Seconds a ``wait_version`` reply may take beyond the wait the daemon was asked for.
@@ -500,8 +509,8 @@ def wait_version(name: str, after: int, timeout: float | None) -> Plan[int]:
     while True:
         wait_ms = MAX_VERSION_WAIT_MS if timeout is None else min(MAX_VERSION_WAIT_MS, max(0, int(timeout * 1000)))
         try:
-            found: int = yield _request("wait_version", _field("version", int), timeout=wait_ms / 1000 + WAIT_SLACK_S,
-                                        name=name, after=after, timeout_ms=wait_ms)
+            found: int = yield Request(sharing_ops.WaitVersion(name=name, after=after, timeout_ms=wait_ms),
+                                       _field("version", int), timeout=wait_ms / 1000 + WAIT_SLACK_S)
             return found
         except TimedOut:
             if timeout is not None:
@@ -511,7 +520,7 @@ def wait_version(name: str, after: int, timeout: float | None) -> Plan[int]:
 def verify_shared(name: str, digest: str, device: int) -> Request[dict[str, Any]]:
     """Have the daemon vouch for ``name``'s layout digest (on ``device``, where its lookup says it is) before
     relying on it. Result: ``digest``, ``verified`` (``"publisher"`` or ``"daemon"``), ``hashed``."""
-    return _request("verify_shared", _result, name=name, digest=digest, device=device)
+    return Request(sharing_ops.VerifyShared(name=name, digest=digest, device=device), _result)
 
 
 def lookup_verified(name: str, digest: str, device: int | None = None) -> Plan[ShareDescriptor]:
@@ -543,8 +552,8 @@ def shared_page(limit: int | None = None, after: str | None = None, prefix: str 
                 owner: int | None = None, uid: int | None = None) -> Request[SharedPage]:
     """One page of the names (PROTOCOL.md, ``list_shared``): at most ``limit`` (the daemon's most by default),
     after the name ``after``, starting with ``prefix``, published by session ``owner`` (public id) and ``uid``."""
-    return _request("list_shared", _shared_page, limit=limit, after=after, prefix=prefix or None, owner=owner,
-                    uid=uid)
+    return Request(sharing_ops.ListShared(limit=MAX_LISTED if limit is None else limit, after=after,
+                                          prefix=prefix or "", owner=owner, uid=uid), _shared_page)
 
 
 def list_shared(prefix: str | None = None, owner: int | None = None, uid: int | None = None
@@ -570,17 +579,17 @@ def open_shared(descriptor: ShareDescriptor, pool_fd: bool = False) -> Request[t
                  "read_only": descriptor.read_only, "version": descriptor.version}
         return ShareDescriptor.from_wire({**result["share"], **named}), result.get("ticket")
 
-    return _request("open_shared", convert, device=descriptor.device, share_id=descriptor.share_id,
-                    pool_fd=pool_fd or None)
+    return Request(sharing_ops.OpenShared(share_id=descriptor.share_id, device=descriptor.device, pool_fd=pool_fd),
+                   convert)
 
 
 def close_shared(descriptor: ShareDescriptor) -> Request[None]:
-    return _request("close_shared", _nothing, device=descriptor.device, share_id=descriptor.share_id)
+    return Request(sharing_ops.CloseShared(share_id=descriptor.share_id, device=descriptor.device), _nothing)
 
 
 def revoke(descriptor: ShareDescriptor) -> Request[None]:
     """Withdraw a share this session exported: holders' next use of it raises :class:`Revoked`."""
-    return _request("revoke", _nothing, device=descriptor.device, share_id=descriptor.share_id)
+    return Request(sharing_ops.Revoke(share_id=descriptor.share_id, device=descriptor.device), _nothing)
 
 
 def revoke_buffer(buffer: OnDevice) -> Plan[None]:
@@ -594,30 +603,32 @@ def revoke_buffer(buffer: OnDevice) -> Plan[None]:
 
 def host_alloc(device: int | None, size: int, reuse: bool = False) -> Request[dict[str, Any]]:
     """Result: ``host`` (handle), ``size``, ``device`` and ``ticket``."""
-    return _request("host_alloc", _result, device=device, size=size, reuse=reuse or None)
+    return Request(pinned_ops.HostAlloc(size=size, device=device, reuse=reuse), _result)
 
 
 def shm_lane(device: int) -> Request[dict[str, Any]]:
     """Result: ``ticket`` (three fds on the fd channel) and ``size``."""
-    return _request("shm_lane", _result, device=device)
+    return Request(pinned_ops.ShmLane(device=device), _result)
 
 
 def host_free(host: OnDevice) -> Request[None]:
-    return _request("host_free", _nothing, **_on(host, host=host.handle))
+    return Request(pinned_ops.HostFree(host=host.handle, device=host.device), _nothing)
 
 
 def memcpy_htod(buffer: OnDevice, host: OnDevice, offset: int, host_offset: int, size: int | None,
                 stream: OnDevice | None) -> Request[int]:
-    return _request("memcpy_htod", _size, **_on(buffer, buffer=buffer.handle, host=host.handle, offset=offset,
-                                                host_offset=host_offset, size=size, stream=_handle(stream)))
+    return Request(pinned_ops.MemcpyHtoD(buffer=buffer.handle, host=host.handle, offset=offset,
+                                         host_offset=host_offset, size=size, device=buffer.device,
+                                         stream=_handle(stream)), _size)
 
 
 def memcpy_dtoh(buffer: OnDevice, host: OnDevice, offset: int, host_offset: int, size: int | None,
                 stream: OnDevice | None) -> Request[int]:
-    return _request("memcpy_dtoh", _size, **_on(buffer, buffer=buffer.handle, host=host.handle, offset=offset,
-                                                host_offset=host_offset, size=size, stream=_handle(stream)))
+    return Request(pinned_ops.MemcpyDtoH(buffer=buffer.handle, host=host.handle, offset=offset,
+                                         host_offset=host_offset, size=size, device=buffer.device,
+                                         stream=_handle(stream)), _size)
 
 
 def stream_ordered(device: int, stream: int | None, entries: bytes) -> Request[dict[str, Any]]:
     """A batch of packed stream-ordered entries (:mod:`cuctxd.client.wire.stream_ordered`)."""
-    return _request("stream_ordered", _result, device=device, stream=stream, ops=entries)
+    return Request(ops.StreamOrdered(ops=entries, device=device, stream=stream), _result)

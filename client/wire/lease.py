@@ -12,12 +12,16 @@ import asyncio
 import logging
 import threading
 
+from cuctxd.client.wire import build
 from cuctxd.client.wire.async_socket_transport import AsyncTransport
 from cuctxd.client.wire.socket_transport import CurveKeys, Transport
 from cuctxd.client.wire.transport import DaemonWatch
 from cuctxd.protos.errors import CuctxError, SessionExpired, UnknownSession
 
 log = logging.getLogger(__name__)
+
+#: A beat (sent on the heartbeat's own transport, not run by the client: only its op and args are used).
+_BEAT = build.heartbeat()
 
 
 class _Beats:
@@ -54,7 +58,7 @@ class Heartbeat(_Beats):
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                self._transport.call("heartbeat", {}, self._token)
+                self._transport.call(_BEAT.op, _BEAT.args, self._token)
             except CuctxError as exc:
                 if self._gone(exc):
                     return
@@ -80,7 +84,7 @@ class AsyncHeartbeat(_Beats):
         while True:
             await asyncio.sleep(self._interval)
             try:
-                await self._transport.call("heartbeat", {}, self._token)
+                await self._transport.call(_BEAT.op, _BEAT.args, self._token)
             except CuctxError as exc:
                 if self._gone(exc):
                     return

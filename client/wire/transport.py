@@ -25,6 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import zmq
 
+from cuctxd.client.wire import build
 from cuctxd.protos.errors import CuctxError, DaemonRestarted, DaemonTimeout, NoAccess, NoDaemon
 from cuctxd.protos.messages import encode_request, parse_reply
 
@@ -300,7 +301,8 @@ class DaemonWatch:
         assert self._dealer is not None
         dealer = self._dealer()
         try:
-            dealer.send(encode_request(1, "ping", None, {}))
+            ping = build.ping()
+            dealer.send(encode_request(1, ping.op, None, ping.args))
             if not dealer.poll(int(PROBE_TIMEOUT * 1000)):
                 return None
             reply = parse_reply(dealer.recv())

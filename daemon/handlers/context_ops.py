@@ -13,19 +13,19 @@ from cuctxd.protos.limits import MAX_LISTED
 
 
 @device_handler(ops.SetDevice)
-def set_device(state: DeviceState, job: Job) -> Reply:
+def set_device(state: DeviceState, job: Job[ops.SetDevice]) -> Reply:
     context = state.contexts.set_device(state.session(job.session))
     return Reply({"context": state.contexts.record(context).to_wire()})
 
 
 @device_handler(ops.CurrentContext)
-def current_context(state: DeviceState, job: Job) -> Reply:
+def current_context(state: DeviceState, job: Job[ops.CurrentContext]) -> Reply:
     context = state.contexts.top(state.session(job.session))
     return Reply({"context": None if context is None else state.contexts.record(context).to_wire()})
 
 
 @device_handler(ops.ContextStack)
-def context_stack(state: DeviceState, job: Job) -> Reply:
+def context_stack(state: DeviceState, job: Job[ops.ContextStack]) -> Reply:
     stack = state.session(job.session).stack
     shown = stack[-MAX_LISTED:]  # the top of the stack: the current context and those pushed last
     return Reply({"stack": [state.contexts.record(c).to_wire() for c in shown], "depth": len(stack),
@@ -33,13 +33,13 @@ def context_stack(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.CreateContext)
-def create_context(state: DeviceState, job: Job) -> Reply:
+def create_context(state: DeviceState, job: Job[ops.CreateContext]) -> Reply:
     context = state.contexts.create(state.session(job.session), job.args.flags)
     return Reply({"context": state.contexts.record(context).to_wire()})
 
 
 @device_handler(ops.PushContext)
-def push_context(state: DeviceState, job: Job) -> Reply:
+def push_context(state: DeviceState, job: Job[ops.PushContext]) -> Reply:
     session = state.session(job.session)
     context = session.contexts[job.args.context]
     session.stack.append(context)
@@ -47,7 +47,7 @@ def push_context(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.PopContext)
-def pop_context(state: DeviceState, job: Job) -> Reply:
+def pop_context(state: DeviceState, job: Job[ops.PopContext]) -> Reply:
     session = state.session(job.session)
     if not session.stack:
         raise CudaError.of(CUresult.CUDA_ERROR_INVALID_CONTEXT, f"the context stack on device {job.device} is empty")
@@ -56,13 +56,13 @@ def pop_context(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.DestroyContext)
-def destroy_context(state: DeviceState, job: Job) -> Reply:
+def destroy_context(state: DeviceState, job: Job[ops.DestroyContext]) -> Reply:
     state.destroy_context(state.session(job.session), job.args.context)
     return Reply()
 
 
 @device_handler(ops.ContextInfo)
-def context_info(state: DeviceState, job: Job) -> Reply:
+def context_info(state: DeviceState, job: Job[ops.ContextInfo]) -> Reply:
     context = state.session(job.session).contexts[job.args.context]
     state.activate(context)
     record = state.contexts.record(context).to_wire()
@@ -72,7 +72,7 @@ def context_info(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.Synchronize)
-def synchronize(state: DeviceState, job: Job) -> Pending:
+def synchronize(state: DeviceState, job: Job[ops.Synchronize]) -> Pending:
     session = state.session(job.session)
     session.raise_deferred()
     context = state.contexts.current_or_primary(session)
@@ -80,7 +80,7 @@ def synchronize(state: DeviceState, job: Job) -> Pending:
 
 
 @device_handler(ops.DeviceSynchronize)
-def device_synchronize(state: DeviceState, job: Job) -> Pending:
+def device_synchronize(state: DeviceState, job: Job[ops.DeviceSynchronize]) -> Pending:
     state.session(job.session).raise_deferred()
     contexts = state.live_contexts()
     return after_markers(state.streams, state.streams.context_markers(contexts), Reply({"contexts": len(contexts)}))

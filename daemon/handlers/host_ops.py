@@ -15,7 +15,7 @@ from cuctxd.protos.shm_lane import REGION_BYTES
 
 
 @device_handler(ops.HostAlloc)
-def host_alloc(state: DeviceState, job: Job) -> Reply | Pending:
+def host_alloc(state: DeviceState, job: Job[ops.HostAlloc]) -> Reply | Pending:
     session = state.session(job.session)
     # In the session's primary context, whatever is current: registered portable, a host buffer serves every
     # context of the device, so it must not go with a context the session creates and destroys.
@@ -44,7 +44,7 @@ def _hand_over(state: DeviceState, job: Job, session: SessionOnDevice, entry: Ho
 
 
 @device_handler(ops.ShmLane)
-def shm_lane(state: DeviceState, job: Job) -> Reply:
+def shm_lane(state: DeviceState, job: Job[ops.ShmLane]) -> Reply:
     state.session(job.session)  # the lane closes with the session's state here
     fds = state.shm_lanes.open(job.session)
     try:
@@ -57,7 +57,7 @@ def shm_lane(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.HostFree)
-def host_free(state: DeviceState, job: Job) -> Reply | Pending:
+def host_free(state: DeviceState, job: Job[ops.HostFree]) -> Reply | Pending:
     session = state.session(job.session)
     entry = session.host_buffers[job.args.host]
 
@@ -106,7 +106,7 @@ def _copy(state: DeviceState, job: Job, to_device: bool) -> Reply:
 
 
 @device_handler(ops.MemcpyHtoD)
-def memcpy_htod(state: DeviceState, job: Job) -> Reply | Pending:
+def memcpy_htod(state: DeviceState, job: Job[ops.MemcpyHtoD]) -> Reply | Pending:
     lane = job.shm
     if lane is not None and lane.early and not lane.rung:  # its bytes are still being copied in
         _checked(state, job)  # errors now; the copy, checked again, on the lane's data ring
@@ -115,5 +115,5 @@ def memcpy_htod(state: DeviceState, job: Job) -> Reply | Pending:
 
 
 @device_handler(ops.MemcpyDtoH)
-def memcpy_dtoh(state: DeviceState, job: Job) -> Reply:
+def memcpy_dtoh(state: DeviceState, job: Job[ops.MemcpyDtoH]) -> Reply:
     return _copy(state, job, to_device=False)

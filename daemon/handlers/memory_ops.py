@@ -17,14 +17,14 @@ from cuctxd.protos.limits import MAX_HANDLE, MAX_STREAM_ORDERED_ENTRIES, MIN_CLI
 
 
 @device_handler(ops.MemGetInfo)
-def mem_get_info(state: DeviceState, job: Job) -> Reply:
+def mem_get_info(state: DeviceState, job: Job[ops.MemGetInfo]) -> Reply:
     session = state.session(job.session)
     state.activate(state.contexts.current_or_primary(session))
     return Reply(state.memory.info(session))
 
 
 @device_handler(ops.Alloc)
-def alloc(state: DeviceState, job: Job) -> Reply:
+def alloc(state: DeviceState, job: Job[ops.Alloc]) -> Reply:
     session = state.session(job.session)
     context = state.contexts.for_new(session, "buffer")
     buffer = state.memory.alloc(session, context, job.args.size, job.args.shareable)
@@ -32,14 +32,14 @@ def alloc(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.Free)
-def free(state: DeviceState, job: Job) -> Reply:
+def free(state: DeviceState, job: Job[ops.Free]) -> Reply:
     session = state.session(job.session)
     state.memory.free(session, session.buffers[job.args.buffer], unpublish=True)
     return Reply()
 
 
 @device_handler(ops.Fill)
-def fill(state: DeviceState, job: Job) -> Reply:
+def fill(state: DeviceState, job: Job[ops.Fill]) -> Reply:
     session = state.session(job.session)
     buffer = session.buffers[job.args.buffer]
     size = check_range(buffer.size, job.args.offset, job.args.size)
@@ -54,7 +54,7 @@ def fill(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.Write)
-def write(state: DeviceState, job: Job) -> Reply | Pending:
+def write(state: DeviceState, job: Job[ops.Write]) -> Reply | Pending:
     session = state.session(job.session)
     buffer = session.buffers[job.args.buffer]
     data = memoryview(job.payload[0])
@@ -76,7 +76,7 @@ def write(state: DeviceState, job: Job) -> Reply | Pending:
 
 
 @device_handler(ops.Read)
-def read(state: DeviceState, job: Job) -> Reply | Pending:
+def read(state: DeviceState, job: Job[ops.Read]) -> Reply | Pending:
     session = state.session(job.session)
     buffer = session.buffers[job.args.buffer]
     size = check_range(buffer.size, job.args.offset, job.args.size)
@@ -101,7 +101,7 @@ def read(state: DeviceState, job: Job) -> Reply | Pending:
 
 
 @device_handler(ops.Copy)
-def copy(state: DeviceState, job: Job) -> Reply | Forward:
+def copy(state: DeviceState, job: Job[ops.Copy]) -> Reply | Forward:
     args: ops.Copy = job.args
     session = state.session(job.session)
     src = session.buffers[args.src]
@@ -145,7 +145,7 @@ _ENTRY = struct.Struct(STREAM_ORDERED_ENTRY)
 
 
 @device_handler(ops.StreamOrdered)
-def stream_ordered(state: DeviceState, job: Job) -> Reply:
+def stream_ordered(state: DeviceState, job: Job[ops.StreamOrdered]) -> Reply:
     """Run each entry in order; one that fails is deferred to its handle (SessionOnDevice.defer)."""
     args: ops.StreamOrdered = job.args
     if len(args.ops) % _ENTRY.size:

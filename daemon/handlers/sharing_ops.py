@@ -39,14 +39,14 @@ def _when_written(state: DeviceState, context: SessionContext, reply: Reply) -> 
 
 
 @device_handler(ops.Export)
-def export(state: DeviceState, job: Job) -> Reply | Pending:
+def export(state: DeviceState, job: Job[ops.Export]) -> Reply | Pending:
     session = state.session(job.session)
     share = state.sharing.export(session, session.buffers[job.args.buffer])
     return _when_written(state, share.context, _share_reply(share.descriptor.to_wire()))
 
 
 @device_handler(ops.Publish)
-def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
+def publish(state: DeviceState, job: Job[ops.Publish]) -> Reply | Pending | Forward:
     """Name the buffer (or, ``copy``/``stage``, make it a copy of the name on this device); with ``replace``,
     the name's old shares (its copies on other devices too) forget it each on its own device's worker (here,
     or forwarded there, one device after the other, and back) before the reply, as after ``unpublish``. A
@@ -119,7 +119,7 @@ def _forget_each(name: str, left: list[tuple[str, int]],
 
 
 @device_handler(ops.OpenShared)
-def open_shared(state: DeviceState, job: Job) -> Reply:
+def open_shared(state: DeviceState, job: Job[ops.OpenShared]) -> Reply:
     session = state.session(job.session)
     share = state.sharing.open(session, job.args.share_id)
     result: dict[str, object] = {"share": share.descriptor.to_wire()}
@@ -139,7 +139,7 @@ def open_shared(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.WaitVersion)
-def wait_version(state: DeviceState, job: Job) -> Reply | Pending:
+def wait_version(state: DeviceState, job: Job[ops.WaitVersion]) -> Reply | Pending:
     """The name's current version once it is newer than ``after``: at once, or polled between requests (a
     registry read) until it is, the timeout passes or the session is gone."""
     session = state.session(job.session)
@@ -174,7 +174,7 @@ def wait_version(state: DeviceState, job: Job) -> Reply | Pending:
 
 
 @device_handler(ops.VerifyShared)
-def verify_shared(state: DeviceState, job: Job) -> Reply | Pending:
+def verify_shared(state: DeviceState, job: Job[ops.VerifyShared]) -> Reply | Pending:
     """Vouch for a name's digest: at once where its publisher's uid is the caller's or it was checked before,
     else once its bytes are hashed (:mod:`cuctxd.daemon.device.digest_checks`), the device serving others
     meanwhile."""
@@ -188,13 +188,13 @@ def verify_shared(state: DeviceState, job: Job) -> Reply | Pending:
 
 
 @device_handler(ops.Revoke)
-def revoke(state: DeviceState, job: Job) -> Reply:
+def revoke(state: DeviceState, job: Job[ops.Revoke]) -> Reply:
     state.sharing.revoke(state.session(job.session), job.args.share_id)
     return Reply()
 
 
 @device_handler(ops.CloseShared)
-def close_shared(state: DeviceState, job: Job) -> Reply:
+def close_shared(state: DeviceState, job: Job[ops.CloseShared]) -> Reply:
     state.sharing.close(state.session(job.session), job.args.share_id)
     return Reply()
 

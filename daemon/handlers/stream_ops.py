@@ -10,27 +10,27 @@ from cuctxd.protos import stream_ops as ops
 
 
 @device_handler(ops.CreateStream)
-def create_stream(state: DeviceState, job: Job) -> Reply:
+def create_stream(state: DeviceState, job: Job[ops.CreateStream]) -> Reply:
     session = state.session(job.session)
     entry = state.streams.create_stream(session, state.contexts.for_new(session, "stream"), job.args.non_blocking)
     return Reply({"stream": entry.handle, "context": entry.context.handle, "device": state.device})
 
 
 @device_handler(ops.DestroyStream)
-def destroy_stream(state: DeviceState, job: Job) -> Reply:
+def destroy_stream(state: DeviceState, job: Job[ops.DestroyStream]) -> Reply:
     state.streams.destroy_stream(state.session(job.session), job.args.stream)
     return Reply()
 
 
 @device_handler(ops.StreamQuery)
-def stream_query(state: DeviceState, job: Job) -> Reply:
+def stream_query(state: DeviceState, job: Job[ops.StreamQuery]) -> Reply:
     stream = state.streams.stream_of(state.session(job.session), job.args.stream)
     assert stream is not None
     return Reply({"done": state.driver.stream_query(stream)})
 
 
 @device_handler(ops.StreamSynchronize)
-def stream_synchronize(state: DeviceState, job: Job) -> Pending:
+def stream_synchronize(state: DeviceState, job: Job[ops.StreamSynchronize]) -> Pending:
     session = state.session(job.session)
     session.raise_deferred()
     entry = session.streams[job.args.stream]
@@ -38,20 +38,20 @@ def stream_synchronize(state: DeviceState, job: Job) -> Pending:
 
 
 @device_handler(ops.CreateEvent)
-def create_event(state: DeviceState, job: Job) -> Reply:
+def create_event(state: DeviceState, job: Job[ops.CreateEvent]) -> Reply:
     session = state.session(job.session)
     entry = state.streams.create_event(session, state.contexts.for_new(session, "event"), job.args.timing)
     return Reply({"event": entry.handle, "context": entry.context.handle, "device": state.device})
 
 
 @device_handler(ops.DestroyEvent)
-def destroy_event(state: DeviceState, job: Job) -> Reply:
+def destroy_event(state: DeviceState, job: Job[ops.DestroyEvent]) -> Reply:
     state.streams.destroy_event(state.session(job.session), job.args.event)
     return Reply()
 
 
 @device_handler(ops.RecordEvent)
-def record_event(state: DeviceState, job: Job) -> Reply:
+def record_event(state: DeviceState, job: Job[ops.RecordEvent]) -> Reply:
     session = state.session(job.session)
     event = session.events[job.args.event]
     stream = state.streams.stream_of(session, job.args.stream)
@@ -62,14 +62,14 @@ def record_event(state: DeviceState, job: Job) -> Reply:
 
 
 @device_handler(ops.EventQuery)
-def event_query(state: DeviceState, job: Job) -> Reply:
+def event_query(state: DeviceState, job: Job[ops.EventQuery]) -> Reply:
     event = state.session(job.session).events[job.args.event]
     state.activate(event.context)
     return Reply({"done": state.driver.event_query(event.event)})
 
 
 @device_handler(ops.EventSynchronize)
-def event_synchronize(state: DeviceState, job: Job) -> Pending:
+def event_synchronize(state: DeviceState, job: Job[ops.EventSynchronize]) -> Pending:
     event = state.session(job.session).events[job.args.event]
 
     def done() -> bool:
@@ -80,14 +80,14 @@ def event_synchronize(state: DeviceState, job: Job) -> Pending:
 
 
 @device_handler(ops.EventElapsedTime)
-def event_elapsed_time(state: DeviceState, job: Job) -> Reply:
+def event_elapsed_time(state: DeviceState, job: Job[ops.EventElapsedTime]) -> Reply:
     session = state.session(job.session)
     start, end = session.events[job.args.start], session.events[job.args.end]
     return Reply({"ms": state.streams.elapsed_ms(start, end)})
 
 
 @device_handler(ops.StreamWaitEvent)
-def stream_wait_event(state: DeviceState, job: Job) -> Reply:
+def stream_wait_event(state: DeviceState, job: Job[ops.StreamWaitEvent]) -> Reply:
     session = state.session(job.session)
     event = session.events[job.args.event]
     stream = state.streams.stream_of(session, job.args.stream)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from cuctxd.daemon.registry.sessions import DeviceBacklog, SessionRef
 from cuctxd.protos.schema import OpSpec
 
+#: The op's argument class (``ops.Fill``, ...): a handler declares ``job: Job[ops.Fill]`` and reads typed ``args``.
+ArgsT = TypeVar("ArgsT")
 
-class Job(NamedTuple):
+
+class Job(NamedTuple, Generic[ArgsT]):
     """Everything a device handler needs; immutable, so handing it across threads is safe.
 
+    ``args``: the request's arguments as decoded into the op's class (:func:`~cuctxd.protos.schema.decode_args`).
     ``device`` is resolved on receipt (the op's ``device`` argument, else the
     session's current device). ``payload`` holds the request's raw frames.
     ``lane``: the device whose own ROUTER received the request and must send the
@@ -25,7 +29,7 @@ class Job(NamedTuple):
     identity: bytes
     request_id: int
     spec: OpSpec
-    args: Any
+    args: ArgsT
     session: SessionRef
     device: int
     payload: Sequence[Any] = ()

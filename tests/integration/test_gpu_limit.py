@@ -148,6 +148,7 @@ ON_CUE = """
 import json, sys
 from cuctxd import Client
 from cuctxd.client.wire.build import Request
+from cuctxd.protos import ops
 from cuctxd.protos.errors import CuctxError
 print("ready", flush=True)
 sys.stdin.readline()
@@ -155,8 +156,8 @@ said = {}
 try:
     with Client(ENDPOINT) as client:
         said["allowed"] = client.allowed_devices
-        said["listed"] = client.run(Request("devices", {}, lambda result, _: result["allowed_devices"]))
-        said["count"] = client.run(Request("device_count", {}, lambda result, _: result["allowed_devices"]))
+        said["listed"] = client.run(Request(ops.Devices(), lambda result, _: result["allowed_devices"]))
+        said["count"] = client.run(Request(ops.DeviceCount(), lambda result, _: result["allowed_devices"]))
         client.free(client.alloc(4096, device=client.allowed_devices[0]))
 except CuctxError as error:
     said["error"] = f"{error.name} {error.message}"
