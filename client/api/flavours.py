@@ -9,9 +9,10 @@ method that returns ``await self.run(...)``. Nothing else differs.
 
 mypy sees each method with the definition's own parameters and answer, the family's classes put in for its
 type variables (``Client.alloc(...) -> Buffer``, ``AsyncClient.alloc(...) -> Coroutine[..., AsyncBuffer]``),
-through the descriptors' ``__get__``; at run time the method is a plain function made once per class, whose
-``__signature__`` (what ``help`` and :func:`inspect.signature` show) is the definition's, with ``self`` for
-the client and the family's class names for its type variables.
+through the descriptors' ``__get__``. At run time the class holds a plain function instead (put there when the
+class is made), named after the definition, with its docstring and a ``__signature__`` (what ``help`` and
+:func:`inspect.signature` show) that is the definition's, with ``self`` for the client and the family's class
+names for its type variables.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ import inspect
 import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, fields
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from cuctxd.client.wire.build import FromWire, Plan, Request
 
 P = ParamSpec("P")
 T = TypeVar("T")
 C = TypeVar("C")
-F = TypeVar("F")
 ContextT = TypeVar("ContextT", covariant=True)
 BufferT = TypeVar("BufferT", covariant=True)
 StreamT = TypeVar("StreamT", covariant=True)
@@ -54,6 +54,9 @@ class Family(Generic[ContextT, BufferT, StreamT, EventT, ShareT, HostT]):
         return {f"{field.name.capitalize()}T": getattr(self, field.name).__name__ for field in fields(self)}
 
 
+F = TypeVar("F", bound=Family[Any, Any, Any, Any, Any, Any])
+
+
 #: ``Request[X]``, ``Plan[X]`` or ``Request[X] | Plan[X]`` as a definition's annotation says it: the X.
 _RUNS = re.compile(r"^(?:Request|Plan)\[(?P<answer>.*?)\](?: \| Plan\[(?P=answer)\])?$")
 
@@ -76,56 +79,55 @@ def _signature(definition: Callable[..., Any], family: Family[Any, Any, Any, Any
     return inspect.Signature(shown, return_annotation=_shown(inspect.signature(definition).return_annotation, names))
 
 
-def _named(method: Callable[..., Any], definition: Callable[..., Any], family: Any) -> None:
-    """Give ``method`` the definition's name and docstring, and the signature a caller sees."""
-    functools.update_wrapper(method, definition)
-    del method.__wrapped__  # type: ignore[attr-defined]  # the signature below is the one to show, not the definition's
-    method.__signature__ = _signature(definition, family)  # type: ignore[attr-defined]
+class _Method:
+    """What both descriptors hold: the method made from a definition, named after it and the class it is in."""
+
+    def __init__(self, method: Callable[..., Any], definition: Callable[..., Any],
+                 family: Family[Any, Any, Any, Any, Any, Any]) -> None:
+        functools.update_wrapper(method, definition)  # its name, its docstring, __wrapped__: the definition
+        method.__signature__ = _signature(definition, family)  # type: ignore[attr-defined]  # what help() shows
+        self.method = method
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        """Put the method itself in the class: an access then costs what a hand-written method's does."""
+        self.method.__qualname__ = f"{owner.__qualname__}.{name}"
+        self.method.__module__ = owner.__module__
+        setattr(owner, name, self.method)
 
 
-class SyncCall(Generic[C, P, T]):
+class SyncCall(_Method, Generic[C, P, T]):
     """A call of the sync client: runs the definition's request or plan with ``self.run`` and returns the answer."""
 
     def __init__(self, definition: Callable[Concatenate[C, F, P], Request[T] | Plan[T]], family: F) -> None:
         def method(client: Any, /, *args: Any, **kwargs: Any) -> Any:
             return client.run(definition(client, family, *args, **kwargs))
 
-        _named(method, definition, family)
-        self.method = method
+        super().__init__(method, definition, family)
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.method.__qualname__ = f"{owner.__qualname__}.{name}"
-        self.method.__module__ = owner.__module__
+    if TYPE_CHECKING:  # what mypy sees of the method the class holds
+        @overload
+        def __get__(self, client: None, owner: type) -> Callable[Concatenate[C, P], T]: ...
 
-    @overload
-    def __get__(self, client: None, owner: type) -> Callable[Concatenate[C, P], T]: ...
+        @overload
+        def __get__(self, client: C, owner: type) -> Callable[P, T]: ...
 
-    @overload
-    def __get__(self, client: C, owner: type) -> Callable[P, T]: ...
-
-    def __get__(self, client: Any, owner: type) -> Any:
-        return self.method.__get__(client, owner)
+        def __get__(self, client: Any, owner: type) -> Any: ...
 
 
-class AsyncCall(Generic[C, P, T]):
+class AsyncCall(_Method, Generic[C, P, T]):
     """A call of the async client: a coroutine that awaits ``self.run`` with the definition's request or plan."""
 
     def __init__(self, definition: Callable[Concatenate[C, F, P], Request[T] | Plan[T]], family: F) -> None:
         async def method(client: Any, /, *args: Any, **kwargs: Any) -> Any:
             return await client.run(definition(client, family, *args, **kwargs))
 
-        _named(method, definition, family)
-        self.method = method
+        super().__init__(method, definition, family)
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.method.__qualname__ = f"{owner.__qualname__}.{name}"
-        self.method.__module__ = owner.__module__
+    if TYPE_CHECKING:  # what mypy sees of the method the class holds
+        @overload
+        def __get__(self, client: None, owner: type) -> Callable[Concatenate[C, P], Coroutine[Any, Any, T]]: ...
 
-    @overload
-    def __get__(self, client: None, owner: type) -> Callable[Concatenate[C, P], Coroutine[Any, Any, T]]: ...
+        @overload
+        def __get__(self, client: C, owner: type) -> Callable[P, Coroutine[Any, Any, T]]: ...
 
-    @overload
-    def __get__(self, client: C, owner: type) -> Callable[P, Coroutine[Any, Any, T]]: ...
-
-    def __get__(self, client: Any, owner: type) -> Any:
-        return self.method.__get__(client, owner)
+        def __get__(self, client: Any, owner: type) -> Any: ...
