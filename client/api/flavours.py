@@ -29,6 +29,8 @@ from cuctxd.client.wire.build import FromWire, Plan, Request
 P = ParamSpec("P")
 T = TypeVar("T")
 C = TypeVar("C")
+# Covariant, so that a definition names the classes it does not use ``object``; the definitions' own type
+# variables (calls.py: same names, bound to each kind's base) cannot be covariant, being parameters' types.
 ContextT = TypeVar("ContextT", covariant=True)
 BufferT = TypeVar("BufferT", covariant=True)
 StreamT = TypeVar("StreamT", covariant=True)
