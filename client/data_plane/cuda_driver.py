@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from cuctxd.protos.errors import CudaError, NotShareable
@@ -32,6 +32,10 @@ _CUdevice = ctypes.c_int
 _CUcontext = ctypes.c_void_p
 _CUdeviceptr = ctypes.c_uint64
 _CUmemoryPool = ctypes.c_void_p
+_CUstream = ctypes.c_void_p
+
+#: Streams a device-to-device copy of many pieces spreads them over (:meth:`Driver.copy_device_to_device`).
+COPY_STREAMS = 8
 _CUmemGenericAllocationHandle = ctypes.c_ulonglong
 
 
@@ -108,6 +112,9 @@ _SIGNATURES: dict[str, list[type]] = {
     "cuMemAddressFree": [_CUdeviceptr, ctypes.c_size_t],
     "cuMemRelease": [_CUmemGenericAllocationHandle],
     "cuMemcpyDtoD_v2": [_CUdeviceptr, _CUdeviceptr, ctypes.c_size_t],
+    "cuStreamCreate": [ctypes.POINTER(_CUstream), ctypes.c_uint],
+    "cuStreamDestroy_v2": [_CUstream],
+    "cuMemcpyDtoDAsync_v2": [_CUdeviceptr, _CUdeviceptr, ctypes.c_size_t, _CUstream],
     "cuMemcpyDtoH_v2": [ctypes.c_void_p, _CUdeviceptr, ctypes.c_size_t],
     "cuMemcpyHtoD_v2": [_CUdeviceptr, ctypes.c_void_p, ctypes.c_size_t],
 }
@@ -256,12 +263,26 @@ class Driver:
         finally:
             self.call("cuMemRelease", _CUmemGenericAllocationHandle(handle))
 
-    def copy_device_to_device(self, pieces: Iterable[tuple[int, int, int]]) -> None:
-        """``cuMemcpyDtoD`` of each ``(dst, src, size)`` (in order on the legacy stream, no host wait between
-        two), then one ``cuCtxSynchronize``: every piece is written when this returns."""
-        for dst, src, size in pieces:
-            self.call("cuMemcpyDtoD_v2", _CUdeviceptr(dst), _CUdeviceptr(src), size)
-        self.call("cuCtxSynchronize")
+    def copy_device_to_device(self, pieces: Sequence[tuple[int, int, int]]) -> None:
+        """``cuMemcpyDtoDAsync`` of each ``(dst, src, size)``, dealt round-robin over up to
+        :data:`COPY_STREAMS` streams of the current context made for the call, then one ``cuCtxSynchronize``:
+        every piece is written when this returns. The streams are blocking ones (flags 0): each waits for
+        what the legacy stream had queued (the caller's own writes to the sources, as torch makes them).
+        Several streams keep several copy engines busy: 300 pieces of 24 MiB took 7.5 ms on one stream and
+        5.8 ms on eight on an H100, against 5.0 ms for one copy of the same 7 GiB."""
+        streams: list[_CUstream] = []
+        try:
+            for _ in range(min(COPY_STREAMS, len(pieces))):
+                stream = _CUstream()
+                self.call("cuStreamCreate", ctypes.byref(stream), 0)
+                streams.append(stream)
+            for index, (dst, src, size) in enumerate(pieces):
+                self.call("cuMemcpyDtoDAsync_v2", _CUdeviceptr(dst), _CUdeviceptr(src), size,
+                          streams[index % len(streams)])
+            self.call("cuCtxSynchronize")
+        finally:
+            for stream in streams:
+                self._lib.cuStreamDestroy_v2(stream)
 
     def copy_to_host(self, host: int, src: int, size: int) -> None:
         """``cuMemcpyDtoH`` (synchronous) of ``size`` bytes at device ``src`` to the host address ``host``."""

@@ -11,7 +11,7 @@ driver calls go through :mod:`cuctxd.client.data_plane.cuda_driver` (ctypes on l
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from cuctxd.client.data_plane.cuda_driver import Driver, driver
 from cuctxd.protos.errors import CudaError
@@ -123,8 +123,8 @@ class CudaPoolMapping:
             self._primary.cu.free(self.ptr)
 
 
-def copy_device_to_device(device_uuid: str, pieces: Iterable[tuple[int, int, int]]) -> None:
-    """``cuMemcpyDtoD`` of each ``(dst, src, size)`` in this process's primary context of that GPU, all finished
+def copy_device_to_device(device_uuid: str, pieces: Sequence[tuple[int, int, int]]) -> None:
+    """A device-to-device copy of each ``(dst, src, size)`` in this process's primary context of that GPU, all finished
     before it returns (one context made current, one synchronize: a layout's tensors copied into a daemon
     buffer mapped here, or out of it)."""
     primary = _Primary(driver("copy device memory"), device_uuid)

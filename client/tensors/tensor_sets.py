@@ -467,6 +467,10 @@ def _open_layout(client: Client, name: str, descriptor: ShareDescriptor, writabl
         raise BadArgument(f"{name!r} was published read-only: open it with writable=False")
     manifest = check_manifest(descriptor.manifest, descriptor.size)
     if digest is not None:
+        if manifest.digest is None and descriptor.version:  # copied device to device: the daemon is hashing it
+            client.verify_shared(name, digest, descriptor.device)
+            descriptor = client.lookup(name, device=descriptor.device, version=descriptor.version)
+            manifest = check_manifest(descriptor.manifest or b"", descriptor.size)
         if manifest.digest != digest:
             raise DigestMismatch(f"{name!r} holds {manifest.digest or 'a layout without a digest'}, not the "
                                  f"required {digest}")

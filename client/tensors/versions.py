@@ -35,7 +35,8 @@ def publish_version(client: Client, name: str, tensors: Any, metadata: Mapping[s
     through the data plane, hashed meanwhile. The version becomes current in one step once all of it is
     written; until then, and if this process dies on the way, the previous version stays current and the new
     buffer is freed with the session. The daemon then keeps the version by its name (this session lets go of
-    the buffer), persistent, with a digest of its own where every tensor came from host memory."""
+    the buffer), persistent, with a digest of its own: hashed here where every tensor came from host memory,
+    else found by the daemon from the device once it is published (PROTOCOL.md, section 9, "Digests")."""
     published = publish_tensors(client, name, _publishable(tensors), metadata, device=device, progress=progress,
                                 read_only=read_only, digest=digest, version=True)
     return published.version

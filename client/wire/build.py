@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from cuctxd.protos.errors import TimedOut, TooLarge
+from cuctxd.protos.layouts import stated_digest
 from cuctxd.protos.limits import MAX_VERSION_WAIT_MS
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 from cuctxd.protos.version import PROTOCOL_VERSION
@@ -515,9 +516,12 @@ def verify_shared(name: str, digest: str, device: int) -> Request[dict[str, Any]
 
 def lookup_verified(name: str, digest: str, device: int | None = None) -> Plan[ShareDescriptor]:
     """The descriptor published as ``name`` (its copy on ``device``), once the daemon vouched that its layout has
-    ``digest`` (:func:`verify_shared`; ``CUCTXD_ERROR_DIGEST_MISMATCH`` otherwise)."""
+    ``digest`` (:func:`verify_shared`; ``CUCTXD_ERROR_DIGEST_MISMATCH`` otherwise); a version the daemon was
+    finding the digest of, looked up again once found."""
     descriptor: ShareDescriptor = yield lookup(name, device)
     yield verify_shared(name, digest, descriptor.device)
+    if descriptor.version and stated_digest(descriptor.manifest or b"") is None:  # its digest came meanwhile
+        descriptor = yield lookup(name, descriptor.device, descriptor.version)
     return descriptor
 
 

@@ -7,6 +7,11 @@ the daemon hashes the layout's bytes as the client does when it publishes (:mod:
 each tensor cut into 2 MiB leaves from its first byte) and remembers the verdict with the name
 (:meth:`~cuctxd.daemon.registry.shares.ShareRegistry.vouch`); later reliances read it.
 
+A version of a name published without a digest (its tensors copied device to device, which no host hashed)
+gets one from the daemon: :meth:`DigestChecks.compute` hashes it the same way once it is published, and the
+version carries the digests from then on (:meth:`~cuctxd.daemon.registry.shares.ShareRegistry.digested`),
+vouched for by the daemon; a reliance on it meanwhile waits for that result.
+
 How, without holding up the device's other sessions: the leaves are grouped into chunks of at most
 :data:`CHUNK_BYTES` of the buffer; each chunk is copied (``cuMemcpyDtoHAsync`` on a stream of the share's
 context) into a free slot of a ring of :data:`SLOTS` page-locked staging buffers, and once its event has
@@ -22,6 +27,7 @@ and wake the worker through its doorbell when they are done.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import deque
@@ -96,20 +102,31 @@ def hash_chunk(view: memoryview, chunk: Chunk) -> list[bytes]:
 @dataclass(eq=False)
 class DigestCheck:
     """One layout's check: the name and what it was published with, the share, and once ``finished``, the verdict
-    (``matched``) or the failure (``error``) that every request waiting for it gets."""
+    (``matched``) or the failure (``error``) that every request waiting for it gets. ``computed``: a check that
+    finds the digest of a version published without one (:meth:`DigestChecks.compute`); once finished, its
+    ``naming`` with the digests found."""
 
     share: Share
     name: str
     naming: Naming
     owner: SessionRef
+    computes: bool = False
     finished: bool = False
     matched: bool = False
     error: CuctxError | None = None
+    computed: Naming | None = None
 
-    def outcome(self) -> str:
-        """``"daemon"`` for a digest the bytes bear out; else raises the check's failure or its mismatch."""
+    def outcome(self, digest: str) -> str:
+        """``"daemon"`` for ``digest`` where the bytes bear it out; else raises the check's failure or its
+        mismatch."""
         if self.error is not None:
             raise self.error
+        if self.computes:
+            found = None if self.computed is None else self.computed.digest
+            if found != digest:
+                raise DigestMismatch(f"{self.name!r} holds {found or 'a layout without a digest'} (the daemon hashed "
+                                     f"its bytes), not the required {digest}")
+            return "daemon"
         if not self.matched:
             raise mismatch(self.name, self.naming, self.owner)
         return "daemon"
@@ -145,7 +162,7 @@ class _Run:
     slots: list[_Slot] = field(default_factory=list)
     #: The leaves' digests so far, by tensor index: ``(offset in the buffer, digest)`` each.
     by_tensor: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
-    summing: Future[str] | None = None
+    summing: Future[Manifest] | None = None
 
 
 def _plan(manifest: bytes, size: int) -> tuple[Manifest, list[Chunk]]:
@@ -154,12 +171,13 @@ def _plan(manifest: bytes, size: int) -> tuple[Manifest, list[Chunk]]:
     return decoded, plan_chunks(decoded)
 
 
-def _layout_of(manifest: Manifest, by_tensor: dict[int, list[tuple[int, bytes]]]) -> str:
-    """The layout digest of the leaves' digests (a helper thread)."""
+def _layout_of(manifest: Manifest, by_tensor: dict[int, list[tuple[int, bytes]]]) -> Manifest:
+    """The manifest with each tensor's digest, of its leaves' digests, and the layout's (a helper thread)."""
     found = [digests.from_leaves(leaf for _, leaf in sorted(by_tensor.get(index, [])))
              for index in range(len(manifest.tensors))]
-    return digests.layout_digest((t.name, t.dtype, t.shape, digest)
-                                 for t, digest in zip(manifest.tensors, found, strict=True))
+    return Manifest.digested(tuple(dataclasses.replace(tensor, digest=digest)
+                                   for tensor, digest in zip(manifest.tensors, found, strict=True)),
+                             manifest.metadata)
 
 
 class DigestChecks:
@@ -182,6 +200,8 @@ class DigestChecks:
         #: Checks finished (``checked``), those whose bytes differed (``mismatches``), and bytes hashed.
         self.checked = 0
         self.mismatches = 0
+        #: Versions published without a digest that carry the daemon's now.
+        self.computed = 0
         self.bytes_hashed = 0
         #: Wakes the worker when a helper finished a chunk (set by the worker; any thread may call it), so the
         #: next chunk is copied at once instead of at the worker's next poll of its pending work.
@@ -193,6 +213,9 @@ class DigestChecks:
         :class:`NotFound` (no such name on this device) or :class:`DigestMismatch` (another digest, or bytes
         found to differ)."""
         share_id, naming, owner, vouched = self.registry.relied_on(name, self.device)
+        computing = self._open.get((share_id, name, naming)) if naming.digest is None else None
+        if computing is not None:
+            return computing
         if naming.digest != digest:
             raise DigestMismatch(f"{name!r} holds {naming.digest or 'a layout without a digest'}, not the "
                                  f"required {digest}")
@@ -214,6 +237,20 @@ class DigestChecks:
         self.queued.append(check)
         return check
 
+    def compute(self, share: Share, name: str, naming: Naming, owner: SessionRef) -> None:
+        """Find the digest of version ``share`` of ``name``, published with ``naming`` (a manifest, no digest),
+        in the background: the worker moves it on while :meth:`busy`; the version carries it once found."""
+        key = (share.share_id, name, naming)
+        if key in self._open:
+            return
+        check = self._open[key] = DigestCheck(share, name, naming, owner, computes=True)
+        share.checks += 1
+        self.queued.append(check)
+
+    def busy(self) -> bool:
+        """Whether a check runs or waits: the worker moves them on between requests."""
+        return self.running is not None or bool(self.queued)
+
     def poll(self, check: DigestCheck) -> bool:
         """Move the checks on (copies issued, events queried, hashes collected); whether ``check`` finished."""
         if not check.finished:
@@ -228,6 +265,10 @@ class DigestChecks:
         if run is None:
             return
         check = run.check
+        share = check.share
+        if check.computes and not (share.owner_present or share.holders or share.names or share.retained):
+            self._end(run, error=NotFound(f"the version of {check.name!r} was freed before its digest was found"))
+            return  # its last holder let go: nobody can rely on its digest, and it keeps no memory for one
         try:
             if run.manifest is None and not self._planned(run):
                 return
@@ -269,8 +310,9 @@ class DigestChecks:
         self.current.activate(run.check.share.context)
         run.stream = self.driver.stream_create(non_blocking=True)
         run.slots.append(_Slot(self.driver.mem_alloc_host(CHUNK_BYTES), self.driver.event_create(False)))
-        log.info("device %d: checking the digest of %r (%d bytes in %d chunks) for a session of another uid",
-                 self.device, run.check.name, sum(chunk.size for chunk in chunks), len(chunks))
+        log.info("device %d: %s of %r (%d bytes in %d chunks)", self.device,
+                 "finding the digest" if run.check.computes else "checking the digest for a session of another uid",
+                 run.check.name, sum(chunk.size for chunk in chunks), len(chunks))
         return True
 
     def _step(self, run: _Run, slot: _Slot) -> None:
@@ -301,7 +343,13 @@ class DigestChecks:
             run.summing = self._helper(run.hashers, _layout_of, run.manifest, run.by_tensor)
         if not run.summing.done():
             return
-        matched = run.summing.result() == run.check.naming.digest
+        found = run.summing.result()
+        check = run.check
+        if check.computes:
+            check.computed = Naming(found.pack(), len(found.tensors), check.naming.read_only, found.digest)
+            self._end(run, matched=True)
+            return
+        matched = found.digest == check.naming.digest
         if not matched:
             owner = run.check.owner
             log.warning("device %d: the digest of %r does not match its bytes: its publisher, session %d (%r, uid "
@@ -331,15 +379,21 @@ class DigestChecks:
     def _finish(self, check: DigestCheck, *, matched: bool = False, error: CuctxError | None = None) -> None:
         check.finished, check.matched, check.error = True, matched, error
         self._open.pop((check.share.share_id, check.name, check.naming), None)
-        if error is None:
+        if error is None and check.computed is not None:
+            self.computed += self.registry.digested(check.name, check.share.share_id, check.naming, check.computed)
+        elif error is None:
             self.checked += 1
             self.mismatches += not matched
             self.registry.vouch(check.name, check.share.share_id, check.naming, matched)
+        elif check.computes and not isinstance(error, NotFound):
+            log.warning("device %d: the digest of %r could not be found: %s", self.device, check.name, error)
         check.share.checks -= 1
         self.settle(check.share)
 
     def status(self) -> dict[str, Any]:
-        """For ``status``: checks done, mismatches found, bytes hashed, and what runs or waits now."""
-        return {"checked": self.checked, "mismatches": self.mismatches, "bytes_hashed": self.bytes_hashed,
+        """For ``status``: checks done, mismatches found, digests found, bytes hashed, and what runs or waits
+        now."""
+        return {"checked": self.checked, "mismatches": self.mismatches, "computed": self.computed,
+                "bytes_hashed": self.bytes_hashed,
                 "running": None if self.running is None else self.running.check.name, "queued": len(self.queued),
                 "staging_bytes": 0 if self.running is None else len(self.running.slots) * CHUNK_BYTES}

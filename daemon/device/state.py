@@ -38,7 +38,7 @@ from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.digest_checks import DigestChecks
-from cuctxd.daemon.device.entries import DeviceLimits, SessionContext, SessionOnDevice
+from cuctxd.daemon.device.entries import DeviceLimits, SessionContext, SessionOnDevice, Share
 from cuctxd.daemon.device.host import HostBuffers
 from cuctxd.daemon.device.memory import Memory
 from cuctxd.daemon.device.parking import DeviceParking
@@ -97,6 +97,14 @@ class DeviceState:
         self.worker_thread: threading.Thread | None = None
         #: Closes of sessions already gone from :attr:`sessions` with objects left to free, oldest first.
         self.closing: deque[Iterator[None]] = deque()
+
+    def find_version_digests(self, share: Share) -> None:
+        """The versions ``share`` holds that carry no digest (copied device to device, hashed by no host) get the
+        daemon's, found in the background (:meth:`DigestChecks.compute`): when published, and when re-adopted
+        after a restart (parked records keep the manifest it was published with)."""
+        for name, _, naming, _ in self.registry.versions_of(share):
+            if naming.tensors and naming.digest is None:
+                self.digest_checks.compute(share, name, naming, share.owner)
 
     def session(self, ref: SessionRef) -> SessionOnDevice:
         """The session's state here, made empty on its first request to this device."""

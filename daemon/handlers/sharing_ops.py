@@ -92,6 +92,8 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
         state.sharing.forget_name(name, share.share_id)
         raise
     version = state.registry.version_of(name, share.share_id) if job.args.version else 0
+    if version:
+        state.find_version_digests(share)
     written = _when_written(state, share.context, _share_reply({**share.descriptor.to_wire(), "name": name,
                                                                 "read_only": job.args.read_only, "version": version}))
     if job.args.version:
@@ -182,7 +184,7 @@ def verify_shared(state: DeviceState, job: Job) -> Reply | Pending:
         return Reply({"digest": digest, "verified": found, "hashed": False})
     checks = state.digest_checks
     return Pending(lambda: checks.poll(found),
-                   lambda: Reply({"digest": digest, "verified": found.outcome(), "hashed": True}))
+                   lambda: Reply({"digest": digest, "verified": found.outcome(digest), "hashed": True}))
 
 
 @device_handler(ops.Revoke)

@@ -584,6 +584,34 @@ class ShareRegistry:
             if is_copy and self._namings.get(name, PLAIN) == naming:
                 self._vouched[(name, share_id)] = matched
 
+    def digested(self, name: str, share_id: str, naming: Naming, computed: Naming) -> bool:
+        """The daemon hashed version ``share_id`` of ``name``, published with ``naming`` (no digest), into
+        ``computed`` (its manifest with each tensor's digest and the layout's): the version carries it from now
+        on, vouched for by the daemon. False, and nothing changes, where that version is gone or carries
+        another naming now, or where the longer manifest would pass the publisher's
+        ``max_manifest_bytes_per_*`` (it stays without a digest)."""
+        with self._lock:
+            number = next((n for named, n, known, _ in self.versions.of_share(share_id)
+                           if named == name and known == naming), 0)
+            if not number:
+                return False
+            if self._names.get(name) == share_id and self._namings.get(name, PLAIN) == naming:
+                owner = self._shares[share_id].owner
+                grown = computed.charged(name) - naming.charged(name)
+                try:
+                    _check_name_room("max_manifest_bytes_per_session", self.limits.max_manifest_bytes_per_session,
+                                     self._name_bytes_by_session.get(owner.token, 0), grown, "its session has")
+                    _check_name_room("max_manifest_bytes_per_uid", self.limits.max_manifest_bytes_per_uid,
+                                     self._name_bytes_by_uid.get(owner.uid, 0), grown, "its uid has")
+                except LimitExceeded:
+                    return False
+                self._name_bytes_by_session[owner.token] = self._name_bytes_by_session.get(owner.token, 0) + grown
+                self._name_bytes_by_uid[owner.uid] = self._name_bytes_by_uid.get(owner.uid, 0) + grown
+                self._namings[name] = computed
+            self.versions.renamed(name, number, computed)
+            self._vouched[(name, share_id)] = True
+            return True
+
     def page(self, which: NameFilter, limit: int) -> tuple[list[dict[str, Any]], bool, int]:
         """Up to ``limit`` of the names ``which`` selects, in code point order, as ``list_shared`` lists them;
         whether more follow; and how many names are published daemon-wide. O(log n + limit) under the lock."""

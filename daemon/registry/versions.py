@@ -63,6 +63,11 @@ class VersionBook(Generic[N]):
         entry = self._names.get(name)
         return None if entry is None else entry.live.get(number)
 
+    def renamed(self, name: str, number: int, naming: N) -> None:
+        """Live version ``number`` of ``name`` carries ``naming`` from now on (its digest, computed by the daemon)."""
+        share_id, _ = self._names[name].live[number]
+        self._names[name].live[number] = (share_id, naming)
+
     def of_share(self, share_id: str) -> list[tuple[str, int, N, bool]]:
         """Each (name, number, naming, current) version ``share_id`` holds, in name order."""
         found = []

@@ -90,7 +90,11 @@ def _adoption(record: ParkedShare, fd: int, results: list[bool],
 
     def adopt(state: DeviceState) -> None:
         try:
-            results.append(state.parking.adopt(record, fd))
+            adopted = state.parking.adopt(record, fd)
+            results.append(adopted)
+            share = state.sharing.shares.get(record.share_id) if adopted else None
+            if share is not None:
+                state.find_version_digests(share)
         finally:
             os.close(fd)
             done.set()

@@ -211,10 +211,11 @@ class DeviceWorker:
         closing = self.state.closing
         idle_polls = 0
         queues = runner.queues
+        checks = self.state.digest_checks
         while True:
             if closing:  # a session's close goes on between requests: look for work, never wait
                 ready = self._poller.poll(0)
-            elif runner.pending:
+            elif runner.pending or checks.busy():
                 # Poll soon after new work, then back off to at most 1 ms between queries; within the
                 # busy-poll window, without sleeping (a request meanwhile is taken at once).
                 if time.perf_counter() < self._busy_until:
@@ -242,6 +243,8 @@ class DeviceWorker:
                     return
             if runner.pending:
                 runner.poll_pending()
+            if checks.busy():  # a digest found in the background (a version's), between requests
+                checks.advance()
             if closing:
                 runner.run_quietly(DeviceState.close_more)
             elif self._busy_poll and any(source != self._doorbell for source, _ in ready):

@@ -68,3 +68,25 @@ with Client(ENDPOINT) as c:
     c.unpublish("gpu-policy")
 """, cuda_daemon.endpoint)
     assert "current 3 " in out, out
+
+
+def test_a_version_copied_device_to_device_gets_the_digest_its_bytes_have_from_the_daemon(
+        cuda_daemon: DaemonProcess) -> None:
+    out = run_client("""
+import torch
+from cuctxd import Client
+from cuctxd.client.tensors import open_tensors, publish_version
+from cuctxd.protos import digests
+torch.manual_seed(0)
+state = {f"layer{i}": torch.randn(1 << 20, dtype=torch.bfloat16, device="cuda") for i in range(24)}  # 48 MiB
+expected = digests.layout_digest((name, "bfloat16", (1 << 20,), digests.tensor_digest(
+    memoryview(tensor.cpu().view(torch.uint8).numpy()))) for name, tensor in state.items())
+with Client(ENDPOINT) as c:
+    print("published", publish_version(c, "gpu-digest", state, digest=False), c.lookup("gpu-digest").mechanism)
+    with open_tensors(c, "gpu-digest", digest=expected) as opened:  # waits for the daemon's hashing
+        print("digest", opened.digest == expected, opened.version)
+    checks = c.status()["devices"][0]["digest_checks"]
+    print("computed", checks["computed"], checks["bytes_hashed"] >= 48 << 20)
+    c.unpublish("gpu-digest")
+""", cuda_daemon.endpoint, timeout=240)
+    assert "published 1 vmm" in out and "digest True 1" in out and "computed 1 True" in out, out

@@ -4,6 +4,7 @@ share alive until it ends, and a verdict is read, not hashed again."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -116,11 +117,21 @@ def finish(outcome: Reply | Pending) -> dict[str, Any]:
     return outcome.result
 
 
-def publish(state: DeviceState, ref: SessionRef, name: str, data: bytes, manifest: Manifest) -> int:
+def publish(state: DeviceState, ref: SessionRef, name: str, data: bytes, manifest: Manifest, **flags: Any) -> int:
     handle = finish(start(state, ref, "alloc", size=len(data), shareable=True))["buffer"]["handle"]
     finish(start(state, ref, "write", (data,), buffer=handle, offset=0))
-    finish(start(state, ref, "publish", buffer=handle, name=name, manifest=manifest.pack()))
+    finish(start(state, ref, "publish", buffer=handle, name=name, manifest=manifest.pack(), **flags))
     return int(handle)
+
+
+def undigested(manifest: Manifest) -> Manifest:
+    """The manifest as a publisher that hashed nothing states it."""
+    return Manifest(tuple(dataclasses.replace(tensor, digest=None) for tensor in manifest.tensors), manifest.metadata)
+
+
+def background(state: DeviceState) -> None:
+    """Move the device's background checks on, as its worker does between requests, until none is left."""
+    assert wait_until(lambda: state.digest_checks.advance() or not state.digest_checks.busy(), timeout=10)
 
 
 def test_a_check_vouches_once_and_a_forgery_is_remembered(state: DeviceState) -> None:
@@ -137,8 +148,9 @@ def test_a_check_vouches_once_and_a_forgery_is_remembered(state: DeviceState) ->
     for _ in range(2):  # hashed once, then the verdict
         with pytest.raises(DigestMismatch, match=r"session .* uid 1000"):
             finish(start(state, other, "verify_shared", name="forged", digest=digest))
-    assert state.digest_checks.status() == {"checked": 2, "mismatches": 1, "bytes_hashed": 2 * sum(SIZES),
-                                            "running": None, "queued": 0, "staging_bytes": 0}
+    assert state.digest_checks.status() == {"checked": 2, "mismatches": 1, "computed": 0,
+                                            "bytes_hashed": 2 * sum(SIZES), "running": None, "queued": 0,
+                                            "staging_bytes": 0}
     assert [(s["name"], s["verified"]) for s in state.registry.page(NameFilter(), 10)[0]] == [("forged", "mismatch"),
                                                                                ("real", "daemon")]
 
@@ -167,3 +179,42 @@ def test_a_name_gone_before_its_check_starts_is_not_found(state: DeviceState) ->
     publish(state, new_ref(uid=1), "small", data, manifest)
     with pytest.raises(DigestMismatch, match="not the required"):
         start(state, new_ref(uid=2), "verify_shared", name="small", digest="xxh3-128:" + "1" * 32)
+
+
+def test_a_version_without_a_digest_gets_the_one_the_daemon_finds_and_a_reliance_waits_for_it(
+        state: DeviceState) -> None:
+    data, manifest = layout(SIZES, seed=3)
+    publisher, other = new_ref(uid=1000), new_ref(uid=2000)
+    publish(state, publisher, "policy", data, undigested(manifest), version=True)
+    assert state.digest_checks.busy()
+    pending = start(state, other, "verify_shared", name="policy", digest=manifest.digest)
+    assert isinstance(pending, Pending)
+    assert finish(pending) == {"digest": manifest.digest, "verified": "daemon", "hashed": True}
+    descriptor = state.registry.lookup("policy")
+    assert descriptor.manifest == manifest.pack() and descriptor.version == 1  # each tensor's digest, the layout's
+    assert state.digest_checks.status()["computed"] == 1
+    assert [(s["digest"], s["verified"]) for s in state.registry.page(NameFilter(), 10)[0]] == [
+        (manifest.digest, "daemon")]
+    with pytest.raises(DigestMismatch, match="not the required"):
+        start(state, other, "verify_shared", name="policy", digest="xxh3-128:" + "2" * 32)
+
+
+def test_a_version_with_a_digest_or_a_plain_name_is_not_hashed(state: DeviceState) -> None:
+    data, manifest = layout([3 * LEAF], seed=4)
+    publish(state, new_ref(uid=1), "stated", data, manifest, version=True)
+    publish(state, new_ref(uid=1), "plain", data, undigested(manifest))
+    assert not state.digest_checks.busy()
+
+
+def test_a_version_freed_while_it_is_hashed_is_given_up_and_nothing_is_recorded(state: DeviceState) -> None:
+    data, manifest = layout([40 * LEAF], seed=5)
+    publisher = new_ref(uid=1000)
+    publish(state, publisher, "gone", data, undigested(manifest), version=True)
+    share_id = state.registry.lookup("gone").share_id
+    state.digest_checks.advance()  # planning starts on a helper
+    ((unpublished, _),) = state.registry.unpublish("gone", publisher)
+    assert unpublished == share_id
+    state.sharing.forget_name("gone", share_id)
+    assert share_id in state.sharing.shares, "freed under the running check's copies"
+    background(state)
+    assert share_id not in state.sharing.shares and state.digest_checks.status()["computed"] == 0
