@@ -1,7 +1,9 @@
 """The asyncio client: :class:`AsyncClient`, the :class:`~cuctxd.client.api.client.Client` API as coroutines.
 
 Every method of :class:`~cuctxd.client.api.client.Client` is here under the same name and
-arguments as a coroutine (``await client.alloc(n)``), and the objects it returns
+arguments as a coroutine (``await client.alloc(n)``): each call is defined once for both
+(:mod:`cuctxd.client.api.calls`), and :class:`~cuctxd.client.api.flavours.AsyncCall` makes it a
+coroutine here that awaits :meth:`AsyncClient.run`. The objects it returns
 (:class:`~cuctxd.client.api.objects.AsyncBuffer`, :class:`~cuctxd.client.api.objects.AsyncContext`,
 :class:`~cuctxd.client.api.streams.AsyncStream`, :class:`~cuctxd.client.api.streams.AsyncEvent`,
 :class:`~cuctxd.client.api.sharing.AsyncOpenedShare`) have coroutine methods too. The
@@ -21,22 +23,22 @@ the loop runs.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Generator
 from typing import Any, TypeVar
 
+from cuctxd.client.api import calls
 from cuctxd.client.api.client import HELLO_TIMEOUT, Client
+from cuctxd.client.api.flavours import AsyncCall, Family
 from cuctxd.client.api.objects import AsyncBuffer, AsyncContext
 from cuctxd.client.api.pipeline import AsyncPipeline, raise_first
-from cuctxd.client.api.sharing import AsyncOpenedShare, open_share
+from cuctxd.client.api.sharing import AsyncOpenedShare
 from cuctxd.client.api.streams import AsyncEvent, AsyncStream
-from cuctxd.client.data_plane import transfers
-from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer, host_alloc
+from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer
 from cuctxd.client.data_plane.plane import DataPlane
 from cuctxd.client.presentation import docs_from
 from cuctxd.client.wire import build
 from cuctxd.client.wire.async_socket_transport import AsyncTransport
-from cuctxd.client.wire.build import Batch, Local, Plan, Request, Run, Send, SharedPage, Step, Wait
+from cuctxd.client.wire.build import Batch, Local, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.wire.lease import AsyncHeartbeat
 from cuctxd.client.wire.routes import MAIN, Route, Router
 from cuctxd.client.wire.session import SessionState
@@ -44,9 +46,12 @@ from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, curve_keys, 
 from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, DaemonWatch, no_access, no_daemon, someone_listens
 from cuctxd.protos.endpoints import client_endpoint
 from cuctxd.protos.errors import ConnectionLost, CuctxError, NoDaemon, SessionClosed, UnknownSession
-from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 T = TypeVar("T")
+
+#: The classes the async client's calls build.
+FAMILY = Family(context=AsyncContext, buffer=AsyncBuffer, stream=AsyncStream, event=AsyncEvent,
+                share=AsyncOpenedShare, host=AsyncHostBuffer)
 
 
 @docs_from(Client)
@@ -60,8 +65,6 @@ class AsyncClient(SessionState):
     :class:`~cuctxd.protos.errors.SessionLost` (``await client.reconnect()``).
     """
 
-    #: What ``host_alloc`` (and a staging ring) makes.
-    host_buffer_kind = AsyncHostBuffer
     #: The data plane, when the daemon offers this process an fd channel.
     _plane: DataPlane | None = None
     #: Whether the daemon of the session is still there: shared by all its transports.
@@ -232,76 +235,59 @@ class AsyncClient(SessionState):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # --- daemon and devices -----------------------------------------------------------
+    # --- the calls, defined in calls.py: each awaits self.run with its request or plan ----------------------
 
-    async def ping(self) -> float:
-        start = time.perf_counter()
-        await self.run(build.ping())
-        return time.perf_counter() - start
+    # daemon and devices
+    ping = AsyncCall(calls.ping, FAMILY)
+    device_count = AsyncCall(calls.device_count, FAMILY)
+    devices = AsyncCall(calls.devices, FAMILY)
+    status = AsyncCall(calls.status, FAMILY)
+    close_session = AsyncCall(calls.close_session, FAMILY)
+    shutdown = AsyncCall(calls.shutdown, FAMILY)
+    get_device = AsyncCall(calls.get_device, FAMILY)
+    set_device = AsyncCall(calls.set_device, FAMILY)
 
-    async def device_count(self) -> int:
-        return await self.run(build.device_count())
+    # contexts
+    current_context = AsyncCall(calls.current_context, FAMILY)
+    context_stack = AsyncCall(calls.context_stack, FAMILY)
+    create_context = AsyncCall(calls.create_context, FAMILY)
+    push_context = AsyncCall(calls.push_context, FAMILY)
+    pop_context = AsyncCall(calls.pop_context, FAMILY)
+    destroy_context = AsyncCall(calls.destroy_context, FAMILY)
+    context_info = AsyncCall(calls.context_info, FAMILY)
+    synchronize = AsyncCall(calls.synchronize, FAMILY)
+    device_synchronize = AsyncCall(calls.device_synchronize, FAMILY)
 
-    async def devices(self) -> list[DeviceInfo]:
-        return await self.run(build.devices())
+    # memory
+    mem_get_info = AsyncCall(calls.mem_get_info, FAMILY)
+    memory_info = AsyncCall(calls.memory_info, FAMILY)
+    alloc = AsyncCall(calls.alloc, FAMILY)
+    free = AsyncCall(calls.free, FAMILY)
+    host_alloc = AsyncCall(calls.host_alloc, FAMILY)
+    fill = AsyncCall(calls.fill, FAMILY)
+    write = AsyncCall(calls.write, FAMILY)
+    read = AsyncCall(calls.read, FAMILY)
+    read_into = AsyncCall(calls.read_into, FAMILY)
+    copy = AsyncCall(calls.copy, FAMILY)
 
-    async def status(self) -> dict[str, Any]:
-        return await self.run(build.status())
+    # streams and events
+    create_stream = AsyncCall(calls.create_stream, FAMILY)
+    create_event = AsyncCall(calls.create_event, FAMILY)
 
-    async def close_session(self, session_id: int) -> None:
-        await self.run(build.close_session(session_id))
+    # sharing between processes
+    export = AsyncCall(calls.export, FAMILY)
+    publish = AsyncCall(calls.publish, FAMILY)
+    unpublish = AsyncCall(calls.unpublish, FAMILY)
+    lookup = AsyncCall(calls.lookup, FAMILY)
+    wait_version = AsyncCall(calls.wait_version, FAMILY)
+    verify_shared = AsyncCall(calls.verify_shared, FAMILY)
+    list_shared = AsyncCall(calls.list_shared, FAMILY)
+    shared_page = AsyncCall(calls.shared_page, FAMILY)
+    open_shared = AsyncCall(calls.open_shared, FAMILY)
+    close_shared = AsyncCall(calls.close_shared, FAMILY)
+    revoke = AsyncCall(calls.revoke, FAMILY)
 
-    async def shutdown(self) -> None:
-        await self.run(build.shutdown())
-
-    async def get_device(self) -> int:
-        return await self.run(build.get_device())
-
-    async def set_device(self, device: int) -> AsyncContext:
-        return await self.run(build.set_device(self, AsyncContext, device))
-
-    # --- contexts -------------------------------------------------------------------
-
-    async def current_context(self, device: int | None = None) -> AsyncContext | None:
-        return await self.run(build.current_context(self, AsyncContext, device))
-
-    async def context_stack(self, device: int | None = None) -> list[AsyncContext]:
-        return await self.run(build.context_stack(self, AsyncContext, device))
-
-    async def create_context(self, device: int | None = None, flags: int = 0) -> AsyncContext:
-        return await self.run(build.create_context(self, AsyncContext, device, flags))
-
-    async def push_context(self, context: AsyncContext) -> None:
-        await self.run(build.push_context(context))
-
-    async def pop_context(self, device: int | None = None) -> AsyncContext:
-        return await self.run(build.pop_context(self, AsyncContext, device))
-
-    async def destroy_context(self, context: AsyncContext) -> None:
-        await self.run(build.destroy_context(context))
-
-    async def context_info(self, context: AsyncContext) -> AsyncContext:
-        return await self.run(build.context_info(self, AsyncContext, context))
-
-    async def synchronize(self, device: int | None = None) -> None:
-        await self.run(build.synchronize(device))
-
-    async def device_synchronize(self, device: int | None = None) -> None:
-        await self.run(build.device_synchronize(device))
-
-    # --- memory ---------------------------------------------------------------------
-
-    async def mem_get_info(self, device: int | None = None) -> tuple[int, int]:
-        return await self.run(build.mem_get_info(device))
-
-    async def memory_info(self, device: int | None = None) -> dict[str, Any]:
-        return await self.run(build.memory_info(device))
-
-    async def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> AsyncBuffer:
-        return await self.run(build.alloc(self, AsyncBuffer, size, device, shareable))
-
-    async def free(self, buffer: AsyncBuffer) -> None:
-        await self.run(build.free(buffer))
+    # --- the stream-ordered outbox: queued here, sent before the next request ---------------------------
 
     async def alloc_async(self, size: int, device: int | None = None, *,
                           stream: AsyncStream | None = None) -> AsyncBuffer:
@@ -318,88 +304,3 @@ class AsyncClient(SessionState):
         if not buffer.freed:
             buffer.freed = True
             self._outbox.free(buffer.device, buffer.handle, None if stream is None else stream.handle)
-
-    async def host_alloc(self, size: int, device: int | None = None, *, reuse: bool = False) -> AsyncHostBuffer:
-        """Host memory shared with the daemon and page-locked there, for copies with ``device``'s buffers
-        (default: the current device) that carry no bytes on the socket; needs the fd channel (ipc://).
-        Counts against the session's ``host_memory_per_session``; :meth:`AsyncHostBuffer.free` gives it back.
-        ``reuse``: a buffer of the same size the daemon kept page-locked after a session of this user freed it
-        may serve (no new page-locking: 0.5 ms a MiB), its bytes as that session left them."""
-        return await self.run(host_alloc(self, AsyncHostBuffer, size, device, reuse))
-
-    async def fill(self, buffer: AsyncBuffer, value: int = 0, offset: int = 0, size: int | None = None, *,
-                   stream: AsyncStream | None = None) -> None:
-        await self.run(build.fill(buffer, value, offset, size, stream))
-
-    async def write(self, buffer: AsyncBuffer, data: Any, offset: int = 0, *,
-                    stream: AsyncStream | None = None) -> int:
-        return await self.run(transfers.write(self, buffer, data, offset, stream))
-
-    async def read(self, buffer: AsyncBuffer, size: int | None = None, offset: int = 0, *,
-                   stream: AsyncStream | None = None) -> bytes:
-        return await self.run(transfers.read(self, buffer, size, offset, stream))
-
-    async def read_into(self, buffer: AsyncBuffer, out: Any, offset: int = 0, *,
-                        stream: AsyncStream | None = None) -> int:
-        return await self.run(transfers.read_into(self, buffer, out, offset, stream))
-
-    async def copy(self, src: AsyncBuffer, dst: AsyncBuffer, size: int | None = None, src_offset: int = 0,
-                   dst_offset: int = 0, *, stream: AsyncStream | None = None) -> int:
-        return await self.run(build.copy(src, dst, size, src_offset, dst_offset, stream))
-
-    # --- streams and events -----------------------------------------------------------------
-
-    async def create_stream(self, device: int | None = None, *, non_blocking: bool = False) -> AsyncStream:
-        return await self.run(build.create_stream(self, AsyncStream, device, non_blocking))
-
-    async def create_event(self, device: int | None = None, *, timing: bool = True) -> AsyncEvent:
-        return await self.run(build.create_event(self, AsyncEvent, device, timing))
-
-    # --- sharing between processes --------------------------------------------------------
-
-    async def export(self, buffer: AsyncBuffer) -> ShareDescriptor:
-        return await self.run(build.export(buffer))
-
-    async def publish(self, buffer: AsyncBuffer, name: str, *, persistent: bool = False, once: bool = False,
-                      read_only: bool = False, replace: bool = False, version: bool = False) -> ShareDescriptor:
-        return await self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
-                                            replace=replace, version=version))
-
-    async def unpublish(self, name: str, *, device: int | None = None) -> None:
-        await self.run(build.unpublish(name, device))
-
-    async def lookup(self, name: str, *, digest: str | None = None, device: int | None = None,
-                     version: int | None = None) -> ShareDescriptor:
-        """As :meth:`cuctxd.client.api.client.Client.lookup`."""
-        return await self.run(build.lookup(name, device, version) if digest is None
-                              else build.lookup_verified(name, digest, device))
-
-    async def wait_version(self, name: str, after: int, timeout: float | None = None) -> int:
-        """As :meth:`cuctxd.client.api.client.Client.wait_version`; other calls of this client go on meanwhile."""
-        return await self.run(build.wait_version(name, after, timeout))
-
-    async def verify_shared(self, name: str, digest: str, device: int) -> dict[str, Any]:
-        """As :meth:`cuctxd.client.api.client.Client.verify_shared`."""
-        return await self.run(build.verify_shared(name, digest, device))
-
-    async def list_shared(self, *, prefix: str | None = None, owner: int | None = None,
-                          uid: int | None = None) -> list[dict[str, Any]]:
-        return await self.run(build.list_shared(prefix, owner, uid))
-
-    async def shared_page(self, *, limit: int | None = None, after: str | None = None, prefix: str | None = None,
-                          owner: int | None = None, uid: int | None = None) -> SharedPage:
-        return await self.run(build.shared_page(limit, after, prefix, owner, uid))
-
-    async def open_shared(self, share: str | ShareDescriptor) -> AsyncOpenedShare:
-        """Hold a share (by name or descriptor) and map it in this process (mapping is local,
-        synchronous work); ``await share.close()`` or ``async with`` drops the hold."""
-        return await self.run(open_share(self, AsyncOpenedShare, share))
-
-    async def close_shared(self, descriptor: ShareDescriptor) -> None:
-        await self.run(build.close_shared(descriptor))
-
-    async def revoke(self, share: AsyncBuffer | ShareDescriptor) -> None:
-        if isinstance(share, ShareDescriptor):
-            await self.run(build.revoke(share))
-        else:
-            await self.run(build.revoke_buffer(share))

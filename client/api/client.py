@@ -4,27 +4,29 @@ A new :class:`Client` is like a new CUDA host thread: no current context on any
 device until :meth:`Client.set_device`, :meth:`Client.create_context`, or a
 runtime-style call (``alloc``, ``synchronize``, ``mem_get_info`` ...) binds the
 device's primary context. Calls are thread-safe (serialised per socket).
-Each method builds its request (or plan) in :mod:`cuctxd.client.wire.build` and runs it
-here; :class:`~cuctxd.client.api.async_client.AsyncClient` awaits the very same ones.
+Each call is defined once, for both clients, in :mod:`cuctxd.client.api.calls`
+(:class:`~cuctxd.client.api.flavours.SyncCall` makes it a method here that runs its
+request or plan with :meth:`Client.run`); written here are how a request is sent and
+waited for, and the calls that are not one request or plan.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
+from cuctxd.client.api import calls
+from cuctxd.client.api.flavours import Family, SyncCall
 from cuctxd.client.api.objects import Buffer, Context
 from cuctxd.client.api.pipeline import Pipeline
-from cuctxd.client.api.sharing import OpenedShare, open_share
+from cuctxd.client.api.sharing import OpenedShare
 from cuctxd.client.api.streams import Event, Stream
-from cuctxd.client.data_plane import transfers
-from cuctxd.client.data_plane.host_buffers import HostBuffer, host_alloc
+from cuctxd.client.data_plane.host_buffers import HostBuffer
 from cuctxd.client.data_plane.plane import DataPlane, checked
 from cuctxd.client.wire import build
-from cuctxd.client.wire.build import CHUNK_BYTES, Batch, Plan, Request, Run, Send, SharedPage, Step, Wait
+from cuctxd.client.wire.build import CHUNK_BYTES, Batch, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.wire.lease import Heartbeat
 from cuctxd.client.wire.routes import Router
 from cuctxd.client.wire.session import SessionState
@@ -33,7 +35,6 @@ from cuctxd.client.wire.socket_transport import CurveKeys, KeyPath, Transport, c
 from cuctxd.client.wire.transport import DEFAULT_TIMEOUT, Call, DaemonWatch, no_access, no_daemon, someone_listens
 from cuctxd.protos.endpoints import client_endpoint
 from cuctxd.protos.errors import CuctxError, NoDaemon, SessionClosed, UnknownSession
-from cuctxd.protos.records import DeviceInfo, ShareDescriptor
 
 __all__ = ["CHUNK_BYTES", "HELLO_TIMEOUT", "Client"]
 
@@ -42,6 +43,9 @@ T = TypeVar("T")
 #: Seconds the handshake (``hello``) waits at most, whatever the per-call ``timeout``: a daemon that
 #: is there answers it at once, so a long wait only hides a wrong endpoint or key.
 HELLO_TIMEOUT = 5.0
+
+#: The classes the sync client's calls build.
+FAMILY = Family(context=Context, buffer=Buffer, stream=Stream, event=Event, share=OpenedShare, host=HostBuffer)
 
 
 def _wait_out(transports: Iterable[Any]) -> None:
@@ -87,8 +91,6 @@ class Client(SessionState):
     through the main endpoint.
     """
 
-    #: What ``host_alloc`` (and a staging ring) makes.
-    host_buffer_kind = HostBuffer
     #: The data plane, when the daemon offers this process an fd channel.
     _plane: DataPlane | None = None
     #: Whether the daemon of the session is still there: shared by all its transports.
@@ -245,6 +247,12 @@ class Client(SessionState):
             return transport.send(request.op, request.args, self._token, request.payload, into=request.into,
                                   convert=request.convert, reach=route.reach)
 
+    @overload
+    def data_plane(self, *, required: Literal[True] = True) -> DataPlane: ...
+
+    @overload
+    def data_plane(self, *, required: bool) -> DataPlane | None: ...
+
     def data_plane(self, *, required: bool = True) -> DataPlane | None:
         """The client's data plane (:mod:`cuctxd.client.data_plane.plane`); without one (no fd channel: tcp://,
         another host) None, or :class:`~cuctxd.protos.errors.NotShareable` when ``required``."""
@@ -296,98 +304,59 @@ class Client(SessionState):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- daemon and devices -----------------------------------------------------------
+    # --- the calls, defined in calls.py: each runs its request or plan with self.run -----------------------
 
-    def ping(self) -> float:
-        """Round-trip time in seconds."""
-        start = time.perf_counter()
-        self.run(build.ping())
-        return time.perf_counter() - start
+    # daemon and devices
+    ping = SyncCall(calls.ping, FAMILY)
+    device_count = SyncCall(calls.device_count, FAMILY)
+    devices = SyncCall(calls.devices, FAMILY)
+    status = SyncCall(calls.status, FAMILY)
+    close_session = SyncCall(calls.close_session, FAMILY)
+    shutdown = SyncCall(calls.shutdown, FAMILY)
+    get_device = SyncCall(calls.get_device, FAMILY)
+    set_device = SyncCall(calls.set_device, FAMILY)
 
-    def device_count(self) -> int:
-        """``cudaGetDeviceCount``: creates no context."""
-        return self.run(build.device_count())
+    # contexts
+    current_context = SyncCall(calls.current_context, FAMILY)
+    context_stack = SyncCall(calls.context_stack, FAMILY)
+    create_context = SyncCall(calls.create_context, FAMILY)
+    push_context = SyncCall(calls.push_context, FAMILY)
+    pop_context = SyncCall(calls.pop_context, FAMILY)
+    destroy_context = SyncCall(calls.destroy_context, FAMILY)
+    context_info = SyncCall(calls.context_info, FAMILY)
+    synchronize = SyncCall(calls.synchronize, FAMILY)
+    device_synchronize = SyncCall(calls.device_synchronize, FAMILY)
 
-    def devices(self) -> list[DeviceInfo]:
-        return self.run(build.devices())
+    # memory
+    mem_get_info = SyncCall(calls.mem_get_info, FAMILY)
+    memory_info = SyncCall(calls.memory_info, FAMILY)
+    alloc = SyncCall(calls.alloc, FAMILY)
+    free = SyncCall(calls.free, FAMILY)
+    host_alloc = SyncCall(calls.host_alloc, FAMILY)
+    fill = SyncCall(calls.fill, FAMILY)
+    write = SyncCall(calls.write, FAMILY)
+    read = SyncCall(calls.read, FAMILY)
+    read_into = SyncCall(calls.read_into, FAMILY)
+    copy = SyncCall(calls.copy, FAMILY)
 
-    def status(self) -> dict[str, Any]:
-        return self.run(build.status())
+    # streams and events
+    create_stream = SyncCall(calls.create_stream, FAMILY)
+    create_event = SyncCall(calls.create_event, FAMILY)
 
-    def close_session(self, session_id: int) -> None:
-        """Close the session ``session_id`` (its public id, as ``status`` lists it) as its ``goodbye``
-        would: allowed to that session's user and the daemon's own user."""
-        self.run(build.close_session(session_id))
+    # sharing between processes
+    export = SyncCall(calls.export, FAMILY)
+    publish = SyncCall(calls.publish, FAMILY)
+    unpublish = SyncCall(calls.unpublish, FAMILY)
+    lookup = SyncCall(calls.lookup, FAMILY)
+    wait_version = SyncCall(calls.wait_version, FAMILY)
+    verify_shared = SyncCall(calls.verify_shared, FAMILY)
+    list_shared = SyncCall(calls.list_shared, FAMILY)
+    shared_page = SyncCall(calls.shared_page, FAMILY)
+    open_shared = SyncCall(calls.open_shared, FAMILY)
+    close_shared = SyncCall(calls.close_shared, FAMILY)
+    revoke = SyncCall(calls.revoke, FAMILY)
 
-    def shutdown(self) -> None:
-        """Ask the daemon to shut down as SIGTERM does (drain, then exit): only its own user may."""
-        self.run(build.shutdown())
-
-    def get_device(self) -> int:
-        """``cudaGetDevice``: the session's current device."""
-        return self.run(build.get_device())
-
-    def set_device(self, device: int) -> Context:
-        """``cudaSetDevice``: binds the device's primary context as current; returns it."""
-        return self.run(build.set_device(self, Context, device))
-
-    # --- contexts -------------------------------------------------------------------
-
-    def current_context(self, device: int | None = None) -> Context | None:
-        """``cuCtxGetCurrent``; None while the session's stack on ``device`` is empty."""
-        return self.run(build.current_context(self, Context, device))
-
-    def context_stack(self, device: int | None = None) -> list[Context]:
-        """The session's context stack on ``device``, bottom first."""
-        return self.run(build.context_stack(self, Context, device))
-
-    def create_context(self, device: int | None = None, flags: int = 0) -> Context:
-        """``cuCtxCreate``: a new context, pushed and current on ``device``."""
-        return self.run(build.create_context(self, Context, device, flags))
-
-    def push_context(self, context: Context) -> None:
-        self.run(build.push_context(context))
-
-    def pop_context(self, device: int | None = None) -> Context:
-        """``cuCtxPopCurrent``: returns the popped context."""
-        return self.run(build.pop_context(self, Context, device))
-
-    def destroy_context(self, context: Context) -> None:
-        self.run(build.destroy_context(context))
-
-    def context_info(self, context: Context) -> Context:
-        return self.run(build.context_info(self, Context, context))
-
-    def synchronize(self, device: int | None = None) -> None:
-        """``cuCtxSynchronize`` on the current context (binds the primary if there is none)."""
-        self.run(build.synchronize(device))
-
-    def device_synchronize(self, device: int | None = None) -> None:
-        """Wait for every context alive on ``device``, this session's and others'."""
-        self.run(build.device_synchronize(device))
-
-    # --- memory ---------------------------------------------------------------------
-
-    def mem_get_info(self, device: int | None = None) -> tuple[int, int]:
-        """``cuMemGetInfo``: (free, total) bytes."""
-        return self.run(build.mem_get_info(device))
-
-    def memory_info(self, device: int | None = None) -> dict[str, Any]:
-        """The whole ``mem_get_info`` answer: ``free`` and ``total`` as this session sees them,
-        plus ``device_free``, ``quota``, ``reserve`` and ``limited_by`` ("quota" or "device")."""
-        return self.run(build.memory_info(device))
-
-    def alloc(self, size: int, device: int | None = None, *, shareable: bool = False) -> Buffer:
-        """Device memory in the current context of ``device`` (default: the current device).
-
-        By default it comes from the context's stream-ordered pool (fast), never exported; pass
-        ``shareable=True`` for memory other processes can open: a VMM allocation of its own, of at least
-        the device's granularity (2 MiB), where the GPU has VMM (PROTOCOL.md, section 7, "Buffers").
-        """
-        return self.run(build.alloc(self, Buffer, size, device, shareable))
-
-    def free(self, buffer: Buffer) -> None:
-        self.run(build.free(buffer))
+    # --- the stream-ordered outbox: queued here, sent before the next request ---------------------------
 
     def alloc_async(self, size: int, device: int | None = None, *, stream: Stream | None = None) -> Buffer:
         """Like ``cuMemAllocAsync``: pool memory ordered on ``stream`` (default: the legacy stream of the
@@ -411,116 +380,3 @@ class Client(SessionState):
             self._outbox.free(buffer.device, buffer.handle, None if stream is None else stream.handle)
             if self._outbox.full():
                 self._flush_outbox()
-
-    def host_alloc(self, size: int, device: int | None = None, *, reuse: bool = False) -> HostBuffer:
-        """Host memory shared with the daemon and page-locked there, for copies with ``device``'s buffers
-        (default: the current device) that carry no bytes on the socket; needs the fd channel (ipc://).
-        Counts against the session's ``host_memory_per_session``; :meth:`HostBuffer.free` gives it back.
-        ``reuse``: a buffer of the same size the daemon kept page-locked after a session of this user freed it
-        may serve (no new page-locking: 0.5 ms a MiB), its bytes as that session left them."""
-        return self.run(host_alloc(self, HostBuffer, size, device, reuse))
-
-    def fill(self, buffer: Buffer, value: int = 0, offset: int = 0, size: int | None = None, *,
-             stream: Stream | None = None) -> None:
-        self.run(build.fill(buffer, value, offset, size, stream))
-
-    def write(self, buffer: Buffer, data: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
-        """Host to device. Large writes go as pipelined chunks, so the transfer of one chunk
-        overlaps the device copy of the one before."""
-        return self.run(transfers.write(self, buffer, data, offset, stream))
-
-    def read(self, buffer: Buffer, size: int | None = None, offset: int = 0, *,
-             stream: Stream | None = None) -> bytes:
-        return self.run(transfers.read(self, buffer, size, offset, stream))
-
-    def read_into(self, buffer: Buffer, out: Any, offset: int = 0, *, stream: Stream | None = None) -> int:
-        """Device to host straight into ``out`` (``recv_into``), in pipelined chunks when large."""
-        return self.run(transfers.read_into(self, buffer, out, offset, stream))
-
-    def copy(self, src: Buffer, dst: Buffer, size: int | None = None, src_offset: int = 0,
-             dst_offset: int = 0, *, stream: Stream | None = None) -> int:
-        return self.run(build.copy(src, dst, size, src_offset, dst_offset, stream))
-
-    # --- streams and events -----------------------------------------------------------------
-
-    def create_stream(self, device: int | None = None, *, non_blocking: bool = False) -> Stream:
-        """``cuStreamCreate`` in the current context of ``device`` (binds the primary lazily)."""
-        return self.run(build.create_stream(self, Stream, device, non_blocking))
-
-    def create_event(self, device: int | None = None, *, timing: bool = True) -> Event:
-        return self.run(build.create_event(self, Event, device, timing))
-
-    # --- sharing between processes --------------------------------------------------------
-
-    def export(self, buffer: Buffer) -> ShareDescriptor:
-        """Make ``buffer`` shareable; the descriptor is plain data another process can open."""
-        return self.run(build.export(buffer))
-
-    def publish(self, buffer: Buffer, name: str, *, persistent: bool = False, once: bool = False,
-                read_only: bool = False, replace: bool = False, version: bool = False) -> ShareDescriptor:
-        """Export ``buffer`` and publish it under ``name`` for every session to look up. The name keeps the
-        buffer until it is unpublished or, once this session let the buffer go and nobody holds it, the
-        daemon's ``orphan_ttl`` passes; ``persistent``: no ``orphan_ttl`` (and the name survives a daemon
-        restart where a service manager keeps it); ``once``: consume-once, the name stops keeping the
-        buffer once a session opened it after its owner let go (PROTOCOL.md, "Lifetime of shared memory");
-        ``read_only``: openers map it without write access (advisory: section 9 of PROTOCOL.md says where
-        it holds); ``replace``: a name in use moves to ``buffer`` at once, if this session may unpublish it
-        (sessions holding the old buffer keep it); ``version``: the name's next version (its number in the
-        descriptor's ``version``), handed to the name: ``buffer`` counts as freed here (PROTOCOL.md, "Versions")."""
-        return self.run(build.publish(buffer, name, persistent=persistent, read_only=read_only, once=once,
-                                      replace=replace, version=version))
-
-    def unpublish(self, name: str, *, device: int | None = None) -> None:
-        """Remove a name published by this user's sessions (any name, as the daemon's own user): every copy of it,
-        or with ``device`` only its copy there."""
-        self.run(build.unpublish(name, device))
-
-    def lookup(self, name: str, *, digest: str | None = None, device: int | None = None,
-               version: int | None = None) -> ShareDescriptor:
-        """The descriptor published as ``name`` (its copy on ``device``; else its first); with ``digest``, only once
-        the daemon vouches that the name's layout has that digest (:meth:`verify_shared`):
-        :class:`~cuctxd.protos.errors.DigestMismatch` otherwise; ``version``: that live version of a versioned
-        name instead of its current one."""
-        return self.run(build.lookup(name, device, version) if digest is None
-                        else build.lookup_verified(name, digest, device))
-
-    def wait_version(self, name: str, after: int, timeout: float | None = None) -> int:
-        """Block until ``name`` has a version newer than ``after`` and return its number: the daemon answers
-        when it is published (no polling here); :class:`~cuctxd.protos.errors.TimedOut` (a TimeoutError) after
-        ``timeout`` seconds. Other calls of this client wait meanwhile: wait on a client of its own."""
-        return self.run(build.wait_version(name, after, timeout))
-
-    def verify_shared(self, name: str, digest: str, device: int) -> dict[str, Any]:
-        """Have the daemon vouch for ``name``'s layout digest on ``device`` before relying on it: at once for a
-        name of this user's, else once it hashed the bytes (the first reliance only). Returns ``digest``,
-        ``verified`` (``"publisher"`` or ``"daemon"``) and ``hashed``; raises
-        :class:`~cuctxd.protos.errors.DigestMismatch` for another digest, or bytes that differ from it."""
-        return self.run(build.verify_shared(name, digest, device))
-
-    def list_shared(self, *, prefix: str | None = None, owner: int | None = None,
-                    uid: int | None = None) -> list[dict[str, Any]]:
-        """Published names with their device, size, owner and number of holders, in name order, all of them
-        page after page: those starting with ``prefix``, published by session ``owner`` (public id), by ``uid``."""
-        return self.run(build.list_shared(prefix, owner, uid))
-
-    def shared_page(self, *, limit: int | None = None, after: str | None = None, prefix: str | None = None,
-                    owner: int | None = None, uid: int | None = None) -> SharedPage:
-        """One page of :meth:`list_shared`: at most ``limit`` names after the name ``after`` (the last page's
-        ``next``)."""
-        return self.run(build.shared_page(limit, after, prefix, owner, uid))
-
-    def open_shared(self, share: str | ShareDescriptor) -> OpenedShare:
-        """Hold a share (by name or descriptor) and map it in this process; close it when done."""
-        return self.run(open_share(self, OpenedShare, share))
-
-    def close_shared(self, descriptor: ShareDescriptor) -> None:
-        """Drop this session's hold (``OpenedShare.close`` calls this after unmapping)."""
-        self.run(build.close_shared(descriptor))
-
-    def revoke(self, share: Buffer | ShareDescriptor) -> None:
-        """Withdraw a share this session exported (by buffer or descriptor): its names go, holders
-        lose their holds and get ``Revoked`` on their next use of it."""
-        if isinstance(share, ShareDescriptor):
-            self.run(build.revoke(share))
-        else:
-            self.run(build.revoke_buffer(share))

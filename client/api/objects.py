@@ -8,8 +8,8 @@ from the record. :class:`Context`/:class:`Buffer` belong to a
 :class:`~cuctxd.client.api.client.Client` and their methods return results, while
 :class:`AsyncContext`/:class:`AsyncBuffer` belong to an
 :class:`~cuctxd.client.api.async_client.AsyncClient` and their methods are coroutines
-(``await buf.write(data)``). Both are typed against :mod:`cuctxd.client.wire.session`'s
-session protocols, not the client classes.
+(``await buf.write(data)``). Both are typed against the data plane's client
+protocols (:mod:`cuctxd.client.data_plane.owner`), not the client classes.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any, Self
 
 from cuctxd.client.data_plane import transfers
+from cuctxd.client.data_plane.owner import AsyncOwner, Owner, SyncOwner
 from cuctxd.client.presentation import describe, docs_from
 from cuctxd.client.wire import build
-from cuctxd.client.wire.session import AsyncSession, Session
 from cuctxd.protos.records import BufferRecord, ContextRecord, ShareDescriptor
 
 
@@ -31,7 +31,7 @@ class SessionObject:
 
     __slots__ = ("client", "device", "handle")
 
-    client: Any
+    client: Owner
     handle: int
     device: int
 
@@ -54,14 +54,14 @@ class ContextFields(SessionObject):
 
     __slots__ = ("record",)
 
-    def __init__(self, client: Any, record: ContextRecord) -> None:
+    def __init__(self, client: Owner, record: ContextRecord) -> None:
         self.client = client
         self.record = record
         self.handle = record.handle
         self.device = record.device
 
     @classmethod
-    def from_wire(cls, client: Any, wire: dict[str, Any]) -> Self:
+    def from_wire(cls, client: Owner, wire: dict[str, Any]) -> Self:
         return cls(client, ContextRecord.from_wire(wire))
 
     def _fields(self) -> dict[str, Any]:
@@ -88,7 +88,7 @@ class Context(ContextFields):
     """A CUDA context as this session names it (``handle`` means nothing to other sessions)."""
 
     __slots__ = ()
-    client: Session
+    client: SyncOwner
 
     def push(self) -> None:
         """``cuCtxPushCurrent``: make this the session's current context on its device."""
@@ -108,7 +108,7 @@ class AsyncContext(ContextFields):
     """A :class:`Context` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: its methods are coroutines."""
 
     __slots__ = ()
-    client: AsyncSession
+    client: AsyncOwner
 
     async def push(self) -> None:
         await self.client.run(build.push_context(self))
@@ -129,7 +129,7 @@ class BufferFields(SessionObject):
 
     __slots__ = ("freed", "record", "size")
 
-    def __init__(self, client: Any, record: BufferRecord) -> None:
+    def __init__(self, client: Owner, record: BufferRecord) -> None:
         self.client = client
         self.record = record
         self.handle = record.handle
@@ -138,7 +138,7 @@ class BufferFields(SessionObject):
         self.freed = False
 
     @classmethod
-    def from_wire(cls, client: Any, wire: dict[str, Any]) -> Self:
+    def from_wire(cls, client: Owner, wire: dict[str, Any]) -> Self:
         return cls(client, BufferRecord.from_wire(wire))
 
     def _fields(self) -> dict[str, Any]:
@@ -158,7 +158,7 @@ class Buffer(BufferFields):
     """Device memory owned by this session; freed by :meth:`free` or when the session ends."""
 
     __slots__ = ()
-    client: Session
+    client: SyncOwner
 
     def write(self, data: Any, offset: int = 0, *, stream: build.OnDevice | None = None) -> int:
         """Copy host bytes (any buffer-protocol object, or a host buffer by DMA) to ``self[offset:]``;
@@ -212,7 +212,7 @@ class AsyncBuffer(BufferFields):
     and ``async with`` frees it."""
 
     __slots__ = ()
-    client: AsyncSession
+    client: AsyncOwner
 
     async def write(self, data: Any, offset: int = 0, *, stream: build.OnDevice | None = None) -> int:
         return await self.client.run(transfers.write(self.client, self, data, offset, stream))

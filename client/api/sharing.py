@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from cuctxd.client.data_plane.owner import AsyncOwner, Owner, SyncOwner
 from cuctxd.client.data_plane.pool_imports import POOL_IMPORTS
 from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.presentation import docs_from
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import Local, Plan
-from cuctxd.client.wire.session import AsyncSession, Session
 from cuctxd.protos.errors import BadArgument, NotShareable, OutOfRange, WrongBackend
 from cuctxd.protos.host import buffer_address, host_identity
 from cuctxd.protos.records import ShareDescriptor
@@ -42,7 +42,7 @@ def byte_interface(ptr: int, size: int, readonly: bool) -> dict[str, Any]:
 class MappedShare:
     """What both flavours of an opened share hold and show: the descriptor and this process's mapping."""
 
-    def __init__(self, client: Any, descriptor: ShareDescriptor, mapping: Any) -> None:
+    def __init__(self, client: Owner, descriptor: ShareDescriptor, mapping: Any) -> None:
         self.client = client
         self.descriptor = descriptor
         self._mapping = mapping
@@ -146,7 +146,7 @@ class MappedShare:
 class OpenedShare(MappedShare):
     """A mapped share; close it (or use ``with``) to unmap and drop the daemon's hold."""
 
-    client: Session
+    client: SyncOwner
 
     def close(self) -> None:
         """Unmap, then drop the daemon's hold (even if unmapping failed); nothing the second time."""
@@ -164,7 +164,7 @@ class AsyncOpenedShare(MappedShare):
     """An :class:`OpenedShare` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: ``await share.close()``,
     or ``async with await client.open_shared(name) as share:``."""
 
-    client: AsyncSession
+    client: AsyncOwner
 
     async def close(self) -> None:
         await self.client.run(close_share(self))
@@ -197,7 +197,7 @@ def map_share(descriptor: ShareDescriptor, pool_fd: int | None) -> Any:
     raise NotShareable(f"share {descriptor.share_id} comes from unknown backend {descriptor.backend!r}")
 
 
-def open_share(owner: Any, kind: Callable[[Any, ShareDescriptor, Any], ShareT],
+def open_share(owner: Owner, kind: Callable[[Owner, ShareDescriptor, Any], ShareT],
                share: str | ShareDescriptor) -> Plan[ShareT]:
     """Look the share up (by name), hold it, map it here (asking for its fd: a VMM share's unless this process
     maps it already, then its mapping is reused; a pool share's when this process has not imported that pool

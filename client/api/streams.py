@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any, ClassVar, Self
 
 from cuctxd.client.api.objects import SessionObject
+from cuctxd.client.data_plane.owner import AsyncOwner, Owner, SyncOwner
 from cuctxd.client.presentation import docs_from
 from cuctxd.client.wire import build
-from cuctxd.client.wire.session import AsyncSession, Session
 
 
 class HandleFields(SessionObject):
@@ -25,14 +25,14 @@ class HandleFields(SessionObject):
     #: The reply field that holds the handle: ``stream`` or ``event``.
     reply_field: ClassVar[str]
 
-    def __init__(self, client: Any, handle: int, device: int, context: int) -> None:
+    def __init__(self, client: Owner, handle: int, device: int, context: int) -> None:
         self.client = client
         self.handle = handle
         self.device = device
         self.context = context
 
     @classmethod
-    def from_wire(cls, client: Any, result: dict[str, Any]) -> Self:
+    def from_wire(cls, client: Owner, result: dict[str, Any]) -> Self:
         return cls(client, result[cls.reply_field], result["device"], result["context"])
 
     def _fields(self) -> dict[str, Any]:
@@ -44,7 +44,7 @@ class Stream(HandleFields):
 
     __slots__ = ()
     reply_field = "stream"
-    client: Session
+    client: SyncOwner
 
     def query(self) -> bool:
         """True when all queued work is done (``cuStreamQuery``)."""
@@ -66,7 +66,7 @@ class Event(HandleFields):
 
     __slots__ = ()
     reply_field = "event"
-    client: Session
+    client: SyncOwner
 
     def record(self, stream: Stream | None = None) -> None:
         """``cuEventRecord`` on ``stream`` (default: the legacy default stream)."""
@@ -92,7 +92,7 @@ class AsyncStream(HandleFields):
 
     __slots__ = ()
     reply_field = "stream"
-    client: AsyncSession
+    client: AsyncOwner
 
     async def query(self) -> bool:
         return await self.client.run(build.stream_query(self))
@@ -113,7 +113,7 @@ class AsyncEvent(HandleFields):
 
     __slots__ = ()
     reply_field = "event"
-    client: AsyncSession
+    client: AsyncOwner
 
     async def record(self, stream: AsyncStream | None = None) -> None:
         await self.client.run(build.record_event(self, stream))

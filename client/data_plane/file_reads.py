@@ -35,9 +35,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from cuctxd.client.data_plane import transfers
+from cuctxd.client.data_plane.host_buffers import HostBuffer
+from cuctxd.client.data_plane.owner import SyncOwner
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import Local, Plan, Request, Send, Wait
 from cuctxd.protos import digests
@@ -357,7 +359,13 @@ class _DirectRead:
         return image
 
 
-def load_file_ranges(client: Any, buffer: Any, ranges: Sequence[FileRange], *, digest: bool = True,
+class Loader(SyncOwner, Protocol):
+    """A sync client as a load sees it: it also makes the load ring (``Client.host_alloc``)."""
+
+    def host_alloc(self, size: int, device: int | None = None, *, reuse: bool = False) -> HostBuffer: ...
+
+
+def load_file_ranges(client: Loader, buffer: Any, ranges: Sequence[FileRange], *, digest: bool = True,
                      progress: Callable[[int, int], None] | None = None) -> list[str | None]:
     """Copy every range into ``buffer`` (ranges ascending by ``device_offset``, not overlapping; the bytes
     between ranges less than ``GAP_BYTES`` apart are overwritten); returns each range's digest (None
@@ -368,7 +376,7 @@ def load_file_ranges(client: Any, buffer: Any, ranges: Sequence[FileRange], *, d
 
 
 @contextlib.contextmanager
-def load_into_new_buffer(client: Any, allocate: Request[T], device: int, ranges: Sequence[FileRange], *,
+def load_into_new_buffer(client: Loader, allocate: Request[T], device: int, ranges: Sequence[FileRange], *,
                          digest: bool = True, progress: Callable[[int, int], None] | None = None
                          ) -> Iterator[tuple[T, list[str | None]]]:
     """:func:`load_file_ranges` into the buffer ``allocate`` makes on ``device``, sent before the first read
@@ -381,7 +389,7 @@ def load_into_new_buffer(client: Any, allocate: Request[T], device: int, ranges:
 
 
 @contextlib.contextmanager
-def _loading(client: Any, device: int, ranges: Sequence[FileRange], buffer: Any, allocate: Request[Any] | None,
+def _loading(client: Loader, device: int, ranges: Sequence[FileRange], buffer: Any, allocate: Request[Any] | None,
              digest: bool, progress: Callable[[int, int], None] | None) -> Iterator[tuple[Any, list[str | None]]]:
     chunks = list(plan_chunks(ranges))
     threads = min(reader_threads(), max(1, len(chunks)))
@@ -406,7 +414,7 @@ def _loading(client: Any, device: int, ranges: Sequence[FileRange], buffer: Any,
         host.free(wait=False)
 
 
-def _load_through_ring(client: Any, host: Any, chunks: list[Chunk], ranges: Sequence[FileRange], buffer: Any,
+def _load_through_ring(client: Loader, host: Any, chunks: list[Chunk], ranges: Sequence[FileRange], buffer: Any,
                        allocate: Request[Any] | None, threads: int, digest: bool,
                        progress: Callable[[int, int], None] | None) -> tuple[Any, list[str | None]]:
     """The load through the host buffer ``host`` (the load ring); the buffer made by ``allocate`` is freed
@@ -487,7 +495,7 @@ def _pipeline(made: list[Any], allocate: Request[Any] | None, host: Any, chunks:
         raise
 
 
-def _load_through_writes(client: Any, buffer: Any, ranges: Sequence[FileRange], digest: bool,
+def _load_through_writes(client: Loader, buffer: Any, ranges: Sequence[FileRange], digest: bool,
                          progress: Callable[[int, int], None] | None) -> list[str | None]:
     """The ranges as ordinary writes, a bounded batch at a time: for clients without a data plane."""
     total = sum(r.nbytes for r in ranges)

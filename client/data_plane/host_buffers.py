@@ -16,19 +16,20 @@ import mmap
 import os
 from typing import Any, Self, TypeVar
 
+from cuctxd.client.data_plane.owner import AsyncOwner, Owner, SyncOwner
 from cuctxd.client.presentation import describe, docs_from
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import Local, Plan
-from cuctxd.client.wire.session import AsyncSession, Session
 from cuctxd.protos.host import buffer_address
 
 HostT = TypeVar("HostT", bound="HostBufferFields")
 
 
 class HostBufferFields(mmap.mmap):
-    """What both flavours hold: the shared mapping itself, the daemon's handle and the device it serves."""
+    """What both flavours hold: the shared mapping itself, the daemon's handle and the device it serves (a
+    staging ring's host buffer is one of these: the session's end frees it)."""
 
-    client: Any
+    client: Owner
     handle: int
     device: int
     #: Its bytes the daemon backed with 2 MiB pages (an ``O_DIRECT`` read into them goes in larger requests).
@@ -37,7 +38,7 @@ class HostBufferFields(mmap.mmap):
     _address: int
 
     @classmethod
-    def mapped(cls, client: Any, result: dict[str, Any], fd: int) -> Self:
+    def mapped(cls, client: Owner, result: dict[str, Any], fd: int) -> Self:
         """Map the daemon's memfd (``result`` is ``host_alloc``'s answer); ``fd`` is closed here."""
         try:
             self = cls(fd, int(result["size"]))
@@ -82,7 +83,7 @@ class HostBufferFields(mmap.mmap):
 class HostBuffer(HostBufferFields):
     """Host memory shared with the daemon and page-locked there; see the module docstring."""
 
-    client: Session
+    client: SyncOwner
 
     def free(self, *, wait: bool = True) -> None:
         """Unmap here, then free the daemon's side (after copies queued on streams that use it have
@@ -101,7 +102,7 @@ class AsyncHostBuffer(HostBufferFields):
     """A :class:`HostBuffer` of an :class:`~cuctxd.client.api.async_client.AsyncClient`: ``await hb.free()``,
     or ``async with await client.host_alloc(n) as hb:``."""
 
-    client: AsyncSession
+    client: AsyncOwner
 
     async def free(self) -> None:
         if self._unmap():
@@ -122,7 +123,7 @@ class _Handle:
         self.device = int(result["device"])
 
 
-def host_alloc(owner: Any, kind: type[HostT], size: int, device: int | None, reuse: bool = False) -> Plan[HostT]:
+def host_alloc(owner: Owner, kind: type[HostT], size: int, device: int | None, reuse: bool = False) -> Plan[HostT]:
     """Make the buffer (``reuse``: or take one the daemon kept), fetch its fd over the fd channel and map it; a
     failed mapping frees it again."""
     plane = owner.data_plane()

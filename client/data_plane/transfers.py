@@ -29,6 +29,7 @@ from typing import Any
 
 from cuctxd.client.data_plane import host_copy
 from cuctxd.client.data_plane.host_buffers import HostBufferFields, host_alloc
+from cuctxd.client.data_plane.owner import Owner
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import Local, OnDevice, Plan, Request, Send, Sized, Wait
 from cuctxd.protos.errors import BadArgument, CuctxError
@@ -102,7 +103,7 @@ def _check_device(buffer: OnDevice, host: HostBufferFields) -> None:
                           f"on device {buffer.device}; make one with host_alloc(size, device={buffer.device})")
 
 
-def _ring(owner: Any, device: int) -> Plan[StagingRing | None]:
+def _ring(owner: Owner, device: int) -> Plan[StagingRing | None]:
     """The device's ring, made on first use; None when there is none to use now (no data plane, busy,
     or the session may not have one)."""
     plane = owner.data_plane(required=False)
@@ -110,8 +111,7 @@ def _ring(owner: Any, device: int) -> Plan[StagingRing | None]:
         return None
     if device not in plane.rings:
         try:
-            host = yield from host_alloc(owner, owner.host_buffer_kind, RING_SLOTS * RING_SLOT_BYTES, device,
-                                         reuse=True)
+            host = yield from host_alloc(owner, HostBufferFields, RING_SLOTS * RING_SLOT_BYTES, device, reuse=True)
         except (CuctxError, OSError):  # over the session's host memory limit, say: the socket it is
             plane.rings[device] = None
             return None
@@ -256,7 +256,7 @@ def _ring_read_into(ring: StagingRing, buffer: OnDevice, out: memoryview, offset
     return out.nbytes
 
 
-def write(owner: Any, buffer: OnDevice, data: Any, offset: int, stream: OnDevice | None) -> Plan[int]:
+def write(owner: Owner, buffer: OnDevice, data: Any, offset: int, stream: OnDevice | None) -> Plan[int]:
     """Host to device by the cheapest path (module docstring)."""
     if isinstance(data, HostBufferFields):
         _check_device(buffer, data)
@@ -272,7 +272,7 @@ def write(owner: Any, buffer: OnDevice, data: Any, offset: int, stream: OnDevice
     return (yield from build.write(buffer, view, offset, stream, owner.limits["max_payload_bytes"]))
 
 
-def write_pieces(owner: Any, buffer: OnDevice, pieces: Sequence[tuple[int, Any]]) -> Plan[int]:
+def write_pieces(owner: Owner, buffer: OnDevice, pieces: Sequence[tuple[int, Any]]) -> Plan[int]:
     """Many host byte ranges into ``buffer`` at their offsets (ascending, not overlapping; a layout's
     tensors): through the ring, pieces close together share one DMA, and **the bytes between them (gaps
     under** :data:`GAP_BYTES` **) are overwritten** with whatever the slot held. Without a ring, one
@@ -288,7 +288,7 @@ def write_pieces(owner: Any, buffer: OnDevice, pieces: Sequence[tuple[int, Any]]
     return written
 
 
-def read_into(owner: Any, buffer: OnDevice, out: Any, offset: int, stream: OnDevice | None) -> Plan[int]:
+def read_into(owner: Owner, buffer: OnDevice, out: Any, offset: int, stream: OnDevice | None) -> Plan[int]:
     """Device to host straight into ``out`` by the cheapest path (module docstring)."""
     if isinstance(out, HostBufferFields):
         _check_device(buffer, out)
@@ -306,7 +306,7 @@ def read_into(owner: Any, buffer: OnDevice, out: Any, offset: int, stream: OnDev
     return (yield from step)
 
 
-def read(owner: Any, buffer: Sized, size: int | None, offset: int, stream: OnDevice | None) -> Plan[bytes]:
+def read(owner: Owner, buffer: Sized, size: int | None, offset: int, stream: OnDevice | None) -> Plan[bytes]:
     """Device to host as new bytes; large reads land through the ring."""
     size = buffer.size - offset if size is None else size
     if stream is None and RING_MIN_BYTES <= size <= buffer.size - offset:  # out of range: the daemon says why

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from cuctxd.client.api.client import Client
 from cuctxd.client.api.objects import Buffer
 from cuctxd.client.wire import build
 from cuctxd.protos.cuda_results import CUresult
@@ -34,7 +35,7 @@ SIM_VISIBLE_DEVICES = "CUCTXD_SIM_VISIBLE_DEVICES"
 _SIM_CHUNK = 64 << 20
 
 
-def caller_device(client: Any) -> int | None:
+def caller_device(client: Client) -> int | None:
     """The daemon's ordinal of this process's current device (module docstring), None where a sim process names
     none; :class:`NotShareable` where the daemon does not serve it."""
     wanted = _current_device_uuid(client.backend)
@@ -68,7 +69,7 @@ def _current_device_uuid(backend: str) -> str | None:
 Devices = int | Sequence[int] | str | None
 
 
-def first_and_copies(client: Any, device: Devices) -> tuple[int | None, list[int]]:
+def first_and_copies(client: Client, device: Devices) -> tuple[int | None, list[int]]:
     """``device`` as the device a layout is filled on and those that get copies of it, checked before anything is
     read (:func:`served_devices`)."""
     if device is None or isinstance(device, int):
@@ -114,7 +115,7 @@ def served_devices(devices: list[int] | None, count: int) -> list[int]:
     return devices
 
 
-def ensure_copy(client: Any, name: str, device: int, *, persistent: bool = True) -> ShareDescriptor:
+def ensure_copy(client: Client, name: str, device: int, *, persistent: bool = True) -> ShareDescriptor:
     """``name``'s copy on ``device``: the one there, or a new one filled on the GPU from its first copy and
     published (allowed to whoever may unpublish the name: ``CUCTXD_ERROR_NOT_OWNER`` otherwise)."""
     try:
@@ -134,7 +135,7 @@ class Copied:
         self.descriptor, self.buffer = descriptor, buffer
 
 
-def copy_share(client: Any, name: str, source: ShareDescriptor, device: int, manifest: bytes, *,
+def copy_share(client: Client, name: str, source: ShareDescriptor, device: int, manifest: bytes, *,
                persistent: bool = True, read_only: bool = False, stage: bool = False) -> Copied:
     """A new buffer on ``device`` filled from the share ``source`` (mapped here) and published as ``name``'s copy
     there with ``manifest`` (``stage``: for this session's next publish of the name). The buffer is freed when
@@ -157,7 +158,7 @@ def copy_share(client: Any, name: str, source: ShareDescriptor, device: int, man
     return Copied(published, buffer)
 
 
-def stage_copies(client: Any, name: str, buffer: Buffer, devices: Sequence[int], manifest: bytes, *,
+def stage_copies(client: Client, name: str, buffer: Buffer, devices: Sequence[int], manifest: bytes, *,
                  persistent: bool, read_only: bool) -> list[Buffer]:
     """Copies of ``buffer`` (this session's, filled, not published yet) staged on ``devices`` for its publish as
     ``name``; returns their buffers. Frees the ones made when this raises (one device too full: none is left)."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from cuctxd.client.api.client import Client
 from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors, publish_tensors
 from cuctxd.protos.records import ShareDescriptor
 
 
-def publish_arrays(client: Any, name: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
+def publish_arrays(client: Client, name: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
                    *, device: int | None = None) -> ShareDescriptor:
     """Publish ``arrays`` (C-contiguous CuPy arrays on the buffer's GPU, or host arrays) as ``name``."""
     return publish_tensors(client, name, dict(arrays), metadata, device=device)
@@ -49,6 +50,6 @@ class LoadedArrays:
         self.close()
 
 
-def load_arrays(client: Any, name: str, *, writable: bool = False) -> LoadedArrays:
+def load_arrays(client: Client, name: str, *, writable: bool = False) -> LoadedArrays:
     """Map the arrays published as ``name`` (read-only views unless ``writable``, where the consumer honours it)."""
     return LoadedArrays(open_tensors(client, name, writable=writable))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cuctxd.client.api.client import Client
 from cuctxd.client.tensors.checkpoints import read_rank, tensor_parallel_ranks
 from cuctxd.client.tensors.safetensors_load import Loaded, load_checkpoint
 from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors
@@ -24,7 +25,7 @@ def rank_name(name: str, rank: int) -> str:
     return f"{name}/rank-{rank}"
 
 
-def load_ranks(client: Any, path: str, name: str, *, devices: Sequence[int] | None = None,
+def load_ranks(client: Client, path: str, name: str, *, devices: Sequence[int] | None = None,
                progress: Callable[[int, int], None] | None = None, read_only: bool = False,
                replace: bool = False) -> list[Loaded]:
     """Publish each rank of the ``sharded_state`` directory ``path`` as :func:`rank_name` on ``devices[rank]``
@@ -54,7 +55,7 @@ def load_ranks(client: Any, path: str, name: str, *, devices: Sequence[int] | No
     return loaded
 
 
-def open_rank(client: Any, name: str, rank: int, **options: Any) -> TensorSet:
+def open_rank(client: Client, name: str, rank: int, **options: Any) -> TensorSet:
     """Rank ``rank``'s layout of ``name`` (:func:`load_ranks`), opened as
     :func:`~cuctxd.client.tensors.tensor_sets.open_tensors` opens a layout (``options`` as it takes them)."""
     return open_tensors(client, rank_name(name, rank), **options)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from cuctxd.client.api.client import Client
 from cuctxd.client.api.objects import Buffer
 from cuctxd.client.data_plane.file_reads import FileRange, load_into_new_buffer
 from cuctxd.client.tensors.checkpoints import Checkpoint, open_regular, read_checkpoint
@@ -62,7 +63,7 @@ class Loaded:
     copied: tuple[int, ...] = ()
 
 
-def load_safetensors(client: Any, path: str, name: str, *, device: Devices = None,
+def load_safetensors(client: Client, path: str, name: str, *, device: Devices = None,
                      progress: Callable[[int, int], None] | None = None, read_only: bool = False,
                      replace: bool = False, digest: bool = True, version: bool = False) -> Loaded:
     """Publish the checkpoint at ``path`` (a ``.safetensors`` file, a directory, or an index JSON) as
@@ -79,7 +80,7 @@ def load_safetensors(client: Any, path: str, name: str, *, device: Devices = Non
                            read_only=read_only, replace=replace, digest=digest, version=version)
 
 
-def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: Devices = None,
+def load_checkpoint(client: Client, checkpoint: Checkpoint, name: str, *, device: Devices = None,
                     progress: Callable[[int, int], None] | None = None, read_only: bool = False,
                     replace: bool = False, digest: bool = True, version: bool = False) -> Loaded:
     """:func:`load_safetensors` of a checkpoint read already (one tensor-parallel rank's parts, say)."""
@@ -122,7 +123,7 @@ def load_checkpoint(client: Any, checkpoint: Checkpoint, name: str, *, device: D
                   replaced=published is not None)
 
 
-def _refuse_before_reading(client: Any, path: str, size: int, device: int, tensors: int, *, orphans: bool) -> None:
+def _refuse_before_reading(client: Client, path: str, size: int, device: int, tensors: int, *, orphans: bool) -> None:
     """A load that would pass a limit, refused before a byte of the checkpoint is read, naming the setting to
     raise: the memory this session may take on ``device`` (``session_quota``, else the device's free memory
     less ``device_reserve``), and, for a new name (``orphans``), ``max_orphaned_bytes_per_uid`` (the layout
@@ -147,7 +148,7 @@ def _refuse_before_reading(client: Any, path: str, size: int, device: int, tenso
                             "unpublish some first; nothing was read", "publish")
 
 
-def _with_copies(client: Any, name: str, loaded: Loaded, devices: Devices) -> Loaded:
+def _with_copies(client: Client, name: str, loaded: Loaded, devices: Devices) -> Loaded:
     """``loaded`` (the name held the content already), with a copy added on each of ``devices`` that lacks one,
     filled from the name's first copy on the GPU."""
     first, others = first_and_copies(client, devices)
@@ -171,7 +172,7 @@ def _check_layout(path: str, manifest: Manifest, size: int) -> None:
         raise BadArgument(f"{path}: {exc.message}") from None
 
 
-def _went_away(client: Any, path: str, lost: SessionLost) -> SessionLost:
+def _went_away(client: Client, path: str, lost: SessionLost) -> SessionLost:
     """``lost`` said for the load of ``path`` when the daemon went away during it (killed, crashed,
     restarted): no fault of the checkpoint's."""
     cause = lost.__cause__
@@ -184,7 +185,7 @@ def _went_away(client: Any, path: str, lost: SessionLost) -> SessionLost:
     return SessionLost(f"{path}: the daemon went away during the load, which did not finish: {why}", lost.op)
 
 
-def _published(client: Any, name: str) -> ShareDescriptor | None:
+def _published(client: Client, name: str) -> ShareDescriptor | None:
     try:
         descriptor: ShareDescriptor = client.lookup(name)
     except NotFound:
@@ -199,7 +200,7 @@ def _manifest_of(published: ShareDescriptor | None) -> Manifest | None:
     return check_manifest(published.manifest, published.size)
 
 
-def _same_content(client: Any, checkpoint: Checkpoint, manifest: Manifest, name: str,
+def _same_content(client: Client, checkpoint: Checkpoint, manifest: Manifest, name: str,
                   published: ShareDescriptor) -> Loaded:
     """A no-op (its :class:`Loaded`) when ``published`` holds the checkpoint's content, by a digest the daemon
     vouches for; else :class:`NameExists` naming who holds the name (and ``--replace`` where the content
@@ -229,7 +230,7 @@ def _same_content(client: Any, checkpoint: Checkpoint, manifest: Manifest, name:
                      f"{differs}): load with --replace (replace=True) to swap it")
 
 
-def _vouched(client: Any, name: str, published: ShareDescriptor, digest: str) -> bool:
+def _vouched(client: Client, name: str, published: ShareDescriptor, digest: str) -> bool:
     """Whether the daemon vouches that ``name`` holds ``digest`` (its own user's word, or bytes it hashed): a
     replace by the same content is a no-op only then; other bytes under a claimed digest are replaced (or
     the replace refused, naming their publisher)."""

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cuctxd.client.api.client import Client
 from cuctxd.client.api.sharing import OpenedShare, byte_interface
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.tensors import dlpack
@@ -137,7 +138,7 @@ def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None =
     return Manifest(specs, dict(metadata or {})), sources, size
 
 
-def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
+def publish_layout(client: Client, name: str, manifest: Manifest, size: int,
                    fill: Callable[[Any], Sequence[str | None]], *, device: Devices = None,
                    persistent: bool = True, read_only: bool = False, replace: bool = False,
                    version: bool = False) -> ShareDescriptor:
@@ -162,7 +163,7 @@ def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
                           replace=replace, copies=copies, version=version)
 
 
-def publish_filled(client: Any, name: str, manifest: Manifest, buffer: Any, found: Sequence[str | None], *,
+def publish_filled(client: Client, name: str, manifest: Manifest, buffer: Any, found: Sequence[str | None], *,
                    persistent: bool = True, read_only: bool = False, replace: bool = False,
                    copies: Sequence[int] = (), version: bool = False) -> ShareDescriptor:
     """Publish ``buffer`` as ``name`` with the manifest and each tensor's digest ``found`` (the layout's
@@ -200,7 +201,7 @@ def device_copies(manifest: Manifest, sources: Sequence[_Source], base: int) -> 
             for spec, source in zip(manifest.tensors, sources, strict=True) if source.device_ptr is not None]
 
 
-def no_room(client: Any, error: CudaError, size: int, device: int | None, tensors: int) -> CudaError:
+def no_room(client: Client, error: CudaError, size: int, device: int | None, tensors: int) -> CudaError:
     """``error`` as it is, or, for ``CUDA_ERROR_OUT_OF_MEMORY``, with what the layout needs and the device has."""
     if error.name != "CUDA_ERROR_OUT_OF_MEMORY":
         return error
@@ -214,7 +215,7 @@ def _size_text(nbytes: int) -> str:
     return f"{human_size(nbytes)} ({nbytes} bytes)"
 
 
-def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
+def publish_tensors(client: Client, name: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None,
                     *, device: Devices = None, progress: Callable[[int, int], None] | None = None,
                     persistent: bool = True, read_only: bool = False, replace: bool = False,
                     digest: bool = True, version: bool = False) -> ShareDescriptor:
@@ -248,7 +249,7 @@ def publish_tensors(client: Any, name: str, tensors: Mapping[str, Any], metadata
 PROGRESS_BYTES = 256 << 20
 
 
-def _write_host_sources(client: Any, buffer: Any, pieces: list[tuple[int, memoryview]], total: int,
+def _write_host_sources(client: Client, buffer: Any, pieces: list[tuple[int, memoryview]], total: int,
                         progress: Callable[[int, int], None] | None) -> None:
     """The host tensors into the buffer through the staging ring, many per DMA
     (:func:`~cuctxd.client.data_plane.transfers.write_pieces`), in batches of :data:`PROGRESS_BYTES` between
@@ -264,7 +265,7 @@ def _write_host_sources(client: Any, buffer: Any, pieces: list[tuple[int, memory
                 progress(done, total)
 
 
-def _copy_from_device(client: Any, buffer: Any, manifest: Manifest, sources: list[_Source]) -> None:
+def _copy_from_device(client: Client, buffer: Any, manifest: Manifest, sources: list[_Source]) -> None:
     """Device-to-device copies into the daemon's buffer, mapped here through its pool."""
     if client.backend != "cuda":
         raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
@@ -407,7 +408,8 @@ class TensorSet(Mapping[str, SharedTensor]):
     def refresh(self, *, digest: str | None = None) -> TensorSet | None:
         """The set of the name's newest version, opened as this one was, or None if there is none newer
         (:func:`open_tensors`); this set stays open: close it once nothing uses it any more."""
-        client: Any = self.share.client
+        client = self.share.client
+        assert isinstance(client, Client)  # the client that opened the share, so the same flavour
         name = self.share.descriptor.name
         if name is None:
             return None
@@ -442,7 +444,7 @@ class TensorSet(Mapping[str, SharedTensor]):
         self.close()
 
 
-def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str | None = None,
+def open_tensors(client: Client, name: str, *, writable: bool = False, digest: str | None = None,
                  device: int | None = None) -> TensorSet:
     """Map the tensors published as ``name``: its copy on ``device``, by default on this process's own device
     (:func:`~cuctxd.client.tensors.copies.caller_device`, matched by UUID; a sim process that names none opens the
@@ -456,7 +458,7 @@ def open_tensors(client: Any, name: str, *, writable: bool = False, digest: str 
                         writable, digest)
 
 
-def _open_layout(client: Any, name: str, descriptor: ShareDescriptor, writable: bool, digest: str | None
+def _open_layout(client: Client, name: str, descriptor: ShareDescriptor, writable: bool, digest: str | None
                  ) -> TensorSet:
     """:func:`open_tensors` of the descriptor ``name``'s lookup gave."""
     if not descriptor.manifest:

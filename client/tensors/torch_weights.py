@@ -16,6 +16,7 @@ import ctypes
 from collections.abc import Mapping
 from typing import Any
 
+from cuctxd.client.api.client import Client
 from cuctxd.client.api.sharing import byte_interface
 from cuctxd.client.tensors.copies import Devices
 from cuctxd.client.tensors.tensor_sets import CudaArray, TensorSet, open_tensors, publish_tensors
@@ -29,7 +30,7 @@ def _torch() -> Any:
     return torch
 
 
-def publish_state_dict(client: Any, name: str, module_or_state_dict: Any, metadata: Mapping[str, Any] | None = None,
+def publish_state_dict(client: Client, name: str, module_or_state_dict: Any, metadata: Mapping[str, Any] | None = None,
                        *, device: Devices = None) -> ShareDescriptor:
     """Publish a module's (or a state dict's) tensors as ``name``; ``metadata`` goes with them; ``device``: several
     devices get a copy each (:func:`~cuctxd.client.tensors.tensor_sets.publish_tensors`)."""
@@ -148,7 +149,7 @@ class LoadedState:
         self.close()
 
 
-def load_state_dict(client: Any, name: str, *, writable: bool = False, device: int | None = None,
+def load_state_dict(client: Client, name: str, *, writable: bool = False, device: int | None = None,
                     keep: object = None) -> LoadedState:
     """Map the state dict published as ``name``: its copy on ``device``, by default on this process's current GPU
     (:func:`~cuctxd.client.tensors.tensor_sets.open_tensors`); ``module.load_state_dict(loaded.state_dict,

@@ -14,6 +14,8 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from cuctxd.client.api.async_client import AsyncClient
+from cuctxd.client.api.client import Client
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.tensor_sets import device_copies, digested, plan_layout, publish_tensors
@@ -22,7 +24,7 @@ from cuctxd.protos.errors import BadArgument
 from cuctxd.protos.layouts import Manifest, check_manifest
 
 
-def publish_version(client: Any, name: str, tensors: Any, metadata: Mapping[str, Any] | None = None, *,
+def publish_version(client: Client, name: str, tensors: Any, metadata: Mapping[str, Any] | None = None, *,
                     device: int | None = None, progress: Callable[[int, int], None] | None = None,
                     read_only: bool = False, digest: bool = True) -> int:
     """Publish ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`; or a torch module or state
@@ -40,8 +42,9 @@ def publish_version(client: Any, name: str, tensors: Any, metadata: Mapping[str,
     return published.version
 
 
-async def publish_version_async(client: Any, name: str, tensors: Any, metadata: Mapping[str, Any] | None = None, *,
-                                device: int | None = None, read_only: bool = False, digest: bool = True) -> int:
+async def publish_version_async(client: AsyncClient, name: str, tensors: Any,
+                                metadata: Mapping[str, Any] | None = None, *, device: int | None = None,
+                                read_only: bool = False, digest: bool = True) -> int:
     """:func:`publish_version` for an :class:`~cuctxd.client.api.async_client.AsyncClient`: the same requests,
     awaited (host tensors hashed on a thread while they are written, device copies made on a thread)."""
     manifest, sources, size = plan_layout(_publishable(tensors), metadata)
@@ -68,7 +71,7 @@ async def publish_version_async(client: Any, name: str, tensors: Any, metadata: 
     return version
 
 
-async def _copy_from_device(client: Any, buffer: Any, manifest: Manifest, sources: Sequence[Any]) -> None:
+async def _copy_from_device(client: AsyncClient, buffer: Any, manifest: Manifest, sources: Sequence[Any]) -> None:
     """The device tensors into the buffer, mapped in this process (a thread makes the copies)."""
     if client.backend != "cuda":
         raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
@@ -96,14 +99,14 @@ def _is_torch(tensors: Mapping[str, Any]) -> bool:
     return type(next(iter(tensors.values()))).__module__.startswith("torch")
 
 
-def wait_version(client: Any, name: str, after: int, timeout: float | None = None) -> int:
+def wait_version(client: Client, name: str, after: int, timeout: float | None = None) -> int:
     """Block until ``name`` has a version newer than ``after`` and return its number (the daemon answers when
     it is published, no polling here); :class:`~cuctxd.protos.errors.TimedOut` after ``timeout`` seconds."""
     number: int = client.wait_version(name, after, timeout)
     return number
 
 
-async def wait_version_async(client: Any, name: str, after: int, timeout: float | None = None) -> int:
+async def wait_version_async(client: AsyncClient, name: str, after: int, timeout: float | None = None) -> int:
     """:func:`wait_version` for an :class:`~cuctxd.client.api.async_client.AsyncClient`."""
     number: int = await client.wait_version(name, after, timeout)
     return number
