@@ -320,6 +320,16 @@ def alloc(owner: Any, buffer: FromWire[T], size: int, device: int | None, sharea
     return _request("alloc", _built(owner, buffer, "buffer"), size=size, device=device, shareable=shareable)
 
 
+def alloc_version(owner: Any, buffer: FromWire[T], size: int, device: int | None, name: str
+                  ) -> Request[tuple[T, str, tuple[str, ...]]]:
+    """A shareable buffer for ``name``'s next version (the name's spare where it fits): the buffer, the id of its
+    allocation and the name's buffers now (PROTOCOL.md, "Versions")."""
+    def convert(result: dict[str, Any], frames: list[Any]) -> tuple[T, str, tuple[str, ...]]:
+        return buffer.from_wire(owner, result["buffer"]), str(result["buffer_id"]), tuple(result["buffers"])
+
+    return _request("alloc", convert, size=size, device=device, shareable=True, version_of=name)
+
+
 def _already_done() -> Plan[None]:
     yield from ()
 

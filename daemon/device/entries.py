@@ -215,6 +215,8 @@ class Buffer:
     context: SessionContext
     kind: MemoryKind
     share: Share | None = None
+    #: The id of its allocation once exported (the share descriptor's ``buffer_id``), kept with a spare.
+    buffer_id: str = ""
 
     @property
     def footprint(self) -> int:
