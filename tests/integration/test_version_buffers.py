@@ -1,0 +1,185 @@
+"""Version buffers are recycled and processes keep their mappings (PROTOCOL.md, section 9, "Versions"): after
+warm-up a trainer's next version goes into the name's spare and an engine opens it without an fd or a new mapping;
+a held version is never recycled; the spare goes with the name, with a killed trainer's session, and at a restart.
+A real daemon process, real client processes."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+
+from cuctxd import Client
+from cuctxd.client.tensors import open_tensors, publish_version
+from cuctxd.client.tensors.tensor_sets import alloc_version
+from tests.helpers import DaemonProcess, spawn_client, wait_for_line, wait_until
+from tests.integration import test_parking
+from tests.service_manager import ServiceManager
+
+#: Each version: 1 MiB of float32 (a 2 MiB VMM allocation), its values telling the version apart.
+SIZE = 1 << 18
+
+
+def weights(version: int) -> dict[str, np.ndarray]:
+    return {"w": np.full(SIZE, float(version), dtype=np.float32), "b": np.arange(8, dtype=np.float16) + version}
+
+
+@pytest.fixture(scope="module")
+def daemon_args() -> tuple[str, ...]:
+    return ("--sim-devices", "1", "--sim-memory", "64MiB", "--lease-ttl", "1")
+
+
+def free_memory(client: Client) -> int:
+    return int(client.mem_get_info()[0])
+
+
+def spares(client: Client) -> dict[str, int]:
+    """The device's spares (``status``): count, bytes, reused."""
+    found: dict[str, int] = client.status()["devices"][0]["spares"]
+    return found
+
+
+#: Holds the current version, moves to each newer one and closes the old, saying what it read and how many
+#: mappings it imported (each import took an fd from the daemon) or reused.
+ENGINE = """
+import numpy as np
+from cuctxd import Client
+from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
+from cuctxd.client.tensors import open_tensors, wait_version
+with Client(ENDPOINT) as c:
+    held = open_tensors(c, NAME)
+    while True:
+        w = np.asarray(held["w"])
+        print("at", held.version, float(w.min()), float(w.max()), VMM_IMPORTS.imported, VMM_IMPORTS.kept(),
+              flush=True)
+        if held.version == LAST:
+            break
+        wait_version(c, NAME, held.version, timeout=30)
+        newer = held.refresh()
+        held.close()
+        held = newer
+    held.close()
+    print("kept after close", VMM_IMPORTS.kept(), flush=True)
+"""
+
+
+def test_after_warm_up_each_version_reuses_the_spare_and_the_engine_maps_nothing_new(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as trainer:
+        empty = free_memory(trainer)
+        publish_version(trainer, "steady", weights(1))
+        one = empty - free_memory(trainer)
+        with spawn_client(f"NAME = 'steady'\nLAST = 6\n{ENGINE}", daemon.endpoint) as engine:
+            seen = [wait_for_line(engine, "at 1").split()]
+            for version in range(2, 7):
+                publish_version(trainer, "steady", weights(version))
+                seen.append(wait_for_line(engine, f"at {version}").split())
+                # the engine closed the older version: its allocation is the spare, the next version's buffer
+                assert wait_until(lambda: spares(trainer)["count"] == 1, 5)
+                assert free_memory(trainer) == empty - 2 * one  # never a third allocation
+            assert wait_for_line(engine, "kept after close").split()[-1] == "0"  # its last version closed
+            assert engine.wait(30) == 0
+        # every version read its own bytes, whole
+        assert [(int(line[1]), float(line[2]), float(line[3])) for line in seen] == [
+            (version, float(version), float(version)) for version in range(1, 7)]
+        imported = [int(line[4]) for line in seen]
+        assert imported == [1, 2, 2, 2, 2, 2]  # from version 3 on: no fd, no import, no map
+        assert all(int(line[5]) == 1 for line in seen[1:])  # the spare's mapping, kept
+        assert spares(trainer)["reused"] == 4  # versions 3 to 6 went into a spare: nothing allocated
+        trainer.unpublish("steady")
+        assert wait_until(lambda: free_memory(trainer) == empty, 5)  # the last version went, and the spare
+        assert spares(trainer) == {"count": 0, "bytes": 0, "reused": 4}
+
+
+def test_a_held_version_is_never_recycled(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as trainer, Client(daemon.endpoint) as engine:
+        publish_version(trainer, "held-one", weights(1))
+        held = open_tensors(engine, "held-one")
+        reused = spares(trainer)["reused"]
+        for version in range(2, 6):
+            publish_version(trainer, "held-one", weights(version))
+            assert np.all(np.asarray(held["w"]) == 1.0), f"version 1 changed after version {version}"
+        assert spares(trainer)["reused"] - reused == 2  # versions 4 and 5 reused 2 and 3; 1 never
+        newer = held.refresh()
+        assert newer is not None and np.all(np.asarray(newer["w"]) == 5.0)
+        newer.close()
+        held.close()
+        trainer.unpublish("held-one")
+        assert wait_until(lambda: spares(trainer)["count"] == 0, 5)
+
+
+TRAINER_KILLED_AFTER_ALLOC = """
+import sys
+import numpy as np
+from cuctxd import Client
+from cuctxd.client.tensors import publish_version
+from cuctxd.client.tensors.tensor_sets import alloc_version
+c = Client(ENDPOINT)
+for version in (1, 2):
+    publish_version(c, NAME, {"w": np.full(SIZE, float(version), dtype=np.float32)})
+buffer, buffer_id = alloc_version(c, NAME, SIZE * 4, None)
+buffer.fill(0xEE)  # half-written: the version it was for never comes
+print("allocated", buffer_id, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_trainer_killed_after_taking_the_spare_leaves_the_previous_version_and_the_memory_comes_back(
+        daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as observer:
+        empty = free_memory(observer)
+        code = f"NAME = 'killed'\nSIZE = {SIZE}\n{TRAINER_KILLED_AFTER_ALLOC}"
+        with spawn_client(code, daemon.endpoint) as trainer:
+            wait_for_line(trainer, "allocated")
+            assert spares(observer)["count"] == 0  # version 1's allocation was taken for version 3
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(10)
+        assert observer.lookup("killed").version == 2
+        with open_tensors(observer, "killed") as current:
+            assert np.all(np.asarray(current["w"]) == 2.0)
+        one = 2 << 20
+        assert wait_until(lambda: free_memory(observer) == empty - one, 10)  # freed with the session
+        assert spares(observer)["count"] == 0
+        observer.unpublish("killed")
+        assert wait_until(lambda: free_memory(observer) == empty, 5)
+
+
+def test_alloc_version_of_another_size_releases_the_spare(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as trainer:
+        empty = free_memory(trainer)
+        publish_version(trainer, "resized", weights(1))
+        publish_version(trainer, "resized", weights(2))
+        assert spares(trainer)["count"] == 1
+        buffer, _ = alloc_version(trainer, "resized", 6 << 20, None)  # a larger layout: a new allocation
+        assert spares(trainer)["count"] == 0
+        assert free_memory(trainer) == empty - (2 << 20) - (6 << 20)
+        buffer.free()
+        trainer.unpublish("resized")
+        assert wait_until(lambda: free_memory(trainer) == empty, 5)
+
+
+#: The test service manager of one test (standing in for systemd), as the parking tests have it.
+manager = test_parking.manager
+
+
+def test_a_spare_is_not_parked_and_live_versions_are_readopted_at_a_restart(manager: ServiceManager) -> None:
+    sim = ("--sim-devices", "1", "--sim-memory", "64MiB")
+    daemon = manager.start(*sim)
+    with Client(daemon.endpoint) as trainer:
+        empty = free_memory(trainer)
+        publish_version(trainer, "restarted", weights(1))
+        publish_version(trainer, "restarted", weights(2))
+        assert spares(trainer)["count"] == 1
+        assert free_memory(trainer) == empty - 2 * (2 << 20)
+    assert len([n for n in manager.names() if n.startswith("cuctxd-share-")]) == 1  # version 2 only
+
+    daemon = manager.restart(*sim)
+    with Client(daemon.endpoint) as c:
+        assert spares(c)["count"] == 0 and free_memory(c) == empty - (2 << 20)  # the spare went with the daemon
+        with open_tensors(c, "restarted") as current:
+            assert current.version == 2 and np.all(np.asarray(current["w"]) == 2.0)
+            assert current.share.descriptor.buffers == (current.share.descriptor.buffer_id,)
+        assert publish_version(c, "restarted", weights(3)) == 3
+        assert spares(c)["count"] == 1  # version 2, re-adopted, freed: the spare now
+        c.unpublish("restarted")
+        assert wait_until(lambda: free_memory(c) == empty, 5)
