@@ -9,7 +9,7 @@ session's hold.
 
 Keyed by (buffer id, device UUID): a buffer id names one device allocation (128 random bits, never given to
 another; PROTOCOL.md, "Versions"), the same while later versions of a name reuse it, so a mapping never serves
-other memory. A descriptor without one (a daemon before protocol 1.32) is keyed by its share id.
+other memory. A descriptor without one (an older daemon's) is keyed by its share id.
 
 What is kept. The last opening's close unmaps, unless the allocation is a buffer of a versioned name N (a live
 version or N's spare): those mappings are *kept*, so that N's next versions, which the daemon puts in the same
