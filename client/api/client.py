@@ -23,6 +23,7 @@ from cuctxd.client.api.streams import Event, Stream
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.data_plane.host_buffers import HostBuffer, host_alloc
 from cuctxd.client.data_plane.plane import DataPlane, checked
+from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import CHUNK_BYTES, Batch, Plan, Request, Run, Send, SharedPage, Step, Wait
 from cuctxd.client.wire.lease import Heartbeat
@@ -289,6 +290,7 @@ class Client(SessionState):
         """End the session (the daemon frees its contexts and memory) and the connection."""
         self._end_session()
         self._lost = None  # closed, not lost: later calls say so
+        VMM_IMPORTS.closed(self)
 
     def __enter__(self) -> Client:
         return self

@@ -155,6 +155,17 @@ class VmmImports:
             dropped = self._told(name, buffers)
         _close_all(dropped)
 
+    def closed(self, client: Any) -> None:
+        """``client`` was closed: the mappings kept because it published a name's versions go, unless this process
+        still holds a version of the name."""
+        with self._lock:
+            dropped = []
+            for name, known in list(self._names.items()):
+                if client in known.publishers:
+                    known.publishers.discard(client)
+                    dropped += self._trim(name)
+        _close_all(dropped)
+
     def told(self, name: str, buffers: Iterable[str]) -> None:
         """The daemon said ``name``'s buffers are ``buffers``: kept mappings of others go."""
         with self._lock:

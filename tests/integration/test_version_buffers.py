@@ -12,7 +12,9 @@ import pytest
 
 from cuctxd import Client
 from cuctxd.client.tensors import open_tensors, publish_version
-from cuctxd.client.tensors.tensor_sets import alloc_version
+from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
+from cuctxd.client.tensors.tensor_sets import alloc_version, plan_layout, publish_filled
+from cuctxd.protos.layouts import Manifest
 from tests.helpers import DaemonProcess, spawn_client, wait_for_line, wait_until
 from tests.integration import test_parking
 from tests.service_manager import ServiceManager
@@ -183,3 +185,35 @@ def test_a_spare_is_not_parked_and_live_versions_are_readopted_at_a_restart(mana
         assert spares(c)["count"] == 1  # version 2, re-adopted, freed: the spare now
         c.unpublish("restarted")
         assert wait_until(lambda: free_memory(c) == empty, 5)
+
+
+def test_a_trainer_writes_each_version_through_the_mapping_it_kept_until_its_client_closes(
+        daemon: DaemonProcess) -> None:
+    manifest, sources, size = plan_layout(weights(0))
+    imported = VMM_IMPORTS.imported
+    with Client(daemon.endpoint) as trainer:
+        for version in range(1, 6):  # as publish_version does with CUDA tensors, here through the sim's mapping
+            buffer, buffer_id = alloc_version(trainer, "written", size, None)
+            leased = VMM_IMPORTS.lease(buffer_id)
+            if leased is None:
+                with trainer.open_shared(trainer.export(buffer)) as mapped:
+                    _write(mapped.host_view(), manifest, version)
+            else:
+                opening, _ = leased
+                _write(opening.view, manifest, version)
+                opening.close()
+            publish_filled(trainer, "written", manifest, buffer, [None] * len(sources), version=True)
+            with open_tensors(trainer, "written") as tensors:
+                assert tensors.version == version and np.all(np.asarray(tensors["w"]) == version)
+        assert VMM_IMPORTS.imported - imported == 2  # versions 1 and 2; then the spare, mapped already
+        assert VMM_IMPORTS.kept() == 2  # the current version's buffer and the spare
+    assert VMM_IMPORTS.kept() == 0  # its client closed: nothing of the name is kept any more
+    with Client(daemon.endpoint) as c:
+        c.unpublish("written")
+
+
+def _write(view: memoryview, manifest: Manifest, version: int) -> None:
+    """Each tensor of ``weights(version)`` into a buffer of ``manifest`` mapped as ``view``."""
+    for spec in manifest.tensors:
+        data = np.ascontiguousarray(weights(version)[spec.name]).view(np.uint8)
+        view[spec.offset:spec.offset + data.nbytes] = data.data
