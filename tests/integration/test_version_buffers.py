@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from cuctxd import Client
-from cuctxd.client.tensors import open_tensors, publish_version
 from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
+from cuctxd.client.tensors import open_tensors, publish_version
 from cuctxd.client.tensors.tensor_sets import alloc_version, plan_layout, publish_filled
 from cuctxd.protos.layouts import Manifest
 from tests.helpers import DaemonProcess, spawn_client, wait_for_line, wait_until
