@@ -217,6 +217,9 @@ class Buffer:
     share: Share | None = None
     #: The id of its allocation once exported (the share descriptor's ``buffer_id``), kept with a spare.
     buffer_id: str = ""
+    #: A spare handed back (:mod:`cuctxd.daemon.device.spares`): it held a shared version, so a free that is not
+    #: a share's settle (which scrubs) sets it to zero first, as every shared memory is before it is freed.
+    was_shared: bool = False
 
     @property
     def footprint(self) -> int:

@@ -100,7 +100,8 @@ class Memory:
             if dropped:
                 spares.release_stale()
             if found is not None:
-                buffer = Buffer(new_handle(), found.ptr, size, context, found.kind, buffer_id=found.spare.buffer_id)
+                buffer = Buffer(new_handle(), found.ptr, size, context, found.kind, buffer_id=found.spare.buffer_id,
+                                was_shared=True)
                 spares.handed_over(found)
                 self._add(state, buffer, footprint)
                 return buffer
@@ -148,6 +149,8 @@ class Memory:
         if buffer.share is None:
             if stream is None:
                 self.current.activate(buffer.context)
+            if buffer.was_shared:
+                buffer.kind.scrub(buffer.ptr, buffer.size)
             buffer.kind.free(buffer.ptr, stream)
         else:
             self.sharing.owner_left(state, buffer.share, unpublish=unpublish)

@@ -361,14 +361,16 @@ class Sharing:
         if self.stopping:
             return  # left to the processes that map it (stop)
         versioned = [name for name, _, _, _ in self.registry.versions_of(share)]
+        spare = bool(versioned) and self.spares.keep(share, versioned)  # its name's next version goes there
+        if not spare:
+            self.current.activate(share.context)
+            share.kind.scrub(share.ptr, share.descriptor.size)  # its next user must not read what was shared
+            share.kind.free(share.ptr)
         del self.shares[share.share_id]
         self._not_orphaned(share)
         self.registry.remove(share)
         share.names.clear()
-        if not versioned or not self.spares.keep(share, versioned):
-            self.current.activate(share.context)
-            share.kind.scrub(share.ptr, share.descriptor.size)  # its next user must not read what was shared
-            share.kind.free(share.ptr)
+        if not spare:
             self._release_context(share.context, share.share_id)
             for name in versioned:  # its name's last version: the spare goes with it
                 if not self.registry.buffers(name):

@@ -60,13 +60,14 @@ class Spares:
         self.reused = 0
 
     def keep(self, share: Share, names: list[str]) -> bool:
-        """After ``share`` was forgotten by the registry: keep its allocation as the spare of the versioned name
-        it held (``names``) if that name still has a live version and no spare; True if kept."""
+        """Before ``share``, which nothing keeps alive any more, is forgotten: keep its allocation as the spare of
+        the versioned name it holds a version of (``names``) if that name has another live version and no spare;
+        True if kept (the share's context reference stays with the spare)."""
         if share.descriptor.mechanism != "vmm" or len(names) != 1 or not share.descriptor.buffer_id:
             return False
         name = names[0]
         spare = Spare(share.descriptor.buffer_id, self.device, share.descriptor.size, share.owner)
-        if name in self.by_name or not self.registry.keep_spare(name, spare):
+        if name in self.by_name or not self.registry.keep_spare(name, spare, share.share_id):
             return False
         self.by_name[name] = SpareBuffer(spare, share.share_id, share.ptr, share.context, share.kind)
         self._charge(spare.owner.uid, share.footprint)

@@ -564,11 +564,12 @@ class ShareRegistry:
         with self._lock:
             return next((self._buffers(name) for name, _, _, _ in self.versions.of_share(share_id)), ())
 
-    def keep_spare(self, name: str, spare: Spare) -> bool:
-        """Whether the allocation of a freed version of ``name`` becomes its spare: yes while the name has a live
-        version and no spare (module :mod:`cuctxd.daemon.registry.versions`); else its worker releases it."""
+    def keep_spare(self, name: str, spare: Spare, leaving: str) -> bool:
+        """Whether the allocation of share ``leaving``, a version of ``name`` about to be freed, becomes the name's
+        spare: yes while the name has another live version and no spare (:mod:`cuctxd.daemon.registry.versions`);
+        else it is scrubbed and released as any share."""
         with self._lock:
-            return self.versions.keep_spare(name, spare)
+            return self.versions.keep_spare(name, spare, leaving)
 
     def is_spare(self, name: str, buffer_id: str) -> bool:
         """Whether the allocation ``buffer_id`` is still ``name``'s spare (its worker releases it otherwise)."""

@@ -93,10 +93,11 @@ class VersionBook(Generic[N]):
             found.append((name, number, entry.live[number][1], entry.current == number))
         return found
 
-    def keep_spare(self, name: str, spare: Spare) -> bool:
-        """Record ``spare`` as ``name``'s spare if the name still has a live version and no spare yet."""
+    def keep_spare(self, name: str, spare: Spare, leaving: str) -> bool:
+        """Record ``spare``, the allocation of share ``leaving`` (about to be freed), as ``name``'s spare if the
+        name has a live version in another share and no spare yet."""
         entry = self._names.get(name)
-        if entry is None or not entry.live or entry.spare is not None:
+        if entry is None or entry.spare is not None or all(held == leaving for held, _ in entry.live.values()):
             return False
         entry.spare = spare
         return True

@@ -32,24 +32,30 @@ def test_a_freed_version_is_kept_as_the_spare_only_while_its_name_has_a_live_ver
     registry = ShareRegistry()
     one, two = _version(registry, "s1", "b1"), _version(registry, "s2", "b2")
     assert registry.buffers("policy") == ("b1", "b2")
-    registry.remove(one)  # nobody held version 1 any more
-    assert registry.keep_spare("policy", _spare("b1"))
+    assert registry.keep_spare("policy", _spare("b1"), "s1")  # nobody holds version 1 any more
+    registry.remove(one)
     assert registry.buffers("policy") == ("b2", "b1")  # the live version's, then the spare's
     assert registry.lookup("policy").buffers == ("b2", "b1")
     assert registry.buffers_of_share("s2") == ("b2", "b1")
-    assert not registry.keep_spare("policy", _spare("b9"))  # at most one spare a name: the worker releases b9
+    assert not registry.keep_spare("policy", _spare("b9"), "s9")  # at most one spare a name: b9 is released
     registry.remove(two)  # its last live version went: the spare is no longer the name's
     assert not registry.is_spare("policy", "b1")
     assert registry.buffers("policy") == ()
-    assert not registry.keep_spare("policy", _spare("b2"))
+    assert not registry.keep_spare("policy", _spare("b2"), "s2")
+
+
+def test_a_names_last_version_is_never_kept_as_its_spare() -> None:
+    registry = ShareRegistry()
+    _version(registry, "s1", "b1")
+    assert not registry.keep_spare("policy", _spare("b1"), "s1")  # it would be the name's only buffer, held by none
 
 
 def test_the_spare_goes_back_only_to_a_session_that_may_publish_the_next_version_and_only_where_it_fits() -> None:
     registry = ShareRegistry()
     one = _version(registry, "s1", "b1")
     _version(registry, "s2", "b2")
+    assert registry.keep_spare("policy", _spare("b1"), "s1")
     registry.remove(one)
-    assert registry.keep_spare("policy", _spare("b1"))
     assert registry.claim_spare("policy", STRANGER, 0, 4096) == (None, False)  # another uid: not its bytes to see
     assert registry.is_spare("policy", "b1")
     assert registry.claim_spare("policy", NEXT_RUN, 0, 4096) == (_spare("b1"), False)
@@ -61,11 +67,11 @@ def test_a_next_version_of_another_size_or_device_drops_the_spare() -> None:
     registry = ShareRegistry()
     one = _version(registry, "s1", "b1")
     _version(registry, "s2", "b2")
+    assert registry.keep_spare("policy", _spare("b1"), "s1")
     registry.remove(one)
-    assert registry.keep_spare("policy", _spare("b1"))
     assert registry.claim_spare("policy", TRAINER, 0, 8192) == (None, True)  # released by its worker
     assert not registry.is_spare("policy", "b1")
-    assert registry.keep_spare("policy", _spare("b1"))
+    assert registry.keep_spare("policy", _spare("b1"), "s1")
     assert registry.claim_spare("policy", TRAINER, 1, 4096) == (None, True)
 
 
@@ -73,8 +79,8 @@ def test_dropping_a_spare_names_its_buffer() -> None:
     registry = ShareRegistry()
     one = _version(registry, "s1", "b1")
     _version(registry, "s2", "b2")
+    registry.keep_spare("policy", _spare("b1"), "s1")
     registry.remove(one)
-    registry.keep_spare("policy", _spare("b1"))
     registry.drop_spare("policy", "b7")  # not its spare: nothing changes
     assert registry.is_spare("policy", "b1")
     registry.drop_spare("policy", "b1")
