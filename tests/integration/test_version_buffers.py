@@ -17,29 +17,13 @@ from cuctxd.client.tensors.tensor_sets import alloc_version, plan_layout, publis
 from cuctxd.protos.layouts import Manifest
 from tests.helpers import DaemonProcess, spawn_client, wait_for_line, wait_until
 from tests.integration import test_parking
+from tests.integration.test_versions import SIZE, free_memory, spares, weights
 from tests.service_manager import ServiceManager
-
-#: Each version: 1 MiB of float32 (a 2 MiB VMM allocation), its values telling the version apart.
-SIZE = 1 << 18
-
-
-def weights(version: int) -> dict[str, np.ndarray]:
-    return {"w": np.full(SIZE, float(version), dtype=np.float32), "b": np.arange(8, dtype=np.float16) + version}
 
 
 @pytest.fixture(scope="module")
 def daemon_args() -> tuple[str, ...]:
     return ("--sim-devices", "1", "--sim-memory", "64MiB", "--lease-ttl", "1")
-
-
-def free_memory(client: Client) -> int:
-    return int(client.mem_get_info()[0])
-
-
-def spares(client: Client) -> dict[str, int]:
-    """The device's spares (``status``): count, bytes, reused."""
-    found: dict[str, int] = client.status()["devices"][0]["spares"]
-    return found
 
 
 #: Holds the current version, moves to each newer one and closes the old, saying what it read and how many

@@ -28,6 +28,16 @@ def _spare(buffer_id: str, size: int = 4096, device: int = 0) -> Spare:
     return Spare(buffer_id, device, size, TRAINER)
 
 
+def _with_spare() -> ShareRegistry:
+    """Versions 1 (share s1, buffer b1) and 2 (s2, b2) of "policy", version 1 freed: b1 is the spare."""
+    registry = ShareRegistry()
+    one = _version(registry, "s1", "b1")
+    _version(registry, "s2", "b2")
+    assert registry.keep_spare("policy", _spare("b1"), "s1")
+    registry.remove(one)
+    return registry
+
+
 def test_a_freed_version_is_kept_as_the_spare_only_while_its_name_has_a_live_version() -> None:
     registry = ShareRegistry()
     one, two = _version(registry, "s1", "b1"), _version(registry, "s2", "b2")
@@ -51,11 +61,7 @@ def test_a_names_last_version_is_never_kept_as_its_spare() -> None:
 
 
 def test_the_spare_goes_back_only_to_a_session_that_may_publish_the_next_version_and_only_where_it_fits() -> None:
-    registry = ShareRegistry()
-    one = _version(registry, "s1", "b1")
-    _version(registry, "s2", "b2")
-    assert registry.keep_spare("policy", _spare("b1"), "s1")
-    registry.remove(one)
+    registry = _with_spare()
     assert registry.claim_spare("policy", STRANGER, 0, 4096) == (None, False)  # another uid: not its bytes to see
     assert registry.is_spare("policy", "b1")
     assert registry.claim_spare("policy", NEXT_RUN, 0, 4096) == (_spare("b1"), False)
@@ -64,11 +70,7 @@ def test_the_spare_goes_back_only_to_a_session_that_may_publish_the_next_version
 
 
 def test_a_next_version_of_another_size_or_device_drops_the_spare() -> None:
-    registry = ShareRegistry()
-    one = _version(registry, "s1", "b1")
-    _version(registry, "s2", "b2")
-    assert registry.keep_spare("policy", _spare("b1"), "s1")
-    registry.remove(one)
+    registry = _with_spare()
     assert registry.claim_spare("policy", TRAINER, 0, 8192) == (None, True)  # released by its worker
     assert not registry.is_spare("policy", "b1")
     assert registry.keep_spare("policy", _spare("b1"), "s1")
@@ -76,11 +78,7 @@ def test_a_next_version_of_another_size_or_device_drops_the_spare() -> None:
 
 
 def test_dropping_a_spare_names_its_buffer() -> None:
-    registry = ShareRegistry()
-    one = _version(registry, "s1", "b1")
-    _version(registry, "s2", "b2")
-    registry.keep_spare("policy", _spare("b1"), "s1")
-    registry.remove(one)
+    registry = _with_spare()
     registry.drop_spare("policy", "b7")  # not its spare: nothing changes
     assert registry.is_spare("policy", "b1")
     registry.drop_spare("policy", "b1")
