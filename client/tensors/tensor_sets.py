@@ -180,7 +180,7 @@ def alloc_version(client: Any, name: str, size: int, device: int | None) -> tupl
     return buffer, buffer_id
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
 def checked_manifest(packed: bytes, size: int) -> Manifest:
     """:func:`check_manifest`, once per manifest and size in this process: a trainer publishes the same layout
     every version, an engine opens it every version (a manifest of 300 tensors takes about 1.5 ms to check)."""

@@ -201,3 +201,17 @@ def _write(view: memoryview, manifest: Manifest, version: int) -> None:
     for spec in manifest.tensors:
         data = np.ascontiguousarray(weights(version)[spec.name]).view(np.uint8)
         view[spec.offset:spec.offset + data.nbytes] = data.data
+
+
+def test_a_next_version_on_another_device_releases_the_spare_on_its_own(start_daemons) -> None:  # type: ignore[no-untyped-def]
+    daemon = start_daemons("--sim-devices", "2", "--sim-memory", "64MiB")
+    with Client(daemon.endpoint) as trainer:
+        empty = free_memory(trainer)
+        publish_version(trainer, "moved", weights(1), device=0)
+        publish_version(trainer, "moved", weights(2), device=0)
+        assert spares(trainer)["count"] == 1
+        assert publish_version(trainer, "moved", weights(3), device=1) == 3
+        # version 2 went with the publish; device 0's worker sweeps the spare away: the name is on device 1 now
+        assert wait_until(lambda: spares(trainer)["count"] == 0, 5)
+        assert wait_until(lambda: free_memory(trainer) == empty, 5)
+        trainer.unpublish("moved")
