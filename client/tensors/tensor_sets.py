@@ -129,14 +129,39 @@ def layout_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
     return offsets, max(at, ALIGNMENT)
 
 
+#: A layout's tensors as a plan is made of them: (name, dtype, shape) each, in order.
+Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
 def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
                 ) -> tuple[Manifest, list[_Source], int]:
-    """Where each tensor goes (C order, :func:`layout_offsets`): the manifest, the sources, the size."""
+    """Where each tensor goes (C order, :func:`layout_offsets`): the manifest, the sources, the size. Without
+    metadata the manifest of the same tensors is made once (:func:`_planned`): a trainer plans every version."""
     sources = [_Source(str(name), value) for name, value in tensors.items()]
-    offsets, size = layout_offsets(source.nbytes for source in sources)
-    specs = tuple(TensorSpec(source.name, source.dtype, source.shape, c_strides(source.shape), offset)
-                  for source, offset in zip(sources, offsets, strict=True))
-    return Manifest(specs, dict(metadata or {})), sources, size
+    manifest, size, _ = _planned(tuple((source.name, source.dtype, source.shape) for source in sources))
+    if metadata:
+        manifest = Manifest(manifest.tensors, dict(metadata))
+    return manifest, sources, size
+
+
+@functools.lru_cache(maxsize=4)
+def _planned(signature: Signature) -> tuple[Manifest, int, bytes]:
+    """The manifest (without metadata) of tensors of ``signature`` laid out in order, the size, and the manifest
+    packed."""
+    offsets, size = layout_offsets(DTYPES[dtype].itemsize * math.prod(shape) for _, dtype, shape in signature)
+    specs = tuple(TensorSpec(name, dtype, shape, c_strides(shape), offset)
+                  for (name, dtype, shape), offset in zip(signature, offsets, strict=True))
+    manifest = Manifest(specs, {})
+    return manifest, size, manifest.pack()
+
+
+def packed_manifest(manifest: Manifest) -> bytes:
+    """``manifest`` packed: its plan's packing where it is a plan's manifest without metadata."""
+    if not manifest.metadata and manifest.digest is None:
+        planned, _, packed = _planned(tuple((spec.name, spec.dtype, spec.shape) for spec in manifest.tensors))
+        if manifest is planned or manifest == planned:
+            return packed
+    return manifest.pack()
 
 
 def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
@@ -150,7 +175,7 @@ def publish_layout(client: Any, name: str, manifest: Manifest, size: int,
     The manifest is checked first, as the daemon will. Nothing stays published or allocated when this
     raises; a device without room raises the allocation's ``CUDA_ERROR_OUT_OF_MEMORY`` with the sizes in
     its message (:func:`no_room`)."""
-    packed = manifest.pack()
+    packed = packed_manifest(manifest)
     checked_manifest(packed, size)  # what the daemon will check, said before any memory is taken
     device, copies = first_and_copies(client, device)
     buffer_id = ""

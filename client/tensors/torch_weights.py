@@ -45,14 +45,18 @@ def publishable(module_or_state_dict: Any) -> dict[str, Any]:
                 for name, spec in DTYPES.items() if hasattr(torch, name) and spec.itemsize in (1, 2, 4, 8)}
     tensors: dict[str, Any] = {}
     for key, tensor in state.items():
-        tensor = tensor.detach().contiguous()
         if tensor.is_cuda and tensor.dtype in typestrs:
-            # the interface made here from data_ptr(): torch's own costs tens of µs a tensor, and names no bf16
+            # the interface made here from data_ptr(): torch's own costs tens of µs a tensor, and names no bf16;
+            # no detach (a pointer needs none) and no copy of a contiguous tensor, as a trainer publishes each step
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
             typestr, name = typestrs[tensor.dtype]
             interface = {"shape": tuple(tensor.shape), "typestr": typestr, "data": (tensor.data_ptr(), False),
                          "version": 3, "strides": None}
-            tensors[key] = (CudaArray(interface, tensor), name)  # the tensor (a contiguous copy) lives as long
-        elif (dtype := str(tensor.dtype).removeprefix("torch.")) in DTYPES and DTYPES[dtype].typestr is None:
+            tensors[key] = (CudaArray(interface, tensor), name)  # the tensor (or its contiguous copy) lives as long
+            continue
+        tensor = tensor.detach().contiguous()
+        if (dtype := str(tensor.dtype).removeprefix("torch.")) in DTYPES and DTYPES[dtype].typestr is None:
             # no array interface names it (bfloat16, float8): its bytes as an integer of its size
             tensors[key] = (tensor.view(torch.int16 if DTYPES[dtype].itemsize == 2 else torch.uint8), dtype)
         elif tensor.is_cuda:

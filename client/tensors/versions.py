@@ -18,7 +18,14 @@ from cuctxd.client.api.objects import AsyncBuffer
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.tensors.hashing import hash_views
-from cuctxd.client.tensors.tensor_sets import checked_manifest, device_copies, digested, plan_layout, publish_tensors
+from cuctxd.client.tensors.tensor_sets import (
+    checked_manifest,
+    device_copies,
+    digested,
+    packed_manifest,
+    plan_layout,
+    publish_tensors,
+)
 from cuctxd.client.wire import build
 from cuctxd.protos.errors import BadArgument
 from cuctxd.protos.layouts import Manifest
@@ -48,7 +55,7 @@ async def publish_version_async(client: Any, name: str, tensors: Any, metadata: 
     """:func:`publish_version` for an :class:`~cuctxd.client.api.async_client.AsyncClient`: the same requests,
     awaited (host tensors hashed on a thread while they are written, device copies made on a thread)."""
     manifest, sources, size = plan_layout(_publishable(tensors), metadata)
-    packed = manifest.pack()
+    packed = packed_manifest(manifest)
     checked_manifest(packed, size)
     buffer, buffer_id, buffers = await client.run(build.alloc_version(client, AsyncBuffer, size, device, name))
     VMM_IMPORTS.publishing(client, name, (*buffers, buffer_id))
