@@ -140,9 +140,11 @@ class Sharing:
         if buffer.share is not None and buffer.share.names:
             return  # already published: its bytes were checked then
         uid = state.ref.uid
-        orphaned = self.orphaned_bytes.get(uid, 0)
         limit = self.orphan_bytes_limit
         footprint = buffer.footprint
+        while self.orphaned_bytes.get(uid, 0) + footprint > limit and self.spares.release_of_uid(uid):
+            pass  # a spare is only kept for a next version: it never costs a publish its room
+        orphaned = self.orphaned_bytes.get(uid, 0)
         if orphaned + footprint > limit:
             raise LimitExceeded(
                 f"max_orphaned_bytes_per_uid: {_uid_text(uid)} already leaves {orphaned} bytes on device "

@@ -215,3 +215,17 @@ def test_a_next_version_on_another_device_releases_the_spare_on_its_own(start_da
         assert wait_until(lambda: spares(trainer)["count"] == 0, 5)
         assert wait_until(lambda: free_memory(trainer) == empty, 5)
         trainer.unpublish("moved")
+
+
+def test_a_spare_counts_against_its_publishers_uid_and_gives_way_to_a_publish(start_daemons) -> None:  # type: ignore[no-untyped-def]
+    daemon = start_daemons("--sim-devices", "1", "--sim-memory", "64MiB", "--max-orphaned-bytes-per-uid", "5MiB")
+    with Client(daemon.endpoint) as trainer:
+        publish_version(trainer, "counted", weights(1))
+        publish_version(trainer, "counted", weights(2))
+        orphaned = trainer.status()["devices"][0]["orphaned"]
+        assert spares(trainer)["count"] == 1 and orphaned["bytes"] == 2 * (2 << 20)  # version 2 and the spare
+        publish_version(trainer, "other", weights(1))  # 6 MiB with the spare: the spare goes, the publish passes
+        assert spares(trainer)["count"] == 0
+        assert trainer.status()["devices"][0]["orphaned"]["bytes"] == 2 * (2 << 20)
+        trainer.unpublish("counted")
+        trainer.unpublish("other")
