@@ -101,7 +101,7 @@ class Memory:
                 spares.release_stale()
             if found is not None:
                 buffer = Buffer(new_handle(), found.ptr, size, context, found.kind, buffer_id=found.spare.buffer_id,
-                                was_shared=True)
+                                spare_of=name)
                 spares.handed_over(found)
                 self._add(state, buffer, footprint)
                 return buffer
@@ -149,7 +149,7 @@ class Memory:
         if buffer.share is None:
             if stream is None:
                 self.current.activate(buffer.context)
-            if buffer.was_shared:
+            if buffer.spare_of:
                 buffer.kind.scrub(buffer.ptr, buffer.size)
             buffer.kind.free(buffer.ptr, stream)
         else:

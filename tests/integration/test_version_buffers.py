@@ -10,10 +10,11 @@ import signal
 import numpy as np
 import pytest
 
-from cuctxd import Client
+from cuctxd import BadArgument, Client
 from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.tensors import open_tensors, publish_version
 from cuctxd.client.tensors.tensor_sets import alloc_version, plan_layout, publish_filled
+from cuctxd.client.wire import build
 from cuctxd.protos.layouts import Manifest
 from tests.helpers import DaemonProcess, spawn_client, wait_for_line, wait_until
 from tests.integration import test_parking
@@ -229,3 +230,17 @@ def test_a_spare_counts_against_its_publishers_uid_and_gives_way_to_a_publish(st
         assert trainer.status()["devices"][0]["orphaned"]["bytes"] == 2 * (2 << 20)
         trainer.unpublish("counted")
         trainer.unpublish("other")
+
+
+def test_a_spare_is_published_only_as_its_names_next_version(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint) as trainer:
+        publish_version(trainer, "only-next", weights(1))
+        publish_version(trainer, "only-next", weights(2))
+        buffer, _ = alloc_version(trainer, "only-next", plan_layout(weights(3))[2], None)  # the spare: version 1's
+        assert spares(trainer)["count"] == 0
+        for publish in (lambda: trainer.publish(buffer, "elsewhere"),
+                        lambda: trainer.run(build.publish(buffer, "another", version=True))):
+            with pytest.raises(BadArgument, match="spare"):
+                publish()
+        buffer.free()  # set to zero before it is released, as any memory that was shared
+        trainer.unpublish("only-next")
