@@ -187,10 +187,10 @@ class VmmImports:
                 dropped += self._trim(name)
         _close_all(dropped)
 
-    def kept(self) -> int:
-        """Mappings kept with no opening (for tests and benchmarks)."""
+    def kept(self, name: str) -> int:
+        """The mappings of ``name``'s buffers kept with no opening (for tests and benchmarks)."""
         with self._lock:
-            return sum(1 for shared in self._mapped.values() if not shared.openings)
+            return sum(1 for shared in self._mapped.values() if shared.name == name and not shared.openings)
 
     # --- under the lock ----------------------------------------------------------------------------------------
 

@@ -74,7 +74,7 @@ def publish(state: DeviceState, job: Job) -> Reply | Pending | Forward:
     buffer = session.buffers[job.args.buffer]
     if buffer.spare_of and (name != buffer.spare_of or not job.args.version):
         raise BadArgument(f"this buffer is {buffer.spare_of!r}'s spare (alloc with version_of), holding an older "
-                          f"version of it: publish it only as {buffer.spare_of!r}'s next version (publish with version)")
+                          f"version of it: publish it only as {buffer.spare_of!r}'s next version (with version)")
     naming = Naming(read_only=job.args.read_only)
     if job.args.manifest is not None:  # checked before anything is exported or named
         manifest = _checked_manifest(job.args.manifest, buffer.size)

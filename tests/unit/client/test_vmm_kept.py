@@ -40,7 +40,7 @@ def imports() -> VmmImports:
 
 def test_a_plain_share_is_unmapped_with_its_last_opening(imports: VmmImports) -> None:
     imports.map(_descriptor("plain", version=0), _fd()).close()
-    assert imports.kept() == 0 and imports.reuse(_descriptor("plain", version=0)) is None
+    assert imports.kept("policy") == 0 and imports.reuse(_descriptor("plain", version=0)) is None
 
 
 def test_a_versioned_buffer_is_kept_while_listed_and_a_version_is_held(imports: VmmImports) -> None:
@@ -48,13 +48,13 @@ def test_a_versioned_buffer_is_kept_while_listed_and_a_version_is_held(imports: 
     one = imports.map(_descriptor("b1", 1, both), _fd())
     two = imports.map(_descriptor("b2", 2, both), _fd())
     one.close()  # version 2 is held: b1 (the name's spare next) stays mapped
-    assert imports.kept() == 1
+    assert imports.kept("policy") == 1
     again = imports.reuse(_descriptor("b1", 3, ("b2", "b1")))  # version 3 went into b1: no fd, no map
     assert again is not None and imports.imported == 2 and imports.reused == 1
     again.close()
-    assert imports.kept() == 1
+    assert imports.kept("policy") == 1
     imports.told("policy", ("b2",))  # a reply without b1 (the daemon released it): its kept mapping goes
-    assert imports.kept() == 0 and imports.lease("b1") is None
+    assert imports.kept("policy") == 0 and imports.lease("b1") is None
     two.close()
 
 
@@ -62,21 +62,21 @@ def test_the_last_version_closed_drops_every_kept_mapping(imports: VmmImports) -
     both = ("b1", "b2")
     one, two = imports.map(_descriptor("b1", 1, both), _fd()), imports.map(_descriptor("b2", 2, both), _fd())
     one.close()
-    assert imports.kept() == 1
+    assert imports.kept("policy") == 1
     two.close()  # no version of the name is open here, and this process publishes none
-    assert imports.kept() == 0
+    assert imports.kept("policy") == 0
 
 
 def test_a_publisher_keeps_its_buffers_until_its_client_closes(imports: VmmImports) -> None:
     trainer = _Publisher()
     imports.publishing(trainer, "policy", ("b1",))
     imports.map(replace(_descriptor("b1", 0), name=None), _fd()).close()  # its mapping of the new buffer, unnamed
-    assert imports.kept() == 1
+    assert imports.kept("policy") == 1
     leased = imports.lease("b1")
     assert leased is not None and leased[1] == "u"
     leased[0].close()
     imports.closed(trainer)
-    assert imports.kept() == 0 and imports.lease("b1") is None
+    assert imports.kept("policy") == 0 and imports.lease("b1") is None
 
 
 def test_at_most_kept_per_name_the_least_recently_used_going_first(imports: VmmImports) -> None:
@@ -84,6 +84,6 @@ def test_at_most_kept_per_name_the_least_recently_used_going_first(imports: VmmI
     held = imports.map(_descriptor(ids[-1], 9, ids), _fd())  # a version held: the others may be kept
     for index, buffer_id in enumerate(ids[:-1]):
         imports.map(_descriptor(buffer_id, index + 1, ids), _fd()).close()
-    assert imports.kept() == KEPT_PER_NAME
+    assert imports.kept("policy") == KEPT_PER_NAME
     assert imports.lease(ids[0]) is None  # the oldest went
     held.close()
