@@ -35,18 +35,20 @@ BUCKET_BYTES = 1 << 30
 #: What each stage's span covers. None times GPU work left running: each span's GPU work (copies) is
 #: synchronized inside it by the call itself, the others are host work and requests.
 STAGES = {
-    "trainer alloc": "the alloc request: the daemon allocates the new version's buffer (VMM, shareable)",
-    "trainer export": "the export request: the buffer's share handle, its fd passed here",
-    "trainer open_shared": "importing and mapping the buffer in the trainer",
+    "trainer alloc": "the alloc request (version_of): the name's spare, or a new VMM allocation while warming up",
+    "trainer export": "the export request, only where the trainer has not mapped the buffer yet (warm-up)",
+    "trainer open_shared": "importing and mapping the buffer in the trainer, only where not mapped yet (warm-up)",
     "trainer host writes": "the host tensors written through the data plane (the sim only)",
     "trainer publish request": "the publish request: the version made current, waiting engines answered",
-    "trainer rest": "planning the layout, the device-to-device copies and their synchronize, the unmap",
+    "trainer rest": "planning the layout, the device-to-device copies and their synchronize (the mapping is kept)",
     "trainer total": "publish_version's call, whole",
     "trainer reduce_tensor": "one CUDA IPC handle per tensor (per-tensor)",
     "trainer fill buckets": "copies into the buckets, synchronized, and one handle each (buckets)",
     "trainer send": "the handles pickled and sent to every engine",
-    "engine refresh": "lookup of the newest version, import and map of its share, its TensorSet",
-    "engine views": "LoadedState over the new share: one torch tensor per tensor (torch only)",
+    "engine refresh": "lookup of the newest version, its hold, import and map (none where its buffer is mapped "
+                      "already), its TensorSet",
+    "engine views": "LoadedState over the new share: one torch tensor per tensor, or the views made for that "
+                    "buffer before (torch only)",
     "engine open": "open of the newest version: lookup, import, map and its views",
     "engine copy_into": "the version copied into the engine's parameters (synchronized on cuda)",
     "engine close": "the version unmapped and let go",
@@ -134,13 +136,13 @@ class _Timed:
         return timed
 
     def stages(self, total: float) -> dict[str, float]:
-        """The calls' seconds by stage (:data:`STAGES`): the last ``run`` is the publish request, any before it
-        the host writes; what no call covers is ``trainer rest``."""
+        """The calls' seconds by stage (:data:`STAGES`): the first ``run`` is the alloc request (``version_of``),
+        the last the publish request, any between them the host writes; what no call covers is ``trainer rest``."""
         stages: dict[str, float] = {}
         runs = [index for index, (name, _) in enumerate(self._calls) if name == "run"]
         for index, (name, seconds) in enumerate(self._calls):
-            stage = ("trainer publish request" if runs and index == runs[-1] else "trainer host writes"
-                     if name == "run" else f"trainer {name}")
+            stage = ("trainer alloc" if index == runs[0] else "trainer publish request" if index == runs[-1]
+                     else "trainer host writes" if name == "run" else f"trainer {name}")
             stages[stage] = stages.get(stage, 0.0) + seconds
         stages["trainer rest"] = total - sum(stages.values())
         stages["trainer total"] = total
@@ -181,7 +183,7 @@ def run_engine(endpoint: str, backend: str, way: str, total: int, count: int, pa
     """An engine's process (module docstring)."""
     from cuctxd import Client
     from cuctxd.client.tensors.tensor_sets import open_tensors
-    from cuctxd.client.tensors.torch_weights import LoadedState, load_state_dict
+    from cuctxd.client.tensors.torch_weights import load_state_dict
     from cuctxd.client.tensors.versions import wait_version
 
     torch = _start(backend)
@@ -214,7 +216,7 @@ def run_engine(endpoint: str, backend: str, way: str, total: int, count: int, pa
                     woken = spans.mark()
                     newer = held.tensors.refresh() if torch is not None else held.refresh()  # LoadedState.refresh
                     spans.end("engine refresh")
-                    previous, held = held, LoadedState(newer) if torch is not None else newer
+                    previous, held = held, held.successor(newer) if torch is not None else newer
                     spans.end("engine views")
                     seen = _first(torch, held.state_dict[last] if torch is not None else held[last])
                 elif way == "copy":

@@ -9,7 +9,7 @@ device when ``device`` is omitted). PROTOCOL.md is the long form of this file.
 
 from __future__ import annotations
 
-from cuctxd.protos.schema import count_field, handle_field, op, required_count
+from cuctxd.protos.schema import count_field, handle_field, name_field, op, required_count
 
 # --- session and daemon -----------------------------------------------------------
 
@@ -154,12 +154,14 @@ class MemGetInfo:
 class Alloc:
     """Allocate in the session's current context on ``device`` (binds the primary lazily):
     from the device's stream-ordered pool (``cuMemAllocFromPoolAsync``), or with
-    ``cuMemAlloc`` when ``shareable`` (only such buffers can be exported).
-    Result: ``buffer`` (buffer record)."""
+    ``cuMemAlloc`` when ``shareable`` (only such buffers can be exported). ``version_of``: a shareable
+    buffer for the next version of that name, its spare where it fits (PROTOCOL.md, "Versions").
+    Result: ``buffer`` (buffer record); with ``version_of`` also ``buffer_id`` and ``buffers``."""
 
     size: int = required_count()
     device: int | None = count_field(default=None)
     shareable: bool = False
+    version_of: str | None = name_field(default=None)
 
 
 @op("free", target="device")

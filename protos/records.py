@@ -92,6 +92,9 @@ class ShareDescriptor(_Record):
     ``read_only`` (from ``lookup``): the name was published read-only: map it without write access.
     ``version`` (from ``publish`` and ``lookup`` of a versioned name): the version's number, 1 for the first;
     0 where the name has no versions.
+    ``buffer_id``: a random 128-bit id (hex) of the device allocation behind the share, the same while later
+    versions of a name reuse it, never given to another allocation. ``buffers`` (replies about a versioned
+    name): the ids of the name's buffers now, its live versions' and its spare's (PROTOCOL.md, "Versions").
     """
 
     share_id: str
@@ -110,3 +113,9 @@ class ShareDescriptor(_Record):
     publisher: dict[str, Any] | None = None
     read_only: bool = False
     version: int = 0
+    buffer_id: str = ""
+    buffers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.buffers, tuple):  # msgpack gives a list
+            object.__setattr__(self, "buffers", tuple(self.buffers))

@@ -5,8 +5,9 @@ in a trainer process; :data:`ENGINES` engine processes hold the previous version
 to the last engine having computed with the new version (it reads a value the trainer wrote into it), the
 median of the rounds after the first (the first in the note). The ways (:mod:`bench.weight_sync_roles`):
 
-* zero-copy: ``publish_version`` (device to device into a new daemon buffer in the trainer), engines
-  ``wait_version`` in the daemon, ``refresh()`` and compute on the new version, closing the old one after;
+* zero-copy: ``publish_version`` (device to device in the trainer into the name's spare, an older version's
+  buffer that the trainer and the engines keep mapped: nothing allocated or mapped after the first rounds),
+  engines ``wait_version`` in the daemon, ``refresh()`` and compute on the new version, closing the old one after;
 * copy: the same, each engine copying the version into parameters of its own (``copy_into``);
 * anchors, in the same run (cuda and torch only): one CUDA IPC handle per tensor
   (``torch.multiprocessing.reductions.reduce_tensor``), rebuilt in each engine and copied into its parameters,

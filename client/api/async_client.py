@@ -35,6 +35,7 @@ from cuctxd.client.api.sharing import AsyncOpenedShare
 from cuctxd.client.api.streams import AsyncEvent, AsyncStream
 from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer
 from cuctxd.client.data_plane.plane import DataPlane
+from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.presentation import docs_from
 from cuctxd.client.wire import build
 from cuctxd.client.wire.async_socket_transport import AsyncTransport
@@ -228,6 +229,7 @@ class AsyncClient(SessionState):
     async def close(self) -> None:
         await self._end_session()
         self._lost = None  # closed, not lost: later calls say so
+        VMM_IMPORTS.closed(self)
 
     async def __aenter__(self) -> AsyncClient:
         return await self.open()

@@ -25,6 +25,7 @@ from cuctxd.client.api.sharing import OpenedShare
 from cuctxd.client.api.streams import Event, Stream
 from cuctxd.client.data_plane.host_buffers import HostBuffer
 from cuctxd.client.data_plane.plane import DataPlane, checked
+from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.wire import build
 from cuctxd.client.wire.build import CHUNK_BYTES, Batch, Plan, Request, Run, Send, Step, Wait
 from cuctxd.client.wire.lease import Heartbeat
@@ -297,6 +298,7 @@ class Client(SessionState):
         """End the session (the daemon frees its contexts and memory) and the connection."""
         self._end_session()
         self._lost = None  # closed, not lost: later calls say so
+        VMM_IMPORTS.closed(self)
 
     def __enter__(self) -> Client:
         return self

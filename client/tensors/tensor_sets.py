@@ -16,6 +16,7 @@ on the sim. Which thread may call: the client's callers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from typing import Any
 from cuctxd.client.api.client import Client
 from cuctxd.client.api.sharing import OpenedShare, byte_interface
 from cuctxd.client.data_plane import transfers
+from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.tensors import dlpack
 from cuctxd.client.tensors.copies import Devices, caller_device, first_and_copies, stage_copies
 from cuctxd.client.tensors.hashing import hash_views
@@ -128,58 +130,110 @@ def layout_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
     return offsets, max(at, ALIGNMENT)
 
 
+#: A layout's tensors as a plan is made of them: (name, dtype, shape) each, in order.
+Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
 def plan_layout(tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
                 ) -> tuple[Manifest, list[_Source], int]:
-    """Where each tensor goes (C order, :func:`layout_offsets`): the manifest, the sources, the size."""
+    """Where each tensor goes (C order, :func:`layout_offsets`): the manifest, the sources, the size. Without
+    metadata the manifest of the same tensors is made once (:func:`_planned`): a trainer plans every version."""
     sources = [_Source(str(name), value) for name, value in tensors.items()]
-    offsets, size = layout_offsets(source.nbytes for source in sources)
-    specs = tuple(TensorSpec(source.name, source.dtype, source.shape, c_strides(source.shape), offset)
-                  for source, offset in zip(sources, offsets, strict=True))
-    return Manifest(specs, dict(metadata or {})), sources, size
+    manifest, size, _ = _planned(tuple((source.name, source.dtype, source.shape) for source in sources))
+    if metadata:
+        manifest = Manifest(manifest.tensors, dict(metadata))
+    return manifest, sources, size
+
+
+@functools.lru_cache(maxsize=4)
+def _planned(signature: Signature) -> tuple[Manifest, int, bytes]:
+    """The manifest (without metadata) of tensors of ``signature`` laid out in order, the size, and the manifest
+    packed."""
+    offsets, size = layout_offsets(DTYPES[dtype].itemsize * math.prod(shape) for _, dtype, shape in signature)
+    specs = tuple(TensorSpec(name, dtype, shape, c_strides(shape), offset)
+                  for (name, dtype, shape), offset in zip(signature, offsets, strict=True))
+    manifest = Manifest(specs, {})
+    return manifest, size, manifest.pack()
+
+
+def packed_manifest(manifest: Manifest) -> bytes:
+    """``manifest`` packed: its plan's packing where it is a plan's manifest without metadata."""
+    if not manifest.metadata and manifest.digest is None:
+        planned, _, packed = _planned(tuple((spec.name, spec.dtype, spec.shape) for spec in manifest.tensors))
+        if manifest is planned or manifest == planned:
+            return packed
+    return manifest.pack()
 
 
 def publish_layout(client: Client, name: str, manifest: Manifest, size: int,
-                   fill: Callable[[Any], Sequence[str | None]], *, device: Devices = None,
+                   fill: Callable[[Any, str], Sequence[str | None]], *, device: Devices = None,
                    persistent: bool = True, read_only: bool = False, replace: bool = False,
                    version: bool = False) -> ShareDescriptor:
     """Allocate one shareable buffer of ``size`` bytes on ``device`` (several: the first; the others get copies
-    of it), ``fill(buffer)`` it (it returns each tensor's digest in the manifest's order, None where unknown),
-    and publish it (:func:`publish_filled`).
+    of it; a ``version``: :func:`alloc_version`), ``fill(buffer, buffer_id)`` it (``buffer_id``: a version's
+    allocation, else ""; it returns each tensor's digest in the manifest's order, None where unknown), and
+    publish it (:func:`publish_filled`).
     The manifest is checked first, as the daemon will. Nothing stays published or allocated when this
     raises; a device without room raises the allocation's ``CUDA_ERROR_OUT_OF_MEMORY`` with the sizes in
     its message (:func:`no_room`)."""
-    check_manifest(manifest.pack(), size)  # what the daemon will check, said before any memory is taken
+    packed = packed_manifest(manifest)
+    checked_manifest(packed, size)  # what the daemon will check, said before any memory is taken
     device, copies = first_and_copies(client, device)
+    buffer_id = ""
     try:
-        buffer = client.alloc(size, device, shareable=True)
+        if version:
+            buffer, buffer_id = alloc_version(client, name, size, device)
+        else:
+            buffer = client.alloc(size, device, shareable=True)
     except CudaError as error:
         raise no_room(client, error, size, device, len(manifest.tensors)) from None
     try:
-        found = fill(buffer)
+        found = fill(buffer, buffer_id)
     except BaseException:
         buffer.free()
         raise
     return publish_filled(client, name, manifest, buffer, found, persistent=persistent, read_only=read_only,
-                          replace=replace, copies=copies, version=version)
+                          replace=replace, copies=copies, version=version, packed=packed)
+
+
+def alloc_version(client: Client, name: str, size: int, device: int | None) -> tuple[Any, str]:
+    """A buffer for ``name``'s next version (its spare where the daemon has one that fits) and its allocation's
+    buffer id; this client's mappings of the name's buffers are kept from now on (:mod:`vmm_imports`)."""
+    from cuctxd.client.api.objects import Buffer
+
+    buffer, buffer_id, buffers = client.run(build.alloc_version(client, Buffer, size, device, name))
+    VMM_IMPORTS.publishing(client, name, (*buffers, buffer_id))
+    return buffer, buffer_id
+
+
+@functools.lru_cache(maxsize=4)
+def checked_manifest(packed: bytes, size: int) -> Manifest:
+    """:func:`check_manifest`, once per manifest and size in this process: a trainer publishes the same layout
+    every version, an engine opens it every version (a manifest of 300 tensors takes about 1.5 ms to check)."""
+    return check_manifest(packed, size)
 
 
 def publish_filled(client: Client, name: str, manifest: Manifest, buffer: Any, found: Sequence[str | None], *,
                    persistent: bool = True, read_only: bool = False, replace: bool = False,
-                   copies: Sequence[int] = (), version: bool = False) -> ShareDescriptor:
+                   copies: Sequence[int] = (), version: bool = False, packed: bytes | None = None
+                   ) -> ShareDescriptor:
     """Publish ``buffer`` as ``name`` with the manifest and each tensor's digest ``found`` (the layout's
     digest where every tensor has one); ``replace``: swap a name in use (``publish``'s ``replace``);
     ``copies``: devices that get a copy of it, filled on the GPU and staged first, so that the publish brings
     every copy in at once (:mod:`cuctxd.client.tensors.copies`); ``version``: as the name's next version, the
-    buffer handed to the daemon (on one device: a version has no copies). Returns the share's descriptor with that
-    manifest; frees the buffer and the copies when this raises."""
+    buffer handed to the daemon (on one device: a version has no copies). ``packed``: the manifest packed, where
+    the caller has it. Returns the share's descriptor with that manifest; frees the buffer and the copies when this
+    raises."""
     staged: list[Any] = []
     try:
         if version and copies:
             raise BadArgument(f"a version of {name!r} is published on one device: it has no copies")
-        packed = digested(manifest, found)
+        packed = digested(manifest, found, packed)
         staged = stage_copies(client, name, buffer, copies, packed, persistent=persistent, read_only=read_only)
         published: ShareDescriptor = client.run(build.publish(buffer, name, packed, persistent, read_only,
                                                               replace=replace, version=version))
+        if version:
+            VMM_IMPORTS.told(name, published.buffers)
         return dataclasses.replace(published, manifest=packed)
     except BaseException:
         for copy in staged:
@@ -188,8 +242,11 @@ def publish_filled(client: Client, name: str, manifest: Manifest, buffer: Any, f
         raise
 
 
-def digested(manifest: Manifest, found: Sequence[str | None]) -> bytes:
-    """The manifest packed with each tensor's digest ``found`` (and the layout's, where every tensor has one)."""
+def digested(manifest: Manifest, found: Sequence[str | None], packed: bytes | None = None) -> bytes:
+    """The manifest packed with each tensor's digest ``found`` (and the layout's, where every tensor has one);
+    ``packed`` (the manifest's own packing) as it is where neither it nor ``found`` has any digest."""
+    if packed is not None and not any(found) and not any(spec.digest for spec in manifest.tensors):
+        return packed
     specs = tuple(dataclasses.replace(spec, digest=digest)
                   for spec, digest in zip(manifest.tensors, found, strict=True))
     return Manifest.digested(specs, manifest.metadata).pack()
@@ -230,14 +287,18 @@ def publish_tensors(client: Client, name: str, tensors: Mapping[str, Any], metad
     Nothing stays published or allocated when this raises."""
     manifest, sources, size = plan_layout(tensors, metadata)
 
-    def fill(buffer: Any) -> list[str | None]:
+    def fill(buffer: Any, buffer_id: str) -> list[str | None]:
         hashed = {index: source.host for index, source in enumerate(sources) if source.host is not None}
+        if not hashed:  # device tensors only (a trainer's): no hashing thread to start
+            if sources:
+                _copy_from_device(client, buffer, manifest, sources, buffer_id)
+            return [None] * len(sources)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuctxd-digests") as pool:  # waits for it
             running = pool.submit(hash_views, list(hashed.values())) if digest and hashed else None
             host_sources = [(manifest.tensors[index].offset, view) for index, view in hashed.items() if view.nbytes]
             _write_host_sources(client, buffer, host_sources, sum(source.nbytes for source in sources), progress)
             if any(source.device_ptr is not None for source in sources):
-                _copy_from_device(client, buffer, manifest, sources)
+                _copy_from_device(client, buffer, manifest, sources, buffer_id)
             found = dict(zip(hashed, running.result(), strict=True)) if running is not None else {}
         return [found.get(index) for index in range(len(sources))]
 
@@ -265,12 +326,22 @@ def _write_host_sources(client: Client, buffer: Any, pieces: list[tuple[int, mem
                 progress(done, total)
 
 
-def _copy_from_device(client: Client, buffer: Any, manifest: Manifest, sources: list[_Source]) -> None:
-    """Device-to-device copies into the daemon's buffer, mapped here through its pool."""
+def _copy_from_device(client: Client, buffer: Any, manifest: Manifest, sources: list[_Source],
+                      buffer_id: str) -> None:
+    """Device-to-device copies into the daemon's buffer, mapped here: through this process's mapping of its
+    allocation where it has one (a version's buffer reused: no request, no fd), else exported and opened."""
     if client.backend != "cuda":
         raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
     from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
 
+    leased = VMM_IMPORTS.lease(buffer_id) if buffer_id else None
+    if leased is not None:
+        opening, device_uuid = leased
+        try:
+            copy_device_to_device(device_uuid, device_copies(manifest, sources, opening.ptr))
+        finally:
+            opening.close()
+        return
     with client.open_shared(client.export(buffer)) as mapped:
         copy_device_to_device(mapped.descriptor.device_uuid, device_copies(manifest, sources, mapped.ptr))
 
@@ -465,12 +536,12 @@ def _open_layout(client: Client, name: str, descriptor: ShareDescriptor, writabl
         raise BadArgument(f"{name!r} was published as a plain buffer, without a tensor layout")
     if writable and descriptor.read_only:
         raise BadArgument(f"{name!r} was published read-only: open it with writable=False")
-    manifest = check_manifest(descriptor.manifest, descriptor.size)
+    manifest = checked_manifest(descriptor.manifest, descriptor.size)
     if digest is not None:
         if manifest.digest is None and descriptor.version:  # copied device to device: the daemon is hashing it
             client.verify_shared(name, digest, descriptor.device)
             descriptor = client.lookup(name, device=descriptor.device, version=descriptor.version)
-            manifest = check_manifest(descriptor.manifest or b"", descriptor.size)
+            manifest = checked_manifest(descriptor.manifest or b"", descriptor.size)
         if manifest.digest != digest:
             raise DigestMismatch(f"{name!r} holds {manifest.digest or 'a layout without a digest'}, not the "
                                  f"required {digest}")

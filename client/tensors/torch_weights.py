@@ -46,14 +46,18 @@ def publishable(module_or_state_dict: Any) -> dict[str, Any]:
                 for name, spec in DTYPES.items() if hasattr(torch, name) and spec.itemsize in (1, 2, 4, 8)}
     tensors: dict[str, Any] = {}
     for key, tensor in state.items():
-        tensor = tensor.detach().contiguous()
         if tensor.is_cuda and tensor.dtype in typestrs:
-            # the interface made here from data_ptr(): torch's own costs tens of µs a tensor, and names no bf16
+            # the interface made here from data_ptr(): torch's own costs tens of µs a tensor, and names no bf16;
+            # no detach (a pointer needs none) and no copy of a contiguous tensor, as a trainer publishes each step
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
             typestr, name = typestrs[tensor.dtype]
             interface = {"shape": tuple(tensor.shape), "typestr": typestr, "data": (tensor.data_ptr(), False),
                          "version": 3, "strides": None}
-            tensors[key] = (CudaArray(interface, tensor), name)  # the tensor (a contiguous copy) lives as long
-        elif (dtype := str(tensor.dtype).removeprefix("torch.")) in DTYPES and DTYPES[dtype].typestr is None:
+            tensors[key] = (CudaArray(interface, tensor), name)  # the tensor (or its contiguous copy) lives as long
+            continue
+        tensor = tensor.detach().contiguous()
+        if (dtype := str(tensor.dtype).removeprefix("torch.")) in DTYPES and DTYPES[dtype].typestr is None:
             # no array interface names it (bfloat16, float8): its bytes as an integer of its size
             tensors[key] = (tensor.view(torch.int16 if DTYPES[dtype].itemsize == 2 else torch.uint8), dtype)
         elif tensor.is_cuda:
@@ -80,18 +84,37 @@ def _host_base(share: Any, keep: object) -> Any:
     return numpy.ctypeslib.as_array(raw)
 
 
+#: Views kept for a state's next refreshes: a version that lies in a buffer an earlier one of the name lay in, at
+#: the same address with the same layout, gets the same views (the previous version's buffer and the spare).
+RECENT_VIEWS = 2
+
+
 class LoadedState:
     """The tensors published as one name, as torch tensors aliasing the daemon's memory: views of one
     uint8 tensor over the whole buffer (one ``torch.as_tensor``, then a slice and a view per tensor,
     which costs a fraction of an array-interface import each). ``version``: the name's version it is."""
 
-    def __init__(self, tensors: TensorSet, keep: object = None) -> None:
-        """``keep``: an object the tensors keep alive, freed once the last of them is (see :func:`load_state_dict`)."""
-        torch = _torch()
+    def __init__(self, tensors: TensorSet, keep: object = None,
+                 recent: list[tuple[tuple[int, int, bytes], dict[str, Any]]] | None = None) -> None:
+        """``keep``: an object the tensors keep alive, freed once the last of them is (see :func:`load_state_dict`).
+        ``recent``: the views earlier states of the name made (:meth:`refresh`), reused where this version lies
+        at the same address with the same layout (cuda: a buffer this process kept mapped, which versions reuse;
+        the views are pointers and shapes, valid for whatever that mapping holds now)."""
         self.tensors = tensors
         self.metadata = tensors.metadata
         self.version = tensors.version
+        self._recent = [] if recent is None else recent
         share = tensors.share
+        key = (share.ptr, share.size, share.descriptor.manifest) if share.backend == "cuda" and keep is None else None
+        found = next((views for known, views in self._recent if known == key), None) if key else None
+        self.state_dict: dict[str, Any] = dict(found) if found is not None else self._views(keep)
+        if key is not None and found is None:
+            self._recent[:] = [(key, dict(self.state_dict)), *self._recent][:RECENT_VIEWS]
+
+    def _views(self, keep: object) -> dict[str, Any]:
+        """One torch tensor per tensor of the layout, views of one tensor over the whole buffer."""
+        torch = _torch()
+        share = self.tensors.share
         if share.backend == "cuda":
             # torch refuses read-only CUDA arrays: its tensors are writable whatever was asked
             array = CudaArray(byte_interface(share.ptr, share.size, False))
@@ -99,25 +122,31 @@ class LoadedState:
             base = torch.as_tensor(array, device="cuda")
         else:
             base = torch.from_numpy(_host_base(share, keep))  # torch holds the array until its last tensor goes
-        self.state_dict: dict[str, Any] = {}
+        state_dict: dict[str, Any] = {}
         whole: dict[str, Any] = {}  # the buffer viewed as each dtype: one as_strided a tensor then
-        for key, shared in tensors.items():
+        for key, shared in self.tensors.items():
             spec = shared.spec
             itemsize = DTYPES[spec.dtype].itemsize
             if share.size % itemsize == 0 and spec.offset % itemsize == 0:
                 typed = whole.get(spec.dtype)
                 if typed is None:
                     typed = whole[spec.dtype] = base.view(getattr(torch, spec.dtype))
-                self.state_dict[key] = typed.as_strided(spec.shape, spec.strides, spec.offset // itemsize)
+                state_dict[key] = typed.as_strided(spec.shape, spec.strides, spec.offset // itemsize)
             else:
                 typed = base[spec.offset:spec.extent()].view(getattr(torch, spec.dtype))
-                self.state_dict[key] = typed.as_strided(spec.shape, spec.strides)
+                state_dict[key] = typed.as_strided(spec.shape, spec.strides)
+        return state_dict
 
     def refresh(self) -> LoadedState | None:
         """The state of the name's newest version, or None if there is none newer; close this one once no module
         uses its tensors any more (after :func:`swap_parameters`, say)."""
         newer = self.tensors.refresh()
-        return None if newer is None else LoadedState(newer)
+        return None if newer is None else self.successor(newer)
+
+    def successor(self, newer: TensorSet) -> LoadedState:
+        """The state of ``newer``, a later version of the same name (:meth:`TensorSet.refresh`): its views are the
+        ones an earlier state of this chain made where it lies at the same address with the same layout."""
+        return LoadedState(newer, recent=self._recent)
 
     def copy_into(self, module: Any) -> int:
         """Copy every tensor into ``module``'s own parameters and buffers of the same names (or into a mapping of

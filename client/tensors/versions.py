@@ -16,12 +16,21 @@ from typing import Any
 
 from cuctxd.client.api.async_client import AsyncClient
 from cuctxd.client.api.client import Client
+from cuctxd.client.api.objects import AsyncBuffer
 from cuctxd.client.data_plane import transfers
+from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.tensors.hashing import hash_views
-from cuctxd.client.tensors.tensor_sets import device_copies, digested, plan_layout, publish_tensors
+from cuctxd.client.tensors.tensor_sets import (
+    checked_manifest,
+    device_copies,
+    digested,
+    packed_manifest,
+    plan_layout,
+    publish_tensors,
+)
 from cuctxd.client.wire import build
 from cuctxd.protos.errors import BadArgument
-from cuctxd.protos.layouts import Manifest, check_manifest
+from cuctxd.protos.layouts import Manifest
 
 
 def publish_version(client: Client, name: str, tensors: Any, metadata: Mapping[str, Any] | None = None, *,
@@ -30,8 +39,10 @@ def publish_version(client: Client, name: str, tensors: Any, metadata: Mapping[s
     """Publish ``tensors`` (name -> CUDA array, host buffer or :class:`RawBytes`; or a torch module or state
     dict) as the next version of ``name`` and return its number: 1 for the first, then 2, 3, ...
 
-    CUDA tensors on the daemon's device are copied device to device in this process into a new daemon buffer
-    mapped here (one request to allocate, one to map, one to publish; never through the host); host ones go
+    CUDA tensors on the daemon's device are copied device to device in this process into the daemon buffer for
+    the version, mapped here (never through the host). In steady state that buffer is the name's spare, an older
+    version's allocation this process mapped before and kept mapped: one request to allocate it, the copies, one
+    request to publish, and nothing allocated, exported or mapped (PROTOCOL.md, "Versions"). Host ones go
     through the data plane, hashed meanwhile. The version becomes current in one step once all of it is
     written; until then, and if this process dies on the way, the previous version stays current and the new
     buffer is freed with the session. The daemon then keeps the version by its name (this session lets go of
@@ -48,8 +59,10 @@ async def publish_version_async(client: AsyncClient, name: str, tensors: Any,
     """:func:`publish_version` for an :class:`~cuctxd.client.api.async_client.AsyncClient`: the same requests,
     awaited (host tensors hashed on a thread while they are written, device copies made on a thread)."""
     manifest, sources, size = plan_layout(_publishable(tensors), metadata)
-    check_manifest(manifest.pack(), size)
-    buffer = await client.alloc(size, device, shareable=True)
+    packed = packed_manifest(manifest)
+    checked_manifest(packed, size)
+    buffer, buffer_id, buffers = await client.run(build.alloc_version(client, AsyncBuffer, size, device, name))
+    VMM_IMPORTS.publishing(client, name, (*buffers, buffer_id))
     try:
         host = {index: source.host for index, source in enumerate(sources) if source.host is not None}
         hashing = asyncio.ensure_future(asyncio.to_thread(hash_views, list(host.values()))) if digest else None
@@ -58,25 +71,36 @@ async def publish_version_async(client: AsyncClient, name: str, tensors: Any,
             if pieces:
                 await client.run(transfers.write_pieces(client, buffer, pieces))
             if any(source.device_ptr is not None for source in sources):
-                await _copy_from_device(client, buffer, manifest, sources)
+                await _copy_from_device(client, buffer, manifest, sources, buffer_id)
         finally:
             found = dict(zip(host, await hashing, strict=True)) if hashing is not None else {}
-        packed = digested(manifest, [found.get(index) for index in range(len(sources))])
+        packed = digested(manifest, [found.get(index) for index in range(len(sources))], packed)
         published = await client.run(build.publish(buffer, name, packed, True, read_only, version=True))
     except BaseException:
         if not buffer.freed:
             await client.free(buffer)
         raise
+    VMM_IMPORTS.told(name, published.buffers)
     version: int = published.version
     return version
 
 
-async def _copy_from_device(client: AsyncClient, buffer: Any, manifest: Manifest, sources: Sequence[Any]) -> None:
-    """The device tensors into the buffer, mapped in this process (a thread makes the copies)."""
+async def _copy_from_device(client: AsyncClient, buffer: Any, manifest: Manifest, sources: Sequence[Any],
+                            buffer_id: str) -> None:
+    """The device tensors into the buffer, mapped in this process: through its mapping of the allocation where
+    it has one (a reused version buffer), else exported and opened (a thread makes the copies)."""
     if client.backend != "cuda":
         raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
     from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
 
+    leased = VMM_IMPORTS.lease(buffer_id)
+    if leased is not None:
+        opening, device_uuid = leased
+        try:
+            await asyncio.to_thread(copy_device_to_device, device_uuid, device_copies(manifest, sources, opening.ptr))
+        finally:
+            opening.close()
+        return
     mapped = await client.open_shared(await client.export(buffer))
     try:
         await asyncio.to_thread(copy_device_to_device, mapped.descriptor.device_uuid,

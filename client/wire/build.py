@@ -330,6 +330,16 @@ def alloc(owner: Any, buffer: FromWire[T], size: int, device: int | None, sharea
     return Request(ops.Alloc(size=size, device=device, shareable=shareable), _built(owner, buffer, "buffer"))
 
 
+def alloc_version(owner: Any, buffer: FromWire[T], size: int, device: int | None, name: str
+                  ) -> Request[tuple[T, str, tuple[str, ...]]]:
+    """A shareable buffer for ``name``'s next version (the name's spare where it fits): the buffer, the id of its
+    allocation and the name's buffers now (PROTOCOL.md, "Versions")."""
+    def convert(result: dict[str, Any], frames: list[Any]) -> tuple[T, str, tuple[str, ...]]:
+        return buffer.from_wire(owner, result["buffer"]), str(result["buffer_id"]), tuple(result["buffers"])
+
+    return Request(ops.Alloc(size=size, device=device, shareable=True, version_of=name), convert)
+
+
 def _already_done() -> Plan[None]:
     yield from ()
 

@@ -78,6 +78,11 @@ class SessionState:
 
     _outbox: Outbox
 
+    @property
+    def has_session(self) -> bool:
+        """Whether a session is open now: False before ``hello``, once it was lost and after ``close``."""
+        return self._token is not None
+
     def _check_session(self, op: str | None) -> bool:
         """Called when there is no session token: True when the client should start a new session
         now (``reconnect=True``); else raises why there is none."""

@@ -215,6 +215,12 @@ class Buffer:
     context: SessionContext
     kind: MemoryKind
     share: Share | None = None
+    #: The id of its allocation once exported (the share descriptor's ``buffer_id``), kept with a spare.
+    buffer_id: str = ""
+    #: The versioned name whose spare it is (:mod:`cuctxd.daemon.device.spares`), else "": it holds an older
+    #: version of that name, so it is published only as that name's next version, and a free that is not a
+    #: share's settle (which scrubs) sets it to zero first, as every shared memory is before it is freed.
+    spare_of: str = ""
 
     @property
     def footprint(self) -> int:

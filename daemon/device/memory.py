@@ -10,6 +10,7 @@ from VMM where the device has it, else a pool of their own up to ``POOL_BUFFER_M
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from cuctxd.daemon.backends.base import Driver, Stream
@@ -82,10 +83,36 @@ class Memory:
             self.current.activate(context)
             ptr = kind.allocate(context, size, stream, state.ref)
         buffer = Buffer(new_handle() if handle is None else handle, ptr, size, context, kind)
+        self._add(state, buffer, footprint)
+        return buffer
+
+    def alloc_version(self, state: SessionOnDevice, context: SessionContext, size: int, name: str) -> Buffer:
+        """A shareable buffer for ``name``'s next version (``alloc`` with ``version_of``): the name's spare on this
+        device where it has ``size`` bytes and this session may publish the name (nothing allocated, the same
+        buffer id: :mod:`cuctxd.daemon.device.spares`), else a new allocation with a buffer id of its own. A spare
+        of another size or device is released (here now, elsewhere by its worker's next sweep)."""
+        spares = self.sharing.spares
+        if self.kind_for(size, True) is self.vmm_memory:
+            footprint = self.vmm_memory.footprint(size)
+            state.check_quota(self.limits.session_quota, footprint, "allocate")
+            claimed, dropped = self.sharing.registry.claim_spare(name, state.ref, self.device, size)
+            found = spares.take(name) if claimed is not None else None
+            if dropped:
+                spares.release_stale()
+            if found is not None:
+                buffer = Buffer(new_handle(), found.ptr, size, context, found.kind, buffer_id=found.spare.buffer_id,
+                                spare_of=name)
+                spares.handed_over(found)
+                self._add(state, buffer, footprint)
+                return buffer
+        buffer = self.alloc(state, context, size, True)
+        buffer.buffer_id = secrets.token_hex(16)
+        return buffer
+
+    def _add(self, state: SessionOnDevice, buffer: Buffer, footprint: int) -> None:
         state.buffers[buffer.handle] = buffer
         state.bytes_allocated += footprint
-        context.buffers.add(buffer.handle)
-        return buffer
+        buffer.context.buffers.add(buffer.handle)
 
     def _check_quota(self, state: SessionOnDevice, size: int) -> None:
         state.check_quota(self.limits.session_quota, size, "allocate")
@@ -122,6 +149,8 @@ class Memory:
         if buffer.share is None:
             if stream is None:
                 self.current.activate(buffer.context)
+            if buffer.spare_of:
+                buffer.kind.scrub(buffer.ptr, buffer.size)
             buffer.kind.free(buffer.ptr, stream)
         else:
             self.sharing.owner_left(state, buffer.share, unpublish=unpublish)

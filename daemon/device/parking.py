@@ -228,7 +228,7 @@ class DeviceParking:
                            uid=publisher.get("uid") if isinstance(publisher.get("uid"), int) else None)
         descriptor = ShareDescriptor(share_id=record.share_id, device=self.device, device_uuid=self.info.uuid,
                                      size=record.size, backend=self.driver.name, host=host_identity(),
-                                     **kind.export(context, ptr))
+                                     buffer_id=secrets.token_hex(16), **kind.export(context, ptr))
         # The primary's reference retain_primary_for_share took is the share's own, released when it is freed.
         return Share(descriptor, ptr, context, owner, kind, owner_present=False, persistent=True)
 

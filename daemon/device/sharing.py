@@ -37,7 +37,8 @@ from typing import Protocol
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
-from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionOnDevice, Share, check_limit
+from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionContext, SessionOnDevice, Share, check_limit
+from cuctxd.daemon.device.spares import Spares
 from cuctxd.daemon.registry.shares import Naming, ShareRegistry
 from cuctxd.protos.errors import CuctxError, LimitExceeded, NameExists, NotFound, NotOwner, NotShareable, Revoked
 from cuctxd.protos.host import host_identity
@@ -84,6 +85,8 @@ class Sharing:
         self.stopping = False
         #: Shares some session held open when the stop began.
         self.held_at_stop = 0
+        #: The allocations of freed versions kept for their name's next version.
+        self.spares = Spares(self.device, current, registry, self._release_context, self._charge_orphaned)
 
     def _check_share_room(self, state: SessionOnDevice) -> None:
         check_limit("max_shares_per_session", self.limits.max_shares_per_session, state.share_count(),
@@ -111,6 +114,8 @@ class Sharing:
         how = buffer.kind.export(buffer.context, buffer.ptr)
         if buffer.context.is_primary:
             self.contexts.retain_primary()  # the share's own reference
+        if not buffer.buffer_id:
+            buffer.buffer_id = secrets.token_hex(16)
         descriptor = ShareDescriptor(
             share_id=secrets.token_hex(16),
             device=self.device,
@@ -118,6 +123,7 @@ class Sharing:
             size=buffer.size,
             backend=self.driver.name,
             host=host_identity(),
+            buffer_id=buffer.buffer_id,
             **how,
         )
         share = Share(descriptor, buffer.ptr, buffer.context, state.ref, buffer.kind)
@@ -134,9 +140,11 @@ class Sharing:
         if buffer.share is not None and buffer.share.names:
             return  # already published: its bytes were checked then
         uid = state.ref.uid
-        orphaned = self.orphaned_bytes.get(uid, 0)
         limit = self.orphan_bytes_limit
         footprint = buffer.footprint
+        while self.orphaned_bytes.get(uid, 0) + footprint > limit and self.spares.release_of_uid(uid):
+            pass  # a spare is only kept for a next version: it never costs a publish its room
+        orphaned = self.orphaned_bytes.get(uid, 0)
         if orphaned + footprint > limit:
             raise LimitExceeded(
                 f"max_orphaned_bytes_per_uid: {_uid_text(uid)} already leaves {orphaned} bytes on device "
@@ -220,7 +228,7 @@ class Sharing:
             return
         share.orphaned_at = time.monotonic()
         self.orphaned[share.share_id] = share
-        self.orphaned_bytes[share.owner.uid] += share.footprint
+        self._charge_orphaned(share.owner.uid, share.footprint)
         self.registry.count_orphan(share.share_id, True)
         self._evict_orphans(share.owner.uid)
 
@@ -232,6 +240,8 @@ class Sharing:
             self._evict(next(iter(self.orphaned.values())), "max_orphaned_shares", limit)
         limit = self.orphan_bytes_limit
         while self.orphaned_bytes.get(uid, 0) > limit:
+            if self.spares.release_of_uid(uid):
+                continue
             oldest = next(share for share in self.orphaned.values() if share.owner.uid == uid)
             self._evict(oldest, "max_orphaned_bytes_per_uid", limit)
 
@@ -244,11 +254,14 @@ class Sharing:
 
     def _not_orphaned(self, share: Share) -> None:
         if self.orphaned.pop(share.share_id, None) is not None:
-            uid = share.owner.uid
-            self.orphaned_bytes[uid] -= share.footprint
-            if not self.orphaned_bytes[uid]:
-                del self.orphaned_bytes[uid]
+            self._charge_orphaned(share.owner.uid, -share.footprint)
             self.registry.count_orphan(share.share_id, False)
+
+    def _charge_orphaned(self, uid: int | None, size: int) -> None:
+        """``size`` bytes more (fewer, negative) left behind by ``uid`` here: its orphans' and spares'."""
+        self.orphaned_bytes[uid] += size
+        if not self.orphaned_bytes[uid]:
+            del self.orphaned_bytes[uid]
 
     def forget_name(self, name: str, share_id: str) -> None:
         """After the front unpublished ``name``: drop it here and free the share if that was all."""
@@ -260,6 +273,7 @@ class Sharing:
     def expire_orphans(self, now: float, ttl: float) -> None:
         """Unpublish (and so free) the buffers kept by their names alone for ``ttl`` seconds: owner gone,
         nobody holding them since (oldest first: stops at the first younger one); not persistent ones."""
+        self.spares.release_stale()  # those of names whose last version went on another device
         for share in list(self.orphaned.values()):
             if share.persistent and not share.retained:
                 continue  # waits for its unpublish (or eviction beyond max_orphaned_shares)
@@ -306,6 +320,7 @@ class Sharing:
         in the service manager's store too)."""
         self.stopping = True
         self.held_at_stop = sum(1 for share in self.shares.values() if share.holders)
+        self.spares.release_all()  # mapped by no process through the daemon; one that keeps a mapping keeps it
 
     def left_at_stop(self) -> str | None:
         """After every session closed at the stop: what the log says of the shares left to the processes that
@@ -347,21 +362,32 @@ class Sharing:
             return
         if self.stopping:
             return  # left to the processes that map it (stop)
-        context = share.context
-        self.current.activate(context)
-        share.kind.scrub(share.ptr, share.descriptor.size)  # its next user must not read what was shared
-        share.kind.free(share.ptr)
+        versioned = [name for name, _, _, _ in self.registry.versions_of(share)]
+        spare = bool(versioned) and self.spares.keep(share, versioned)  # its name's next version goes there
+        if not spare:
+            self.current.activate(share.context)
+            share.kind.scrub(share.ptr, share.descriptor.size)  # its next user must not read what was shared
+            share.kind.free(share.ptr)
         del self.shares[share.share_id]
         self._not_orphaned(share)
-        context.shares.discard(share.share_id)
         self.registry.remove(share)
         share.names.clear()
+        if not spare:
+            self._release_context(share.context, share.share_id)
+            for name in versioned:  # its name's last version: the spare goes with it
+                if not self.registry.buffers(name):
+                    self.spares.release(name)
+        if self.parking is not None:
+            self.parking.sync(share)
+
+    def _release_context(self, context: SessionContext, share_id: str) -> None:
+        """The reference a share (or the spare it left) held on its context goes: the primary's is released, a
+        created context left by its session ends with its last share."""
+        context.shares.discard(share_id)
         if context.is_primary:
             self.contexts.release_primary(context)
         elif not context.shares and self.contexts.orphans.pop(context.context_id, None) is not None:
             self.contexts.end(context)
-        if self.parking is not None:
-            self.parking.sync(share)
 
 
 def _uid_text(uid: int | None) -> str:

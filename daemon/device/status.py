@@ -35,11 +35,12 @@ def first(items: Iterable[T], limit: int = MAX_LISTED) -> list[T]:
 def memory_status(state: DeviceState, live: list[Any] | None = None) -> dict[str, Any]:
     """The device's memory: ``total``; ``free`` and ``used`` as the driver's ``cuMemGetInfo`` says (the whole
     device, every process), None while the daemon has no context there (making one just to ask would cost
-    device memory); ``allocated``: what cuctxd holds there (its sessions' buffers and the shares their owners
-    left). Worker thread."""
+    device memory); ``allocated``: what cuctxd holds there (its sessions' buffers, the shares their owners
+    left, and the spares of versioned names). Worker thread."""
     contexts = state.live_contexts() if live is None else live
     allocated = sum(s.bytes_allocated for s in state.sessions.values()) + sum(
-        share.footprint for share in state.sharing.shares.values() if not share.owner_present)
+        share.footprint for share in state.sharing.shares.values() if not share.owner_present
+    ) + state.sharing.spares.status()["bytes"]
     memory: dict[str, Any] = {"total": state.info.total_memory, "free": None, "used": None, "allocated": allocated}
     if contexts:
         try:
@@ -137,6 +138,7 @@ def device_status(state: DeviceState) -> dict[str, Any]:
         "vmm": {"supported": state.memory.vmm_memory.supported, "buffers": len(state.memory.vmm_memory.sizes)},
         "shm_lanes": len(state.shm_lanes),
         "orphaned": orphaned_status(state),
+        "spares": state.sharing.spares.status(),
         "digest_checks": state.digest_checks.status(),
         "version_waiters": sum(session.version_waiters for session in state.sessions.values()),
         "truncated": truncated,

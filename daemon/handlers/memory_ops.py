@@ -25,10 +25,19 @@ def mem_get_info(state: DeviceState, job: Job[ops.MemGetInfo]) -> Reply:
 
 @device_handler(ops.Alloc)
 def alloc(state: DeviceState, job: Job[ops.Alloc]) -> Reply:
+    """``version_of``: a shareable buffer for that name's next version, its spare where it fits; the reply says
+    its ``buffer_id`` and the name's ``buffers`` (PROTOCOL.md, "Versions")."""
     session = state.session(job.session)
     context = state.contexts.for_new(session, "buffer")
-    buffer = state.memory.alloc(session, context, job.args.size, job.args.shareable)
-    return Reply({"buffer": state.memory.record(buffer).to_wire()})
+    name = job.args.version_of
+    if name is None:
+        buffer = state.memory.alloc(session, context, job.args.size, job.args.shareable)
+        return Reply({"buffer": state.memory.record(buffer).to_wire()})
+    if not name:
+        raise BadArgument("alloc's version_of needs a non-empty name")
+    buffer = state.memory.alloc_version(session, context, job.args.size, name)
+    return Reply({"buffer": state.memory.record(buffer).to_wire(), "buffer_id": buffer.buffer_id,
+                  "buffers": list(state.registry.buffers(name))})
 
 
 @device_handler(ops.Free)

@@ -49,7 +49,7 @@ from cuctxd.daemon.registry.copies import Copy, CopyBook
 from cuctxd.daemon.registry.name_index import NameFilter, NameIndex
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.versions import VersionBook
+from cuctxd.daemon.registry.versions import Spare, VersionBook
 from cuctxd.daemon.settings import count, size
 from cuctxd.protos.errors import BadArgument, LimitExceeded, NameExists, NoCopy, NotFound, NotOwner
 from cuctxd.protos.limits import NAME_OVERHEAD_BYTES
@@ -515,7 +515,7 @@ class ShareRegistry:
     def lookup(self, name: str, device: int | None = None, version: int | None = None) -> ShareDescriptor:
         """The descriptor published as ``name``, with its ``publisher``: its copy on ``device`` (:class:`NoCopy`
         where it has none), else its first; with ``version``, that live version of a versioned name. Its version's
-        number goes with it (0: not versioned)."""
+        number goes with it (0: not versioned), and a versioned name's :meth:`buffers`."""
         with self._lock:
             if version is not None:
                 found = self.versions.find(name, version)
@@ -528,8 +528,10 @@ class ShareRegistry:
                 naming = self._namings.get(name, PLAIN)
             listing = self._shares[share_id]
             number = version or self.versions.current(name)
+            buffers = self._buffers(name) if number else ()
         return ShareDescriptor(**{**listing.descriptor.to_wire(), "name": name, "publisher": listing.publisher(),
-                                  "manifest": naming.manifest, "read_only": naming.read_only, "version": number})
+                                  "manifest": naming.manifest, "read_only": naming.read_only, "version": number,
+                                  "buffers": buffers})
 
     def current_version(self, name: str) -> int:
         """The number of ``name``'s current version (0: none), what ``wait_version`` waits on."""
@@ -545,6 +547,66 @@ class ShareRegistry:
         """Each (name, number, naming, current) version ``share`` holds (what parking keeps of it)."""
         with self._lock:
             return self.versions.of_share(share.share_id)
+
+    def buffers(self, name: str) -> tuple[str, ...]:
+        """The buffer ids of ``name``'s live versions, oldest first, and of its spare: what replies about a
+        versioned name carry (``buffers``), so that processes keep mappings of these and drop the others."""
+        with self._lock:
+            return self._buffers(name)
+
+    def _buffers(self, name: str) -> tuple[str, ...]:
+        spare = self.versions.spare(name)
+        found = [self._shares[share_id].descriptor.buffer_id for share_id in self.versions.live_shares(name)]
+        return (*found, spare.buffer_id) if spare is not None else tuple(found)
+
+    def buffers_of_share(self, share_id: str) -> tuple[str, ...]:
+        """:meth:`buffers` of the name whose version ``share_id`` holds (empty where it holds none)."""
+        with self._lock:
+            return next((self._buffers(name) for name, _, _, _ in self.versions.of_share(share_id)), ())
+
+    def keep_spare(self, name: str, spare: Spare, leaving: str) -> bool:
+        """Whether the allocation of share ``leaving``, a version of ``name`` about to be freed, becomes the name's
+        spare: yes while the name has another live version and no spare (:mod:`cuctxd.daemon.registry.versions`);
+        else it is scrubbed and released as any share."""
+        with self._lock:
+            return self.versions.keep_spare(name, spare, leaving)
+
+    def is_spare(self, name: str, buffer_id: str) -> bool:
+        """Whether the allocation ``buffer_id`` is still ``name``'s spare (its worker releases it otherwise)."""
+        with self._lock:
+            spare = self.versions.spare(name)
+            return spare is not None and spare.buffer_id == buffer_id
+
+    def drop_spare(self, name: str, buffer_id: str) -> None:
+        """The allocation ``buffer_id`` is ``name``'s spare no more (its worker releases it)."""
+        with self._lock:
+            spare = self.versions.spare(name)
+            if spare is not None and spare.buffer_id == buffer_id:
+                self.versions.drop_spare(name)
+
+    def claim_spare(self, name: str, caller: SessionRef, device: int, size: int) -> tuple[Spare | None, bool]:
+        """For ``alloc`` with ``version_of``: ``name``'s spare where ``caller`` may publish the name's next version
+        (its scope, and the current version's and the spare's publishers let it) and the spare is on ``device``
+        of ``size`` bytes (taken: no longer the name's spare); else None, and whether the name's spare, of
+        another size or device, was dropped for the caller's new allocation (its worker releases it)."""
+        with self._lock:
+            spare = self.versions.spare(name)
+            if spare is None or not self._may_publish_next(name, caller, spare):
+                return None, False
+            self.versions.drop_spare(name)
+            if spare.device == device and spare.size == size:
+                return spare, False
+            return None, True
+
+    def _may_publish_next(self, name: str, caller: SessionRef, spare: Spare) -> bool:
+        """Whether ``caller`` may publish ``name``'s next version (under the lock), as :meth:`publish` decides."""
+        try:
+            check_scope(name, caller.uid)
+        except NotOwner:
+            return False
+        current = self._names.get(name)
+        owners = [spare.owner] if current is None else [spare.owner, self._shares[current].owner]
+        return all(may_unpublish(owner, caller) for owner in owners)
 
     def restore_version(self, name: str, share: ShareRecord, naming: Naming, number: int, current: bool) -> None:
         """A version re-adopted at start with its number: recorded, and named again if it was current (as

@@ -6,12 +6,22 @@ loses the name but lives on while sessions hold it open (the lifetime rule of
 name go on from its highest while any of its versions lives, so a holder of version 3 never sees a
 "newer" version 1. No lock of its own: the :class:`~cuctxd.daemon.registry.shares.ShareRegistry`
 calls every method under its lock.
+
+A name may have one *spare*: the device allocation of a version freed while the name still had a live one,
+kept by its device's worker (:mod:`cuctxd.daemon.device.spares`) for the name's next version instead of being
+released. This book says which allocation is each name's spare; a spare the book no longer names (the name's
+last version went, or its next version took another size or device) is released by its worker. Its old bytes
+are the name's own older version, so it is handed, unscrubbed, only to a session that may publish the name's
+next version (:meth:`~cuctxd.daemon.registry.shares.ShareRegistry.claim_spare`).
 """
+
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from cuctxd.daemon.registry.sessions import SessionRef
 
 #: What a version was published with (the registry's Naming), kept as given.
 N = TypeVar("N")
@@ -25,6 +35,18 @@ class _Name(Generic[N]):
     latest: int = 0
     current: int = 0
     live: dict[int, tuple[str, N]] = field(default_factory=dict)
+    spare: Spare | None = None
+
+
+@dataclass(frozen=True)
+class Spare:
+    """A name's spare allocation as the book knows it: its buffer id, device and size, and who published the
+    version it held (whose uid pays for it)."""
+
+    buffer_id: str
+    device: int
+    size: int
+    owner: SessionRef
 
 
 class VersionBook(Generic[N]):
@@ -75,6 +97,33 @@ class VersionBook(Generic[N]):
             entry = self._names[name]
             found.append((name, number, entry.live[number][1], entry.current == number))
         return found
+
+    def keep_spare(self, name: str, spare: Spare, leaving: str) -> bool:
+        """Record ``spare``, the allocation of share ``leaving`` (about to be freed), as ``name``'s spare if the
+        name has a live version in another share and no spare yet."""
+        entry = self._names.get(name)
+        if entry is None or entry.spare is not None or all(held == leaving for held, _ in entry.live.values()):
+            return False
+        entry.spare = spare
+        return True
+
+    def spare(self, name: str) -> Spare | None:
+        """``name``'s spare, if it has one."""
+        entry = self._names.get(name)
+        return None if entry is None else entry.spare
+
+    def drop_spare(self, name: str) -> Spare | None:
+        """``name`` has no spare any more (taken for its next version, or to be released); returns it."""
+        entry = self._names.get(name)
+        if entry is None:
+            return None
+        spare, entry.spare = entry.spare, None
+        return spare
+
+    def live_shares(self, name: str) -> list[str]:
+        """The share ids of ``name``'s live versions, oldest first."""
+        entry = self._names.get(name)
+        return [] if entry is None else [entry.live[number][0] for number in sorted(entry.live)]
 
     def gone(self, share_id: str) -> None:
         """The share was freed: its versions are forgotten (and a name without live versions with them)."""

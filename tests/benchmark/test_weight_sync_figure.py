@@ -26,7 +26,9 @@ def test_figure_10_times_both_modes_and_skips_the_cuda_anchors_on_the_sim() -> N
     zero_copy = memory["zero-copy"]
     # on the sim only the daemon's memory counts: two versions at the peak (the engines' old one and the new one)
     assert zero_copy.ratio is not None and 1.9 <= zero_copy.ratio <= 2.1 and zero_copy.passed
-    assert memory["copy"].ratio is not None and 0.9 <= memory["copy"].ratio <= 1.1
+    # copy: the current version and the spare, the older version's allocation kept for the next one (the daemon
+    # held two versions during each publish before as well)
+    assert memory["copy"].ratio is not None and 1.9 <= memory["copy"].ratio <= 2.1
     assert memory["buckets"].skipped and "64 MiB" in zero_copy.name
     stages = {f.name.split(": ", 1)[1].split(", median")[0]: f for f in figures if ", stage: " in f.name}
     for way, engine_stage in (("zero-copy", "engine refresh"), ("copy", "engine copy_into")):

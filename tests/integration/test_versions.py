@@ -46,6 +46,12 @@ def free_memory(client: Client) -> int:
     return int(client.mem_get_info()[0])
 
 
+def spares(client: Client) -> dict[str, int]:
+    """The device's spares (``status``): count, bytes, reused."""
+    found: dict[str, int] = client.status()["devices"][0]["spares"]
+    return found
+
+
 def test_versions_are_numbered_each_with_its_digest_and_the_current_one_is_looked_up(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as trainer:
         assert [publish_version(trainer, "numbered", weights(v)) for v in (1, 2, 3)] == [1, 2, 3]
@@ -101,12 +107,13 @@ def test_an_engine_keeps_version_1_while_2_and_3_are_published_and_memory_return
             # the new version read, and the old one still read its own bytes until it was closed
             assert wait_for_line(engine, "refreshed").split() == ["refreshed", "3", "3.0", "1.0"]
             wait_for_line(engine, "closed old")
-            assert wait_until(lambda: free_memory(trainer) == empty - one, 5)  # version 1 freed with its holder
+            # version 1 freed with its holder (version 2's allocation stays, as the name's spare)
+            assert wait_until(lambda: free_memory(trainer) == empty - 2 * one, 5)
             with pytest.raises(NotFound):
                 trainer.lookup("held", version=1)
             publish_version(trainer, "held", weights(4))  # the engine closes version 3 and exits
             assert engine.wait(30) == 0
-        assert wait_until(lambda: free_memory(trainer) == empty - one, 5)  # the current version stays
+        assert wait_until(lambda: free_memory(trainer) == empty - 2 * one, 5)  # the current version and the spare
         trainer.unpublish("held")
         assert wait_until(lambda: free_memory(trainer) == empty, 5)
 
@@ -296,12 +303,14 @@ def test_two_live_versions_survive_a_restart_with_their_numbers_and_the_current_
         assert float(np.asarray(held["w"])[0]) == 1.0
         old = c.open_shared(c.lookup("parked", version=1))
         assert old.descriptor.version == 1 and bytes(old.host_view()[:4]) == np.float32(1.0).tobytes()
-        old.close()  # its last holder let go: freed
-        assert wait_until(lambda: free_memory(c) > with_two, 5)
+        old.close()  # its last holder let go: its allocation is the name's spare now
+        assert spares(c)["count"] == 1 and free_memory(c) == with_two
         with pytest.raises(NotFound):
             c.lookup("parked", version=1)
-        assert publish_version(c, "parked", weights(3)) == 3  # the numbering goes on
+        assert publish_version(c, "parked", weights(3)) == 3  # the numbering goes on, in the spare
+        assert spares(c) == {"count": 1, "bytes": 2 << 20, "reused": 1}  # version 2's allocation is spare now
         c.unpublish("parked")
+        assert wait_until(lambda: spares(c)["count"] == 0, 5)
     assert "adopted 2 parked share(s)" in daemon.log()
     engine.close()  # its session went with the old daemon
 
@@ -338,10 +347,12 @@ def test_an_older_version_nobody_holds_again_after_a_restart_goes_with_the_orpha
         assert free_memory(trainer) == empty - 2 * one
     daemon = manager.restart(*sim)
     with Client(daemon.endpoint) as c:
-        assert wait_until(lambda: free_memory(c) == empty - one, 10)  # version 1's ttl passed: freed
+        assert wait_until(lambda: spares(c)["count"] == 1, 10)  # version 1's ttl passed: its allocation is spare
         with pytest.raises(NotFound):
             c.lookup("expiring", version=1)
         assert c.lookup("expiring").version == 2  # the current one is persistent
         assert [n for n in manager.names() if n.startswith("cuctxd-share-")] != []
         c.unpublish("expiring")
+        assert wait_until(lambda: free_memory(c) == empty, 5)  # its last version went: the spare with it
+        assert spares(c)["count"] == 0
     engine.close()
