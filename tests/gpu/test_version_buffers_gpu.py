@@ -67,7 +67,10 @@ def test_after_warm_up_versions_reuse_their_buffers_and_nobody_maps_anything(cud
     assert [int(s[4]) for s in seen] == [1, 2, 2, 2, 2]  # engine: no import, no map after version 2
     assert [s[5] for s in seen[2:]] == ["True"] * 3  # its views of the same buffer, reused
     assert [int(p[2]) for p in published] == [1, 2, 2, 2, 2]  # trainer: no export, import or map after warm-up
-    assert [int(p[3]) for p in published] == [0, 0, 1, 2, 3]  # versions 3-5 went into a spare: nothing allocated
+    # versions 3-5 went into a spare, nothing allocated (the engine's acks, versions of a name of their own, may
+    # reuse spares too: the daemon's count is device-wide)
+    reused = [int(p[3]) for p in published]
+    assert all(found >= least for found, least in zip(reused, [0, 0, 1, 2, 3], strict=True)), reused
     out = run_client("""
 from cuctxd import Client
 with Client(ENDPOINT) as c:
