@@ -35,6 +35,7 @@ from tests.helpers import (
     start_daemon,
     wait_until,
 )
+from tests.reliability.restarts import in_flight_on
 from tests.reliability.victims import transfer_forever
 
 MiB = 1 << 20
@@ -224,7 +225,7 @@ def test_a_call_waiting_on_an_shm_lane_learns_of_a_killed_daemon_within_a_probe(
         waiter = threading.Thread(target=read)
         started = time.monotonic()
         waiter.start()
-        time.sleep(0.3)
+        assert wait_until(lambda: "shm" in in_flight_on(client), 10, interval=0.002), "the read never reached the lane"
         kill(daemon)
         waiter.join(10)
         assert not waiter.is_alive() and len(outcome) == 1, outcome
