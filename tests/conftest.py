@@ -8,7 +8,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from cuctxd.client import Client
+from tests.adversarial.attacks import FIGURES
 from tests.helpers import DaemonProcess, running_daemon, start_daemon, stop_and_check
+from tests.reliability.strategies import INPUTS, soak_mode
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -18,6 +20,38 @@ def pytest_configure(config: pytest.Config) -> None:
     git ignores (a ``PYTHONPYCACHEPREFIX`` elsewhere would also hide the installed packages' own bytecode, and
     torch's took over 20 s to compile again). This process is unchanged."""
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a worker process (pytest-xdist's ``-n``): hand the main process what the terminal summary prints."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["cuctxd_inputs"] = dict(INPUTS)
+        output["cuctxd_figures"] = dict(FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """In the main process: add up what a worker process handed over (:func:`pytest_sessionfinish`)."""
+    output = getattr(node, "workeroutput", {})
+    INPUTS.update(output.get("cuctxd_inputs", {}))
+    FIGURES.update(output.get("cuctxd_figures", {}))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The reliability suite's count of inputs run and the adversarial suite's figures, where tests ran them."""
+    mode = "soak" if soak_mode() else "ci"
+    if INPUTS:
+        terminalreporter.write_sep("-", f"reliability inputs run ({mode} mode)")
+        for kind, count in sorted(INPUTS.items()):
+            terminalreporter.write_line(f"{kind}: {count}")
+        terminalreporter.write_line(f"total: {sum(INPUTS.values())}")
+    if FIGURES:
+        terminalreporter.write_sep("-", f"adversarial figures ({mode} mode)")
+        for test, lines in FIGURES.items():
+            terminalreporter.write_line(f"{test}:")
+            for line in lines:
+                terminalreporter.write_line(f"  {line}")
 
 
 @pytest.fixture(scope="module")

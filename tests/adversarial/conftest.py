@@ -11,7 +11,7 @@ module-scoped one (``attacks.attacked_daemon``), saving a start per test.
 checked once more.
 
 Figures a test wants in the CI output go into ``attacks.FIGURES`` (lines
-under the test's name); they are printed in the terminal summary.
+under the test's name); the root ``conftest.py`` prints them at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.adversarial.attacks import FIGURES, Bystander, assert_alive, attacked_daemon, open_bystander, soak_mode
+from tests.adversarial.attacks import Bystander, assert_alive, attacked_daemon, open_bystander
 from tests.helpers import DaemonProcess
 
 
@@ -48,14 +48,3 @@ def bystander(attack_daemon: DaemonProcess) -> Iterator[Bystander]:
         yield innocent
         assert_alive(attack_daemon)
         innocent.check()
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not FIGURES:
-        return
-    mode = "soak" if soak_mode() else "ci"
-    terminalreporter.write_sep("-", f"adversarial figures ({mode} mode)")
-    for test, lines in FIGURES.items():
-        terminalreporter.write_line(f"{test}:")
-        for line in lines:
-            terminalreporter.write_line(f"  {line}")
