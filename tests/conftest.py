@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from cuctxd.client import Client
 from tests.adversarial.attacks import FIGURES
-from tests.helpers import DaemonProcess, running_daemon, start_daemon, stop_and_check
+from tests.helpers import DaemonProcess, cuda_unavailable_reason, running_daemon, start_daemon, stop_and_check
 from tests.reliability.strategies import INPUTS, soak_mode
 
 
@@ -52,6 +55,24 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(f"{test}:")
             for line in lines:
                 terminalreporter.write_line(f"  {line}")
+
+
+#: The folders whose modules drive a real GPU where there is one.
+GPU_FOLDERS = {"gpu", "contract"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_gpu_module_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Where a GPU runs the tests of tests/gpu and tests/contract, their modules take turns across the worker
+    processes (``-n``): they read device-wide state (free memory, primary contexts) that another module's work on
+    the same GPU would change. Every other module, and every module without a GPU, goes ahead at once."""
+    if not GPU_FOLDERS & set(request.path.relative_to(Path(__file__).parent).parts[:1]) \
+            or cuda_unavailable_reason() is not None:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / f"cuctxd-tests-gpu-{os.getuid()}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, after the module's last test
+        yield
 
 
 @pytest.fixture(scope="module")
