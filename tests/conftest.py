@@ -2,12 +2,77 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from cuctxd.client import Client
-from tests.helpers import DaemonProcess, running_daemon, start_daemon, stop_and_check
+from tests.adversarial.attacks import FIGURES
+from tests.helpers import DaemonProcess, cuda_unavailable_reason, running_daemon, start_daemon, stop_and_check
+from tests.reliability.strategies import INPUTS, soak_mode
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The processes the tests start (daemons, CLIs, client scripts: several hundred) write and reuse compiled
+    bytecode, even where this environment says not to (``PYTHONDONTWRITEBYTECODE``): compiling the daemon's
+    modules afresh took about 0.1 s of each of its starts. It goes to ``__pycache__`` beside the sources, which
+    git ignores (a ``PYTHONPYCACHEPREFIX`` elsewhere would also hide the installed packages' own bytecode, and
+    torch's took over 20 s to compile again). This process is unchanged."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a worker process (pytest-xdist's ``-n``): hand the main process what the terminal summary prints."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["cuctxd_inputs"] = dict(INPUTS)
+        output["cuctxd_figures"] = dict(FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """In the main process: add up what a worker process handed over (:func:`pytest_sessionfinish`)."""
+    output = getattr(node, "workeroutput", {})
+    INPUTS.update(output.get("cuctxd_inputs", {}))
+    FIGURES.update(output.get("cuctxd_figures", {}))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The reliability suite's count of inputs run and the adversarial suite's figures, where tests ran them."""
+    mode = "soak" if soak_mode() else "ci"
+    if INPUTS:
+        terminalreporter.write_sep("-", f"reliability inputs run ({mode} mode)")
+        for kind, count in sorted(INPUTS.items()):
+            terminalreporter.write_line(f"{kind}: {count}")
+        terminalreporter.write_line(f"total: {sum(INPUTS.values())}")
+    if FIGURES:
+        terminalreporter.write_sep("-", f"adversarial figures ({mode} mode)")
+        for test, lines in FIGURES.items():
+            terminalreporter.write_line(f"{test}:")
+            for line in lines:
+                terminalreporter.write_line(f"  {line}")
+
+
+#: The folders whose modules drive a real GPU where there is one.
+GPU_FOLDERS = {"gpu", "contract"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_gpu_module_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Where a GPU runs the tests of tests/gpu and tests/contract, their modules take turns across the worker
+    processes (``-n``): they read device-wide state (free memory, primary contexts) that another module's work on
+    the same GPU would change. Every other module, and every module without a GPU, goes ahead at once."""
+    if not GPU_FOLDERS & set(request.path.relative_to(Path(__file__).parent).parts[:1]) \
+            or cuda_unavailable_reason() is not None:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / f"cuctxd-tests-gpu-{os.getuid()}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, after the module's last test
+        yield
 
 
 @pytest.fixture(scope="module")

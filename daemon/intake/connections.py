@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -37,13 +38,16 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from cuctxd.daemon.intake.listeners import IpcListener, Listener, TcpListener
 from cuctxd.daemon.registry.connection_budget import ConnectionBudget
 from cuctxd.daemon.registry.fd_budget import FdLimits, FdPlan, fd_reserve
 
 log = logging.getLogger(__name__)
+
+#: A monitor event's first frame: the event (16 bits) and its value (32), native order, no padding
+#: (zmq_socket_monitor). Read here, not with zmq.utils.monitor, which imports asyncio: 15 ms of every start.
+_EVENT = struct.Struct("=hi")
 
 #: Events each ROUTER's monitor reports: a connection made or gone, a listener opened (its
 #: descriptor), a listener that failed to accept.
@@ -116,8 +120,7 @@ class ListenerGuard:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            event = parse_monitor_message(frames)
-            kind = event["event"]
+            kind, value = _EVENT.unpack(frames[0])
             if kind == zmq.EVENT_ACCEPTED:
                 budget.change(1)
                 if budget.refusing and not self.paused:
@@ -125,10 +128,10 @@ class ListenerGuard:
             elif kind == zmq.EVENT_DISCONNECTED:
                 budget.change(-1)
             elif kind == zmq.EVENT_LISTENING:
-                self._listening_fds[event["endpoint"].decode()] = int(event["value"])
+                self._listening_fds[frames[1].decode()] = value
             elif kind == zmq.EVENT_ACCEPT_FAILED and not self.paused:
                 log.warning("a listener failed to accept a connection (errno %d): refusing new connections on "
-                            "%s until the count falls", event["value"], ", ".join(self._listeners))
+                            "%s until the count falls", value, ", ".join(self._listeners))
                 self.pause()
 
     def check(self) -> None:

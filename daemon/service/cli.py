@@ -24,7 +24,6 @@ import zmq
 from cuctxd.daemon import __version__
 from cuctxd.daemon.backends import BackendUnavailable, select_backend
 from cuctxd.daemon.backends.sim import SimDriver
-from cuctxd.daemon.service import keygen
 from cuctxd.daemon.service.config import SETTINGS, ConfigError, DaemonConfig, check_config
 from cuctxd.daemon.service.config_file import build_config, load_file, render_toml
 from cuctxd.daemon.service.endpoint import EndpointInUse
@@ -149,6 +148,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[DaemonConfig, bool]
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["keygen"]:
+        from cuctxd.daemon.service import keygen  # here: zmq.auth, which only keygen needs, is not every start's
+
         return keygen.main(args[1:])
     config, print_config = parse_config(args)
     if print_config:

@@ -48,11 +48,9 @@ import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
-import zmq.auth
-import zmq.auth.thread
 
 from cuctxd.daemon.backends.base import Driver
 from cuctxd.daemon.backends.subset import DeviceSubset
@@ -93,6 +91,9 @@ from cuctxd.daemon.worker.loop import DeviceWorker
 from cuctxd.daemon.worker.runner import JobRunner
 from cuctxd.protos.fd_channel import channel_path
 from cuctxd.protos.limits import MAX_HEADER_BYTES
+
+if TYPE_CHECKING:
+    import zmq.auth.thread
 
 log = logging.getLogger(__name__)
 
@@ -338,6 +339,8 @@ class Daemon:
 
     def _start_curve(self) -> tuple[bytes, bytes]:
         """Load the server key pair and start the ZAP authenticator; the key pair."""
+        import zmq.auth.thread  # here: it loads asyncio, about 15 ms of every start, and only CURVE needs it
+
         assert self.config.server_key is not None
         if self.config.allow_dir is None:
             raise ConfigError("allow_dir", "server_key turns CURVE on, which needs allow_dir: the directory of "

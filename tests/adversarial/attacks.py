@@ -31,12 +31,12 @@ import zmq
 from cuctxd import Client
 from cuctxd.client.api.objects import Buffer
 from cuctxd.protos.messages import pack
-from tests.helpers import DaemonProcess, pattern
+from tests.helpers import DaemonProcess, pattern, running_daemon
 from tests.helpers_raw import RawPeer
 from tests.reliability.strategies import scaled, soak_mode
 
-__all__ = ["BYSTANDER_BOUND_S", "BYSTANDER_SIZE", "FIGURES", "Bystander", "assert_alive", "call_many", "flood",
-           "idle_connections", "open_bystander", "rss_bytes", "scaled", "soak_mode"]
+__all__ = ["BYSTANDER_BOUND_S", "BYSTANDER_SIZE", "FIGURES", "Bystander", "assert_alive", "attacked_daemon",
+           "call_many", "flood", "idle_connections", "open_bystander", "rss_bytes", "scaled", "soak_mode"]
 
 #: Figures printed in the terminal summary (``conftest.py``): test name -> lines. Here, not in the
 #: conftest, because pytest's importlib mode loads a conftest apart from its importable module.
@@ -66,6 +66,17 @@ def assert_alive(daemon: DaemonProcess) -> None:
     """The daemon process has not exited; the message carries the end of its log if it has."""
     code = daemon.process.poll()
     assert code is None, f"cuctxd exited with {code}:\n{daemon.log()[-5000:]}"
+
+
+@contextmanager
+def attacked_daemon(*extra: str, open_files: int | None = None) -> Iterator[DaemonProcess]:
+    """The daemon of ``conftest.py``'s ``attack_daemon`` (two sim devices of 256 MiB, ``extra`` options, ``open_files``
+    its RLIMIT_NOFILE) for the block: still alive at its end, then it must exit 0 having logged no traceback. A
+    module whose attacks all end with their own sessions shares one (a module-scoped ``attack_daemon``)."""
+    with running_daemon("--sim-devices", "2", "--sim-memory", "256MiB", *extra, open_files=open_files,
+                        clean_log=True) as process:
+        yield process
+        assert_alive(process)
 
 
 @dataclass

@@ -3,13 +3,15 @@
 ``attack_daemon``: a sim daemon (two devices, 256 MiB each) for one test,
 started with ``attack_daemon_args`` (override that fixture in a test module to
 add options, e.g. limits) and ``attack_daemon_open_files`` as its open-file
-limit. On teardown it must still be alive and exit cleanly.
+limit. On teardown it must still be alive and exit cleanly. A module whose
+attacks all end with their own sessions overrides ``attack_daemon`` with a
+module-scoped one (``attacks.attacked_daemon``), saving a start per test.
 ``bystander``: a session on it with a buffer of known bytes
 (:class:`~tests.adversarial.attacks.Bystander`); on teardown its bytes are
 checked once more.
 
 Figures a test wants in the CI output go into ``attacks.FIGURES`` (lines
-under the test's name); they are printed in the terminal summary.
+under the test's name); the root ``conftest.py`` prints them at the end.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.adversarial.attacks import FIGURES, Bystander, assert_alive, open_bystander, soak_mode
-from tests.helpers import DaemonProcess, running_daemon
+from tests.adversarial.attacks import Bystander, assert_alive, attacked_daemon, open_bystander
+from tests.helpers import DaemonProcess
 
 
 @pytest.fixture
@@ -36,10 +38,8 @@ def attack_daemon_open_files() -> int | None:
 
 @pytest.fixture
 def attack_daemon(attack_daemon_args: tuple[str, ...], attack_daemon_open_files: int | None) -> Iterator[DaemonProcess]:
-    with running_daemon("--sim-devices", "2", "--sim-memory", "256MiB", *attack_daemon_args,
-                        open_files=attack_daemon_open_files, clean_log=True) as process:
+    with attacked_daemon(*attack_daemon_args, open_files=attack_daemon_open_files) as process:
         yield process
-        assert_alive(process)
 
 
 @pytest.fixture
@@ -48,14 +48,3 @@ def bystander(attack_daemon: DaemonProcess) -> Iterator[Bystander]:
         yield innocent
         assert_alive(attack_daemon)
         innocent.check()
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not FIGURES:
-        return
-    mode = "soak" if soak_mode() else "ci"
-    terminalreporter.write_sep("-", f"adversarial figures ({mode} mode)")
-    for test, lines in FIGURES.items():
-        terminalreporter.write_line(f"{test}:")
-        for line in lines:
-            terminalreporter.write_line(f"  {line}")

@@ -20,7 +20,7 @@ from cuctxd import Client
 from cuctxd.protos.errors import CuctxError, LimitExceeded
 from cuctxd.protos.messages import encode_request
 from cuctxd.protos.version import PROTOCOL_VERSION
-from tests.helpers import DaemonProcess, start_daemon
+from tests.helpers import DaemonProcess, start_daemon, wait_until
 
 MIB = 1 << 20
 #: A bystander's op on the attacked device completes within this (seconds): about one in-flight op of
@@ -108,8 +108,8 @@ def test_a_request_flood_is_bounded_and_a_bystander_waits_about_one_op() -> None
 
             thread = threading.Thread(target=flood)
             thread.start()
-            try:
-                time.sleep(0.5)
+            try:  # the bystander is measured once the flood fills the queue (its first refusal), not after a sleep
+                assert wait_until(lambda: refused, 30), "the flood of 300 x 1 MiB writes never met max_queued_bytes"
                 for _ in range(20):
                     waits.append(served_within(bystander, own, data))
                     time.sleep(0.02)

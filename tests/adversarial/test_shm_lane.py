@@ -32,7 +32,7 @@ from cuctxd.protos.shm_lane import (
     read_message,
     write_message,
 )
-from tests.adversarial.attacks import Bystander
+from tests.adversarial.attacks import Bystander, assert_alive, attacked_daemon
 from tests.adversarial.test_fd_channel import fd_count
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, wait_for_log, wait_until
 
@@ -79,12 +79,22 @@ def open_raw_lane(daemon: DaemonProcess, client: Client) -> RawLane:
     return RawLane(client, region, fds[1], fds[2])
 
 
+@pytest.fixture(scope="module")
+def attack_daemon() -> Iterator[DaemonProcess]:
+    """One daemon for the module's attacks: each is made on a session (and lane) of its own, which it ends, and
+    what a test compares (fd counts) it reads before and after; the daemon must be alive after each (``raw_lane``'s
+    and the ``bystander``'s checks) and exit 0 with a clean log after the last."""
+    with attacked_daemon() as process:
+        yield process
+
+
 @pytest.fixture
 def raw_lane(attack_daemon: DaemonProcess) -> Iterator[RawLane]:
     with Client(attack_daemon.endpoint, timeout=10, device_endpoints=False) as client:
         lane = open_raw_lane(attack_daemon, client)
         yield lane
         lane.close()
+    assert_alive(attack_daemon)
 
 
 def _request(lane: RawLane, seq: int, op: str, args: dict[str, object], token: str | None = None,

@@ -1,21 +1,32 @@
 """The daemon keeps a device's primary context for ``primary_keep`` seconds after its last user let go: the
 next session binds the same context (no new one made), the closed session's memory is freed meanwhile,
-``status`` and ``cuctx status`` say how long it is kept, and it is released once the time has passed."""
+``status`` and ``cuctx status`` say how long it is kept, and it is released once the time has passed.
+
+The handlers' side of it (kept, taken over, released, made anew; ``primary_keep`` 0 releasing at once) is
+tests/unit/daemon/device/test_device_state.py's and test_kept_host_buffers.py's, against a plain DeviceState;
+here, the same through a daemon's timer, its status and the CLI."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from cuctxd import Client
 from tests.helpers import DaemonProcess, cuctx, wait_until
+
+
+@pytest.fixture(scope="module")
+def daemon_args() -> tuple[str, ...]:
+    """The module's daemon keeps a primary context for 30 s (the tests of its release start their own)."""
+    return ("--sim-devices", "1", "--primary-keep", "30")
 
 
 def primary(client: Client, device: int = 0) -> dict[str, object]:
     return dict(client.status()["devices"][device]["primary_context"])
 
 
-def test_a_kept_primary_context_serves_the_next_session(start_daemons: Callable[..., DaemonProcess]) -> None:
-    daemon = start_daemons("--sim-devices", "1", "--primary-keep", "30")
+def test_a_kept_primary_context_serves_the_next_session(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as first:
         first.alloc(1 << 20)
         made = first.current_context()
@@ -47,18 +58,7 @@ def test_a_kept_primary_context_is_released_after_primary_keep(start_daemons: Ca
         assert again is not None and again.context_id != made.context_id, "a released primary is made anew"
 
 
-def test_primary_keep_zero_releases_at_once(start_daemons: Callable[..., DaemonProcess]) -> None:
-    daemon = start_daemons("--sim-devices", "1", "--primary-keep", "0")
-    with Client(daemon.endpoint) as first:
-        first.alloc(64)
-    with Client(daemon.endpoint) as observer:
-        assert primary(observer) == {"active": False, "flags": primary(observer)["flags"], "references": 0,
-                                     "kept_for": None}
-
-
-def test_a_freed_host_buffer_serves_the_next_process_of_the_user_that_asks_for_reuse(
-        start_daemons: Callable[..., DaemonProcess]) -> None:
-    daemon = start_daemons("--sim-devices", "1", "--primary-keep", "30")
+def test_a_freed_host_buffer_serves_the_next_process_of_the_user_that_asks_for_reuse(daemon: DaemonProcess) -> None:
     with Client(daemon.endpoint) as first:
         host = first.host_alloc(2 << 20, 0, reuse=True)
         memoryview(host)[:5] = b"ring!"

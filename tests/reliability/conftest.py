@@ -4,7 +4,8 @@ In CI the suite is short and deterministic. The soak runs the same tests with
 far more fuzz examples and load operations (see ``strategies.scaled``); the
 option is registered here, so pass it with this directory on the command line
 (``pytest tests/reliability --soak``), or set the environment variable, which
-works from anywhere and also reaches the load test's client processes.
+works from anywhere and also reaches the load test's client processes. The
+counts of inputs run are printed at the end by the root ``conftest.py``.
 """
 
 from __future__ import annotations
@@ -26,18 +27,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--soak", default=False):
         os.environ["CUCTXD_SOAK"] = "1"
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    from tests.reliability.strategies import INPUTS, soak_mode
-
-    if not INPUTS:
-        return
-    mode = "soak" if soak_mode() else "ci"
-    terminalreporter.write_sep("-", f"reliability inputs run ({mode} mode)")
-    for kind, count in sorted(INPUTS.items()):
-        terminalreporter.write_line(f"{kind}: {count}")
-    terminalreporter.write_line(f"total: {sum(INPUTS.values())}")
 
 
 @pytest.fixture

@@ -33,8 +33,10 @@ from tests.helpers import (
     session_ids,
     short_tempdir,
     start_daemon,
+    wait_for_log,
     wait_until,
 )
+from tests.reliability.restarts import in_flight_on
 from tests.reliability.victims import transfer_forever
 
 MiB = 1 << 20
@@ -102,7 +104,7 @@ def test_a_client_killed_mid_transfer_is_reaped_and_its_memory_returns(lease_dae
         for device in observer.status()["devices"]:
             assert {s["session"] for s in device["sessions"]} <= {observer.session_id}, device["sessions"]
             assert [c for c in device["contexts"] if not c["is_primary"]] == [], device["contexts"]
-        assert f"session {victim_id} " in lease_daemon.log() and "reaped" in lease_daemon.log()
+        wait_for_log(lease_daemon, rf"session {victim_id} \(.*\) reaped")  # its stderr is read by a thread of ours
 
 
 # --- the daemon killed and restarted -----------------------------------------------------------------------
@@ -224,7 +226,7 @@ def test_a_call_waiting_on_an_shm_lane_learns_of_a_killed_daemon_within_a_probe(
         waiter = threading.Thread(target=read)
         started = time.monotonic()
         waiter.start()
-        time.sleep(0.3)
+        assert wait_until(lambda: "shm" in in_flight_on(client), 10, interval=0.002), "the read never reached the lane"
         kill(daemon)
         waiter.join(10)
         assert not waiter.is_alive() and len(outcome) == 1, outcome

@@ -202,6 +202,7 @@ def test_close_session_frees_everything_and_releases_the_primary(state: DeviceSt
     status = device_status(state)
     assert status["primary_context"]["active"] is False
     assert status["primary_context"]["references"] == 0
+    assert status["primary_context"]["kept_for"] is None, "primary_keep 0: not kept at all"
     assert status["sessions"] == []
     assert status["contexts"] == []
     assert state.live_contexts() == []
