@@ -39,8 +39,9 @@ from typing import Any
 from cuctxd.daemon.backends.base import Driver, Event, Stream
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import Share
+from cuctxd.daemon.registry.names import Naming
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.shares import Naming, ShareRegistry
+from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos import digests
 from cuctxd.protos.errors import CuctxError, DigestMismatch, InternalError, NotFound
 from cuctxd.protos.layouts import Manifest, c_strides, check_manifest

@@ -33,10 +33,11 @@ from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import MemoryKind, SessionContext, Share
 from cuctxd.daemon.device.pools import LegacyMemory, OwnPoolMemory, Pools, VmmMemory, round_to_granularity
 from cuctxd.daemon.device.sharing import Sharing
+from cuctxd.daemon.registry.names import Naming
 from cuctxd.daemon.registry.parked_records import ParkedName, ParkedShare
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.shares import Naming, ShareRegistry
+from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.errors import CuctxError, CudaError, NotParked
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.layouts import stated_digest

@@ -39,7 +39,8 @@ from cuctxd.daemon.device.contexts import Contexts
 from cuctxd.daemon.device.current import CurrentContext
 from cuctxd.daemon.device.entries import Buffer, DeviceLimits, SessionContext, SessionOnDevice, Share, check_limit
 from cuctxd.daemon.device.spares import Spares
-from cuctxd.daemon.registry.shares import Naming, ShareRegistry
+from cuctxd.daemon.registry.names import Naming
+from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.errors import CuctxError, LimitExceeded, NameExists, NotFound, NotOwner, NotShareable, Revoked
 from cuctxd.protos.host import host_identity
 from cuctxd.protos.records import DeviceInfo, ShareDescriptor

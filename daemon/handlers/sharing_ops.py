@@ -16,8 +16,8 @@ from cuctxd.daemon.handlers.replies import Forward, Pending, Reply, after_marker
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.registry.name_index import NameFilter
+from cuctxd.daemon.registry.names import Naming
 from cuctxd.daemon.registry.sessions import Session
-from cuctxd.daemon.registry.shares import Naming
 from cuctxd.protos import sharing_ops as ops
 from cuctxd.protos.errors import BadArgument, LimitExceeded, NotParked, ShuttingDown, TimedOut
 from cuctxd.protos.layouts import Manifest, check_manifest

@@ -23,7 +23,7 @@ K = TypeVar("K")
 @dataclass(frozen=True)
 class Copy:
     """One copy of a name other than its first: its share, device and, while staged, its session's token and
-    what it was staged with (a :class:`~cuctxd.daemon.registry.shares.Naming`, compared at the publish)."""
+    what it was staged with (a :class:`~cuctxd.daemon.registry.names.Naming`, compared at the publish)."""
 
     name: str
     device: int

@@ -38,8 +38,6 @@ Listing is paged (:meth:`ShareRegistry.page`): the names are kept sorted, daemon
 from __future__ import annotations
 
 import heapq
-import os
-import pwd
 import threading
 from collections.abc import MutableSet
 from dataclasses import dataclass
@@ -47,12 +45,21 @@ from typing import Any, Protocol
 
 from cuctxd.daemon.registry.copies import Copy, CopyBook
 from cuctxd.daemon.registry.name_index import NameFilter, NameIndex
+from cuctxd.daemon.registry.names import (
+    PLAIN,
+    Naming,
+    check_name_room,
+    check_scope,
+    give_back,
+    may_unpublish,
+    uid_text,
+    who_may_unpublish,
+)
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
 from cuctxd.daemon.registry.versions import Spare, VersionBook
 from cuctxd.daemon.settings import count, size
 from cuctxd.protos.errors import BadArgument, LimitExceeded, NameExists, NoCopy, NotFound, NotOwner
-from cuctxd.protos.limits import NAME_OVERHEAD_BYTES
 from cuctxd.protos.records import ShareDescriptor
 
 #: Default of ``max_manifest_bytes_per_session``: bytes of the names (manifests included) one session publishes.
@@ -123,68 +130,8 @@ class _Listing:
                 "uid": self.owner.uid}
 
 
-@dataclass(frozen=True)
-class Naming:
-    """What a published name carries besides its share: the tensor layout's manifest (packed), tensor
-    count and digest (from the checked manifest), and whether openers are to map it read-only."""
-
-    manifest: bytes = b""
-    tensors: int = 0
-    read_only: bool = False
-    digest: str | None = None
-
-    def listed(self) -> dict[str, Any]:
-        """What ``list_shared`` says of the name's layout and mode."""
-        return {"tensors": self.tensors, "read_only": self.read_only, "digest": self.digest}
-
-    def charged(self, name: str) -> int:
-        """What the name costs its publisher (``max_manifest_bytes_per_*``): its manifest, its own bytes, and
-        what the daemon keeps of any name (``NAME_OVERHEAD_BYTES``)."""
-        return len(self.manifest) + len(name.encode()) + NAME_OVERHEAD_BYTES
-
-
-#: A name published with nothing but its share.
-PLAIN = Naming()
 #: ``list_shared``'s ``verified``: the daemon hashed the bytes and they bore the digest out, or did not.
 _VERIFIED: dict[bool | None, str] = {True: "daemon", False: "mismatch"}
-
-
-def check_scope(name: str, uid: int | None) -> None:
-    """Refuse a scoped name ``user/...`` unless ``uid`` is that user's, the daemon's own, or root's."""
-    scope, slash, _ = name.partition("/")
-    if not slash:
-        return
-    if uid is None:
-        raise NotOwner(f"{name!r} is scoped to user {scope!r}, and the daemon cannot tell which user this "
-                       "session runs as (only ipc:// connections say); publish an unscoped name")
-    if uid in (0, os.geteuid()):
-        return
-    try:
-        owner_uid = pwd.getpwnam(scope).pw_uid
-    except KeyError:
-        owner_uid = None
-    if owner_uid != uid:
-        raise NotOwner(f"{name!r} is scoped to user {scope!r}; this session runs as uid {uid}")
-
-
-def may_unpublish(owner: SessionRef, caller: SessionRef) -> bool:
-    """Whether ``caller`` may remove a name ``owner`` published: the same session, a session of the same
-    (known) uid, or one of the daemon's own uid."""
-    if caller.token == owner.token:
-        return True
-    return caller.uid is not None and caller.uid in (owner.uid, os.geteuid())
-
-
-def _uid_text(uid: int | None) -> str:
-    return "uid unknown (tcp://)" if uid is None else f"uid {uid}"
-
-
-def _who_may_unpublish(owner: SessionRef) -> str:
-    if owner.uid is None:
-        return f"session {owner.public_id} itself (its uid is unknown) or the daemon's user (uid {os.geteuid()})"
-    if owner.uid == os.geteuid():
-        return f"a session of uid {owner.uid} (the daemon's user)"
-    return f"a session of uid {owner.uid} or of the daemon's user (uid {os.geteuid()})"
 
 
 class ShareRegistry:
@@ -254,23 +201,23 @@ class ShareRegistry:
                 who = self._shares[share_id].owner
                 if not (replace or version):
                     raise NameExists(f"the name {name!r} is already published (by session {who.public_id}, "
-                                     f"client {who.client!r}, {_uid_text(who.uid)}); {_who_may_unpublish(who)} may "
+                                     f"client {who.client!r}, {uid_text(who.uid)}); {who_may_unpublish(who)} may "
                                      f"unpublish it first (cuctx unpublish {name}), or publish with replace")
                 if self.versions.current(name) and not version:
                     raise BadArgument(f"{name!r} is a versioned name: publish its next version (publish with "
                                       "version) instead of replacing it")
                 if not may_unpublish(who, owner):
                     raise NotOwner(f"{name!r} was published by session {who.public_id} ({who.client!r}, "
-                                   f"{_uid_text(who.uid)}); only {_who_may_unpublish(who)} may replace it")
+                                   f"{uid_text(who.uid)}); only {who_may_unpublish(who)} may replace it")
                 old = self._namings.get(name, PLAIN).charged(name)
                 credit = (old if who.token == owner.token else 0, old if who.uid == owner.uid else 0)
                 names_back = int(who.uid == owner.uid)
             by_session = self._name_bytes_by_session.get(owner.token, 0) - credit[0]
             by_uid = self._name_bytes_by_uid.get(owner.uid, 0) - credit[1]
-            _check_name_room("max_manifest_bytes_per_session", self.limits.max_manifest_bytes_per_session, by_session,
+            check_name_room("max_manifest_bytes_per_session", self.limits.max_manifest_bytes_per_session, by_session,
                              size, "this session has published")
             user = "peers whose uid is unknown (tcp://)" if owner.uid is None else f"uid {owner.uid}"
-            _check_name_room("max_manifest_bytes_per_uid", self.limits.max_manifest_bytes_per_uid, by_uid, size,
+            check_name_room("max_manifest_bytes_per_uid", self.limits.max_manifest_bytes_per_uid, by_uid, size,
                              f"the sessions of {user} have published (ended ones included)")
             count = self._index.count_of_uid(owner.uid) - names_back
             if self.limits.max_names_per_uid and count >= self.limits.max_names_per_uid:
@@ -322,7 +269,7 @@ class ShareRegistry:
                 who = self._shares[first].owner
                 if not may_unpublish(who, share.owner):
                     raise NotOwner(f"{name!r} was published by session {who.public_id} ({who.client!r}, "
-                                   f"{_uid_text(who.uid)}); only {_who_may_unpublish(who)} may add copies of it")
+                                   f"{uid_text(who.uid)}); only {who_may_unpublish(who)} may add copies of it")
             elif not staged:
                 raise NotFound(f"no buffer is published as {name!r}: publish it before adding copies of it")
             known = self._copies.of_share(share.share_id)
@@ -376,7 +323,7 @@ class ShareRegistry:
             owner = self._shares[share_id].owner
             if not may_unpublish(owner, caller):
                 raise NotOwner(f"{name!r} was published by session {owner.public_id} ({owner.client!r}, "
-                               f"{_uid_text(owner.uid)}); only {_who_may_unpublish(owner)} may unpublish it")
+                               f"{uid_text(owner.uid)}); only {who_may_unpublish(owner)} may unpublish it")
             if device is not None:
                 held = self._copy_on(name, device)
                 if held is None:
@@ -471,8 +418,8 @@ class ShareRegistry:
             return copies
         self._index.discard(name, listing.owner)
         size = naming.charged(name)
-        _give_back(self._name_bytes_by_session, listing.owner.token, size)
-        _give_back(self._name_bytes_by_uid, listing.owner.uid, size)
+        give_back(self._name_bytes_by_session, listing.owner.token, size)
+        give_back(self._name_bytes_by_uid, listing.owner.uid, size)
         return copies
 
     def _move_first(self, name: str, old: str, new: str) -> None:
@@ -486,8 +433,8 @@ class ShareRegistry:
         self._index.discard(name, was)
         self._index.add(name, now)
         size = self._namings.get(name, PLAIN).charged(name)
-        _give_back(self._name_bytes_by_session, was.token, size)
-        _give_back(self._name_bytes_by_uid, was.uid, size)
+        give_back(self._name_bytes_by_session, was.token, size)
+        give_back(self._name_bytes_by_uid, was.uid, size)
         self._name_bytes_by_session[now.token] = self._name_bytes_by_session.get(now.token, 0) + size
         self._name_bytes_by_uid[now.uid] = self._name_bytes_by_uid.get(now.uid, 0) + size
 
@@ -661,9 +608,9 @@ class ShareRegistry:
                 owner = self._shares[share_id].owner
                 grown = computed.charged(name) - naming.charged(name)
                 try:
-                    _check_name_room("max_manifest_bytes_per_session", self.limits.max_manifest_bytes_per_session,
+                    check_name_room("max_manifest_bytes_per_session", self.limits.max_manifest_bytes_per_session,
                                      self._name_bytes_by_session.get(owner.token, 0), grown, "its session has")
-                    _check_name_room("max_manifest_bytes_per_uid", self.limits.max_manifest_bytes_per_uid,
+                    check_name_room("max_manifest_bytes_per_uid", self.limits.max_manifest_bytes_per_uid,
                                      self._name_bytes_by_uid.get(owner.uid, 0), grown, "its uid has")
                 except LimitExceeded:
                     return False
@@ -710,20 +657,6 @@ class ShareRegistry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._shares)
-
-
-def _check_name_room(limit_name: str, limit: int, used: int, size: int, whose: str) -> None:
-    if limit and used + size > limit:
-        raise LimitExceeded(f"{limit_name}: {whose} names (manifests included) of {used} bytes that are still "
-                            f"published; this one's {size} bytes would pass the limit of {limit}; unpublish some first")
-
-
-def _give_back(tally: dict[Any, int], key: Any, size: int) -> None:
-    left = tally.get(key, 0) - size
-    if left > 0:
-        tally[key] = left
-    else:
-        tally.pop(key, None)
 
 
 def _digest_of(naming: object) -> str | None:

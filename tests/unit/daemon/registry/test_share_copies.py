@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from cuctxd.daemon.registry.name_index import NameFilter
+from cuctxd.daemon.registry.names import Naming
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.shares import Naming, ShareRegistry
+from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.errors import BadArgument, NameExists, NoCopy, NotFound, NotOwner
 from tests.unit.daemon.registry.plain_shares import PlainShare
 

@@ -10,8 +10,9 @@ import pytest
 
 from cuctxd.daemon.intake.peers import uid_of
 from cuctxd.daemon.registry.name_index import NameFilter
+from cuctxd.daemon.registry.names import Naming, check_scope
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.shares import Naming, ShareLimits, ShareRegistry, check_scope
+from cuctxd.daemon.registry.shares import ShareLimits, ShareRegistry
 from cuctxd.protos.errors import LimitExceeded, NameExists, NotOwner
 from cuctxd.protos.limits import NAME_OVERHEAD_BYTES as EACH
 from tests.unit.daemon.registry.plain_shares import PlainShare

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuctxd.daemon.registry.name_index import NameFilter
+from cuctxd.daemon.registry.names import Naming
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.shares import NAMES_PER_HOLD, Naming, ShareLimits, ShareRegistry
+from cuctxd.daemon.registry.shares import NAMES_PER_HOLD, ShareLimits, ShareRegistry
 from cuctxd.protos.errors import LimitExceeded
 from tests.unit.daemon.registry.plain_shares import PlainShare
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cuctxd.daemon.registry.names import Naming
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.shares import Naming, ShareRegistry
+from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.daemon.registry.versions import Spare
 from tests.unit.daemon.registry.plain_shares import PlainShare
 

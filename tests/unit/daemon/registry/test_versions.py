@@ -10,10 +10,11 @@ import msgpack
 import pytest
 
 from cuctxd.daemon.registry.name_index import NameFilter
+from cuctxd.daemon.registry.names import Naming
 from cuctxd.daemon.registry.parked_records import ParkedName, ParkedShare, decode_record, encode_record
 from cuctxd.daemon.registry.parking import ParkingLot
 from cuctxd.daemon.registry.sessions import SessionRef
-from cuctxd.daemon.registry.shares import Naming, ShareRegistry
+from cuctxd.daemon.registry.shares import ShareRegistry
 from cuctxd.protos.errors import BadArgument, NameExists, NotFound
 from tests.unit.daemon.registry import test_parking
 from tests.unit.daemon.registry.plain_shares import PlainShare as _Share
