@@ -7,7 +7,8 @@ from cuctxd.client.api.pipeline import AsyncPipeline, Pipeline
 from cuctxd.client.api.sharing import AsyncOpenedShare, OpenedShare
 from cuctxd.client.api.streams import AsyncEvent, AsyncStream, Event, Stream
 from cuctxd.client.data_plane.host_buffers import AsyncHostBuffer, HostBuffer
-from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors, publish_tensors
+from cuctxd.client.tensors.publishing import publish_tensors
+from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors
 from cuctxd.client.tensors.torch_weights import LoadedState, load_state_dict, publish_state_dict
 from cuctxd.client.tensors.versions import publish_version, wait_version
 from cuctxd.protos.errors import (

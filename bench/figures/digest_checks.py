@@ -22,7 +22,7 @@ import numpy as np
 from bench.records import Figure, measured
 from bench.run import Bench
 from cuctxd.client.tensors.hashing import hash_views
-from cuctxd.client.tensors.tensor_sets import publish_tensors
+from cuctxd.client.tensors.publishing import publish_tensors
 from cuctxd.protos.errors import NotFound
 from cuctxd.protos.layouts import check_manifest
 

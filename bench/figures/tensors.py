@@ -27,7 +27,7 @@ from typing import Any
 from bench.cuda_local import LocalCuda, LocalDriverUnavailable, _check
 from bench.records import Figure, measured, skipped
 from bench.run import Bench
-from cuctxd.client.tensors.tensor_sets import plan_layout, publish_tensors
+from cuctxd.client.tensors.publishing import plan_layout, publish_tensors
 from cuctxd.client.wire import build
 
 FIGURE = 9

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cuctxd.client.api.client import Client
-from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors, publish_tensors
+from cuctxd.client.tensors.publishing import publish_tensors
+from cuctxd.client.tensors.tensor_sets import TensorSet, open_tensors
 from cuctxd.protos.records import ShareDescriptor
 
 

@@ -1,6 +1,6 @@
 """Digests of many host views at once, on threads: what a layout's bytes are (:mod:`cuctxd.protos.digests`).
 
-Used where the bytes are in this process already: :func:`~cuctxd.client.tensors.tensor_sets.publish_tensors`'s
+Used where the bytes are in this process already: :func:`~cuctxd.client.tensors.publishing.publish_tensors`'s
 host tensors (hashed while they are copied) and a checkpoint's files mapped to compare with a published
 layout (:mod:`cuctxd.client.tensors.checkpoints`). A large view's leaves are split among the threads, small
 views go in groups; xxhash releases the GIL while it hashes. Which thread may call: any.

@@ -2,7 +2,7 @@
 
 :func:`load_safetensors` reads and checks the checkpoint (:mod:`cuctxd.client.tensors.checkpoints`) before
 anything is allocated, lays its tensors out as every layout is
-(:func:`~cuctxd.client.tensors.tensor_sets.layout_offsets`), reads every shard into one shareable daemon
+(:func:`~cuctxd.client.tensors.publishing.layout_offsets`), reads every shard into one shareable daemon
 buffer, hashed on the way (:func:`~cuctxd.client.data_plane.file_reads.load_into_new_buffer`), and publishes it
 with its manifest and digests. A name in use is compared by content: where the published layout has the
 same tensors, the files are hashed (mapped, on threads) and, the same as its digest and the daemon vouching
@@ -29,7 +29,7 @@ from cuctxd.client.data_plane.file_reads import FileRange, load_into_new_buffer
 from cuctxd.client.tensors.checkpoints import Checkpoint, open_regular, read_checkpoint
 from cuctxd.client.tensors.copies import Devices, ensure_copy, first_and_copies
 from cuctxd.client.tensors.hashing import hash_views
-from cuctxd.client.tensors.tensor_sets import layout_offsets, no_room, publish_filled
+from cuctxd.client.tensors.publishing import layout_offsets, no_room, publish_filled
 from cuctxd.client.wire import build
 from cuctxd.protos import digests
 from cuctxd.protos.errors import (

@@ -19,7 +19,8 @@ from typing import Any
 from cuctxd.client.api.client import Client
 from cuctxd.client.api.sharing import byte_interface
 from cuctxd.client.tensors.copies import Devices
-from cuctxd.client.tensors.tensor_sets import CudaArray, TensorSet, open_tensors, publish_tensors
+from cuctxd.client.tensors.publishing import publish_tensors
+from cuctxd.client.tensors.tensor_sets import CudaArray, TensorSet, open_tensors
 from cuctxd.protos.layouts import DTYPES
 from cuctxd.protos.records import ShareDescriptor
 
@@ -33,7 +34,7 @@ def _torch() -> Any:
 def publish_state_dict(client: Client, name: str, module_or_state_dict: Any, metadata: Mapping[str, Any] | None = None,
                        *, device: Devices = None) -> ShareDescriptor:
     """Publish a module's (or a state dict's) tensors as ``name``; ``metadata`` goes with them; ``device``: several
-    devices get a copy each (:func:`~cuctxd.client.tensors.tensor_sets.publish_tensors`)."""
+    devices get a copy each (:func:`~cuctxd.client.tensors.publishing.publish_tensors`)."""
     return publish_tensors(client, name, publishable(module_or_state_dict), metadata, device=device)
 
 

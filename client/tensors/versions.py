@@ -20,7 +20,7 @@ from cuctxd.client.api.objects import AsyncBuffer
 from cuctxd.client.data_plane import transfers
 from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.tensors.hashing import hash_views
-from cuctxd.client.tensors.tensor_sets import (
+from cuctxd.client.tensors.publishing import (
     checked_manifest,
     device_copies,
     digested,

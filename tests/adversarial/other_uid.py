@@ -54,8 +54,8 @@ def forge(endpoint: str, path: str, name: str) -> None:
     from cuctxd import Client
     from cuctxd.client.tensors.checkpoints import read_checkpoint
     from cuctxd.client.tensors.hashing import hash_views
+    from cuctxd.client.tensors.publishing import layout_offsets, publish_filled
     from cuctxd.client.tensors.safetensors_load import checkpoint_digest
-    from cuctxd.client.tensors.tensor_sets import layout_offsets, publish_filled
     from cuctxd.protos.layouts import Manifest, TensorSpec, c_strides
 
     checkpoint = read_checkpoint(path)

@@ -22,8 +22,9 @@ import pytest
 
 from cuctxd import Client, DigestMismatch
 from cuctxd.client.tensors.checkpoints import read_checkpoint
+from cuctxd.client.tensors.publishing import publish_tensors
 from cuctxd.client.tensors.safetensors_load import checkpoint_digest
-from cuctxd.client.tensors.tensor_sets import open_tensors, publish_tensors
+from cuctxd.client.tensors.tensor_sets import open_tensors
 from cuctxd.protos.layouts import check_manifest
 from tests.adversarial.attacks import Bystander, assert_alive
 from tests.adversarial.other_uid import (

@@ -18,7 +18,8 @@ import pytest
 
 from cuctxd import Client, DigestMismatch
 from cuctxd.client.tensors.hashing import hash_views
-from cuctxd.client.tensors.tensor_sets import open_tensors, plan_layout, publish_filled, publish_tensors
+from cuctxd.client.tensors.publishing import plan_layout, publish_filled, publish_tensors
+from cuctxd.client.tensors.tensor_sets import open_tensors
 from cuctxd.protos.layouts import check_manifest
 from tests.helpers import DaemonProcess, remove_tempdir, start_daemon, tcp_endpoint
 

@@ -73,7 +73,8 @@ def test_bfloat16_travels_as_its_bytes(cuda_daemon: DaemonProcess) -> None:
 INTEROP = """
 import torch, cupy
 from cuctxd import Client
-from cuctxd.client.tensors.tensor_sets import open_tensors, publish_tensors
+from cuctxd.client.tensors.publishing import publish_tensors
+from cuctxd.client.tensors.tensor_sets import open_tensors
 source = torch.arange(256, dtype=torch.float32, device="cuda").reshape(16, 16)
 with Client(ENDPOINT) as c:
     publish_tensors(c, "interop", {"x": source, "h": torch.ones(8, dtype=torch.float16, device="cuda")})

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from cuctxd import Client, DigestMismatch, NameExists, NotOwner
+from cuctxd.client.tensors.publishing import layout_offsets, publish_tensors
 from cuctxd.client.tensors.safetensors_load import load_safetensors
-from cuctxd.client.tensors.tensor_sets import layout_offsets, open_tensors, publish_tensors
+from cuctxd.client.tensors.tensor_sets import open_tensors
 from cuctxd.protos import digests
 from tests.checkpoint_files import write_index, write_shard
 from tests.helpers import DaemonProcess, cuctx, tcp_endpoint

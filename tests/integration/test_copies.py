@@ -21,7 +21,8 @@ import pytest
 
 from cuctxd import Client
 from cuctxd.client.tensors.copies import SIM_VISIBLE_DEVICES, ensure_copy
-from cuctxd.client.tensors.tensor_sets import open_tensors, publish_tensors
+from cuctxd.client.tensors.publishing import publish_tensors
+from cuctxd.client.tensors.tensor_sets import open_tensors
 from cuctxd.protos.errors import NoCopy
 from tests.checkpoint_files import write_shard
 from tests.helpers import REPO, DaemonProcess, client_env, cuctx, remove_tempdir, short_tempdir, wait_until

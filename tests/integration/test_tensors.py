@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from cuctxd import BadArgument, Client, NameExists, NotFound
+from cuctxd.client.tensors.publishing import publish_tensors
 from cuctxd.client.tensors.safetensors_load import load_safetensors
-from cuctxd.client.tensors.tensor_sets import open_tensors, publish_tensors
+from cuctxd.client.tensors.tensor_sets import open_tensors
 from cuctxd.client.wire import build
 from tests.helpers import DaemonProcess, cuctx, run_client
 
@@ -27,7 +28,7 @@ def daemon_args() -> tuple[str, ...]:
 PRODUCER = """
 import numpy as np
 from cuctxd import Client
-from cuctxd.client.tensors.tensor_sets import publish_tensors
+from cuctxd.client.tensors.publishing import publish_tensors
 with Client(ENDPOINT) as c:
     publish_tensors(c, "toy-model", {
         "embed.weight": np.arange(4 * 8, dtype=np.float32).reshape(4, 8),

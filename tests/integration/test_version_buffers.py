@@ -13,7 +13,7 @@ import pytest
 from cuctxd import BadArgument, Client
 from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.tensors import open_tensors, publish_version
-from cuctxd.client.tensors.tensor_sets import alloc_version, plan_layout, publish_filled
+from cuctxd.client.tensors.publishing import alloc_version, plan_layout, publish_filled
 from cuctxd.client.wire import build
 from cuctxd.protos.layouts import Manifest
 from tests.helpers import DaemonProcess, spawn_client, wait_for_line, wait_until
@@ -100,7 +100,7 @@ import sys
 import numpy as np
 from cuctxd import Client
 from cuctxd.client.tensors import publish_version
-from cuctxd.client.tensors.tensor_sets import alloc_version
+from cuctxd.client.tensors.publishing import alloc_version
 c = Client(ENDPOINT)
 for version in (1, 2):
     publish_version(c, NAME, {"w": np.full(SIZE, float(version), dtype=np.float32)})

@@ -93,7 +93,7 @@ class CaseResult:
 _PRODUCER = """
 import numpy
 from cuctxd import Client
-from cuctxd.client.tensors.tensor_sets import publish_tensors
+from cuctxd.client.tensors.publishing import publish_tensors
 with Client(ENDPOINT, name="stop-producer") as c:
     if c.backend == "cuda":
         import torch

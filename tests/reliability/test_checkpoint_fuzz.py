@@ -27,8 +27,9 @@ from hypothesis import given
 
 from cuctxd.client import Client
 from cuctxd.client.tensors.checkpoints import Checkpoint, read_checkpoint
+from cuctxd.client.tensors.publishing import layout_offsets
 from cuctxd.client.tensors.safetensors_load import checkpoint_digest, load_safetensors
-from cuctxd.client.tensors.tensor_sets import layout_offsets, open_tensors
+from cuctxd.client.tensors.tensor_sets import open_tensors
 from cuctxd.protos.errors import BadArgument
 from cuctxd.protos.layouts import (
     DTYPES,

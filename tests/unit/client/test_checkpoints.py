@@ -14,7 +14,7 @@ import pytest
 
 from cuctxd.client.tensors.checkpoints import INDEX_NAME, MAX_HEADER_BYTES, read_checkpoint
 from cuctxd.client.tensors.hashing import TASK_BYTES, hash_views
-from cuctxd.client.tensors.tensor_sets import layout_offsets
+from cuctxd.client.tensors.publishing import layout_offsets
 from cuctxd.protos import digests
 from cuctxd.protos.errors import BadArgument
 from cuctxd.protos.layouts import Manifest, TensorSpec, check_manifest, stated_digest

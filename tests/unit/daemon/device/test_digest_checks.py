@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cuctxd.client.tensors.hashing import hash_views
-from cuctxd.client.tensors.tensor_sets import layout_offsets
+from cuctxd.client.tensors.publishing import layout_offsets
 from cuctxd.daemon.backends.sim import SimDriver
 from cuctxd.daemon.device.digest_checks import Chunk, hash_chunk, plan_chunks
 from cuctxd.daemon.device.entries import DeviceLimits
