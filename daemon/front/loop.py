@@ -30,7 +30,7 @@ from cuctxd.daemon.intake.admission import FRONT_RECEIVER, Admitted, admit, devi
 from cuctxd.daemon.intake.jobs import Job, payload_bytes
 from cuctxd.daemon.intake.observe import RequestObserver
 from cuctxd.daemon.intake.peers import peer_of
-from cuctxd.daemon.intake.router_io import BATCH, readable, recv_request, send_parts, send_reply
+from cuctxd.daemon.intake.router_io import readable, recv_batch, send_parts, send_reply
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.daemon.worker.loop import DeviceWorker
 from cuctxd.daemon.worker.queues import check_sent
@@ -129,14 +129,8 @@ class Front:
 
     def _take_requests(self) -> None:
         """The poller said a request is waiting: take it, and those behind it, up to a batch."""
-        router = self.router
-        for _ in range(BATCH):
-            try:
-                message = recv_request(router)
-            except zmq.Again:
-                return
-            if message is not None:
-                self._handle(*message)
+        for message in recv_batch(self.router):
+            self._handle(*message)
 
     def _handle(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame],
                 header_frame: zmq.Frame | None = None) -> None:

@@ -22,7 +22,7 @@ import zmq
 from cuctxd.daemon.intake.admission import admit, device_job, refusal
 from cuctxd.daemon.intake.jobs import Job
 from cuctxd.daemon.intake.observe import RequestObserver
-from cuctxd.daemon.intake.router_io import BATCH, recv_request, send_parts
+from cuctxd.daemon.intake.router_io import recv_batch, send_parts
 from cuctxd.daemon.registry.daemon_state import DaemonState
 from cuctxd.protos.errors import BadRequest, CuctxError
 from cuctxd.protos.messages import encode_error, parse_request, unpack
@@ -45,15 +45,8 @@ class DeviceLane:
     def take_requests(self, queue: Callable[[Job], None]) -> None:
         """A request is waiting: admit it, and those behind it up to a batch, handing each to ``queue``
         (which raises the error to refuse it with, e.g. a queue limit)."""
-        router = self.router
-        for _ in range(BATCH):
-            try:
-                message = recv_request(router)
-            except zmq.Again:
-                return
-            if message is not None:
-                identity, header, payload, _ = message
-                self._admit(identity, header, payload, queue)
+        for identity, header, payload, _ in recv_batch(self.router):
+            self._admit(identity, header, payload, queue)
 
     def _admit(self, identity: bytes, header_bytes: bytes, payload: Sequence[zmq.Frame],
                queue: Callable[[Job], None]) -> None:
