@@ -328,16 +328,26 @@ def _copy_from_device(client: Client, buffer: Any, manifest: Manifest, sources: 
         raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
     from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
 
-    leased = VMM_IMPORTS.lease(buffer_id) if buffer_id else None
-    if leased is not None:
-        opening, device_uuid = leased
-        try:
-            copy_device_to_device(device_uuid, device_copies(manifest, sources, opening.ptr))
-        finally:
-            opening.close()
+    if copy_through_kept(buffer_id, manifest, sources):  # a plain layout's buffer_id, "", is never mapped
         return
     with client.open_shared(client.export(buffer)) as mapped:
         copy_device_to_device(mapped.descriptor.device_uuid, device_copies(manifest, sources, mapped.ptr))
+
+
+def copy_through_kept(buffer_id: str, manifest: Manifest, sources: Sequence[Source]) -> bool:
+    """The device tensors copied into allocation ``buffer_id`` through this process's mapping of it (a version's
+    buffer reused: no request, no fd); False, nothing copied, where this process does not map it."""
+    from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
+
+    leased = VMM_IMPORTS.lease(buffer_id)
+    if leased is None:
+        return False
+    opening, device_uuid = leased
+    try:
+        copy_device_to_device(device_uuid, device_copies(manifest, sources, opening.ptr))
+    finally:
+        opening.close()
+    return True
 
 
 __all__ = ["RawBytes", "layout_offsets", "plan_layout", "publish_layout", "publish_tensors"]

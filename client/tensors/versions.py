@@ -22,6 +22,7 @@ from cuctxd.client.data_plane.vmm_imports import VMM_IMPORTS
 from cuctxd.client.tensors.hashing import hash_views
 from cuctxd.client.tensors.publishing import (
     checked_manifest,
+    copy_through_kept,
     device_copies,
     digested,
     packed_manifest,
@@ -93,13 +94,7 @@ async def _copy_from_device(client: AsyncClient, buffer: Any, manifest: Manifest
         raise BadArgument(f"CUDA arrays cannot be copied into a {client.backend} daemon's buffer")
     from cuctxd.client.data_plane.ipc_cuda import copy_device_to_device
 
-    leased = VMM_IMPORTS.lease(buffer_id)
-    if leased is not None:
-        opening, device_uuid = leased
-        try:
-            await asyncio.to_thread(copy_device_to_device, device_uuid, device_copies(manifest, sources, opening.ptr))
-        finally:
-            opening.close()
+    if await asyncio.to_thread(copy_through_kept, buffer_id, manifest, sources):
         return
     mapped = await client.open_shared(await client.export(buffer))
     try:
