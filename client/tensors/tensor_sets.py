@@ -215,15 +215,23 @@ def _open_layout(client: Client, name: str, descriptor: ShareDescriptor, writabl
         raise BadArgument(f"{name!r} was published read-only: open it with writable=False")
     manifest = checked_manifest(descriptor.manifest, descriptor.size)
     if digest is not None:
-        if manifest.digest is None and descriptor.version:  # copied device to device: the daemon is hashing it
-            client.verify_shared(name, digest, descriptor.device)
+        # A version copied device to device has no digest until the daemon finds it; verify_shared waits for that.
+        hashing = manifest.digest is None and bool(descriptor.version)
+        if not hashing:
+            _require(name, manifest, digest)
+        client.verify_shared(name, digest, descriptor.device)  # another uid's word is checked by the daemon
+        if hashing:  # the daemon's digest is found now: the version's manifest carries it
             descriptor = client.lookup(name, device=descriptor.device, version=descriptor.version)
             manifest = checked_manifest(descriptor.manifest or b"", descriptor.size)
-        if manifest.digest != digest:
-            raise DigestMismatch(f"{name!r} holds {manifest.digest or 'a layout without a digest'}, not the "
-                                 f"required {digest}")
-        client.verify_shared(name, digest, descriptor.device)  # another uid's word is checked by the daemon
+            _require(name, manifest, digest)
     return TensorSet(client.open_shared(descriptor), manifest, writable)
+
+
+def _require(name: str, manifest: Manifest, digest: str) -> None:
+    """:class:`DigestMismatch` unless the layout's digest is ``digest``."""
+    if manifest.digest != digest:
+        raise DigestMismatch(f"{name!r} holds {manifest.digest or 'a layout without a digest'}, not the "
+                             f"required {digest}")
 
 
 def _copy_tensor(tensor: SharedTensor, destination: Any) -> tuple[int, int, int] | None:
