@@ -241,7 +241,8 @@ class DeviceWorker:
                 elif isinstance(source, int):
                     runner.take_shm(source)
             idle_polls = 0 if ready else idle_polls + 1
-            if queues or any(source != self._doorbell for source, _ in ready):  # not a helper's ring
+            requested = any(source != self._doorbell for source, _ in ready)  # a client's, not a task or a ring
+            if requested or queues:
                 last_request = time.perf_counter()
             while queues:
                 runner.run_next()
@@ -253,7 +254,7 @@ class DeviceWorker:
                 checks.advance(idle=time.perf_counter() - last_request >= BACKGROUND_IDLE_S)
             if closing:
                 runner.run_quietly(DeviceState.close_more)
-            elif self._busy_poll and any(source != self._doorbell for source, _ in ready):
+            elif self._busy_poll and requested:
                 self._busy_until = time.perf_counter() + self._busy_poll  # a client's request came in
 
     def _poll_busily(self) -> list[tuple[Any, int]]:
